@@ -1,0 +1,56 @@
+"""An anchor: a shared segment seen before, with the deviations it showed in each slot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvcomm.kv import KV
+
+SlotKey = tuple[str, str]
+"""(template id, slot name): one place in one agent's template where shared content goes."""
+
+
+@dataclass(frozen=True)
+class Deviation:
+    """Real KV minus realigned base KV, observed when one slot densely prefilled an anchor.
+
+    shared: ``[layers, kv_heads, T_anchor, head_dim]``, position-free (key deltas de-rotated).
+    following: the same for the fixed segment right after the slot (``F`` tokens, fixed per
+        slot), or ``None`` when nothing follows before the next slot or prompt end.
+    """
+
+    shared: KV
+    following: KV | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.shared.nbytes + (self.following.nbytes if self.following is not None else 0)
+
+
+@dataclass
+class Anchor:
+    """One previously seen shared segment.
+
+    base: its position-free base KV, ``[layers, kv_heads, T, head_dim]``.
+    embedding: ``[dim]`` float32, L2-normalized, used to narrow candidates in large pools.
+    deviations: per slot that densely prefilled it.
+    accesses: how often it carried the top-p mass of a reuse decision (eviction favours low).
+    serial: insertion order within its pool (eviction looks at the earliest).
+    """
+
+    segment_id: str
+    base: KV
+    embedding: np.ndarray
+    serial: int
+    deviations: dict[SlotKey, Deviation] = field(default_factory=dict)
+    accesses: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.base.length
+
+    @property
+    def nbytes(self) -> int:
+        return self.base.nbytes + sum(d.nbytes for d in self.deviations.values())

@@ -1,0 +1,61 @@
+"""Narrowing a large anchor pool by embedding similarity (faiss), and the default embedder."""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import faiss
+import numpy as np
+
+from kvcomm.kv import KV
+
+
+class Embedder(Protocol):
+    """Maps a shared segment to a ``[dim]`` float32 vector; similar content, nearby vectors."""
+
+    def __call__(self, token_ids: Sequence[int], base: KV) -> np.ndarray: ...
+
+
+def kv_embedding(token_ids: Sequence[int], base: KV) -> np.ndarray:
+    """Default embedder: the segment's base values averaged over its tokens, ``[layers*heads*head_dim]``.
+
+    Needs no extra model and sees exactly what KV distances later compare.
+    """
+    pooled = base.values.float().mean(dim=2).flatten()
+    return normalize(pooled.numpy())
+
+
+def normalize(vector: np.ndarray) -> np.ndarray:
+    vector = np.ascontiguousarray(vector, dtype=np.float32).reshape(-1)
+    norm = float(np.linalg.norm(vector))
+    return vector / norm if norm > 0 else vector
+
+
+class EmbeddingIndex:
+    """Inner-product index over L2-normalized vectors, keyed by int64 ids (cosine similarity)."""
+
+    def __init__(self, dim: int):
+        self.dim = dim
+        self._index = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+
+    def __len__(self) -> int:
+        return self._index.ntotal
+
+    def _check(self, vector: np.ndarray) -> np.ndarray:
+        vector = normalize(vector)
+        if vector.shape[0] != self.dim:
+            raise ValueError(f"embedding has {vector.shape[0]} dims, the index holds {self.dim}-dim vectors")
+        return vector[None, :]
+
+    def add(self, key: int, vector: np.ndarray) -> None:
+        self._index.add_with_ids(self._check(vector), np.array([key], dtype=np.int64))
+
+    def remove(self, key: int) -> None:
+        self._index.remove_ids(np.array([key], dtype=np.int64))
+
+    def nearest(self, vector: np.ndarray, k: int) -> list[int]:
+        """Ids of the ``k`` most similar vectors, most similar first."""
+        if len(self) == 0 or k <= 0:
+            return []
+        _, ids = self._index.search(self._check(vector), min(k, len(self)))
+        return [int(i) for i in ids[0] if i >= 0]

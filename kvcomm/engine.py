@@ -1,0 +1,211 @@
+"""The reuse engine: plans, materializes and learns KV reuse for one tenant (KVCOMM §4).
+
+The engine never runs a model. An executor supplies position-free base KV for shared
+segments it has not seen (``BaseProvider``), injects what ``materialize`` returns, computes
+the rest densely and hands the real KV back to ``learn``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from kvcomm.anchors.anchor import Deviation
+from kvcomm.anchors.index import Embedder, kv_embedding
+from kvcomm.anchors.pool import AnchorPool, PoolConfig
+from kvcomm.kv import KV, place, to_position_free
+from kvcomm.plan import EstimatedPiece, ReusePlan
+from kvcomm.prefix_store import PrefixStore
+from kvcomm.rope import RopeError, Rotary
+from kvcomm.segments import Prompt, Segment
+
+BaseProvider = Callable[[Segment], KV]
+"""Computes a shared segment's position-free base KV, ``[layers, kv_heads, T, head_dim]``."""
+
+
+@dataclass(frozen=True)
+class ReuseConfig:
+    """pool: admission and estimation settings (per slot family). exact_prefix: serve exact
+    prefix hits. prefix_store_bytes: budget of the exact prefix store. anchor_dtype: dtype
+    anchors are stored in (None: the KV's own; bfloat16/float16 halve pool memory)."""
+
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    exact_prefix: bool = True
+    prefix_store_bytes: int = 1 << 30
+    anchor_dtype: torch.dtype | None = None
+
+
+class ReuseEngine:
+    """Reuse state of one tenant: base KV of shared content, fixed-segment bases per
+    template, one anchor pool per slot name, and the exact prefix store."""
+
+    def __init__(self, rotary: Rotary, config: ReuseConfig | None = None, embedder: Embedder = kv_embedding):
+        self.rotary = rotary
+        self.config = config or ReuseConfig()
+        self.embedder = embedder
+        self.pools: dict[str, AnchorPool] = {}
+        self.prefix_store = PrefixStore(self.config.prefix_store_bytes)
+        self._bases: dict[str, tuple[KV, object]] = {}  # shared_id -> (position-free KV, embedding)
+        self._fixed_bases: dict[tuple[str, int], KV] = {}
+        self._lock = threading.RLock()
+
+    # -- state -------------------------------------------------------------------------------
+
+    def pool(self, slot: str) -> AnchorPool:
+        with self._lock:
+            if slot not in self.pools:
+                self.pools[slot] = AnchorPool(self.config.pool)
+            return self.pools[slot]
+
+    def register_base(self, segment: Segment, base: KV) -> None:
+        """Keep ``base`` (position-free) as the base KV of shared content ``segment.shared_id``."""
+        if base.length != len(segment):
+            raise ValueError(f"base KV has {base.length} tokens, segment has {len(segment)}")
+        with self._lock:
+            self._bases[segment.shared_id] = (base, self.embedder(segment.token_ids, base))
+
+    def has_base(self, shared_id: str) -> bool:
+        return shared_id in self._bases
+
+    def _base(self, segment: Segment, provide: BaseProvider | None) -> tuple[KV, object]:
+        if segment.shared_id not in self._bases:
+            if provide is None:
+                raise KeyError(f"no base KV for shared segment {segment.shared_id} and no provider given")
+            self.register_base(segment, provide(segment))
+        return self._bases[segment.shared_id]
+
+    # -- plan --------------------------------------------------------------------------------
+
+    def plan(self, prompt: Prompt, provide_base: BaseProvider | None = None) -> ReusePlan:
+        """Decide which prompt tokens are exact, estimated or computed (see ``ReusePlan``)."""
+        plan = ReusePlan(prompt)
+        last = len(prompt) - 1
+        if self.config.exact_prefix:
+            length, kv = self.prefix_store.longest(prompt)
+            if length > last:
+                length, kv = last, kv.span(0, last)
+            plan.exact_length, plan.exact_kv = length, kv
+        try:
+            self.rotary.check_length(len(prompt))
+            self._plan_estimates(plan, provide_base)
+        except RopeError as error:
+            plan.note = f"no estimation: {error}"
+        return plan
+
+    def _plan_estimates(self, plan: ReusePlan, provide: BaseProvider | None) -> None:
+        prompt, last = plan.prompt, len(plan.prompt) - 1
+        index = next((i for i in range(len(prompt.segments)) if prompt.end(i) > plan.exact_length), None)
+        reusing = True
+        while index is not None and index < len(prompt.segments):
+            segment, start = prompt.segments[index], prompt.starts[index]
+            if not segment.is_shared:
+                if reusing and not plan.note:
+                    plan.note = f"fixed segment {index} at {start} is not reusable on its own"
+                reusing = False
+                index += 1
+                continue
+            base, embedding = self._base(segment, provide)
+            slot = (prompt.template_id, segment.slot)
+            pool = self.pool(segment.slot)
+            if not reusing or start != plan.reuse_end:
+                reusing = False
+                dense = start >= plan.reuse_end
+                if dense and pool.decide(slot, segment.shared_id, base, embedding, commit=False) is None:
+                    plan.learn.append(index)
+                index += 1
+                continue
+            match = pool.decide(slot, segment.shared_id, base, embedding)
+            if match is None:
+                plan.learn.append(index)
+                plan.note = f"slot {segment.slot!r} not shareable: new anchor"
+                reusing = False
+                index += 1
+                continue
+            covered = min(match.covered, last - start)
+            piece = EstimatedPiece(index, start, base.span(0, covered), match, pool)
+            if covered < len(segment):
+                plan.pieces.append(piece)
+                plan.note = f"slot {segment.slot!r}: {covered} of {len(segment)} tokens covered by anchors"
+                reusing = False
+                index += 1
+                continue
+            piece = self._with_following(piece, prompt, last)
+            plan.pieces.append(piece)
+            if piece.following_base is None and index + 1 < len(prompt.segments) and not prompt.segments[index + 1].is_shared:
+                plan.note = plan.note or f"fixed segment after slot {segment.slot!r} has no base yet"
+                reusing = False
+            index += 1 if piece.following_base is None else 2
+
+    def _with_following(self, piece: EstimatedPiece, prompt: Prompt, last: int) -> EstimatedPiece:
+        """Extend a fully covered shared piece over the fixed segment after it, if estimable."""
+        nxt = piece.segment_index + 1
+        if nxt >= len(prompt.segments) or prompt.segments[nxt].is_shared:
+            return piece
+        fixed_base = self._fixed_bases.get((prompt.template_id, nxt))
+        deviations = [a.deviations[piece.match.slot].following for a in piece.match.anchors]
+        if fixed_base is None or any(d is None or d.length != fixed_base.length for d in deviations):
+            return piece
+        start = prompt.starts[nxt]
+        length = min(fixed_base.length, last - start)
+        if length <= 0:
+            return piece
+        return EstimatedPiece(piece.segment_index, piece.start, piece.base, piece.match, piece.pool, start, fixed_base.span(0, length))
+
+    # -- materialize -------------------------------------------------------------------------
+
+    def materialize(self, plan: ReusePlan) -> KV | None:
+        """KV for prompt tokens ``[0, plan.reuse_end)``, keys rotated at their positions, or None."""
+        parts = [plan.exact_kv] if plan.exact_length else []
+        for piece in plan.pieces:
+            shared_delta, following_delta = piece.pool.estimate(piece.match, piece.base)
+            shared = piece.base + shared_delta.span(0, piece.base.length)
+            parts.append(place(shared, self.rotary, piece.start))
+            if piece.following_base is not None:
+                following = piece.following_base + following_delta.span(0, piece.following_base.length)
+                parts.append(place(following, self.rotary, piece.following_start))
+        if not parts:
+            return None
+        dtype = parts[0].keys.dtype
+        return KV.cat([p.to(dtype) for p in parts])
+
+    # -- learn -------------------------------------------------------------------------------
+
+    def learn(self, plan: ReusePlan, computed: KV) -> None:
+        """Record what the dense forward revealed; ``computed`` is the real, rotated KV of
+        prompt tokens ``[plan.reuse_end, len(prompt))``. Costs no forward pass."""
+        prompt, begin = plan.prompt, plan.reuse_end
+        if computed.length != len(prompt) - begin:
+            raise ValueError(f"learn needs KV of {len(prompt) - begin} computed tokens, got {computed.length}")
+
+        def real(index: int) -> KV:
+            start = prompt.starts[index]
+            kv = computed.span(start - begin, prompt.end(index) - begin)
+            return to_position_free(kv, self.rotary, start)
+
+        with self._lock:
+            if self.config.exact_prefix and plan.estimated_tokens == 0:
+                full = computed if plan.exact_kv is None else KV.cat([plan.exact_kv, computed.to(plan.exact_kv.keys.dtype)])
+                self.prefix_store.put(prompt, full)
+            for index, segment in enumerate(prompt.segments):
+                key = (prompt.template_id, index)
+                if not segment.is_shared and prompt.starts[index] >= begin and key not in self._fixed_bases:
+                    self._fixed_bases[key] = self._stored(real(index))
+            for index in plan.learn:
+                self._record(prompt, index, real)
+
+    def _record(self, prompt: Prompt, index: int, real: Callable[[int], KV]) -> None:
+        segment = prompt.segments[index]
+        base, embedding = self._bases[segment.shared_id]
+        following = None
+        nxt = index + 1
+        if nxt < len(prompt.segments) and not prompt.segments[nxt].is_shared:
+            following = self._stored(real(nxt) - self._fixed_bases[(prompt.template_id, nxt)])
+        deviation = Deviation(self._stored(real(index) - base), following)
+        self.pool(segment.slot).record((prompt.template_id, segment.slot), segment.shared_id, self._stored(base), embedding, deviation)
+
+    def _stored(self, kv: KV) -> KV:
+        return kv.to(self.config.anchor_dtype) if self.config.anchor_dtype is not None else kv.clone()
+

@@ -1,0 +1,50 @@
+"""What the engine needs from a model runtime (transformers, vLLM): the executor protocol."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from kvcomm.kv import KV
+from kvcomm.pipeline import Slot
+from kvcomm.rope import Rotary
+from kvcomm.segments import Segment
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One agent call's result.
+
+    reply_ids: generated tokens, end-of-turn token excluded.
+    computed: real KV of the prompt tokens after the injected prefix, rotated at their positions.
+    reply_kv: real KV of ``reply_ids`` at positions ``[len(prompt), len(prompt) + len(reply))``.
+    ttft_s: seconds from ``started`` to the first token's logits.
+    """
+
+    reply_ids: tuple[int, ...]
+    computed: KV
+    reply_kv: KV | None
+    ttft_s: float
+
+
+class Executor(Protocol):
+    rotary: Rotary
+    """The model's rotary embedding, self-checked; executors refuse to exist for models that fail."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def render(self, system: str, parts: Sequence[str | Slot]) -> list[str | Slot]:
+        """Wrap a system message and a user message made of text and slots in the chat
+        template; text comes back split around the same slots, in order."""
+        ...
+
+    def base_kv(self, segment: Segment) -> KV:
+        """Position-free KV of a shared segment prefilled without any consumer context."""
+        ...
+
+    def generate(self, token_ids: Sequence[int], prefix: KV | None, max_new_tokens: int, started: float) -> Generation:
+        """Inject ``prefix`` (KV of the first ``prefix.length`` tokens, rotated), compute the
+        rest of the prompt densely and decode greedily."""
+        ...

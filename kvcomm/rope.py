@@ -1,0 +1,112 @@
+"""Exact rotary position embedding (RoPE) arithmetic on cached keys.
+
+A RoPE model caches ``k_cached = s * R(p) k`` for a token at position ``p``, where
+``R(p)`` rotates each channel pair ``i`` by the angle ``p * inv_freq[i]`` and ``s`` is
+the attention scaling factor that yarn/longrope multiply into cos and sin (1 otherwise).
+Rotations compose and are orthogonal, so
+
+* ``unrotate`` maps cached keys back to position-free keys ``k`` (divides ``s`` out),
+* ``rotate`` places position-free keys at any target positions,
+* ``shift`` moves cached keys by ``delta`` positions: ``R(delta)`` alone, ``s`` unchanged.
+
+Values carry no position and are never touched here. The numbers (``inv_freq``,
+scaling, pairing, rotary width) come from the loaded model itself; this module knows no
+model library. Tensors are ``[..., T, head_dim]`` with positions ``[T]`` (or
+broadcastable to the leading dims + ``[T]``), in any float dtype; angles are computed in
+fp32 the same way transformers does, so a rotate here equals the model's own to rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class RopeError(ValueError):
+    """The model's rotary embedding cannot be realigned exactly."""
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """A model's rotary embedding, as numbers.
+
+    inv_freq: ``[rotary_dim // 2]`` fp32 inverse frequencies, scaling type already applied.
+    attention_scaling: factor multiplied into cos and sin (yarn, longrope), else 1.0.
+    head_dim: channels per head; channels ``>= rotary_dim`` pass through unrotated.
+    interleaved: channel pairs are ``(2i, 2i+1)`` (GPT-J style) instead of ``(i, i + d/2)``
+        (GPT-NeoX "rotate_half" style).
+    max_exact_length: sequence length up to which ``inv_freq`` is fixed; dynamic NTK and
+        longrope switch frequencies beyond their original context, so realignment past it
+        is refused. ``None`` means no limit.
+    """
+
+    inv_freq: torch.Tensor
+    attention_scaling: float = 1.0
+    head_dim: int = 0
+    interleaved: bool = False
+    max_exact_length: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.inv_freq.ndim != 1 or self.inv_freq.numel() == 0:
+            raise RopeError(f"inv_freq must be a non-empty 1-D tensor, got shape {tuple(self.inv_freq.shape)}")
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.rotary_dim)
+        if self.rotary_dim > self.head_dim:
+            raise RopeError(f"rotary dim {self.rotary_dim} exceeds head_dim {self.head_dim}")
+        if not self.attention_scaling > 0:
+            raise RopeError(f"attention_scaling must be positive, got {self.attention_scaling}")
+        object.__setattr__(self, "inv_freq", self.inv_freq.detach().to("cpu", torch.float32))
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * self.inv_freq.numel()
+
+    def check_length(self, length: int) -> None:
+        """Raise RopeError if keys of a ``length``-token sequence may use other frequencies."""
+        if self.max_exact_length is not None and length > self.max_exact_length:
+            raise RopeError(
+                f"sequence of {length} tokens exceeds {self.max_exact_length}, where this model's "
+                "dynamic RoPE changes its frequencies; realignment would not be exact"
+            )
+
+    def cos_sin(self, positions: torch.Tensor, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scaled ``cos, sin`` of shape ``positions.shape + [rotary_dim]`` in fp32, laid out for this pairing."""
+        inv_freq = self.inv_freq.to(device or positions.device)
+        freqs = positions.to(inv_freq.device)[..., None].float() * inv_freq
+        emb = freqs.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+    def _pair_swap(self, x: torch.Tensor) -> torch.Tensor:
+        """The "rotate by 90 degrees" partner of each channel: ``(-x2, x1)`` per pair."""
+        if self.interleaved:
+            pairs = x.unflatten(-1, (-1, 2))
+            return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.head_dim:
+            raise RopeError(f"expected head_dim {self.head_dim} in the last axis, got shape {tuple(x.shape)}")
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        out = rot * cos + self._pair_swap(rot) * sin
+        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Position-free keys ``[..., T, head_dim]`` -> keys as the model caches them at ``positions`` ``[T]``."""
+        cos, sin = self.cos_sin(positions, x.device)
+        return self._apply(x, cos, sin)
+
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Cached keys at ``positions`` -> position-free keys (inverse of ``rotate``)."""
+        cos, sin = self.cos_sin(positions, x.device)
+        scale2 = self.attention_scaling**2
+        return self._apply(x, cos / scale2, -sin / scale2)
+
+    def shift(self, x: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
+        """Cached keys at positions ``p`` -> cached keys at ``p + delta`` (``R(delta)``, scaling kept)."""
+        delta = torch.as_tensor(delta)
+        cos, sin = self.cos_sin(delta, x.device)
+        s = self.attention_scaling
+        return self._apply(x, cos / s, sin / s)
