@@ -116,7 +116,7 @@ def embedded_model_dir() -> Path:
     gguf = _gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     print(
-        f"kvcomm: converting the embedded {DEFAULT_MODEL_NAME} GGUF to {target} (one time, ~40 s)...",
+        f"kvcomm: converting the embedded {DEFAULT_MODEL_NAME} GGUF to {target} (one time, ~45 s)...",
         file=sys.stderr,
         flush=True,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import platformdirs
 import pytest
 import torch
 
@@ -36,7 +37,7 @@ def test_cache_root_honours_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     monkeypatch.setenv("KVCOMM_CACHE_DIR", str(tmp_path))
     assert cache_root() == tmp_path
     monkeypatch.delenv("KVCOMM_CACHE_DIR")
-    assert cache_root().name == "kvcomm"
+    assert cache_root() == Path(platformdirs.user_cache_dir("kvcomm"))
 
 
 def test_resolve_missing_path(tmp_path: Path) -> None:

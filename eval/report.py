@@ -1,0 +1,124 @@
+"""Side-by-side report of a pipeline run densely and with reuse (the `kvcomm run` output)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+from kvcomm.runner import AgentCall
+
+
+@dataclass(frozen=True)
+class CallReport:
+    """One agent call, dense vs reuse. Token counts are those of the reuse run's prompt."""
+
+    agent: str
+    input_index: int
+    prompt_tokens: int
+    exact_tokens: int
+    estimated_tokens: int
+    computed_tokens: int
+    reused: bool
+    fallback: bool
+    ttft_dense_s: float
+    ttft_reuse_s: float
+    reply_equal: bool
+    note: str
+    dense_reply: str
+    reuse_reply: str
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def compare(dense: Sequence[AgentCall], reuse: Sequence[AgentCall]) -> list[CallReport]:
+    if [(c.agent, c.input_index) for c in dense] != [(c.agent, c.input_index) for c in reuse]:
+        raise ValueError("dense and reuse runs must cover the same agent calls in the same order")
+    reports = []
+    for d, r in zip(dense, reuse):
+        p = r.provenance
+        reports.append(CallReport(
+            r.agent, r.input_index, p.prompt_tokens, p.exact_tokens, p.estimated_tokens, p.computed_tokens,
+            p.reused, p.fallback, d.provenance.ttft_s, p.ttft_s, d.reply_ids == r.reply_ids, p.note, d.reply, r.reply,
+        ))
+    return reports
+
+
+def summarize(calls: Sequence[CallReport]) -> dict:
+    """Overall numbers. token_reuse_rate = (exact + estimated) / prompt tokens;
+    agent_reuse_rate = calls that reused shared content / calls; mean_ttft_speedup = mean of
+    dense/reuse TTFT over calls with any reuse; ttft_speedup_ceiling = 1 / (1 - token_reuse_rate)."""
+    prompt = sum(c.prompt_tokens for c in calls)
+    reused_tokens = sum(c.exact_tokens + c.estimated_tokens for c in calls)
+    rho = reused_tokens / prompt if prompt else 0.0
+    with_reuse = [c for c in calls if c.exact_tokens + c.estimated_tokens > 0]
+    speedups = [c.ttft_dense_s / c.ttft_reuse_s for c in with_reuse if c.ttft_reuse_s > 0]
+    n = len(calls)
+    return {
+        "calls": n,
+        "prompt_tokens": prompt,
+        "exact_tokens": sum(c.exact_tokens for c in calls),
+        "estimated_tokens": sum(c.estimated_tokens for c in calls),
+        "computed_tokens": sum(c.computed_tokens for c in calls),
+        "token_reuse_rate": rho,
+        "estimated_token_rate": sum(c.estimated_tokens for c in calls) / prompt if prompt else 0.0,
+        "agent_reuse_rate": sum(c.reused for c in calls) / n if n else 0.0,
+        "fallback_rate": sum(c.fallback for c in calls) / n if n else 0.0,
+        "reply_agreement_rate": sum(c.reply_equal for c in calls) / n if n else 0.0,
+        "mean_ttft_speedup": statistics.fmean(speedups) if speedups else None,
+        "ttft_speedup_ceiling": 1.0 / (1.0 - rho) if rho < 1 else None,
+        "ttft_dense_p50_s": _percentile([c.ttft_dense_s for c in calls], 0.5),
+        "ttft_dense_p95_s": _percentile([c.ttft_dense_s for c in calls], 0.95),
+        "ttft_reuse_p50_s": _percentile([c.ttft_reuse_s for c in calls], 0.5),
+        "ttft_reuse_p95_s": _percentile([c.ttft_reuse_s for c in calls], 0.95),
+    }
+
+
+def per_agent(calls: Sequence[CallReport]) -> list[dict]:
+    """Means per agent name, in first-seen order (KVCOMM reports means over agents)."""
+    names = list(dict.fromkeys(c.agent for c in calls))
+    rows = []
+    for name in names:
+        mine = [c for c in calls if c.agent == name]
+        summary = summarize(mine)
+        rows.append({"agent": name, **{k: summary[k] for k in (
+            "calls", "token_reuse_rate", "agent_reuse_rate", "fallback_rate", "reply_agreement_rate",
+            "mean_ttft_speedup", "ttft_dense_p50_s", "ttft_reuse_p50_s")}})
+    return rows
+
+
+def to_json(calls: Sequence[CallReport], meta: dict) -> dict:
+    return {**meta, "summary": summarize(calls), "agents": per_agent(calls), "calls": [asdict(c) for c in calls]}
+
+
+def format_table(calls: Sequence[CallReport]) -> str:
+    """A fixed-width table, one row per agent call, then the summary."""
+    header = ("input", "agent", "prompt", "exact", "estim", "comp", "fallback", "ttft dense", "ttft reuse", "same reply")
+    rows = [header] + [(
+        str(c.input_index), c.agent, str(c.prompt_tokens), str(c.exact_tokens), str(c.estimated_tokens),
+        str(c.computed_tokens), "yes" if c.fallback else "no", f"{c.ttft_dense_s * 1000:.0f} ms",
+        f"{c.ttft_reuse_s * 1000:.0f} ms", "yes" if c.reply_equal else "no",
+    ) for c in calls]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) if i != 1 else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    s = summarize(calls)
+
+    def fmt(x, unit=""):
+        return "n/a" if x is None else f"{x:.2f}{unit}"
+
+    lines += [
+        "",
+        f"token-level reuse {s['token_reuse_rate']:.1%} (exact {s['exact_tokens']}, estimated {s['estimated_tokens']}, "
+        f"computed {s['computed_tokens']} of {s['prompt_tokens']} prompt tokens)",
+        f"agent-level reuse {s['agent_reuse_rate']:.1%}   fallback rate {s['fallback_rate']:.1%}   "
+        f"reply agreement {s['reply_agreement_rate']:.1%}",
+        f"mean TTFT speedup over calls with reuse {fmt(s['mean_ttft_speedup'], 'x')} "
+        f"(ceiling 1/(1-rho) = {fmt(s['ttft_speedup_ceiling'], 'x')})",
+    ]
+    return "\n".join(lines)

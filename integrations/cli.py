@@ -1,0 +1,122 @@
+"""The `kvcomm` command: run pipelines dense vs reuse side by side, the demo, the RoPE self-check."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tqdm import tqdm
+
+from kvcomm.anchors.pool import PoolConfig
+from kvcomm.engine import ReuseConfig, ReuseEngine
+from kvcomm.pipeline import PipelineError, PipelineSpec, load_demo_pipeline, load_pipeline
+from kvcomm.rope import RopeError
+from kvcomm.runner import run_row
+
+BACKENDS = ("transformers",)
+
+
+def _load_executor(model: str | None):
+    from kvcomm.integrations.embedded import load_model_and_tokenizer, resolve_model_dir
+    from kvcomm.integrations.transformers_executor import TransformersExecutor
+
+    path = resolve_model_dir(model)
+    hf_model, tokenizer = load_model_and_tokenizer(str(path))
+    return TransformersExecutor(hf_model, tokenizer), str(path)
+
+
+def run_side_by_side(spec: PipelineSpec, executor, config: ReuseConfig, progress: bool = True):
+    """Every input row dense, then with reuse (one engine across rows), interleaved row by row.
+
+    Returns (dense calls, reuse calls, engine)."""
+    engine = ReuseEngine(executor.rotary, config)
+    dense, reuse = [], []
+    bar = tqdm(total=2 * len(spec.inputs) * len(spec.agents), desc="agent calls", disable=not progress, file=sys.stderr)
+    for row in range(len(spec.inputs)):
+        dense += run_row(spec, row, executor, None, on_call=lambda _: bar.update())
+        reuse += run_row(spec, row, executor, engine, on_call=lambda _: bar.update())
+    bar.close()
+    return dense, reuse, engine
+
+
+def _cmd_run(args, spec: PipelineSpec) -> int:
+    from kvcomm.eval.report import compare, format_table, to_json
+
+    executor, model_path = _load_executor(args.model)
+    config = ReuseConfig(pool=PoolConfig(gamma=args.gamma, max_anchors=args.max_anchors))
+    dense, reuse, engine = run_side_by_side(spec, executor, config, progress=not args.json)
+    calls = compare(dense, reuse)
+    if args.json:
+        meta = {"model": model_path, "backend": args.backend, "gamma": args.gamma, "max_anchors": args.max_anchors,
+                "anchors": {slot: len(pool) for slot, pool in engine.pools.items()}}
+        print(json.dumps(to_json(calls, meta), indent=2))
+    else:
+        print(format_table(calls))
+        print(f"anchors per slot: {', '.join(f'{s}={len(p)}' for s, p in engine.pools.items())}")
+    return 0
+
+
+def _cmd_selfcheck(args) -> int:
+    from kvcomm.integrations.embedded import load_model_and_tokenizer, resolve_model_dir
+    from kvcomm.integrations.hf_rotary import rotary_from_model
+
+    path = resolve_model_dir(args.model)
+    model, _ = load_model_and_tokenizer(str(path))
+    try:
+        rotary, check = rotary_from_model(model)
+    except RopeError as error:
+        result = {"model": str(path), "passed": False, "error": str(error)}
+    else:
+        result = {"model": str(path), "passed": True, "max_abs_error": check.max_abs_error,
+                  "layer0_abs_error": check.layer0_abs_error, "key_scale": check.key_scale,
+                  "rotary_dim": rotary.rotary_dim, "head_dim": rotary.head_dim,
+                  "pairing": "interleaved" if rotary.interleaved else "half-split",
+                  "attention_scaling": rotary.attention_scaling}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    elif result["passed"]:
+        print(f"RoPE self-check passed for {path}: max abs realignment error {result['max_abs_error']:.3g} "
+              f"over all layers (layer 0: {result['layer0_abs_error']:.3g}; keys up to {result['key_scale']:.3g}), "
+              f"{result['pairing']} pairing, rotary dim {result['rotary_dim']}/{result['head_dim']}")
+    else:
+        print(f"RoPE self-check FAILED: {result['error']}", file=sys.stderr)
+    return 0 if result["passed"] else 1
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--backend", choices=BACKENDS, default="transformers")
+    parser.add_argument("--gamma", type=float, default=PoolConfig.gamma, help="admission entropy threshold factor")
+    parser.add_argument("--max-anchors", type=int, default=PoolConfig.max_anchors, help="V, anchors per pool")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (schema in the README)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvcomm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a pipeline JSON dense and with reuse, side by side")
+    run.add_argument("pipeline", help="pipeline JSON file")
+    _add_run_options(run)
+    demo = sub.add_parser("demo", help="`run` on the bundled 4-agent pipeline")
+    _add_run_options(demo)
+    check = sub.add_parser("selfcheck", help="RoPE realignment self-check on a model")
+    check.add_argument("--model", help="local transformers model folder (default: the embedded model)")
+    check.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "selfcheck":
+            return _cmd_selfcheck(args)
+        spec = load_demo_pipeline() if args.command == "demo" else load_pipeline(args.pipeline)
+        return _cmd_run(args, spec)
+    except (PipelineError, RopeError, FileNotFoundError, ValueError) as error:
+        print(f"kvcomm: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Run a declarative pipeline on an executor, densely or with reuse, and record provenance."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from kvcomm.engine import ReuseEngine
+from kvcomm.executor import Executor
+from kvcomm.kv import to_position_free
+from kvcomm.pipeline import AgentSpec, PipelineSpec, Slot
+from kvcomm.plan import Provenance
+from kvcomm.segments import Prompt, Segment
+
+
+@dataclass(frozen=True)
+class AgentCall:
+    """One agent's turn on one input row."""
+
+    agent: str
+    input_index: int
+    prompt_ids: tuple[int, ...]
+    reply_ids: tuple[int, ...]
+    reply: str
+    provenance: Provenance
+
+
+def build_prompt(executor: Executor, agent: AgentSpec, shared: Mapping[str, Segment | None]) -> Prompt:
+    """The agent's chat-rendered prompt with each slot filled by its shared segment.
+
+    ``shared`` maps slot name -> the content's segment (its ``slot`` is rewritten to the
+    slot name), or None for empty content, which is left out.
+    """
+    segments: list[Segment] = []
+    for part in executor.render(agent.system, agent.parts):
+        if isinstance(part, Slot):
+            content = shared[part.name]
+            if content is not None:
+                segments.append(Segment(content.token_ids, slot=part.name, shared_id=content.shared_id))
+        else:
+            ids = executor.encode(part)
+            if ids:
+                segments.append(Segment(tuple(ids)))
+    return Prompt(agent.name, tuple(segments))
+
+
+def _content(executor: Executor, text: str) -> Segment | None:
+    ids = executor.encode(text)
+    return Segment(tuple(ids), slot="_") if ids else None
+
+
+def run_agent(executor: Executor, engine: ReuseEngine | None, prompt: Prompt, max_new_tokens: int):
+    """One call: plan and materialize (with an engine), generate, learn. Returns (Generation, Provenance)."""
+    started = time.perf_counter()
+    if engine is None:
+        generation = executor.generate(prompt.token_ids, None, max_new_tokens, started)
+        shared = sum(len(s) for s in prompt.segments if s.is_shared)
+        return generation, Provenance(len(prompt), 0, 0, len(prompt), shared, 0, False, "dense", generation.ttft_s)
+    plan = engine.plan(prompt, executor.base_kv)
+    generation = executor.generate(prompt.token_ids, engine.materialize(plan), max_new_tokens, started)
+    engine.learn(plan, generation.computed)
+    if generation.reply_kv is not None:
+        reply = Segment(generation.reply_ids, slot="_")
+        engine.register_base(reply, to_position_free(generation.reply_kv, engine.rotary, len(prompt)))
+    return generation, plan.provenance(generation.ttft_s)
+
+
+def run_row(
+    spec: PipelineSpec, row_index: int, executor: Executor, engine: ReuseEngine | None,
+    on_call: Callable[[AgentCall], None] | None = None,
+) -> list[AgentCall]:
+    """Run every agent, in order, on input row ``row_index``."""
+    row = spec.inputs[row_index]
+    shared: dict[str, Segment | None] = {name: _content(executor, row[name]) for name in spec.input_slots}
+    calls = []
+    for agent in spec.agents:
+        prompt = build_prompt(executor, agent, shared)
+        generation, provenance = run_agent(executor, engine, prompt, spec.max_new_tokens)
+        reply_ids = generation.reply_ids
+        shared[agent.name] = Segment(reply_ids, slot="_") if reply_ids else None
+        call = AgentCall(agent.name, row_index, prompt.token_ids, reply_ids, executor.decode(reply_ids), provenance)
+        calls.append(call)
+        if on_call is not None:
+            on_call(call)
+    return calls
