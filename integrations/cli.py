@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -89,6 +90,7 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=BACKENDS, default="transformers")
     parser.add_argument("--gamma", type=float, default=PoolConfig.gamma, help="admission entropy threshold factor")
     parser.add_argument("--max-anchors", type=int, default=PoolConfig.max_anchors, help="V, anchors per pool")
+    parser.add_argument("--limit", type=int, help="run only the first N input rows")
     parser.add_argument("--json", action="store_true", help="print one JSON object (schema in the README)")
 
 
@@ -112,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "selfcheck":
             return _cmd_selfcheck(args)
         spec = load_demo_pipeline() if args.command == "demo" else load_pipeline(args.pipeline)
+        if args.limit is not None:
+            if args.limit < 1:
+                raise ValueError(f"--limit must be >= 1, got {args.limit}")
+            spec = dataclasses.replace(spec, inputs=spec.inputs[: args.limit])
         return _cmd_run(args, spec)
     except (PipelineError, RopeError, FileNotFoundError, ValueError) as error:
         print(f"kvcomm: error: {error}", file=sys.stderr)

