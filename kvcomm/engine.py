@@ -16,7 +16,7 @@ import torch
 from kvcomm.anchors.anchor import Deviation
 from kvcomm.anchors.index import Embedder, kv_embedding
 from kvcomm.anchors.pool import AnchorPool, PoolConfig
-from kvcomm.kv import KV, place, to_position_free
+from kvcomm.kv import KV, place, positions, to_position_free
 from kvcomm.plan import EstimatedPiece, ReusePlan
 from kvcomm.prefix_store import PrefixStore
 from kvcomm.rope import RopeError, Rotary
@@ -162,19 +162,34 @@ class ReuseEngine:
     # -- materialize -------------------------------------------------------------------------
 
     def materialize(self, plan: ReusePlan) -> KV | None:
-        """KV for prompt tokens ``[0, plan.reuse_end)``, keys rotated at their positions, or None."""
-        parts = [plan.exact_kv] if plan.exact_length else []
-        for piece in plan.pieces:
-            shared_delta, following_delta = piece.pool.estimate(piece.match, piece.base)
-            shared = piece.base + shared_delta.span(0, piece.base.length)
-            parts.append(place(shared, self.rotary, piece.start))
-            if piece.following_base is not None:
-                following = piece.following_base + following_delta.span(0, piece.following_base.length)
-                parts.append(place(following, self.rotary, piece.following_start))
-        if not parts:
+        """KV for prompt tokens ``[0, plan.reuse_end)``, keys rotated at their positions, or None.
+
+        Written into one preallocated buffer: estimates accumulate onto a copy of the
+        realigned piece's base and are rotated straight into place.
+        """
+        end = plan.reuse_end
+        if end == 0:
             return None
-        dtype = parts[0].keys.dtype
-        return KV.cat([p.to(dtype) for p in parts])
+        like = plan.exact_kv if plan.exact_kv is not None else plan.pieces[0].base
+        layers, heads, _, dim = like.keys.shape
+        out = KV(torch.empty(layers, heads, end, dim, dtype=like.keys.dtype), torch.empty(layers, heads, end, dim, dtype=like.values.dtype))
+        if plan.exact_length:
+            out.span(0, plan.exact_length).keys.copy_(plan.exact_kv.keys)
+            out.span(0, plan.exact_length).values.copy_(plan.exact_kv.values)
+        for piece in plan.pieces:
+            shared = _fp32_copy(piece.base)
+            following = _fp32_copy(piece.following_base) if piece.following_base is not None else None
+            piece.pool.estimate(piece.match, piece.base, shared, following)
+            self._write(out, shared, piece.start)
+            if following is not None:
+                self._write(out, following, piece.following_start)
+        return out
+
+    def _write(self, out: KV, kv: KV, start: int) -> None:
+        """Realign position-free ``kv`` to ``[start, start + T)`` inside ``out``."""
+        target = out.span(start, start + kv.length)
+        self.rotary.rotate(kv.keys.to(target.keys.dtype), positions(start, kv.length), out=target.keys)
+        target.values.copy_(kv.values)
 
     # -- learn -------------------------------------------------------------------------------
 
@@ -222,3 +237,7 @@ def _fixed_key(prompt: Prompt, index: int) -> tuple[str, str]:
     """Fixed segments are known by template and content, so a dropped empty slot cannot
     make one segment's base stand in for another's."""
     return prompt.template_id, content_id(prompt.segments[index].token_ids)
+
+
+def _fp32_copy(kv: KV) -> KV:
+    return KV(kv.keys.to(torch.float32, copy=True), kv.values.to(torch.float32, copy=True))

@@ -71,42 +71,49 @@ class Rotary:
             )
 
     def cos_sin(self, positions: torch.Tensor, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scaled ``cos, sin`` of shape ``positions.shape + [rotary_dim]`` in fp32, laid out for this pairing."""
+        """Scaled ``cos, sin`` per channel pair, ``positions.shape + [rotary_dim // 2]``, fp32.
+
+        Angles are ``position * inv_freq`` in fp32, as transformers computes them.
+        """
         inv_freq = self.inv_freq.to(device or positions.device)
         freqs = positions.to(inv_freq.device)[..., None].float() * inv_freq
-        emb = freqs.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        return freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
 
-    def _pair_swap(self, x: torch.Tensor) -> torch.Tensor:
-        """The "rotate by 90 degrees" partner of each channel: ``(-x2, x1)`` per pair."""
+    def _pairs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the first and second channel of every rotated pair."""
+        d = self.rotary_dim
         if self.interleaved:
-            pairs = x.unflatten(-1, (-1, 2))
-            return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+            return x[..., 0:d:2], x[..., 1:d:2]
+        return x[..., : d // 2], x[..., d // 2 : d]
 
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)`` per pair, written into ``out``
+        (fresh if None; must not alias ``x``). Pass-through channels are copied."""
         if x.shape[-1] != self.head_dim:
             raise RopeError(f"expected head_dim {self.head_dim} in the last axis, got shape {tuple(x.shape)}")
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        out = torch.empty_like(x) if out is None else out
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        out = rot * cos + self._pair_swap(rot) * sin
-        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+        (x1, x2), (o1, o2) = self._pairs(x), self._pairs(out)
+        torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)
+        torch.mul(x2, cos, out=o2).addcmul_(x1, sin)
+        if self.rotary_dim < self.head_dim:
+            out[..., self.rotary_dim :] = x[..., self.rotary_dim :]
+        return out
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Position-free keys ``[..., T, head_dim]`` -> keys as the model caches them at ``positions`` ``[T]``."""
         cos, sin = self.cos_sin(positions, x.device)
-        return self._apply(x, cos, sin)
+        return self._apply(x, cos, sin, out)
 
     def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Cached keys at ``positions`` -> position-free keys (inverse of ``rotate``)."""
         cos, sin = self.cos_sin(positions, x.device)
         scale2 = self.attention_scaling**2
-        return self._apply(x, cos / scale2, -sin / scale2)
+        return self._apply(x, cos / scale2, -sin / scale2, None)
 
     def shift(self, x: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
         """Cached keys at positions ``p`` -> cached keys at ``p + delta`` (``R(delta)``, scaling kept)."""
         delta = torch.as_tensor(delta)
         cos, sin = self.cos_sin(delta, x.device)
         s = self.attention_scaling
-        return self._apply(x, cos / s, sin / s)
+        return self._apply(x, cos / s, sin / s, None)
