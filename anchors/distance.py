@@ -6,6 +6,8 @@ says otherwise, and returns fp32.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvcomm.kv import KV
@@ -17,20 +19,34 @@ def value_l2(anchor: KV, new: KV, n: int) -> torch.Tensor:
     return torch.linalg.vector_norm(diff)
 
 
-def per_token(anchor: KV, new: KV, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean absolute key and value difference per token over layers, heads, channels: two ``[n]``."""
-    dk = (anchor.keys[:, :, :n].float() - new.keys[:, :, :n].float()).abs_().mean(dim=(0, 1, 3))
-    dv = (anchor.values[:, :, :n].float() - new.values[:, :, :n].float()).abs_().mean(dim=(0, 1, 3))
-    return dk, dv
+@dataclass(frozen=True)
+class EstimateDistances:
+    """Distances that weight one anchor's deviations, from its first ``n`` tokens vs the new segment's.
 
-
-def per_channel_tail(anchor: KV, new: KV, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """L2 over the last ``n`` tokens of each, per (layer, head, channel): two ``[layers, heads, head_dim]``.
-
-    The tokens nearest a following fixed segment shape its deviation most, so the two
-    segments are aligned at their ends.
+    token_keys, token_values: ``[n]`` mean absolute difference per token over layers, heads,
+        channels (weights for the shared segment's deviation, token by token).
+    channel_keys, channel_values: ``[layers, kv_heads, head_dim]`` L2 difference over the
+        ``n`` tokens (weights for the following fixed segment's deviation, channel by channel).
     """
-    a, b = anchor.span(anchor.length - n, anchor.length), new.span(new.length - n, new.length)
-    dk = torch.linalg.vector_norm(a.keys.float() - b.keys.float(), dim=2)
-    dv = torch.linalg.vector_norm(a.values.float() - b.values.float(), dim=2)
-    return dk, dv
+
+    token_keys: torch.Tensor
+    token_values: torch.Tensor
+    channel_keys: torch.Tensor
+    channel_values: torch.Tensor
+
+
+def estimate_distances(anchor: KV, new: KV, n: int) -> EstimateDistances:
+    """One difference pass per keys/values yields both kinds of distance.
+
+    Both compare the same token pairs the shared estimate combines (the first ``n``), so
+    the following segment is weighted by exactly the content that was matched.
+    """
+    dk = anchor.keys[:, :, :n].float() - new.keys[:, :, :n].float()
+    dv = anchor.values[:, :, :n].float() - new.values[:, :, :n].float()
+    per_token_count = dk.shape[0] * dk.shape[1] * dk.shape[3]
+    return EstimateDistances(
+        torch.linalg.vector_norm(dk, ord=1, dim=(0, 1, 3)) / per_token_count,
+        torch.linalg.vector_norm(dv, ord=1, dim=(0, 1, 3)) / per_token_count,
+        torch.linalg.vector_norm(dk, dim=2),
+        torch.linalg.vector_norm(dv, dim=2),
+    )

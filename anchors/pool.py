@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvcomm.anchors.anchor import Anchor, Deviation, SlotKey
-from kvcomm.anchors.distance import per_channel_tail, per_token, value_l2
+from kvcomm.anchors.distance import estimate_distances, value_l2
 from kvcomm.anchors.index import EmbeddingIndex
 from kvcomm.kv import KV
 
@@ -75,6 +75,9 @@ class Match:
     identical: bool = False
 
 
+_ENTROPY_TOLERANCE = 1e-9
+
+
 class AnchorPool:
     def __init__(self, config: PoolConfig | None = None):
         self.config = config or PoolConfig()
@@ -129,9 +132,11 @@ class AnchorPool:
                 return None
             compatible = self._narrow(compatible, embedding)
             distances = torch.stack([value_l2(a.base, base, min(length, a.length)) for a in compatible])
-            p = torch.softmax(-distances, dim=0)
-            entropy = float(-(p * torch.log(p.clamp_min(1e-30))).sum())
-            if entropy > self.config.gamma * math.log(len(compatible)):
+            # fp64 and a rounding tolerance: in fp32 a uniform p has an entropy just above
+            # log(n), so gamma = 1 (which must always reuse) would never reuse.
+            p = torch.softmax(-distances.double(), dim=0)
+            entropy = float(-(p * torch.log(p.clamp_min(1e-300))).sum())
+            if entropy > self.config.gamma * math.log(len(compatible)) + _ENTROPY_TOLERANCE:
                 return None
             if commit:
                 self._count_access(compatible, p)
@@ -158,31 +163,40 @@ class AnchorPool:
 
     # -- estimation ------------------------------------------------------------------------
 
-    def estimate(self, match: Match, base: KV) -> tuple[KV, KV | None]:
+    def estimate(
+        self, match: Match, base: KV, onto: KV | None = None, onto_following: KV | None = None
+    ) -> tuple[KV, KV | None]:
         """Estimated deviations for a matched segment: (shared ``[.., covered, ..]``, following or None).
 
         Shared tokens are weighted per token by softmax(-d/tau) of the mean absolute base
         difference; the following fixed segment per (layer, head, channel) by softmax(-d/tau)
-        of the L2 base difference over the last ``covered`` tokens. Keys and values each use
-        their own distances. All position-free; the caller realigns.
+        of the L2 base difference over the same ``covered`` tokens. Keys and values each use
+        their own distances. All position-free; the caller realigns. With ``onto`` /
+        ``onto_following`` (fp32 KV of matching shape) the estimates are accumulated into
+        them in place and returned, which saves the caller an addition pass.
         """
         n = match.covered
         deviations = [a.deviations[match.slot] for a in match.anchors]
         if match.identical:
-            return deviations[0].shared.span(0, n), deviations[0].following
+            shared, following = deviations[0].shared.span(0, n), deviations[0].following
+            shared = shared if onto is None else _accumulate(onto, [shared], [1.0], [1.0])
+            if following is not None and onto_following is not None:
+                following = _accumulate(onto_following, [following.span(0, onto_following.length)], [1.0], [1.0])
+            return shared, following
         tau = self.config.temperature
-        token_d = [per_token(a.base, base, n) for a in match.anchors]
-        wk = torch.softmax(-torch.stack([d[0] for d in token_d]) / tau, dim=0)  # [A, n]
-        wv = torch.softmax(-torch.stack([d[1] for d in token_d]) / tau, dim=0)
-        shared = _weighted_sum(
-            [d.shared.span(0, n) for d in deviations], wk[:, None, None, :, None], wv[:, None, None, :, None]
+        dist = [estimate_distances(a.base, base, n) for a in match.anchors]
+        wk = torch.softmax(-torch.stack([d.token_keys for d in dist]) / tau, dim=0)  # [A, n]
+        wv = torch.softmax(-torch.stack([d.token_values for d in dist]) / tau, dim=0)
+        shared = _accumulate(
+            onto, [d.shared.span(0, n) for d in deviations], wk[:, None, None, :, None], wv[:, None, None, :, None]
         )
         following = None
         if all(d.following is not None for d in deviations) and len({d.following.length for d in deviations}) == 1:
-            channel_d = [per_channel_tail(a.base, base, n) for a in match.anchors]
-            fk = torch.softmax(-torch.stack([d[0] for d in channel_d]) / tau, dim=0)  # [A, L, H, D]
-            fv = torch.softmax(-torch.stack([d[1] for d in channel_d]) / tau, dim=0)
-            following = _weighted_sum([d.following for d in deviations], fk[:, :, :, None, :], fv[:, :, :, None, :])
+            fk = torch.softmax(-torch.stack([d.channel_keys for d in dist]) / tau, dim=0)  # [A, L, H, D]
+            fv = torch.softmax(-torch.stack([d.channel_values for d in dist]) / tau, dim=0)
+            following = _accumulate(
+                onto_following, [_cut(d.following, onto_following) for d in deviations], fk[:, :, :, None, :], fv[:, :, :, None, :]
+            )
         return shared, following
 
     # -- learning and eviction -------------------------------------------------------------
@@ -191,11 +205,17 @@ class AnchorPool:
         """Store the deviation ``slot`` showed for a densely prefilled segment; admit it if new.
 
         Returns the anchors evicted to make room (least-accessed among the W earliest).
-        An anchor too large for the byte budget on its own is not admitted.
+        An anchor too large for the byte budget on its own is not admitted, and a held anchor
+        that this deviation would make too large on its own does not store it.
         """
         with self._lock:
             anchor = self._anchors.get(segment_id)
             evicted: list[Anchor] = []
+            if anchor is not None and self.config.max_bytes is not None:
+                replaced = anchor.deviations.get(slot)
+                grown = anchor.nbytes - (replaced.nbytes if replaced is not None else 0) + deviation.nbytes
+                if grown > self.config.max_bytes:
+                    return evicted  # alone over budget with this deviation: keep the anchor as it was
             if anchor is None:
                 anchor = Anchor(segment_id, base, np.asarray(embedding, dtype=np.float32), self._next_serial)
                 if self.config.max_bytes is not None and anchor.nbytes + deviation.nbytes > self.config.max_bytes:
@@ -227,11 +247,18 @@ class AnchorPool:
         return victim
 
 
-def _weighted_sum(parts: list[KV], key_weights: torch.Tensor, value_weights: torch.Tensor) -> KV:
-    """sum_a w_a * part_a for keys and values, accumulated without stacking the parts."""
-    keys = torch.zeros_like(parts[0].keys, dtype=torch.float32)
-    values = torch.zeros_like(parts[0].values, dtype=torch.float32)
+def _accumulate(onto: KV | None, parts: list[KV], key_weights, value_weights) -> KV:
+    """``onto + sum_a w_a * part_a`` for keys and values, in place in ``onto`` (fp32 zeros if
+    None), without stacking the parts. Weights broadcast against the parts (or are floats)."""
+    if onto is None:
+        onto = KV(torch.zeros_like(parts[0].keys, dtype=torch.float32), torch.zeros_like(parts[0].values, dtype=torch.float32))
     for i, part in enumerate(parts):
-        keys.add_(part.keys.float() * key_weights[i])
-        values.add_(part.values.float() * value_weights[i])
-    return KV(keys, values)
+        onto.keys.addcmul_(part.keys.float(), torch.as_tensor(key_weights[i], dtype=torch.float32))
+        onto.values.addcmul_(part.values.float(), torch.as_tensor(value_weights[i], dtype=torch.float32))
+    return onto
+
+
+def _cut(part: KV, like: KV | None) -> KV:
+    """``part`` cut to ``like``'s token count (a following segment may be cut short so the
+    last prompt token is computed), or whole if ``like`` is None."""
+    return part if like is None else part.span(0, like.length)

@@ -49,9 +49,25 @@ def _rotary_module(model: torch.nn.Module) -> torch.nn.Module:
     return candidates[0]
 
 
+def _layer_kinds(text) -> set[str]:
+    """Attention kinds of the layers, inferred the way transformers' ``DynamicCache`` does.
+
+    Without ``layer_types``, a config with ``sliding_window`` (e.g. Mistral v0.1, whose default
+    is 4096) or ``attention_chunk_size`` gets sliding/chunked cache layers that drop old keys.
+    """
+    kinds = getattr(text, "layer_types", None)
+    if kinds:
+        return set(kinds)
+    if getattr(text, "sliding_window", None) is not None:
+        return {"sliding_attention"}
+    if getattr(text, "attention_chunk_size", None) is not None:
+        return {"chunked_attention"}
+    return {"full_attention"}
+
+
 def _check_layer_types(config) -> None:
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+    kinds = _layer_kinds(text)
     if not kinds <= _ATTENTION_LAYER_TYPES:
         raise RopeError(
             f"model has layer types {sorted(kinds)}; only full-attention layers keep a KV cache that "
@@ -64,7 +80,10 @@ def _frequency_limit(module: torch.nn.Module, rope_type: str) -> int | None:
     if rope_type == "longrope":
         return module.config.rope_parameters["original_max_position_embeddings"]
     if rope_type == "dynamic":
-        return module.original_max_seq_len
+        # transformers resets to the original frequencies only when max(position) + 1 is strictly
+        # below original_max_seq_len: after a longer sequence has grown them, a sequence of exactly
+        # that length keeps the grown frequencies.
+        return module.original_max_seq_len - 1
     return None
 
 
