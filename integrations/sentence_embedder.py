@@ -36,7 +36,7 @@ class SentenceEmbedder:
 
     @property
     def dim(self) -> int:
-        return self.model.get_sentence_embedding_dimension()
+        return self.model.get_embedding_dimension()
 
     def __call__(self, token_ids: Sequence[int], base: KV) -> np.ndarray:
         vector = self.model.encode(self.decode(token_ids), convert_to_numpy=True, show_progress_bar=False)
