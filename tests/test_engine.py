@@ -99,3 +99,19 @@ def test_segment_longer_than_every_anchor_reuses_covered_head(tiny_executor):
     generation = tiny_executor.generate(prompt.token_ids, engine.materialize(plan), 4, None)
     engine.learn(plan, generation.computed)
     assert len(engine.pool("doc")) == 2  # a partially estimated sample does not become an anchor
+
+
+@pytest.mark.slow
+def test_bfloat16_anchors_halve_pool_bytes_and_still_estimate(tiny_executor):
+    spec = parse_pipeline(PIPELINE)
+    pools = {}
+    for dtype in (None, torch.bfloat16):
+        engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), anchor_dtype=dtype))
+        for row in range(3):
+            run_row(spec, row, tiny_executor, engine)
+        prompt = _prompt(tiny_executor, spec, 0, spec.inputs[3])
+        kv = engine.materialize(engine.plan(prompt, tiny_executor.base_kv))
+        assert kv.keys.dtype == torch.float32  # served in the model's KV dtype
+        pools[dtype] = engine.pool("doc")
+    assert [a.segment_id for a in pools[None].anchors] == [a.segment_id for a in pools[torch.bfloat16].anchors]
+    assert pools[torch.bfloat16].nbytes * 2 == pools[None].nbytes
