@@ -2,7 +2,8 @@
 
 Dense prefill, injection of assembled KV through a ``DynamicCache``, dense tail and greedy
 decoding, one request at a time, batch size 1. It is the reference other runtimes (the
-vLLM plugin) must agree with.
+vLLM plugin) must agree with. It also runs CacheBlend's selective recompute (mode
+"cacheblend", ``_blend``) and keeps prompt log-probabilities for KL evaluations.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from transformers import DynamicCache
 from kvcomm.executor import Generation
 from kvcomm.kv import KV, to_position_free
 from kvcomm.pipeline import Slot
+from kvcomm.plan import BlendRequest
 from kvcomm.segments import Segment
 from kvcomm.integrations.hf_rotary import rotary_from_model
 
@@ -70,11 +72,15 @@ class TransformersExecutor:
     # -- KV --------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _forward(self, ids: Sequence[int], cache: DynamicCache, start: int) -> torch.Tensor:
+    def _forward(self, ids: Sequence[int], cache: DynamicCache, start: int, all_logits: bool = False) -> torch.Tensor:
+        """Logits of the last token (``[vocab]``), or of every token (``[len(ids), vocab]``)."""
         input_ids = torch.tensor([list(ids)], dtype=torch.long)
         positions = torch.arange(start, start + len(ids))[None]
-        out = self.model(input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True)
-        return out.logits[0, -1]
+        out = self.model(
+            input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+        )
+        return out.logits[0] if all_logits else out.logits[0, -1]
 
     @staticmethod
     def _span(cache: DynamicCache, start: int, end: int) -> KV:
@@ -89,18 +95,33 @@ class TransformersExecutor:
         self._forward(self.lead_in_ids + list(segment.token_ids), cache, 0)
         return to_position_free(self._span(cache, lead, lead + len(segment)), self.rotary, lead)
 
-    def generate(self, token_ids: Sequence[int], prefix: KV | None, max_new_tokens: int, started: float | None = None) -> Generation:
+    def _cache(self, prefix: KV | None) -> DynamicCache:
+        """A cache holding ``prefix`` (the tensors are copied as soon as a forward appends)."""
+        if prefix is None:
+            return DynamicCache(config=self.model.config)
+        layers = [(prefix.keys[i][None], prefix.values[i][None]) for i in range(prefix.keys.shape[0])]
+        return DynamicCache(ddp_cache_data=layers, config=self.model.config)
+
+    def generate(
+        self, token_ids: Sequence[int], prefix: KV | None, max_new_tokens: int, started: float | None = None,
+        keep_logprobs: bool = False, blend: BlendRequest | None = None,
+    ) -> Generation:
         started = time.perf_counter() if started is None else started
         n = len(token_ids)
         reused = 0 if prefix is None else prefix.length
         if not 0 <= reused < n:
             raise ValueError(f"prefix covers {reused} of {n} prompt tokens; at least the last token must be computed")
-        if prefix is None:
-            cache = DynamicCache(config=self.model.config)
-        else:
-            layers = [(prefix.keys[i][None], prefix.values[i][None]) for i in range(prefix.keys.shape[0])]
-            cache = DynamicCache(ddp_cache_data=layers, config=self.model.config)
-        logits = self._forward(token_ids[reused:], cache, reused)
+        cache = self._cache(prefix)
+        recomputed: tuple[int, ...] = ()
+        if blend is not None:
+            if prefix is None or not 0 <= blend.start < blend.end <= reused:
+                raise ValueError(f"blend range [{blend.start}, {blend.end}) is not inside the {reused}-token prefix")
+            recomputed = self._blend(token_ids, prefix, cache, blend)
+        logits = self._forward(token_ids[reused:], cache, reused, all_logits=keep_logprobs)
+        logprobs = None
+        if keep_logprobs:
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            logits = logits[-1]
         ttft = time.perf_counter() - started
         reply: list[int] = []
         while len(reply) < max_new_tokens:
@@ -113,7 +134,95 @@ class TransformersExecutor:
         if reply and cache.get_seq_length() < n + len(reply):
             self._forward(reply[-1:], cache, n + len(reply) - 1)  # the reply's KV is the next agent's base
         reply_kv = self._span(cache, n, n + len(reply)) if reply else None
-        return Generation(tuple(reply), self._span(cache, reused, n), reply_kv, ttft)
+        return Generation(tuple(reply), self._span(cache, reused, n), reply_kv, ttft, logprobs, recomputed)
+
+    # -- CacheBlend ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _blend(self, token_ids: Sequence[int], prefix: KV, cache: DynamicCache, blend: BlendRequest) -> tuple[int, ...]:
+        """CacheBlend's selective recompute (Yao et al. 2024) on the injected ``cache``.
+
+        Selects the ``blend.count`` tokens of ``[blend.start, blend.end)`` whose keys at layer
+        ``blend.check_layer`` deviate most (L2 over heads and channels) from the real keys,
+        recomputes them through every layer in one forward, each attending to the injected
+        KV of unselected tokens before it and to selected tokens at or before it, and writes
+        their KV into ``cache`` at their positions. Returns the sorted positions.
+        """
+        layers = prefix.keys.shape[0]
+        if blend.check_layer >= layers:
+            raise ValueError(f"check_layer {blend.check_layer} is out of range for a {layers}-layer model")
+        start, end, count = blend.start, blend.end, blend.count
+        if count >= end - start:
+            selected = torch.arange(start, end)
+        else:
+            real = self._check_keys(token_ids, prefix, blend)
+            injected = prefix.keys[blend.check_layer, :, start:end].to(real.dtype)
+            deviation = (real - injected).float().pow(2).sum(dim=(0, 2))  # [T]
+            selected = torch.sort(torch.topk(deviation, count).indices).values + start
+        self._recompute(token_ids, cache, selected, end)
+        return tuple(int(p) for p in selected)
+
+    def _check_keys(self, token_ids: Sequence[int], prefix: KV, blend: BlendRequest) -> torch.Tensor:
+        """Real keys at ``blend.check_layer`` of prompt tokens ``[blend.start, blend.end)``,
+        ``[kv_heads, T, head_dim]``: the model runs its first ``check_layer + 1`` decoder layers
+        on those tokens behind the exact prefix ``[0, blend.start)`` (the model's own embedding,
+        rotary and mask; a forward hook stops it after the check layer, removed in ``finally``)."""
+        c, start, end = blend.check_layer, blend.start, blend.end
+        cache = self._cache(prefix.span(0, start) if start else None)
+        layer = _decoder_layers(self.model)[c]
+
+        def stop(*_):
+            raise _StopForward
+
+        handle = layer.register_forward_hook(stop)
+        try:
+            self._forward(token_ids[start:end], cache, start)
+        except _StopForward:
+            pass
+        finally:
+            handle.remove()
+        keys = cache.layers[c].keys
+        if keys is None or keys.shape[-2] != end:
+            raise RuntimeError(f"check forward left {0 if keys is None else keys.shape[-2]} keys at layer {c}, expected {end}")
+        return keys[0, :, start:end]
+
+    def _recompute(self, token_ids: Sequence[int], cache: DynamicCache, selected: torch.Tensor, end: int) -> None:
+        """One forward of the ``selected`` tokens (sorted positions < ``end`` == cache length)
+        through every layer, then their KV replaces the injected KV at their positions."""
+        k = selected.numel()
+        dtype = self.model.dtype if self.model.dtype.is_floating_point else torch.float32
+        cached = torch.arange(end)
+        stale = torch.zeros(end, dtype=torch.bool)
+        stale[selected] = True
+        # query i (position p_i) sees injected KV at j < p_i unless j is selected, and selected
+        # tokens m <= i (their fresh KV is appended after the cache, at cache index end + m).
+        sees_cached = (cached[None, :] < selected[:, None]) & ~stale[None, :]
+        sees_fresh = torch.ones(k, k, dtype=torch.bool).tril()
+        allowed = torch.cat([sees_cached, sees_fresh], dim=1)
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+        input_ids = torch.tensor([[token_ids[int(p)] for p in selected]], dtype=torch.long)
+        self.model(
+            input_ids=input_ids, position_ids=selected[None], attention_mask=mask,
+            past_key_values=cache, use_cache=True, logits_to_keep=1,
+        )
+        for layer in cache.layers:
+            keys, values = layer.keys[..., :end, :], layer.values[..., :end, :]
+            keys[..., selected, :] = layer.keys[..., end:, :]
+            values[..., selected, :] = layer.values[..., end:, :]
+            layer.keys, layer.values = keys, values
+
+
+class _StopForward(Exception):
+    """Raised by a forward hook to end a truncated forward after the check layer."""
+
+
+def _decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layers of a transformers causal LM (``model.model.layers`` for Llama-likes)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} for CacheBlend's check layer")
+    return layers
 
 
 def _as_list(value) -> list:

@@ -17,7 +17,7 @@ from kvcomm.anchors.anchor import Deviation
 from kvcomm.anchors.index import Embedder, kv_embedding
 from kvcomm.anchors.pool import AnchorPool, PoolConfig
 from kvcomm.kv import KV, place, positions, to_position_free
-from kvcomm.plan import EstimatedPiece, ReusePlan
+from kvcomm.plan import BlendRequest, EstimatedPiece, ReusePlan
 from kvcomm.prefix_store import PrefixStore
 from kvcomm.rope import RopeError, Rotary
 from kvcomm.segments import Prompt, Segment, content_id
@@ -26,16 +26,47 @@ BaseProvider = Callable[[Segment], KV]
 """Computes a shared segment's position-free base KV, ``[layers, kv_heads, T, head_dim]``."""
 
 
+MODES = ("kvcomm", "exact", "realign", "cacheblend")
+"""Reuse modes (dense prefill is no mode: it is running without an engine).
+
+- ``kvcomm``: exact prefix + anchor-estimated shared segments (KVCOMM).
+- ``exact``: exact prefix reuse only (prefix store, template first segment); never estimates.
+- ``realign``: every shared segment (and every fixed segment with a stored base) is reused
+  as its RoPE-realigned base KV, no deviation, no anchors; reuse stops at the first fixed
+  segment without a stored base.
+- ``cacheblend``: ``realign``, then the executor recomputes the ``recompute_ratio`` of the
+  estimated tokens whose keys deviate most at ``check_layer`` (CacheBlend, Yao et al. 2024).
+"""
+
+
 @dataclass(frozen=True)
 class ReuseConfig:
     """pool: admission and estimation settings (per slot family). exact_prefix: serve exact
     prefix hits. prefix_store_bytes: budget of the exact prefix store. anchor_dtype: dtype
-    anchors are stored in (None: the KV's own; bfloat16/float16 halve pool memory)."""
+    anchors are stored in (None: the KV's own; bfloat16/float16 halve pool memory).
+    mode: one of ``MODES``. recompute_ratio, check_layer: CacheBlend's share of estimated
+    tokens to recompute, in (0, 1], and the decoder layer (0-based) whose key deviation
+    selects them (mode "cacheblend" only)."""
 
     pool: PoolConfig = field(default_factory=PoolConfig)
     exact_prefix: bool = True
     prefix_store_bytes: int = 1 << 30
     anchor_dtype: torch.dtype | None = None
+    mode: str = "kvcomm"
+    recompute_ratio: float = 0.15
+    check_layer: int = 1
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.mode not in MODES:
+            hint = " (dense prefill is running without an engine)" if self.mode == "dense" else ""
+            problems.append(f"unknown mode {self.mode!r}{hint}; valid modes: {', '.join(MODES)}")
+        if not 0 < self.recompute_ratio <= 1:
+            problems.append(f"recompute_ratio must be in (0, 1] (got {self.recompute_ratio})")
+        if isinstance(self.check_layer, bool) or not isinstance(self.check_layer, int) or self.check_layer < 0:
+            problems.append(f"check_layer must be an integer >= 0 (got {self.check_layer!r})")
+        if problems:
+            raise ValueError("invalid reuse config: " + "; ".join(problems))
 
 
 class ReuseEngine:
@@ -70,6 +101,12 @@ class ReuseEngine:
     def has_base(self, shared_id: str) -> bool:
         return shared_id in self._bases
 
+    @property
+    def uses_bases(self) -> bool:
+        """Whether plans reuse shared content from base KV (every mode but "exact"), so
+        replies are worth registering as bases."""
+        return self.config.mode != "exact"
+
     def _base(self, segment: Segment, provide: BaseProvider | None) -> tuple[KV, object]:
         if segment.shared_id not in self._bases:
             if provide is None:
@@ -93,12 +130,46 @@ class ReuseEngine:
             # Nothing precedes a template's first segment, so its stored base is its exact KV.
             length = min(lead.length, last)
             plan.exact_length, plan.exact_kv = length, place(lead.span(0, length), self.rotary, 0)
+        mode = self.config.mode
+        if mode == "exact":
+            plan.note = "mode exact: exact prefix only"
+            return plan
         try:
             self.rotary.check_length(len(prompt))
-            self._plan_estimates(plan, provide_base)
+            if mode == "kvcomm":
+                self._plan_estimates(plan, provide_base)
+            else:
+                self._plan_realigned(plan, provide_base)
         except RopeError as error:
             plan.note = f"no estimation: {error}"
+        if mode == "cacheblend" and plan.estimated_tokens > 0:
+            plan.blend = BlendRequest(plan.exact_length, plan.reuse_end, self.config.recompute_ratio, self.config.check_layer)
         return plan
+
+    def _plan_realigned(self, plan: ReusePlan, provide: BaseProvider | None) -> None:
+        """Modes "realign" and "cacheblend": reuse every segment with a base as its realigned
+        base (shared: its content's base; fixed: the template's stored base), in order, up to
+        the first fixed segment without one. No anchors, no admission, no deviation."""
+        prompt, last = plan.prompt, len(plan.prompt) - 1
+        index = next((i for i in range(len(prompt.segments)) if prompt.end(i) > plan.exact_length), None)
+        while index is not None and index < len(prompt.segments):
+            segment, start = prompt.segments[index], prompt.starts[index]
+            if start != plan.reuse_end:  # the exact prefix ends inside this segment (cut before the last token)
+                return
+            if segment.is_shared:
+                base = self._base(segment, provide)[0]
+            else:
+                base = self._fixed_bases.get(_fixed_key(prompt, index))
+                if base is None:
+                    plan.note = f"fixed segment {index} at {start} has no base yet"
+                    return
+            length = min(len(segment), base.length, last - start)
+            if length <= 0:
+                return
+            plan.pieces.append(EstimatedPiece(index, start, base.span(0, length), None, None))
+            if length < len(segment):
+                return
+            index += 1
 
     def _plan_estimates(self, plan: ReusePlan, provide: BaseProvider | None) -> None:
         prompt, last = plan.prompt, len(plan.prompt) - 1
@@ -177,6 +248,9 @@ class ReuseEngine:
             out.span(0, plan.exact_length).keys.copy_(plan.exact_kv.keys)
             out.span(0, plan.exact_length).values.copy_(plan.exact_kv.values)
         for piece in plan.pieces:
+            if piece.match is None:  # realigned base, no deviation
+                self._write(out, piece.base, piece.start)
+                continue
             shared = _fp32_copy(piece.base)
             following = _fp32_copy(piece.following_base) if piece.following_base is not None else None
             piece.pool.estimate(piece.match, piece.base, shared, following)

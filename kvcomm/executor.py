@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+import torch
+
 from kvcomm.kv import KV
 from kvcomm.pipeline import Slot
+from kvcomm.plan import BlendRequest
 from kvcomm.rope import Rotary
 from kvcomm.segments import Segment
 
@@ -19,12 +22,19 @@ class Generation:
     computed: real KV of the prompt tokens after the injected prefix, rotated at their positions.
     reply_kv: real KV of ``reply_ids`` at positions ``[len(prompt), len(prompt) + len(reply))``.
     ttft_s: seconds from ``started`` to the first token's logits.
+    prompt_logprobs: with ``keep_logprobs``, log-softmax of the next-token distribution at
+        every computed prompt position ``[prefix.length, len(prompt))``: ``[positions, vocab]``
+        float32 (row ``i`` predicts token ``prefix.length + i + 1``); None otherwise.
+    recomputed: prompt positions inside the injected prefix that a ``BlendRequest`` had
+        recomputed, sorted (empty when none was asked).
     """
 
     reply_ids: tuple[int, ...]
     computed: KV
     reply_kv: KV | None
     ttft_s: float
+    prompt_logprobs: torch.Tensor | None = None
+    recomputed: tuple[int, ...] = ()
 
 
 class Executor(Protocol):
@@ -44,7 +54,16 @@ class Executor(Protocol):
         """Position-free KV of a shared segment prefilled without any consumer context."""
         ...
 
-    def generate(self, token_ids: Sequence[int], prefix: KV | None, max_new_tokens: int, started: float) -> Generation:
+    def generate(
+        self, token_ids: Sequence[int], prefix: KV | None, max_new_tokens: int, started: float,
+        keep_logprobs: bool = False, blend: BlendRequest | None = None,
+    ) -> Generation:
         """Inject ``prefix`` (KV of the first ``prefix.length`` tokens, rotated), compute the
-        rest of the prompt densely and decode greedily."""
+        rest of the prompt densely and decode greedily.
+
+        keep_logprobs: fill ``Generation.prompt_logprobs``. blend: before the tail, recompute
+        the selected tokens of ``prefix`` (CacheBlend) and correct their cached KV. Both are
+        optional: callers pass them only when set, so executors without them keep working
+        for the modes that do not need them.
+        """
         ...

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvcomm.anchors.pool import AnchorPool, Match
@@ -18,14 +19,16 @@ class EstimatedPiece:
     the fixed segment after it (``following_start``, ``following_base``: position-free, possibly
     cut short so the last prompt token is left to compute).
 
-    ``base`` is the shared segment's position-free base KV cut to the estimated tokens.
+    ``base`` is the segment's position-free base KV cut to the estimated tokens. Without a
+    ``match`` (modes "realign" and "cacheblend") the piece is the realigned base alone, with
+    no deviation; such a piece may also be a fixed segment (its stored base).
     """
 
     segment_index: int
     start: int
     base: KV
-    match: Match
-    pool: AnchorPool
+    match: Match | None
+    pool: AnchorPool | None
     following_start: int | None = None
     following_base: KV | None = None
 
@@ -34,6 +37,24 @@ class EstimatedPiece:
         if self.following_base is not None:
             return self.following_start + self.following_base.length
         return self.start + self.base.length
+
+
+@dataclass(frozen=True)
+class BlendRequest:
+    """CacheBlend's selective recompute (Yao et al. 2024), asked of the executor: of the
+    estimated prompt tokens ``[start, end)``, recompute the ``count`` whose keys at decoder
+    layer ``check_layer`` deviate most from the real keys there, attending properly."""
+
+    start: int
+    end: int
+    ratio: float
+    check_layer: int
+
+    @property
+    def count(self) -> int:
+        """``ceil(ratio * (end - start))``; the rounding guards against float noise
+        (0.15 * 20 is 3.0000000000000004 in floats, which must give 3)."""
+        return min(self.end - self.start, math.ceil(round(self.ratio * (self.end - self.start), 6)))
 
 
 @dataclass
@@ -45,6 +66,11 @@ class ReusePlan:
     always: the last prompt token is recomputed so its logits come from a real forward.
     ``learn`` lists shared segment indices, all inside ``[reuse_end, len(prompt))``, whose
     deviations are recorded after the forward pass. ``note`` says why reuse stopped.
+
+    ``blend`` (mode "cacheblend"): the selective recompute the executor is to run over the
+    estimated tokens; ``recompute`` the sorted prompt positions it recomputed (filled in
+    from the executor's ``Generation.recomputed``; None when nothing was asked).
+    ``estimated_tokens`` counts the tokens the injected KV estimated before any recompute.
     """
 
     prompt: Prompt
@@ -53,6 +79,8 @@ class ReusePlan:
     pieces: list[EstimatedPiece] = field(default_factory=list)
     learn: list[int] = field(default_factory=list)
     note: str = ""
+    blend: BlendRequest | None = None
+    recompute: tuple[int, ...] | None = None
 
     @property
     def reuse_end(self) -> int:
@@ -64,19 +92,27 @@ class ReusePlan:
 
     def provenance(self, ttft_s: float | None = None) -> "Provenance":
         prompt, end = self.prompt, self.reuse_end
+        recomputed = self.recompute or ()
+        if any(not self.exact_length <= p < end for p in recomputed) or len(set(recomputed)) != len(recomputed):
+            raise ValueError(f"recomputed positions must be distinct and in [{self.exact_length}, {end})")
         shared = [i for i, s in enumerate(prompt.segments) if s.is_shared]
-        reused_shared = sum(max(0, min(end, prompt.end(i)) - prompt.starts[i]) for i in shared)
+        in_shared = [False] * len(prompt)
+        for i in shared:
+            in_shared[prompt.starts[i] : prompt.end(i)] = [True] * len(prompt.segments[i])
+        reused_shared = sum(in_shared[:end]) - sum(in_shared[p] for p in recomputed)
         outside_exact = any(prompt.end(i) > self.exact_length for i in shared)
+        estimated = self.estimated_tokens - len(recomputed)
         return Provenance(
             prompt_tokens=len(prompt),
             exact_tokens=self.exact_length,
-            estimated_tokens=self.estimated_tokens,
-            computed_tokens=len(prompt) - end,
+            estimated_tokens=estimated,
+            computed_tokens=len(prompt) - end + len(recomputed),
             shared_tokens=sum(len(prompt.segments[i]) for i in shared),
             reused_shared_tokens=reused_shared,
-            fallback=outside_exact and self.estimated_tokens == 0,
+            fallback=outside_exact and estimated == 0,
             note=self.note,
             ttft_s=ttft_s,
+            recomputed_tokens=len(recomputed),
         )
 
 
@@ -87,7 +123,9 @@ class Provenance:
 
     fallback: shared content lay outside the exact prefix, yet nothing was estimated, so
     the call was prefilled densely after its exact prefix. ttft_s: seconds from the call's
-    start (planning included) to its first token's logits.
+    start (planning included) to its first token's logits. recomputed_tokens (mode
+    "cacheblend"): tokens inside the injected range that were recomputed; they count as
+    computed, not estimated.
     """
 
     prompt_tokens: int
@@ -99,6 +137,13 @@ class Provenance:
     fallback: bool
     note: str = ""
     ttft_s: float | None = None
+    recomputed_tokens: int = 0
+
+    @property
+    def reuse_end(self) -> int:
+        """End of the injected prefix: the prompt positions ``[reuse_end, prompt_tokens)``
+        were computed by the tail forward (``Generation.prompt_logprobs`` covers them)."""
+        return self.prompt_tokens - self.computed_tokens + self.recomputed_tokens
 
     @property
     def reused(self) -> bool:

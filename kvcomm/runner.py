@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+import torch
+
 from kvcomm.engine import ReuseEngine
 from kvcomm.executor import Executor
 from kvcomm.kv import to_position_free
@@ -16,7 +18,12 @@ from kvcomm.segments import Prompt, Segment
 
 @dataclass(frozen=True)
 class AgentCall:
-    """One agent's turn on one input row."""
+    """One agent's turn on one input row.
+
+    prompt_logprobs: with ``keep_logprobs``, the next-token log-probabilities at the prompt
+    positions ``[provenance.reuse_end, len(prompt_ids))`` (``[positions, vocab]`` float32), to
+    compare with a dense run of the same prompt at the same positions; None by default.
+    """
 
     agent: str
     input_index: int
@@ -24,6 +31,7 @@ class AgentCall:
     reply_ids: tuple[int, ...]
     reply: str
     provenance: Provenance
+    prompt_logprobs: torch.Tensor | None = None
 
 
 def build_prompt(executor: Executor, agent: AgentSpec, shared: Mapping[str, Segment | None]) -> Prompt:
@@ -50,17 +58,27 @@ def _content(executor: Executor, text: str) -> Segment | None:
     return Segment(tuple(ids), slot="_") if ids else None
 
 
-def run_agent(executor: Executor, engine: ReuseEngine | None, prompt: Prompt, max_new_tokens: int):
-    """One call: plan and materialize (with an engine), generate, learn. Returns (Generation, Provenance)."""
+def run_agent(
+    executor: Executor, engine: ReuseEngine | None, prompt: Prompt, max_new_tokens: int, keep_logprobs: bool = False,
+):
+    """One call: plan and materialize (with an engine), generate, learn. Returns (Generation, Provenance).
+
+    keep_logprobs: ask the executor for ``Generation.prompt_logprobs`` (computed positions only).
+    """
     started = time.perf_counter()
+    options = {"keep_logprobs": True} if keep_logprobs else {}
     if engine is None:
-        generation = executor.generate(prompt.token_ids, None, max_new_tokens, started)
+        generation = executor.generate(prompt.token_ids, None, max_new_tokens, started, **options)
         shared = sum(len(s) for s in prompt.segments if s.is_shared)
         return generation, Provenance(len(prompt), 0, 0, len(prompt), shared, 0, False, "dense", generation.ttft_s)
     plan = engine.plan(prompt, executor.base_kv)
-    generation = executor.generate(prompt.token_ids, engine.materialize(plan), max_new_tokens, started)
+    if plan.blend is not None:
+        options["blend"] = plan.blend
+    generation = executor.generate(prompt.token_ids, engine.materialize(plan), max_new_tokens, started, **options)
+    if plan.blend is not None:
+        plan.recompute = tuple(generation.recomputed)
     engine.learn(plan, generation.computed)
-    if generation.reply_kv is not None:
+    if generation.reply_kv is not None and engine.uses_bases:
         reply = Segment(generation.reply_ids, slot="_")
         engine.register_base(reply, to_position_free(generation.reply_kv, engine.rotary, len(prompt)))
     return generation, plan.provenance(generation.ttft_s)
@@ -68,18 +86,20 @@ def run_agent(executor: Executor, engine: ReuseEngine | None, prompt: Prompt, ma
 
 def run_row(
     spec: PipelineSpec, row_index: int, executor: Executor, engine: ReuseEngine | None,
-    on_call: Callable[[AgentCall], None] | None = None,
+    on_call: Callable[[AgentCall], None] | None = None, keep_logprobs: bool = False,
 ) -> list[AgentCall]:
-    """Run every agent, in order, on input row ``row_index``."""
+    """Run every agent, in order, on input row ``row_index``; ``keep_logprobs`` fills each
+    call's ``prompt_logprobs``."""
     row = spec.inputs[row_index]
     shared: dict[str, Segment | None] = {name: _content(executor, row[name]) for name in spec.input_slots}
     calls = []
     for agent in spec.agents:
         prompt = build_prompt(executor, agent, shared)
-        generation, provenance = run_agent(executor, engine, prompt, spec.max_new_tokens)
+        generation, provenance = run_agent(executor, engine, prompt, spec.max_new_tokens, keep_logprobs)
         reply_ids = generation.reply_ids
         shared[agent.name] = Segment(reply_ids, slot="_") if reply_ids else None
-        call = AgentCall(agent.name, row_index, prompt.token_ids, reply_ids, executor.decode(reply_ids), provenance)
+        logprobs = generation.prompt_logprobs if keep_logprobs else None
+        call = AgentCall(agent.name, row_index, prompt.token_ids, reply_ids, executor.decode(reply_ids), provenance, logprobs)
         calls.append(call)
         if on_call is not None:
             on_call(call)
