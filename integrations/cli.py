@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("selfcheck", help="RoPE realignment self-check on a model")
     check.add_argument("--model", help="local transformers model folder (default: the embedded model)")
     check.add_argument("--json", action="store_true")
+    from kvcomm.eval.cli_eval import add_eval_parser
+
+    add_eval_parser(sub)
     return parser
 
 
@@ -113,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "selfcheck":
             return _cmd_selfcheck(args)
+        if args.command == "eval":
+            return args.eval_command(args)
         spec = load_demo_pipeline() if args.command == "demo" else load_pipeline(args.pipeline)
         if args.limit is not None:
             if args.limit < 1:

@@ -1,0 +1,202 @@
+"""The `kvcomm eval` subcommand: argument parsing and the command itself.
+
+Wire it into the main parser with ``add_eval_parser(subparsers)`` and dispatch
+``args.command == "eval"`` to ``run_eval_command(args)`` (returns the exit status).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+from kvcomm.anchors.pool import PoolConfig
+from kvcomm.eval.evaluate import ALL_MODES, EvalSettings, check_out_dir
+
+BACKENDS = ("transformers", "vllm")
+AVAILABLE_BACKENDS = ("transformers",)
+
+
+def _items(text: str, what: str) -> list[str]:
+    items = [t.strip() for t in text.split(",")]
+    if not text.strip() or any(not t for t in items):
+        raise argparse.ArgumentTypeError(f"{what} must be a comma-separated list with no empty items, got {text!r}")
+    return items
+
+
+def parse_modes(text: str) -> tuple[str, ...]:
+    modes = _items(text, "--modes")
+    unknown = [m for m in modes if m not in ALL_MODES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown mode {unknown[0]!r}; valid modes: {', '.join(ALL_MODES)}")
+    if len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"a mode is listed twice in {text!r}")
+    return tuple(modes)
+
+
+def parse_gammas(text: str) -> tuple[float, ...]:
+    values = []
+    for item in _items(text, "--gammas"):
+        try:
+            value = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--gammas: {item!r} is not a number") from None
+        if not math.isfinite(value) or value < 0:
+            raise argparse.ArgumentTypeError(f"--gammas: {item!r} must be a finite number >= 0")
+        values.append(value)
+    return tuple(dict.fromkeys(values))
+
+
+def _int_list(text: str, what: str, minimum: int | None) -> tuple[int, ...]:
+    values = []
+    for item in _items(text, what):
+        try:
+            value = int(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what}: {item!r} is not an integer") from None
+        if minimum is not None and value < minimum:
+            raise argparse.ArgumentTypeError(f"{what}: {value} must be >= {minimum}")
+        values.append(value)
+    return tuple(dict.fromkeys(values))
+
+
+def parse_max_anchors(text: str) -> tuple[int, ...]:
+    return _int_list(text, "--max-anchors", 1)
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    return _int_list(text, "--seeds", None)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_eval_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``eval`` subcommand to ``subparsers`` (from ``add_subparsers``); returns it."""
+    parser = subparsers.add_parser(
+        "eval", help="evaluate reuse modes against dense prefill on a task workload",
+        description="Run a workload densely and with each reuse mode (fresh engine per mode/setting, rows shuffled "
+                    "per seed) and report accuracy, reuse rates, KL to dense and its noise floor, reply agreement, "
+                    "TTFT and anchor-pool memory. Writes results.json, results.csv and PNG plots into --out.",
+    )
+    parser.add_argument("--workload", required=True,
+                        help="mmlu, gsm, humaneval, retrieval, or the path of a workload file")
+    parser.add_argument("--out", required=True, help="output folder (created if missing)")
+    parser.add_argument("--limit", type=positive_int, help="use only the first N items of the workload")
+    parser.add_argument("--agents", type=positive_int, default=3, help="agents before the decider in the built-in topology (default 3; a pipeline .json defines its own)")
+    parser.add_argument("--modes", type=parse_modes, default=ALL_MODES,
+                        help=f"comma-separated subset of {','.join(ALL_MODES)} (default: all); dense always runs as the reference")
+    parser.add_argument("--gammas", type=parse_gammas, default=(PoolConfig.gamma,),
+                        help=f"kvcomm admission thresholds, comma-separated (default {PoolConfig.gamma})")
+    parser.add_argument("--max-anchors", type=parse_max_anchors, default=(PoolConfig.max_anchors,),
+                        help=f"kvcomm V (anchors per pool), comma-separated (default {PoolConfig.max_anchors})")
+    parser.add_argument("--seeds", type=parse_seeds, default=(0,),
+                        help="input-order shuffle seeds, comma-separated (default 0)")
+    parser.add_argument("--recompute-ratio", type=ratio, default=0.15, help="cacheblend recompute ratio (default 0.15)")
+    parser.add_argument("--check-layer", type=nonnegative_int, default=1, help="cacheblend check layer (default 1)")
+    parser.add_argument("--max-new-tokens", type=positive_int, help="override the workload's reply budget")
+    parser.add_argument("--top-k", type=positive_int, default=20, help="tokens kept per position for the KL bound (default 20)")
+    parser.add_argument("--no-kl", action="store_true", help="skip the KL / noise-floor metrics (faster)")
+    parser.add_argument("--single-pass", action="store_true",
+                        help="with KL on, take TTFT from the pass that keeps logprobs instead of a separate timing "
+                             "pass (faster; TTFT then includes full-vocabulary logits of every computed position)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--backend", choices=BACKENDS, default="transformers",
+                        help="model runtime (default transformers; vllm is not available yet)")
+    parser.add_argument("--model", help="local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.set_defaults(eval_command=run_eval_command)
+    return parser
+
+
+def settings_from_args(args) -> EvalSettings:
+    return EvalSettings(
+        modes=args.modes, gammas=args.gammas, max_anchors=args.max_anchors, seeds=args.seeds,
+        recompute_ratio=args.recompute_ratio, check_layer=args.check_layer, top_k=args.top_k,
+        timing_pass=not args.single_pass,
+    )
+
+
+def load_executor(model: str | None):
+    """(TransformersExecutor, model path) for ``model`` or the embedded model."""
+    from kvcomm.integrations.embedded import load_model_and_tokenizer, resolve_model_dir
+    from kvcomm.integrations.transformers_executor import TransformersExecutor
+
+    path = resolve_model_dir(model)
+    hf_model, tokenizer = load_model_and_tokenizer(str(path))
+    return TransformersExecutor(hf_model, tokenizer), str(path)
+
+
+def run_eval_command(args, executor=None) -> int:
+    """The ``eval`` command. ``executor``: use this one instead of loading ``--model``
+    (tests). Returns 0, or 2 with a message on stderr for a usage or input problem."""
+    from kvcomm.eval.evaluate import run_evaluation
+    from kvcomm.pipeline import PipelineError
+    from kvcomm.rope import RopeError
+
+    def fail(message: str) -> int:
+        print(f"kvcomm eval: error: {message}", file=sys.stderr)
+        return 2
+
+    if args.backend not in AVAILABLE_BACKENDS:
+        return fail(f"the {args.backend} backend is not available yet; use --backend transformers")
+    try:
+        settings = settings_from_args(args)
+        out = check_out_dir(args.out)
+        from kvcomm.eval.workloads import load_workload
+
+        workload = load_workload(args.workload, limit=args.limit, n_agents=args.agents, seed=0,
+                                 max_new_tokens=args.max_new_tokens)
+        model_path = getattr(args, "model", None)
+        if executor is None:
+            executor, model_path = load_executor(args.model)
+        meta = {"model": model_path, "backend": args.backend, "limit": args.limit, "workload_arg": args.workload,
+                "workload_seed": 0, "n_agents": args.agents,
+                "max_new_tokens": workload.pipeline.max_new_tokens, "kl": not args.no_kl,
+                "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        result = run_evaluation(workload, executor, out, settings, progress=not args.no_progress, kl=not args.no_kl,
+                                meta=meta)
+    except (PipelineError, RopeError, FileNotFoundError, ValueError, KeyError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        return fail(str(message))
+    print(f"{len(result.calls)} agent calls in {result.elapsed_s:.1f} s; wrote results.json, results.csv and plots to {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (``python -m kvcomm.eval.cli_eval ...``), same as ``kvcomm eval ...``."""
+    parser = argparse.ArgumentParser(prog="kvcomm")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_eval_parser(sub)
+    return run_eval_command(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

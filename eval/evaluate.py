@@ -1,0 +1,782 @@
+"""Evaluation of reuse modes against dense prefill on a task workload (`kvcomm eval`).
+
+For every seed the input rows are shuffled with that seed (which samples become anchors first
+depends on the order), run once densely (no engine: the reference), then once per reuse mode
+and setting, each with a fresh ``ReuseEngine``, in the same order. Only ``kvcomm`` depends on
+the anchor-pool settings, so it runs once per (gamma, V); the other modes once per seed.
+
+Per agent call, against dense prefill of the *same prompt* the mode saw (teacher forced):
+
+- ``kl``: KL(dense || mode) of the next-token distribution at each prompt position the mode
+  computed after its injected prefix, ``[reuse_end, len(prompt))``, on the dense run's top-k
+  tokens plus one "other" bucket holding the remaining mass. Merging outcomes never increases
+  KL (log-sum inequality), so this is a **lower bound** on the full-vocabulary KL.
+- ``top1``: the share of those positions whose most likely token is the same.
+- ``noise``: the same two numbers for dense vs dense computed differently (the prompt
+  prefilled in two chunks through the KV cache, split where the mode's prefix ends), the
+  floating-point noise floor a mode's KL is to be read against.
+- ``reply_equal``: the mode's greedy reply equals the dense run's reply for that row and agent.
+
+Aggregates per (mode, setting, seed) and pooled over seeds (see ``aggregate``); outputs with
+``write_outputs`` (results.json, results.csv, PNG plots) and ``format_table``.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from kvcomm.anchors.pool import PoolConfig
+from kvcomm.engine import ReuseConfig, ReuseEngine
+from kvcomm.runner import AgentCall, run_row
+
+DENSE = "dense"
+REUSE_MODES = ("exact", "realign", "cacheblend", "kvcomm")
+ALL_MODES = (DENSE, *REUSE_MODES)
+POOLED = "pooled"
+KL_TOP_K = 20
+WILSON_Z = 1.959963984540054  # two-sided 95%
+
+
+# -- metric functions ---------------------------------------------------------------------
+
+
+def wilson_interval(successes: float, n: int, z: float = WILSON_Z) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion (95% by default).
+
+    ``successes`` may be fractional (a sum of scores in [0, 1]); it is then an approximation.
+    Returns (nan, nan) for n == 0.
+    """
+    if n <= 0:
+        return (math.nan, math.nan)
+    if not 0 <= successes <= n:
+        raise ValueError(f"successes must be in [0, n], got {successes} of {n}")
+    p = successes / n
+    z2 = z * z
+    denom = 1 + z2 / n
+    center = (p + z2 / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / denom
+    low = 0.0 if successes == 0 else max(0.0, center - half)
+    high = 1.0 if successes == n else min(1.0, center + half)
+    return (low, high)
+
+
+@dataclass(frozen=True)
+class TopK:
+    """A reference distribution per position, compressed to what the metrics need:
+    its ``k`` most likely tokens (``ids``, ``logprobs``: ``[P, k]``), the log of the mass
+    outside them (``log_other``: ``[P]``) and its argmax (``top1``: ``[P]``)."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    log_other: torch.Tensor
+    top1: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def tail(self, count: int) -> "TopK":
+        """The last ``count`` positions."""
+        start = len(self) - count
+        if not 0 <= start <= len(self):
+            raise ValueError(f"cannot take the last {count} of {len(self)} positions")
+        return TopK(self.ids[start:], self.logprobs[start:], self.log_other[start:], self.top1[start:])
+
+    @staticmethod
+    def cat(parts: Sequence["TopK"]) -> "TopK":
+        return TopK(*(torch.cat([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(TopK)))
+
+
+def _log_mass_outside(logprobs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log of the probability mass at each row outside the columns ``ids``: a logsumexp over
+    the other columns (no cancellation, however small the mass), float64 ``[P]``."""
+    masked = logprobs.float().clone().scatter_(1, ids, -math.inf)
+    return torch.logsumexp(masked, dim=1).to(torch.float64)
+
+
+def topk_reference(logprobs: torch.Tensor, k: int = KL_TOP_K) -> TopK:
+    """Compress ``[P, V]`` log-probabilities to a ``TopK`` reference."""
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [positions, vocab], got shape {tuple(logprobs.shape)}")
+    k = min(k, logprobs.shape[1])
+    values, ids = torch.topk(logprobs, k, dim=1)
+    return TopK(ids, values.to(torch.float64), _log_mass_outside(logprobs, ids), torch.argmax(logprobs, dim=1))
+
+
+def _buckets(top: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``[P, k + 1]`` float64 log-probabilities of the top-k tokens and the "other" bucket,
+    renormalized to sum to exactly 1 (float32 log-softmax rows sum to 1 only within ~1e-7;
+    exact normalization keeps the KL non-negative and second order in the differences)."""
+    logs = torch.cat([top.to(torch.float64), other.to(torch.float64)[:, None]], dim=1)
+    return logs - torch.logsumexp(logs, dim=1, keepdim=True)
+
+
+def kl_topk_other(reference: TopK, logprobs: torch.Tensor) -> torch.Tensor:
+    """Per position KL(reference || other) over the reference's top-k tokens plus an "other"
+    bucket (everything else). ``logprobs``: the other distribution, ``[P, V]`` log-softmax.
+
+    A lower bound on the full KL (merging outcomes cannot increase it); equal to it when the
+    top-k covers the vocabulary. float64, clamped at 0 against rounding.
+    """
+    if logprobs.shape[0] != len(reference):
+        raise ValueError(f"{logprobs.shape[0]} positions vs {len(reference)} in the reference")
+    if logprobs.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.float64)
+    p = _buckets(reference.logprobs, reference.log_other)
+    q = _buckets(logprobs.gather(1, reference.ids), _log_mass_outside(logprobs, reference.ids))
+    terms = torch.where(p > -math.inf, p.exp() * (p - q), torch.zeros_like(p))
+    return terms.sum(dim=1).clamp_min(0.0)
+
+
+def top1_matches(reference: TopK, logprobs: torch.Tensor) -> torch.Tensor:
+    """Per position: does ``logprobs``' most likely token equal the reference's? (bool ``[P]``)"""
+    return torch.argmax(logprobs, dim=1) == reference.top1
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolation percentile (``q`` in [0, 100]); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(pos), math.ceil(pos)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+# -- settings -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What to run. ``modes`` may include "dense" (always run, as the reference, anyway).
+    ``gammas`` x ``max_anchors`` is the grid for mode "kvcomm"; the other modes use the
+    first of each. ``top_k``: tokens kept per position for the KL bound. ``noise``: also
+    measure the dense-vs-dense noise floor (one extra prefill per call). ``timing_pass``:
+    with KL on, take TTFT from a separate pass without logprobs (see ``evaluate``). ``warm_up``:
+    run the first row densely once, unrecorded, before anything is timed."""
+
+    modes: tuple[str, ...] = ALL_MODES
+    gammas: tuple[float, ...] = (PoolConfig.gamma,)
+    max_anchors: tuple[int, ...] = (PoolConfig.max_anchors,)
+    seeds: tuple[int, ...] = (0,)
+    recompute_ratio: float = 0.15
+    check_layer: int = 1
+    top_k: int = KL_TOP_K
+    noise: bool = True
+    timing_pass: bool = True
+    warm_up: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("modes", "gammas", "max_anchors", "seeds"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        problems = []
+        if not self.modes:
+            problems.append(f"modes is empty; choose from {', '.join(ALL_MODES)}")
+        unknown = [m for m in self.modes if m not in ALL_MODES]
+        if unknown:
+            problems.append(f"unknown mode {unknown[0]!r}; valid modes: {', '.join(ALL_MODES)}")
+        if len(set(self.modes)) != len(self.modes):
+            problems.append("modes are listed twice")
+        if not self.gammas or any(not (isinstance(g, (int, float)) and g >= 0 and math.isfinite(g)) for g in self.gammas):
+            problems.append(f"gammas must be finite numbers >= 0, at least one (got {list(self.gammas)})")
+        if not self.max_anchors or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in self.max_anchors):
+            problems.append(f"max_anchors must be integers >= 1, at least one (got {list(self.max_anchors)})")
+        if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in self.seeds):
+            problems.append(f"seeds must be integers, at least one (got {list(self.seeds)})")
+        if len(set(self.seeds)) != len(self.seeds):
+            problems.append("seeds are listed twice")
+        if not 0 < self.recompute_ratio <= 1:
+            problems.append(f"recompute_ratio must be in (0, 1] (got {self.recompute_ratio})")
+        if self.top_k < 1:
+            problems.append(f"top_k must be >= 1 (got {self.top_k})")
+        if problems:
+            raise ValueError("invalid eval settings: " + "; ".join(problems))
+
+    def runs(self) -> list["RunSpec"]:
+        """The reuse runs of one seed, in order (dense excluded: it always runs first)."""
+        out = []
+        for mode in self.modes:
+            if mode == DENSE:
+                continue
+            if mode == "kvcomm":
+                out += [RunSpec(mode, g, v) for g in self.gammas for v in self.max_anchors]
+            else:
+                out.append(RunSpec(mode, None, None))
+        return out
+
+    def config(self, run: "RunSpec") -> ReuseConfig:
+        pool = PoolConfig(
+            gamma=run.gamma if run.gamma is not None else self.gammas[0],
+            max_anchors=run.max_anchors if run.max_anchors is not None else self.max_anchors[0],
+        )
+        return ReuseConfig(pool=pool, mode=run.mode, recompute_ratio=self.recompute_ratio, check_layer=self.check_layer)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    mode: str
+    gamma: float | None = None
+    max_anchors: int | None = None
+
+    @property
+    def setting(self) -> str:
+        if self.gamma is None and self.max_anchors is None:
+            return ""
+        return f"gamma={self.gamma:g},V={self.max_anchors}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode} {self.setting}".strip()
+
+
+DENSE_RUN = RunSpec(DENSE)
+
+
+# -- the reference: dense prefill of a given prompt -----------------------------------------
+
+
+class DenseReference:
+    """Teacher-forced dense prefills of prompts, compressed to ``TopK`` and cached by prompt;
+    the two-chunk noise-floor prefills cached by (prompt, split)."""
+
+    def __init__(self, executor, top_k: int = KL_TOP_K, with_noise: bool = True):
+        self.executor = executor
+        self.top_k = top_k
+        self.with_noise = with_noise
+        self._dense: dict[tuple[int, ...], TopK] = {}
+        self._noise: dict[tuple[tuple[int, ...], int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _logprobs(self, ids: Sequence[int], prefix=None):
+        generation = self.executor.generate(list(ids), prefix, 0, None, keep_logprobs=True)
+        if generation.prompt_logprobs is None:
+            raise RuntimeError("the executor returned no prompt_logprobs with keep_logprobs=True")
+        return generation
+
+    def dense(self, ids: tuple[int, ...]) -> TopK:
+        """The dense distribution at every prompt position ``[0, len(ids))``."""
+        if ids not in self._dense:
+            self._dense[ids] = topk_reference(self._logprobs(ids).prompt_logprobs, self.top_k)
+        return self._dense[ids]
+
+    def noise(self, ids: tuple[int, ...], reuse_end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(KL bound, top-1 match) at positions ``[reuse_end, len(ids))`` of dense vs the same
+        prompt prefilled in two chunks through the KV cache: ``[0, split)`` then
+        ``[split, n)``, split at ``reuse_end`` (the same structure as the mode's injected
+        prefix and computed tail), or in the middle when ``reuse_end`` is 0."""
+        n = len(ids)
+        key = (ids, reuse_end)
+        if key not in self._noise:
+            reference = self.dense(ids)
+            split = reuse_end if reuse_end >= 1 else n // 2
+            if split < 1:  # a one-token prompt: no second way to compute it
+                self._noise[key] = (torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.bool))
+                return self._noise[key]
+            head_logits = split > reuse_end  # the head's positions are compared only when reuse_end < split
+            head = self.executor.generate(list(ids[:split]), None, 0, None, keep_logprobs=head_logits)
+            tail = self._logprobs(ids, head.computed).prompt_logprobs
+            parts = [(split, tail)]
+            if head_logits:
+                parts.insert(0, (0, head.prompt_logprobs[reuse_end:]))
+            kls, tops = [], []
+            for start, lp in parts:
+                ref = _slice(reference, max(start, reuse_end), max(start, reuse_end) + lp.shape[0])
+                kls.append(kl_topk_other(ref, lp))
+                tops.append(top1_matches(ref, lp))
+            self._noise[key] = (torch.cat(kls), torch.cat(tops))
+        return self._noise[key]
+
+
+def _slice(ref: TopK, start: int, end: int) -> TopK:
+    return TopK(ref.ids[start:end], ref.logprobs[start:end], ref.log_other[start:end], ref.top1[start:end])
+
+
+# -- the evaluation loop ------------------------------------------------------------------
+
+
+@dataclass
+class CallRecord:
+    """One agent call of one run (see module docstring for the metrics)."""
+
+    seed: int
+    mode: str
+    setting: str
+    gamma: float | None
+    max_anchors: int | None
+    order: int  # position of the row in this seed's shuffled order
+    input_index: int
+    agent: str
+    agent_position: int
+    prompt_tokens: int
+    exact_tokens: int
+    estimated_tokens: int
+    computed_tokens: int
+    recomputed_tokens: int
+    shared_tokens: int
+    reused_shared_tokens: int
+    reused: bool
+    fallback: bool
+    note: str
+    ttft_s: float
+    reply_tokens: int
+    reply_equal: bool
+    score: float | None  # task score of the decider's reply, None for other agents
+    kl_positions: int
+    kl_sum: float
+    kl_max: float
+    kl_last: float  # at the last prompt position: the first reply token's distribution
+    top1_matches: int
+    noise_split: int | None
+    noise_kl_sum: float | None
+    noise_kl_max: float | None
+    noise_kl_last: float | None
+    noise_top1_matches: int | None
+    reply: str
+    measured_pass_ttft_s: float | None = None  # TTFT of the pass that kept logprobs, when ttft_s is from a timing pass
+    timing_consistent: bool | None = None  # the timing pass made the same decisions and reply (None: no timing pass)
+
+
+@dataclass
+class RunResult:
+    seed: int
+    run: RunSpec
+    calls: list[CallRecord]
+    pool_bytes: int
+    anchors: dict[str, int]
+    prefix_store_bytes: int
+    wall_s: float
+
+
+@dataclass
+class EvalResult:
+    workload: str
+    settings: EvalSettings
+    agents: tuple[str, ...]
+    decider: str
+    rows: int
+    runs: list[RunResult] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+    @property
+    def calls(self) -> list[CallRecord]:
+        return [c for r in self.runs for c in r.calls]
+
+    def aggregates(self) -> list[dict]:
+        return aggregate(self)
+
+
+def _decider(spec) -> str:
+    names = [a.name for a in spec.agents]
+    return "decider" if "decider" in names else names[-1]
+
+
+def _score(workload, row: int, reply: str) -> float | None:
+    """The decider's score on ``row``; None when the workload has no reference for it."""
+    references = getattr(workload, "references", None)
+    if references is not None and references[row] is None:
+        return None
+    value = float(workload.score(row, reply))
+    if not 0.0 <= value <= 1.0 or math.isnan(value):
+        raise ValueError(f"workload {workload.name!r} scored row {row} as {value}, outside [0, 1]")
+    return value
+
+
+def _record(
+    call: AgentCall, run: RunSpec, seed: int, order: int, position: int, dense_reply: tuple[int, ...],
+    score: float | None, reference: DenseReference | None,
+) -> CallRecord:
+    p = call.provenance
+    ids = tuple(call.prompt_ids)
+    n = len(ids)
+    kl_positions, kl_sum, kl_max, kl_last, top1 = 0, 0.0, 0.0, 0.0, 0
+    noise = (None, None, None, None, None)
+    if reference is not None:
+        lp = call.prompt_logprobs
+        if lp is None:
+            raise RuntimeError("run_row returned no prompt_logprobs with keep_logprobs=True")
+        count = lp.shape[0]
+        if count != n - p.reuse_end:
+            raise RuntimeError(f"{count} prompt logprob rows for {n - p.reuse_end} computed positions")
+        dense = reference.dense(ids).tail(count)
+        kl = kl_topk_other(dense, lp)
+        kl_positions, kl_sum = count, float(kl.sum())
+        kl_max, kl_last = float(kl.max()) if count else 0.0, float(kl[-1]) if count else 0.0
+        top1 = int(top1_matches(dense, lp).sum())
+        if reference.with_noise:
+            split = p.reuse_end if p.reuse_end >= 1 else n // 2
+            noise_kl, noise_top = reference.noise(ids, p.reuse_end)
+            noise = (
+                split, float(noise_kl.sum()), float(noise_kl.max()) if count else 0.0,
+                float(noise_kl[-1]) if count else 0.0, int(noise_top.sum()),
+            )
+    return CallRecord(
+        seed=seed, mode=run.mode, setting=run.setting, gamma=run.gamma, max_anchors=run.max_anchors, order=order,
+        input_index=call.input_index, agent=call.agent, agent_position=position,
+        prompt_tokens=p.prompt_tokens, exact_tokens=p.exact_tokens, estimated_tokens=p.estimated_tokens,
+        computed_tokens=p.computed_tokens, recomputed_tokens=getattr(p, "recomputed_tokens", 0),
+        shared_tokens=p.shared_tokens, reused_shared_tokens=p.reused_shared_tokens, reused=p.reused,
+        fallback=p.fallback, note=p.note, ttft_s=float(p.ttft_s), reply_tokens=len(call.reply_ids),
+        reply_equal=tuple(call.reply_ids) == tuple(dense_reply), score=score,
+        kl_positions=kl_positions, kl_sum=kl_sum, kl_max=kl_max, kl_last=kl_last, top1_matches=top1,
+        noise_split=noise[0], noise_kl_sum=noise[1], noise_kl_max=noise[2], noise_kl_last=noise[3],
+        noise_top1_matches=noise[4], reply=call.reply,
+    )
+
+
+def _pool_state(engine: ReuseEngine | None) -> tuple[int, dict[str, int], int]:
+    if engine is None:
+        return 0, {}, 0
+    pools = engine.pools.items() if isinstance(engine.pools, dict) else enumerate(engine.pools)
+    pools = list(pools)
+    return (
+        int(sum(pool.nbytes for _, pool in pools)),
+        {str(slot): len(pool) for slot, pool in pools},
+        int(engine.prefix_store.nbytes),
+    )
+
+
+def _signature(call: AgentCall) -> tuple:
+    """What a deterministic rerun must reproduce: token provenance and the reply."""
+    p = call.provenance
+    return (p.exact_tokens, p.estimated_tokens, p.computed_tokens, getattr(p, "recomputed_tokens", 0), tuple(call.reply_ids))
+
+
+def evaluate(
+    workload, executor, settings: EvalSettings | None = None, *, progress: bool = True,
+    kl: bool = True, meta: dict | None = None, engine_factory: Callable[[Any, ReuseConfig], ReuseEngine] | None = None,
+) -> EvalResult:
+    """Run ``workload`` (``.name``, ``.pipeline``, ``.score(row, reply)``) on ``executor``
+    for every seed: dense, then every reuse run of ``settings``; see the module docstring.
+
+    ``kl=False`` skips the KL / noise metrics (no logprobs kept, no reference prefills).
+    With ``kl`` and ``settings.timing_pass``, every run is done twice with fresh engines: a
+    timing pass without logprobs (TTFT is taken from it: keeping prompt logprobs computes the
+    full-vocabulary logits of every computed position before the first token, which would
+    inflate TTFT in proportion to the computed tokens), then the measured pass. Both must make
+    the same reuse decisions and replies (``timing_consistent`` per call).
+    ``engine_factory(rotary, config)``: how a fresh engine is made (default ``ReuseEngine``).
+    """
+    settings = settings or EvalSettings()
+    spec = workload.pipeline
+    factory = engine_factory or (lambda rotary, config: ReuseEngine(rotary, config))
+    runs = settings.runs()
+    if runs and getattr(executor, "rotary", None) is None:
+        raise ValueError("this executor has no verified rotary embedding (dense only): reuse modes cannot run")
+    configs = {run: settings.config(run) for run in runs}  # validates every config before any work
+    agents = tuple(a.name for a in spec.agents)
+    decider = _decider(spec)
+    timing_pass = kl and settings.timing_pass
+    result = EvalResult(getattr(workload, "name", "workload"), settings, agents, decider, len(spec.inputs), meta=dict(meta or {}))
+    result.meta.setdefault("kl", kl)
+    result.meta.setdefault("ttft_source", "separate timing pass without logprobs" if timing_pass else
+                           "the measured pass" + (" (with prompt logprobs: inflated by full-vocabulary logits)" if kl else ""))
+    reference = DenseReference(executor, settings.top_k, settings.noise) if kl else None
+    passes = 2 if timing_pass else 1
+    total = len(settings.seeds) * (1 + len(runs)) * len(spec.inputs) * len(agents) * passes
+    bar = tqdm(total=total, desc=f"eval {result.workload}", unit="call", disable=not progress, file=sys.stderr)
+    tick = lambda _: bar.update()  # noqa: E731
+    started = time.perf_counter()
+    try:
+        if settings.warm_up and spec.inputs:
+            bar.set_postfix_str("warm-up")
+            run_row(spec, 0, executor, None)  # first-call overheads (allocator, kernels) out of the timings
+        for seed in settings.seeds:
+            order = list(range(len(spec.inputs)))
+            random.Random(seed).shuffle(order)
+            dense_replies: dict[tuple[int, str], tuple[int, ...]] = {}
+            for run in [DENSE_RUN, *runs]:
+                make = (lambda: None) if run.mode == DENSE else (lambda: factory(executor.rotary, configs[run]))
+                timing: dict[tuple[int, str], tuple[float, tuple]] = {}
+                if timing_pass:
+                    bar.set_postfix_str(f"seed {seed} {run.label} (timing)")
+                    engine = make()
+                    for row in order:
+                        for call in run_row(spec, row, executor, engine, on_call=tick):
+                            timing[(row, call.agent)] = (float(call.provenance.ttft_s), _signature(call))
+                    del engine
+                bar.set_postfix_str(f"seed {seed} {run.label}")
+                engine = make()
+                run_started = time.perf_counter()
+                records: list[CallRecord] = []
+                for position_in_order, row in enumerate(order):
+                    calls = run_row(spec, row, executor, engine, on_call=tick, keep_logprobs=kl)
+                    for agent_position, call in enumerate(calls):
+                        if run.mode == DENSE:
+                            dense_replies[(row, call.agent)] = tuple(call.reply_ids)
+                        score = _score(workload, row, call.reply) if call.agent == decider else None
+                        record = _record(call, run, seed, position_in_order, agent_position,
+                                         dense_replies[(row, call.agent)], score, reference)
+                        if timing_pass:
+                            ttft, signature = timing[(row, call.agent)]
+                            record.measured_pass_ttft_s, record.ttft_s = record.ttft_s, ttft
+                            record.timing_consistent = signature == _signature(call)
+                        records.append(record)
+                    del calls
+                pool_bytes, anchors, store_bytes = _pool_state(engine)
+                result.runs.append(RunResult(seed, run, records, pool_bytes, anchors, store_bytes, time.perf_counter() - run_started))
+    finally:
+        bar.close()
+    result.elapsed_s = time.perf_counter() - started
+    return result
+
+
+# -- aggregation ----------------------------------------------------------------------------
+
+
+def _rate(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def summarize_calls(calls: Sequence[CallRecord], agents: Sequence[str], decider: str) -> dict:
+    """Aggregate numbers over ``calls`` (one run, or several pooled)."""
+    prompt = sum(c.prompt_tokens for c in calls)
+    n = len(calls)
+    scores = [c.score for c in calls if c.agent == decider and c.score is not None]
+    low, high = wilson_interval(sum(scores), len(scores)) if scores else (None, None)
+    positions = sum(c.kl_positions for c in calls)
+    with_noise = [c for c in calls if c.noise_kl_sum is not None]
+    noise_positions = sum(c.kl_positions for c in with_noise)
+    ttft = [c.ttft_s for c in calls]
+    timed = [c for c in calls if c.timing_consistent is not None]
+    by_position = []
+    for index, agent in enumerate(agents):
+        mine = [c.ttft_s for c in calls if c.agent_position == index]
+        by_position.append({
+            "position": index, "agent": agent, "calls": len(mine),
+            "ttft_mean_s": statistics.fmean(mine) if mine else None,
+            "ttft_p50_s": percentile(mine, 50), "ttft_p95_s": percentile(mine, 95),
+        })
+    return {
+        "calls": n,
+        "rows": len(scores),
+        "accuracy": statistics.fmean(scores) if scores else None,
+        "accuracy_ci_low": low,
+        "accuracy_ci_high": high,
+        "prompt_tokens": prompt,
+        "exact_tokens": sum(c.exact_tokens for c in calls),
+        "estimated_tokens": sum(c.estimated_tokens for c in calls),
+        "computed_tokens": sum(c.computed_tokens for c in calls),
+        "recomputed_tokens": sum(c.recomputed_tokens for c in calls),
+        "token_reuse_rate": _rate(sum(c.exact_tokens + c.estimated_tokens for c in calls), prompt),
+        "exact_token_rate": _rate(sum(c.exact_tokens for c in calls), prompt),
+        "estimated_token_rate": _rate(sum(c.estimated_tokens for c in calls), prompt),
+        "agent_reuse_rate": _rate(sum(c.reused for c in calls), n),
+        "fallback_rate": _rate(sum(c.fallback for c in calls), n),
+        "reply_agreement": _rate(sum(c.reply_equal for c in calls), n),
+        "kl_positions": positions,
+        "kl_mean": _rate(sum(c.kl_sum for c in calls), positions),
+        "kl_last_mean": _rate(sum(c.kl_last for c in calls if c.kl_positions), sum(1 for c in calls if c.kl_positions)),
+        "kl_max": max((c.kl_max for c in calls if c.kl_positions), default=None),
+        "top1_agreement": _rate(sum(c.top1_matches for c in calls), positions),
+        "noise_kl_mean": _rate(sum(c.noise_kl_sum for c in with_noise), noise_positions),
+        "noise_kl_last_mean": _rate(
+            sum(c.noise_kl_last for c in with_noise if c.kl_positions), sum(1 for c in with_noise if c.kl_positions)),
+        "noise_kl_max": max((c.noise_kl_max for c in with_noise if c.kl_positions), default=None),
+        "noise_top1_agreement": _rate(sum(c.noise_top1_matches for c in with_noise), noise_positions),
+        "timing_consistent_rate": _rate(sum(bool(c.timing_consistent) for c in timed), len(timed)),
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p95_s": percentile(ttft, 95),
+        "ttft_by_position": by_position,
+    }
+
+
+def aggregate(result: EvalResult) -> list[dict]:
+    """One dict per (mode, setting, seed), then one per (mode, setting) pooled over seeds
+    (``seed`` = "pooled"; ``pool_bytes`` is then the mean over seeds). Pooled accuracy CIs
+    treat every (seed, row) as a trial, though the rows repeat across seeds."""
+    out = []
+    keys = list(dict.fromkeys(r.run for r in result.runs))
+    for key in keys:
+        mine = [r for r in result.runs if r.run == key]
+        for r in mine:
+            out.append(_aggregate_row(result, key, r.seed, r.calls, [r]))
+        out.append(_aggregate_row(result, key, POOLED, [c for r in mine for c in r.calls], mine))
+    return out
+
+
+def _aggregate_row(result: EvalResult, run: RunSpec, seed, calls, runs: Sequence[RunResult]) -> dict:
+    row = {"mode": run.mode, "setting": run.setting, "gamma": run.gamma, "max_anchors": run.max_anchors, "seed": seed}
+    row.update(summarize_calls(calls, result.agents, result.decider))
+    row["pool_bytes"] = statistics.fmean(r.pool_bytes for r in runs) if runs else None
+    row["anchors"] = {slot: statistics.fmean(r.anchors.get(slot, 0) for r in runs) for slot in sorted({s for r in runs for s in r.anchors})}
+    row["wall_s"] = sum(r.wall_s for r in runs)
+    return row
+
+
+# -- outputs ------------------------------------------------------------------------------
+
+
+CSV_FIELDS = (
+    "mode", "setting", "gamma", "max_anchors", "seed", "rows", "calls", "accuracy", "accuracy_ci_low",
+    "accuracy_ci_high", "token_reuse_rate", "exact_token_rate", "estimated_token_rate", "agent_reuse_rate",
+    "fallback_rate", "reply_agreement", "kl_mean", "noise_kl_mean", "kl_last_mean", "noise_kl_last_mean", "kl_max",
+    "noise_kl_max", "top1_agreement", "noise_top1_agreement", "prompt_tokens", "exact_tokens", "estimated_tokens",
+    "computed_tokens", "recomputed_tokens", "ttft_mean_s", "ttft_p50_s", "ttft_p95_s", "timing_consistent_rate",
+    "pool_bytes", "wall_s",
+)
+
+NOTES = {
+    "kl": "KL(dense || mode) per computed prompt position on the dense top-k tokens plus an 'other' bucket: a lower "
+          "bound on the full-vocabulary KL. Positions: those the mode computed after its injected prefix "
+          "[reuse_end, prompt_tokens); the dense reference is a teacher-forced dense prefill of the same prompt.",
+    "noise": "noise_*: the same metrics for dense vs the same prompt prefilled in two chunks through the KV cache "
+             "(split at the mode's reuse_end, or at the middle when it reused nothing): the numerical noise floor.",
+    "accuracy": "mean task score of the decider's reply; 95% Wilson interval (pooled: every (seed, row) a trial).",
+    "token_reuse_rate": "(exact + estimated) / prompt tokens; cacheblend's recomputed tokens count as computed.",
+    "agent_reuse_rate": "calls that reused some shared content / calls (KVCOMM's definition).",
+    "reply_agreement": "calls whose greedy reply equals the dense run's reply for the same row and agent.",
+    "pool_bytes": "sum of anchor pool bytes over the engine's pools after the run (pooled: mean over seeds).",
+    "ttft": "seconds from the call's start (planning included) to the first token's logits. With KL on, taken from "
+            "a separate timing pass without prompt logprobs (fresh engine, same order); timing_consistent_rate: "
+            "share of calls where that pass made the same reuse decisions and reply as the measured pass.",
+}
+
+
+def to_json(result: EvalResult) -> dict:
+    return {
+        "workload": result.workload,
+        "settings": {**dataclasses.asdict(result.settings), "rows": result.rows, "agents": list(result.agents),
+                     "decider": result.decider, **result.meta},
+        "elapsed_s": result.elapsed_s,
+        "notes": NOTES,
+        "aggregates": aggregate(result),
+        "runs": [{"mode": r.run.mode, "setting": r.run.setting, "seed": r.seed, "pool_bytes": r.pool_bytes,
+                  "anchors": r.anchors, "prefix_store_bytes": r.prefix_store_bytes, "wall_s": r.wall_s} for r in result.runs],
+        "calls": [dataclasses.asdict(c) for c in result.calls],
+    }
+
+
+def check_out_dir(out: str | os.PathLike) -> Path:
+    """Create ``out`` if needed and make sure files can be written there (raises ValueError)."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {path}: exists and is not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".kvcomm-eval-write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(f"--out {path}: not writable ({error.strerror or error})") from None
+    return path
+
+
+def write_outputs(result: EvalResult, out: str | os.PathLike, plots: bool = True) -> dict[str, Path]:
+    """Write results.json, results.csv and (``plots``) the PNGs into ``out``; returns the paths."""
+    path = check_out_dir(out)
+    data = to_json(result)
+    files = {"json": path / "results.json", "csv": path / "results.csv"}
+    files["json"].write_text(json.dumps(_finite(data), indent=2, default=_json_default, allow_nan=False) + "\n")
+    agents = result.agents
+    fields = list(CSV_FIELDS) + [f"ttft_{stat}_s_{i}_{a}" for i, a in enumerate(agents) for stat in ("mean", "p50", "p95")]
+    with files["csv"].open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        for row in data["aggregates"]:
+            flat = {k: _csv_value(row.get(k)) for k in CSV_FIELDS}
+            for entry in row["ttft_by_position"]:
+                for stat in ("mean", "p50", "p95"):
+                    flat[f"ttft_{stat}_s_{entry['position']}_{entry['agent']}"] = _csv_value(entry[f"ttft_{stat}_s"])
+            writer.writerow(flat)
+    if plots:
+        from kvcomm.eval.plots import write_plots
+
+        files.update(write_plots(data, path))
+    return files
+
+
+def _finite(value):
+    """JSON has no NaN/Infinity: NaN becomes null, infinities the strings "inf"/"-inf"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _json_default(value):
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def _csv_value(value):
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return value
+
+
+def _fmt(value, spec: str, none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def format_table(result: EvalResult | dict, per_seed: bool = False) -> str:
+    """A compact fixed-width table: one row per (mode, setting), pooled over seeds; with
+    ``per_seed`` and several seeds, each seed's row too. ``result``: an ``EvalResult`` or
+    its ``to_json`` dict."""
+    rows = result["aggregates"] if isinstance(result, dict) else aggregate(result)
+    seeds = {r["seed"] for r in rows if r["seed"] != POOLED}
+    shown = [r for r in rows if r["seed"] == POOLED or (per_seed and len(seeds) > 1)]
+    header = ("mode", "setting", "seed", "acc [95% CI]", "tok reuse", "agent reuse", "fallback", "KL", "noise KL",
+              "top1", "noise top1", "reply eq", "TTFT p50", "TTFT p95", "pool")
+    lines = [header]
+    for r in shown:
+        ci = "" if r["accuracy_ci_low"] is None else f" [{r['accuracy_ci_low']:.2f},{r['accuracy_ci_high']:.2f}]"
+        lines.append((
+            r["mode"], r["setting"] or "-", str(r["seed"]),
+            _fmt(r["accuracy"], ".2f") + ci,
+            _fmt(r["token_reuse_rate"], ".1%"), _fmt(r["agent_reuse_rate"], ".1%"), _fmt(r["fallback_rate"], ".1%"),
+            _fmt(r["kl_mean"], ".2e"), _fmt(r["noise_kl_mean"], ".1e"),
+            _fmt(r["top1_agreement"], ".1%"), _fmt(r["noise_top1_agreement"], ".1%"), _fmt(r["reply_agreement"], ".1%"),
+            _fmt(None if r["ttft_p50_s"] is None else r["ttft_p50_s"] * 1000, ".0f") + " ms",
+            _fmt(None if r["ttft_p95_s"] is None else r["ttft_p95_s"] * 1000, ".0f") + " ms",
+            _bytes(r["pool_bytes"]),
+        ))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text = ["  ".join(cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))) for line in lines]
+    text.insert(1, "-" * len(text[0]))
+    text.append("KL: mean over computed prompt positions of KL(dense || mode) on dense top-k + 'other' (a lower bound); "
+                "noise: dense vs two-chunk dense prefill of the same prompts.")
+    return "\n".join(text)
+
+
+def _bytes(value) -> str:
+    if value is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return str(value)  # pragma: no cover
+
+
+def run_evaluation(workload, executor, out: str | os.PathLike, settings: EvalSettings | None = None, *,
+                   progress: bool = True, kl: bool = True, meta: dict | None = None, plots: bool = True,
+                   print_table: bool = True) -> EvalResult:
+    """``evaluate`` + ``write_outputs`` + print the table: the whole of `kvcomm eval` minus
+    argument parsing and model loading."""
+    check_out_dir(out)
+    result = evaluate(workload, executor, settings, progress=progress, kl=kl, meta=meta)
+    write_outputs(result, out, plots=plots)
+    if print_table:
+        print(format_table(result))
+    return result
