@@ -146,12 +146,9 @@ def settings_from_args(args) -> EvalSettings:
 
 def load_executor(model: str | None):
     """(TransformersExecutor, model path) for ``model`` or the embedded model."""
-    from kvcomm.integrations.embedded import load_model_and_tokenizer, resolve_model_dir
-    from kvcomm.integrations.transformers_executor import TransformersExecutor
+    from kvcomm.integrations.cli import load_executor as load
 
-    path = resolve_model_dir(model)
-    hf_model, tokenizer = load_model_and_tokenizer(str(path))
-    return TransformersExecutor(hf_model, tokenizer), str(path)
+    return load(model)
 
 
 def run_eval_command(args, executor=None) -> int:

@@ -18,7 +18,8 @@ from kvcomm.runner import run_row
 BACKENDS = ("transformers",)
 
 
-def _load_executor(model: str | None):
+def load_executor(model: str | None):
+    """(TransformersExecutor, model path) for ``model`` or the embedded model."""
     from kvcomm.integrations.embedded import load_model_and_tokenizer, resolve_model_dir
     from kvcomm.integrations.transformers_executor import TransformersExecutor
 
@@ -44,7 +45,7 @@ def run_side_by_side(spec: PipelineSpec, executor, config: ReuseConfig, progress
 def _cmd_run(args, spec: PipelineSpec) -> int:
     from kvcomm.eval.report import compare, format_table, to_json
 
-    executor, model_path = _load_executor(args.model)
+    executor, model_path = load_executor(args.model)
     config = ReuseConfig(pool=PoolConfig(gamma=args.gamma, max_anchors=args.max_anchors))
     dense, reuse, engine = run_side_by_side(spec, executor, config, progress=not args.json)
     calls = compare(dense, reuse)
