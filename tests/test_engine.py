@@ -8,27 +8,13 @@ import torch
 from kvcomm.anchors.pool import PoolConfig
 from kvcomm.engine import ReuseConfig, ReuseEngine
 from kvcomm.pipeline import parse_pipeline
-from kvcomm.runner import build_prompt, run_agent, run_row
-from kvcomm.segments import Prompt, Segment
-
-PIPELINE = {
-    "agents": [
-        {"name": "reader", "system": "You are a careful reader.", "template": "Text: {doc}\nSummarize it in one line."},
-        {"name": "asker", "system": "You ask questions.", "template": "Text: {doc}\nSummary: {reader}\nAsk one question."},
-    ],
-    "inputs": [
-        {"doc": "The river Seine flows through Paris and into the English Channel."},
-        {"doc": "Mount Fuji is the highest mountain in Japan, near Tokyo."},
-        {"doc": "The Nile is a long river in Africa that flows north into the sea."},
-        {"doc": "Bananas are yellow fruits that grow in warm countries."},
-    ],
-    "max_new_tokens": 12,
-}
+from kvcomm.runner import run_agent, run_row
+from kvcomm.segments import Prompt
+from two_agent_case import PIPELINE, agent_prompt
 
 
 def _prompt(executor, spec, agent_index: int, row: dict) -> Prompt:
-    shared = {k: Segment(tuple(executor.encode(v)), slot="_") for k, v in row.items()}
-    return build_prompt(executor, spec.agents[agent_index], shared)
+    return agent_prompt(executor, spec.agents[agent_index], row)
 
 
 @pytest.mark.slow

@@ -12,28 +12,15 @@ from kvcomm.kv import KV, positions
 from kvcomm.pipeline import parse_pipeline
 from kvcomm.plan import BlendRequest, ReusePlan
 from kvcomm.rope import Rotary
-from kvcomm.runner import build_prompt, run_agent, run_row
+from kvcomm.runner import run_agent, run_row
 from kvcomm.segments import Prompt, Segment, content_id
+from two_agent_case import PIPELINE as TWO_AGENT_PIPELINE, agent_prompt
 
-PIPELINE = {
-    "agents": [
-        {"name": "reader", "system": "You are a careful reader.", "template": "Text: {doc}\nSummarize it in one line."},
-        {"name": "asker", "system": "You ask questions.", "template": "Text: {doc}\nSummary: {reader}\nAsk one question."},
-    ],
-    "inputs": [
-        {"doc": "The river Seine flows through Paris and into the English Channel."},
-        {"doc": "Mount Fuji is the highest mountain in Japan, near Tokyo."},
-        {"doc": "The Nile is a long river in Africa that flows north into the sea."},
-        {"doc": "Bananas are yellow fruits that grow in warm countries."},
-    ],
-    "max_new_tokens": 6,
-}
+PIPELINE = {**TWO_AGENT_PIPELINE, "max_new_tokens": 6}
 
 
 def _prompt(executor, agent_index: int, fill: dict[str, str]) -> Prompt:
-    spec = parse_pipeline(PIPELINE)
-    shared = {k: Segment(tuple(executor.encode(v)), slot="_") for k, v in fill.items()}
-    return build_prompt(executor, spec.agents[agent_index], shared)
+    return agent_prompt(executor, parse_pipeline(PIPELINE).agents[agent_index], fill)
 
 
 def _reader(executor, row: int) -> Prompt:
