@@ -12,7 +12,8 @@ import sys
 import time
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.eval.evaluate import ALL_MODES, EvalSettings, check_out_dir
+from kvcomm.eval.evaluate import ALL_MODES, EvalSettings
+from kvcomm.eval.outputs import check_out_dir
 
 BACKENDS = ("transformers", "vllm")
 AVAILABLE_BACKENDS = ("transformers",)
@@ -152,7 +153,7 @@ def load_executor(model: str | None):
 def run_eval_command(args, executor=None) -> int:
     """The ``eval`` command. ``executor``: use this one instead of loading ``--model``
     (tests). Returns 0, or 2 with a message on stderr for a usage or input problem."""
-    from kvcomm.eval.evaluate import run_evaluation
+    from kvcomm.eval.outputs import run_evaluation
     from kvcomm.pipeline import PipelineError
     from kvcomm.rope import RopeError
 

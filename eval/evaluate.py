@@ -17,24 +17,18 @@ Per agent call, against dense prefill of the *same prompt* the mode saw (teacher
   floating-point noise floor a mode's KL is to be read against.
 - ``reply_equal``: the mode's greedy reply equals the dense run's reply for that row and agent.
 
-Aggregates per (mode, setting, seed) and pooled over seeds (see ``aggregate``); outputs with
-``write_outputs`` (results.json, results.csv, PNG plots) and ``format_table``.
+Aggregates per (mode, setting, seed) and pooled over seeds (``kvcomm.eval.summary``); outputs with
+``kvcomm.eval.outputs`` (results.json, results.csv, PNG plots, the table).
 """
 
 from __future__ import annotations
 
-import csv
-import dataclasses
-import json
 import math
-import os
 import random
-import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,119 +36,13 @@ from tqdm import tqdm
 
 from kvcomm.anchors.pool import PoolConfig
 from kvcomm.engine import ReuseConfig, ReuseEngine
+from kvcomm.eval.metrics import KL_TOP_K, TopK, kl_topk_other, top1_matches, topk_reference
 from kvcomm.runner import AgentCall, run_row
 
 DENSE = "dense"
 REUSE_MODES = ("exact", "realign", "cacheblend", "kvcomm")
 ALL_MODES = (DENSE, *REUSE_MODES)
 POOLED = "pooled"
-KL_TOP_K = 20
-WILSON_Z = 1.959963984540054  # two-sided 95%
-
-
-# -- metric functions ---------------------------------------------------------------------
-
-
-def wilson_interval(successes: float, n: int, z: float = WILSON_Z) -> tuple[float, float]:
-    """Wilson score interval for a binomial proportion (95% by default).
-
-    ``successes`` may be fractional (a sum of scores in [0, 1]); it is then an approximation.
-    Returns (nan, nan) for n == 0.
-    """
-    if n <= 0:
-        return (math.nan, math.nan)
-    if not 0 <= successes <= n:
-        raise ValueError(f"successes must be in [0, n], got {successes} of {n}")
-    p = successes / n
-    z2 = z * z
-    denom = 1 + z2 / n
-    center = (p + z2 / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / denom
-    low = 0.0 if successes == 0 else max(0.0, center - half)
-    high = 1.0 if successes == n else min(1.0, center + half)
-    return (low, high)
-
-
-@dataclass(frozen=True)
-class TopK:
-    """A reference distribution per position, compressed to what the metrics need:
-    its ``k`` most likely tokens (``ids``, ``logprobs``: ``[P, k]``), the log of the mass
-    outside them (``log_other``: ``[P]``) and its argmax (``top1``: ``[P]``)."""
-
-    ids: torch.Tensor
-    logprobs: torch.Tensor
-    log_other: torch.Tensor
-    top1: torch.Tensor
-
-    def __len__(self) -> int:
-        return self.ids.shape[0]
-
-    def tail(self, count: int) -> "TopK":
-        """The last ``count`` positions."""
-        start = len(self) - count
-        if not 0 <= start <= len(self):
-            raise ValueError(f"cannot take the last {count} of {len(self)} positions")
-        return TopK(self.ids[start:], self.logprobs[start:], self.log_other[start:], self.top1[start:])
-
-    @staticmethod
-    def cat(parts: Sequence["TopK"]) -> "TopK":
-        return TopK(*(torch.cat([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(TopK)))
-
-
-def _log_mass_outside(logprobs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log of the probability mass at each row outside the columns ``ids``: a logsumexp over
-    the other columns (no cancellation, however small the mass), float64 ``[P]``."""
-    masked = logprobs.float().clone().scatter_(1, ids, -math.inf)
-    return torch.logsumexp(masked, dim=1).to(torch.float64)
-
-
-def topk_reference(logprobs: torch.Tensor, k: int = KL_TOP_K) -> TopK:
-    """Compress ``[P, V]`` log-probabilities to a ``TopK`` reference."""
-    if logprobs.dim() != 2:
-        raise ValueError(f"logprobs must be [positions, vocab], got shape {tuple(logprobs.shape)}")
-    k = min(k, logprobs.shape[1])
-    values, ids = torch.topk(logprobs, k, dim=1)
-    return TopK(ids, values.to(torch.float64), _log_mass_outside(logprobs, ids), torch.argmax(logprobs, dim=1))
-
-
-def _buckets(top: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """``[P, k + 1]`` float64 log-probabilities of the top-k tokens and the "other" bucket,
-    renormalized to sum to exactly 1 (float32 log-softmax rows sum to 1 only within ~1e-7;
-    exact normalization keeps the KL non-negative and second order in the differences)."""
-    logs = torch.cat([top.to(torch.float64), other.to(torch.float64)[:, None]], dim=1)
-    return logs - torch.logsumexp(logs, dim=1, keepdim=True)
-
-
-def kl_topk_other(reference: TopK, logprobs: torch.Tensor) -> torch.Tensor:
-    """Per position KL(reference || other) over the reference's top-k tokens plus an "other"
-    bucket (everything else). ``logprobs``: the other distribution, ``[P, V]`` log-softmax.
-
-    A lower bound on the full KL (merging outcomes cannot increase it); equal to it when the
-    top-k covers the vocabulary. float64, clamped at 0 against rounding.
-    """
-    if logprobs.shape[0] != len(reference):
-        raise ValueError(f"{logprobs.shape[0]} positions vs {len(reference)} in the reference")
-    if logprobs.shape[0] == 0:
-        return torch.zeros(0, dtype=torch.float64)
-    p = _buckets(reference.logprobs, reference.log_other)
-    q = _buckets(logprobs.gather(1, reference.ids), _log_mass_outside(logprobs, reference.ids))
-    terms = torch.where(p > -math.inf, p.exp() * (p - q), torch.zeros_like(p))
-    return terms.sum(dim=1).clamp_min(0.0)
-
-
-def top1_matches(reference: TopK, logprobs: torch.Tensor) -> torch.Tensor:
-    """Per position: does ``logprobs``' most likely token equal the reference's? (bool ``[P]``)"""
-    return torch.argmax(logprobs, dim=1) == reference.top1
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolation percentile (``q`` in [0, 100]); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    low, high = math.floor(pos), math.ceil(pos)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 # -- settings -----------------------------------------------------------------------------
@@ -376,6 +264,8 @@ class EvalResult:
         return [c for r in self.runs for c in r.calls]
 
     def aggregates(self) -> list[dict]:
+        from kvcomm.eval.summary import aggregate  # summary imports this module
+
         return aggregate(self)
 
 
@@ -531,252 +421,4 @@ def evaluate(
     finally:
         bar.close()
     result.elapsed_s = time.perf_counter() - started
-    return result
-
-
-# -- aggregation ----------------------------------------------------------------------------
-
-
-def _rate(num: float, den: float) -> float | None:
-    return num / den if den else None
-
-
-def summarize_calls(calls: Sequence[CallRecord], agents: Sequence[str], decider: str) -> dict:
-    """Aggregate numbers over ``calls`` (one run, or several pooled)."""
-    prompt = sum(c.prompt_tokens for c in calls)
-    n = len(calls)
-    scores = [c.score for c in calls if c.agent == decider and c.score is not None]
-    low, high = wilson_interval(sum(scores), len(scores)) if scores else (None, None)
-    positions = sum(c.kl_positions for c in calls)
-    with_noise = [c for c in calls if c.noise_kl_sum is not None]
-    noise_positions = sum(c.kl_positions for c in with_noise)
-    ttft = [c.ttft_s for c in calls]
-    timed = [c for c in calls if c.timing_consistent is not None]
-    by_position = []
-    for index, agent in enumerate(agents):
-        mine = [c.ttft_s for c in calls if c.agent_position == index]
-        by_position.append({
-            "position": index, "agent": agent, "calls": len(mine),
-            "ttft_mean_s": statistics.fmean(mine) if mine else None,
-            "ttft_p50_s": percentile(mine, 50), "ttft_p95_s": percentile(mine, 95),
-        })
-    return {
-        "calls": n,
-        "rows": len(scores),
-        "accuracy": statistics.fmean(scores) if scores else None,
-        "accuracy_ci_low": low,
-        "accuracy_ci_high": high,
-        "prompt_tokens": prompt,
-        "exact_tokens": sum(c.exact_tokens for c in calls),
-        "estimated_tokens": sum(c.estimated_tokens for c in calls),
-        "computed_tokens": sum(c.computed_tokens for c in calls),
-        "recomputed_tokens": sum(c.recomputed_tokens for c in calls),
-        "token_reuse_rate": _rate(sum(c.exact_tokens + c.estimated_tokens for c in calls), prompt),
-        "exact_token_rate": _rate(sum(c.exact_tokens for c in calls), prompt),
-        "estimated_token_rate": _rate(sum(c.estimated_tokens for c in calls), prompt),
-        "agent_reuse_rate": _rate(sum(c.reused for c in calls), n),
-        "fallback_rate": _rate(sum(c.fallback for c in calls), n),
-        "reply_agreement": _rate(sum(c.reply_equal for c in calls), n),
-        "kl_positions": positions,
-        "kl_mean": _rate(sum(c.kl_sum for c in calls), positions),
-        "kl_last_mean": _rate(sum(c.kl_last for c in calls if c.kl_positions), sum(1 for c in calls if c.kl_positions)),
-        "kl_max": max((c.kl_max for c in calls if c.kl_positions), default=None),
-        "top1_agreement": _rate(sum(c.top1_matches for c in calls), positions),
-        "noise_kl_mean": _rate(sum(c.noise_kl_sum for c in with_noise), noise_positions),
-        "noise_kl_last_mean": _rate(
-            sum(c.noise_kl_last for c in with_noise if c.kl_positions), sum(1 for c in with_noise if c.kl_positions)),
-        "noise_kl_max": max((c.noise_kl_max for c in with_noise if c.kl_positions), default=None),
-        "noise_top1_agreement": _rate(sum(c.noise_top1_matches for c in with_noise), noise_positions),
-        "timing_consistent_rate": _rate(sum(bool(c.timing_consistent) for c in timed), len(timed)),
-        "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
-        "ttft_p50_s": percentile(ttft, 50),
-        "ttft_p95_s": percentile(ttft, 95),
-        "ttft_by_position": by_position,
-    }
-
-
-def aggregate(result: EvalResult) -> list[dict]:
-    """One dict per (mode, setting, seed), then one per (mode, setting) pooled over seeds
-    (``seed`` = "pooled"; ``pool_bytes`` is then the mean over seeds). Pooled accuracy CIs
-    treat every (seed, row) as a trial, though the rows repeat across seeds."""
-    out = []
-    keys = list(dict.fromkeys(r.run for r in result.runs))
-    for key in keys:
-        mine = [r for r in result.runs if r.run == key]
-        for r in mine:
-            out.append(_aggregate_row(result, key, r.seed, r.calls, [r]))
-        out.append(_aggregate_row(result, key, POOLED, [c for r in mine for c in r.calls], mine))
-    return out
-
-
-def _aggregate_row(result: EvalResult, run: RunSpec, seed, calls, runs: Sequence[RunResult]) -> dict:
-    row = {"mode": run.mode, "setting": run.setting, "gamma": run.gamma, "max_anchors": run.max_anchors, "seed": seed}
-    row.update(summarize_calls(calls, result.agents, result.decider))
-    row["pool_bytes"] = statistics.fmean(r.pool_bytes for r in runs) if runs else None
-    row["anchors"] = {slot: statistics.fmean(r.anchors.get(slot, 0) for r in runs) for slot in sorted({s for r in runs for s in r.anchors})}
-    row["wall_s"] = sum(r.wall_s for r in runs)
-    return row
-
-
-# -- outputs ------------------------------------------------------------------------------
-
-
-CSV_FIELDS = (
-    "mode", "setting", "gamma", "max_anchors", "seed", "rows", "calls", "accuracy", "accuracy_ci_low",
-    "accuracy_ci_high", "token_reuse_rate", "exact_token_rate", "estimated_token_rate", "agent_reuse_rate",
-    "fallback_rate", "reply_agreement", "kl_mean", "noise_kl_mean", "kl_last_mean", "noise_kl_last_mean", "kl_max",
-    "noise_kl_max", "top1_agreement", "noise_top1_agreement", "prompt_tokens", "exact_tokens", "estimated_tokens",
-    "computed_tokens", "recomputed_tokens", "ttft_mean_s", "ttft_p50_s", "ttft_p95_s", "timing_consistent_rate",
-    "pool_bytes", "wall_s",
-)
-
-NOTES = {
-    "kl": "KL(dense || mode) per computed prompt position on the dense top-k tokens plus an 'other' bucket: a lower "
-          "bound on the full-vocabulary KL. Positions: those the mode computed after its injected prefix "
-          "[reuse_end, prompt_tokens); the dense reference is a teacher-forced dense prefill of the same prompt.",
-    "noise": "noise_*: the same metrics for dense vs the same prompt prefilled in two chunks through the KV cache "
-             "(split at the mode's reuse_end, or at the middle when it reused nothing): the numerical noise floor.",
-    "accuracy": "mean task score of the decider's reply; 95% Wilson interval (pooled: every (seed, row) a trial).",
-    "token_reuse_rate": "(exact + estimated) / prompt tokens; cacheblend's recomputed tokens count as computed.",
-    "agent_reuse_rate": "calls that reused some shared content / calls (KVCOMM's definition).",
-    "reply_agreement": "calls whose greedy reply equals the dense run's reply for the same row and agent.",
-    "pool_bytes": "sum of anchor pool bytes over the engine's pools after the run (pooled: mean over seeds).",
-    "ttft": "seconds from the call's start (planning included) to the first token's logits. With KL on, taken from "
-            "a separate timing pass without prompt logprobs (fresh engine, same order); timing_consistent_rate: "
-            "share of calls where that pass made the same reuse decisions and reply as the measured pass.",
-}
-
-
-def to_json(result: EvalResult) -> dict:
-    return {
-        "workload": result.workload,
-        "settings": {**dataclasses.asdict(result.settings), "rows": result.rows, "agents": list(result.agents),
-                     "decider": result.decider, **result.meta},
-        "elapsed_s": result.elapsed_s,
-        "notes": NOTES,
-        "aggregates": aggregate(result),
-        "runs": [{"mode": r.run.mode, "setting": r.run.setting, "seed": r.seed, "pool_bytes": r.pool_bytes,
-                  "anchors": r.anchors, "prefix_store_bytes": r.prefix_store_bytes, "wall_s": r.wall_s} for r in result.runs],
-        "calls": [dataclasses.asdict(c) for c in result.calls],
-    }
-
-
-def check_out_dir(out: str | os.PathLike) -> Path:
-    """Create ``out`` if needed and make sure files can be written there (raises ValueError)."""
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"--out {path}: exists and is not a folder")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".kvcomm-eval-write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as error:
-        raise ValueError(f"--out {path}: not writable ({error.strerror or error})") from None
-    return path
-
-
-def write_outputs(result: EvalResult, out: str | os.PathLike, plots: bool = True) -> dict[str, Path]:
-    """Write results.json, results.csv and (``plots``) the PNGs into ``out``; returns the paths."""
-    path = check_out_dir(out)
-    data = to_json(result)
-    files = {"json": path / "results.json", "csv": path / "results.csv"}
-    files["json"].write_text(json.dumps(_finite(data), indent=2, default=_json_default, allow_nan=False) + "\n")
-    agents = result.agents
-    fields = list(CSV_FIELDS) + [f"ttft_{stat}_s_{i}_{a}" for i, a in enumerate(agents) for stat in ("mean", "p50", "p95")]
-    with files["csv"].open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=fields)
-        writer.writeheader()
-        for row in data["aggregates"]:
-            flat = {k: _csv_value(row.get(k)) for k in CSV_FIELDS}
-            for entry in row["ttft_by_position"]:
-                for stat in ("mean", "p50", "p95"):
-                    flat[f"ttft_{stat}_s_{entry['position']}_{entry['agent']}"] = _csv_value(entry[f"ttft_{stat}_s"])
-            writer.writerow(flat)
-    if plots:
-        from kvcomm.eval.plots import write_plots
-
-        files.update(write_plots(data, path))
-    return files
-
-
-def _finite(value):
-    """JSON has no NaN/Infinity: NaN becomes null, infinities the strings "inf"/"-inf"."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
-def _json_default(value):
-    if isinstance(value, torch.Tensor):
-        return value.tolist()
-    raise TypeError(f"not JSON serializable: {type(value).__name__}")
-
-
-def _csv_value(value):
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return value
-
-
-def _fmt(value, spec: str, none: str = "-") -> str:
-    return none if value is None else format(value, spec)
-
-
-def format_table(result: EvalResult | dict, per_seed: bool = False) -> str:
-    """A compact fixed-width table: one row per (mode, setting), pooled over seeds; with
-    ``per_seed`` and several seeds, each seed's row too. ``result``: an ``EvalResult`` or
-    its ``to_json`` dict."""
-    rows = result["aggregates"] if isinstance(result, dict) else aggregate(result)
-    seeds = {r["seed"] for r in rows if r["seed"] != POOLED}
-    shown = [r for r in rows if r["seed"] == POOLED or (per_seed and len(seeds) > 1)]
-    header = ("mode", "setting", "seed", "acc [95% CI]", "tok reuse", "agent reuse", "fallback", "KL", "noise KL",
-              "top1", "noise top1", "reply eq", "TTFT p50", "TTFT p95", "pool")
-    lines = [header]
-    for r in shown:
-        ci = "" if r["accuracy_ci_low"] is None else f" [{r['accuracy_ci_low']:.2f},{r['accuracy_ci_high']:.2f}]"
-        lines.append((
-            r["mode"], r["setting"] or "-", str(r["seed"]),
-            _fmt(r["accuracy"], ".2f") + ci,
-            _fmt(r["token_reuse_rate"], ".1%"), _fmt(r["agent_reuse_rate"], ".1%"), _fmt(r["fallback_rate"], ".1%"),
-            _fmt(r["kl_mean"], ".2e"), _fmt(r["noise_kl_mean"], ".1e"),
-            _fmt(r["top1_agreement"], ".1%"), _fmt(r["noise_top1_agreement"], ".1%"), _fmt(r["reply_agreement"], ".1%"),
-            _fmt(None if r["ttft_p50_s"] is None else r["ttft_p50_s"] * 1000, ".0f") + " ms",
-            _fmt(None if r["ttft_p95_s"] is None else r["ttft_p95_s"] * 1000, ".0f") + " ms",
-            _bytes(r["pool_bytes"]),
-        ))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    text = ["  ".join(cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))) for line in lines]
-    text.insert(1, "-" * len(text[0]))
-    text.append("KL: mean over computed prompt positions of KL(dense || mode) on dense top-k + 'other' (a lower bound); "
-                "noise: dense vs two-chunk dense prefill of the same prompts.")
-    return "\n".join(text)
-
-
-def _bytes(value) -> str:
-    if value is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return str(value)  # pragma: no cover
-
-
-def run_evaluation(workload, executor, out: str | os.PathLike, settings: EvalSettings | None = None, *,
-                   progress: bool = True, kl: bool = True, meta: dict | None = None, plots: bool = True,
-                   print_table: bool = True) -> EvalResult:
-    """``evaluate`` + ``write_outputs`` + print the table: the whole of `kvcomm eval` minus
-    argument parsing and model loading."""
-    check_out_dir(out)
-    result = evaluate(workload, executor, settings, progress=progress, kl=kl, meta=meta)
-    write_outputs(result, out, plots=plots)
-    if print_table:
-        print(format_table(result))
     return result

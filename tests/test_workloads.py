@@ -109,7 +109,7 @@ def test_retrieval_depths_and_needles():
 def test_retrieval_filler_never_mentions_a_key_or_answer():
     import re
 
-    from kvcomm.eval import workloads as W
+    from kvcomm.eval import retrieval as W
     words = {w.lower() for w in W._COLORS + W._CODE_WORDS + W._NAMES + W._CITIES}
     for sentence in W._FILLER:
         assert not words & set(re.findall(r"[a-z]+", sentence.lower())), sentence
