@@ -6,6 +6,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
+from kvcomm.eval.metrics import percentile
 from kvcomm.runner import AgentCall
 
 
@@ -27,13 +28,6 @@ class CallReport:
     note: str
     dense_reply: str
     reuse_reply: str
-
-
-def _percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 def compare(dense: Sequence[AgentCall], reuse: Sequence[AgentCall]) -> list[CallReport]:
@@ -72,10 +66,10 @@ def summarize(calls: Sequence[CallReport]) -> dict:
         "reply_agreement_rate": sum(c.reply_equal for c in calls) / n if n else 0.0,
         "mean_ttft_speedup": statistics.fmean(speedups) if speedups else None,
         "ttft_speedup_ceiling": 1.0 / (1.0 - rho) if rho < 1 else None,
-        "ttft_dense_p50_s": _percentile([c.ttft_dense_s for c in calls], 0.5),
-        "ttft_dense_p95_s": _percentile([c.ttft_dense_s for c in calls], 0.95),
-        "ttft_reuse_p50_s": _percentile([c.ttft_reuse_s for c in calls], 0.5),
-        "ttft_reuse_p95_s": _percentile([c.ttft_reuse_s for c in calls], 0.95),
+        "ttft_dense_p50_s": percentile([c.ttft_dense_s for c in calls], 50),
+        "ttft_dense_p95_s": percentile([c.ttft_dense_s for c in calls], 95),
+        "ttft_reuse_p50_s": percentile([c.ttft_reuse_s for c in calls], 50),
+        "ttft_reuse_p95_s": percentile([c.ttft_reuse_s for c in calls], 95),
     }
 
 

@@ -8,6 +8,7 @@ import os
 from collections.abc import Sequence
 from types import MappingProxyType
 
+from kvcomm.textfile import read_utf8
 from kvcomm.pipeline import PipelineError, parse_pipeline
 
 from .scorers import SCORERS, _reference_number
@@ -133,17 +134,7 @@ def _load_jsonl_file(path: str, text: str, limit: int | None, n_agents: int, see
 
 
 def load_file(path: str, limit: int | None, n_agents: int, seed: int, max_new_tokens: int | None) -> Workload:
-    if os.path.isdir(path):
-        raise WorkloadError(f"{path}: is a directory; give a pipeline .json or a .jsonl dataset file")
-    try:
-        with open(path, encoding="utf-8-sig") as fh:
-            text = fh.read()
-    except FileNotFoundError:
-        raise WorkloadError(f"{path}: file not found; check the path") from None
-    except UnicodeDecodeError as e:
-        raise WorkloadError(f"{path}: not valid UTF-8 (byte offset {e.start}); re-save the file as UTF-8") from None
-    except OSError as e:
-        raise WorkloadError(f"{path}: cannot read the file ({e.strerror or e})") from None
+    text = read_utf8(path, "workload file", WorkloadError)
     if not text.strip():
         raise WorkloadError(f"{path}: the file is empty")
     suffix = os.path.splitext(path)[1].lower()

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from kvcomm.textfile import read_utf8
+
 __all__ = ["PipelineError", "Slot", "TemplatePart", "parse_template", "AgentSpec", "PipelineSpec",
            "parse_pipeline", "loads_pipeline", "load_pipeline", "load_demo_pipeline"]
 
@@ -226,15 +228,7 @@ def loads_pipeline(text: str, source: str = "<pipeline>") -> PipelineSpec:
 def load_pipeline(path: str | os.PathLike) -> PipelineSpec:
     """Read and validate a UTF-8 JSON pipeline file (a leading BOM is tolerated)."""
     source = os.fspath(path)
-    try:
-        with open(source, encoding="utf-8-sig") as fh:
-            text = fh.read()
-    except FileNotFoundError:
-        raise PipelineError(f"{source}: pipeline file not found; check the path") from None
-    except UnicodeDecodeError as e:
-        raise PipelineError(f"{source}: not valid UTF-8 (byte offset {e.start}); re-save the file as UTF-8") from None
-    except OSError as e:
-        raise PipelineError(f"{source}: cannot read pipeline file ({e.strerror or e})") from None
+    text = read_utf8(source, "pipeline file", PipelineError)
     return loads_pipeline(text, source)
 
 
