@@ -10,29 +10,50 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from kvcomm.anchors.anchor import Anchor, Deviation, SlotKey
-from kvcomm.anchors.distance import estimate_distances, value_l2
+from kvcomm.anchors.distance import (
+    ADMISSION_DISTANCES, EstimateDistances, admission_logits, block_layers, estimate_distances_many, value_l2,
+)
+from kvcomm.anchors.distance_cache import DistanceCache
 from kvcomm.anchors.index import EmbeddingIndex
 from kvcomm.kv import KV
 
 
 @dataclass(frozen=True)
 class PoolConfig:
-    """gamma: entropy threshold factor; a sample reuses only if H(p) <= gamma * log(#compatible).
+    """Settings of one anchor pool.
+
+    gamma: admission threshold factor: a sample reuses only if the entropy of the admission
+        distribution p over the compatible anchors is <= gamma * log(#compatible). 0 reuses
+        only when p is one-hot; 1 always reuses (given >= 2 compatible anchors).
+    admission_distance: how p is made from the base-value distances (``admission_logits``).
+        "relative" (default): p = softmax(-(r / r_min) / admission_temperature), r the
+        per-element RMS value difference, r_min the nearest anchor's: length-normalized and
+        scale-free, so gamma matters on long segments. "l2": the reference,
+        p = softmax(-d) with d the raw value L2 over the first min(T, length) tokens: one-hot
+        on segments longer than a few tokens (d in the thousands at 1K tokens on SmolLM2),
+        so gamma is inert there; admission_temperature is not used.
+    admission_temperature: relative distance scale of "relative". Chosen from the distances
+        measured on SmolLM2 (demo pipeline, retrieval workload): compatible anchors lie within
+        0.3-15% of each other in RMS (r ~1.0-1.3; ~1% for 400-token segments of similar text);
+        at 0.0075 an anchor 0.75% farther than the nearest gets 1/e of its weight, and gamma
+        0.3 vs 0.7 gives visibly different reuse rates on both (README, "Anchor pool").
     max_anchors: V, the most anchors a pool holds. eviction_window: W, how many of the
-    earliest-inserted anchors eviction chooses among. top_p: mass whose anchors get an access.
-    temperature: tau in the delta weights softmax(-d / tau). max_candidates: narrow the
+    earliest-inserted anchors eviction chooses among. top_p: mass of p whose anchors get an
+    access. temperature: tau in the delta weights softmax(-d / tau). max_candidates: narrow the
     compatible anchors to this many nearest by embedding (0 keeps all). partial_coverage:
     a segment longer than every anchor reuses the covered head instead of going dense.
     max_bytes: byte budget for the pool's tensors (None: unbounded).
     """
 
     gamma: float = 0.3
+    admission_distance: str = "relative"
+    admission_temperature: float = 0.0075
     max_anchors: int = 20
     eviction_window: int = 5
     top_p: float = 0.9
@@ -45,6 +66,12 @@ class PoolConfig:
         problems = []
         if not self.gamma >= 0:
             problems.append(f"gamma must be >= 0 (got {self.gamma})")
+        if self.admission_distance not in ADMISSION_DISTANCES:
+            problems.append(
+                f"admission_distance must be one of {', '.join(ADMISSION_DISTANCES)} (got {self.admission_distance!r})"
+            )
+        if not self.admission_temperature > 0:
+            problems.append(f"admission_temperature must be > 0 (got {self.admission_temperature})")
         if self.max_anchors < 1:
             problems.append(f"max_anchors (V) must be >= 1 (got {self.max_anchors})")
         if self.eviction_window < 1:
@@ -67,12 +94,15 @@ class Match:
 
     Every anchor here has a deviation for ``slot`` and at least ``covered`` tokens.
     ``identical`` means the anchor is this very segment: its deviation is used as is.
+    ``distances``: per anchor, its distances to the segment on the first ``covered`` tokens,
+    as admission computed them (None: ``estimate`` computes them).
     """
 
     slot: SlotKey
     anchors: tuple[Anchor, ...]
     covered: int
     identical: bool = False
+    distances: tuple[EstimateDistances, ...] | None = field(default=None, compare=False, repr=False)
 
 
 _ENTROPY_TOLERANCE = 1e-9
@@ -87,6 +117,7 @@ class AnchorPool:
         self._next_serial = 0
         self._lock = threading.RLock()
         self.evictions = 0
+        self.distance_cache = DistanceCache()
 
     def __len__(self) -> int:
         return len(self._anchors)
@@ -101,6 +132,11 @@ class AnchorPool:
         with self._lock:
             return sum(a.nbytes for a in self._anchors.values())
 
+    @property
+    def next_serial(self) -> int:
+        """The serial the next admitted anchor gets (persisted with the pool)."""
+        return self._next_serial
+
     def get(self, segment_id: str) -> Anchor | None:
         return self._anchors.get(segment_id)
 
@@ -113,10 +149,11 @@ class AnchorPool:
 
         Returns None when the sample must be densely prefilled and become an anchor: the
         pool holds <= 1 anchor, <= 1 anchor is compatible (has a deviation for ``slot`` and,
-        without partial coverage, >= T tokens), or the entropy of softmax(-d) over the
-        compatible anchors exceeds gamma * log(#compatible), d being the L2 distance of base
-        values. Otherwise the anchors carrying the top-p mass get an access (only when
-        ``commit``: a decision asked for learning alone leaves access counts untouched).
+        without partial coverage, >= T tokens), or the entropy of the admission distribution
+        p (``config.admission_distance``) over the compatible anchors exceeds
+        gamma * log(#compatible). Otherwise the anchors carrying the top-p mass of p get an
+        access (only when ``commit``: a decision asked for learning alone leaves access
+        counts untouched).
         """
         length = base.length
         with self._lock:
@@ -131,18 +168,45 @@ class AnchorPool:
             if len(self._anchors) <= 1 or len(compatible) <= 1:
                 return None
             compatible = self._narrow(compatible, embedding)
-            distances = torch.stack([value_l2(a.base, base, min(length, a.length)) for a in compatible])
-            # fp64 and a rounding tolerance: in fp32 a uniform p has an entropy just above
-            # log(n), so gamma = 1 (which must always reuse) would never reuse.
-            p = torch.softmax(-distances.double(), dim=0)
+            covered = min(length, max(a.length for a in compatible))
+            distances = self._distances(segment_id, base, compatible, covered, commit)
+            p = self._admission(compatible, base, [d if isinstance(d, torch.Tensor) else d.value_l2 for d in distances])
             entropy = float(-(p * torch.log(p.clamp_min(1e-300))).sum())
             if entropy > self.config.gamma * math.log(len(compatible)) + _ENTROPY_TOLERANCE:
                 return None
             if commit:
                 self._count_access(compatible, p)
-            covered = min(length, max(a.length for a in compatible))
-            users = tuple(a for a in compatible if a.length >= covered)
-            return Match(slot, users, covered)
+            used = [(a, d) for a, d in zip(compatible, distances) if a.length >= covered]
+            known = tuple(d for _, d in used if isinstance(d, EstimateDistances))
+            return Match(slot, tuple(a for a, _ in used), covered, distances=known if len(known) == len(used) else None)
+
+    def _distances(
+        self, segment_id: str, base: KV, compatible: list[Anchor], covered: int, full: bool
+    ) -> list[EstimateDistances | torch.Tensor]:
+        """Per compatible anchor: its cached ``EstimateDistances`` to ``base``, else (``full``
+        and the anchor will estimate the ``covered`` tokens) freshly computed and cached ones,
+        else just the admission's value L2 (a probe for learning, or an anchor too short to
+        estimate). Compared on the first min(T, length) tokens: ``covered`` for the users."""
+        ns = [min(base.length, a.length) for a in compatible]
+        cache = self.distance_cache
+        found: list[EstimateDistances | None] = [cache.get(segment_id, base, a.serial, n) for a, n in zip(compatible, ns)]
+        todo = [i for i, a in enumerate(compatible) if found[i] is None and full and a.length >= covered]
+        for i, d in zip(todo, estimate_distances_many([compatible[i].base for i in todo], base, [ns[i] for i in todo])):
+            found[i] = d
+            cache.put(segment_id, base, compatible[i].serial, ns[i], d)
+        return [f if f is not None else value_l2(a.base, base, n) for f, a, n in zip(found, compatible, ns)]
+
+    def _admission(self, compatible: list[Anchor], base: KV, l2: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The admission distribution p over ``compatible``, fp64 ``[A]``; ``l2``: their value L2
+        distances to ``base`` if already known."""
+        counts = [min(base.length, a.length) for a in compatible]
+        l2 = torch.stack(l2 if l2 is not None else [value_l2(a.base, base, n) for a, n in zip(compatible, counts)])
+        per_token = base.values.shape[0] * base.values.shape[1] * base.values.shape[3]
+        cfg = self.config
+        logits = admission_logits(l2, torch.tensor(counts) * per_token, cfg.admission_distance, cfg.admission_temperature)
+        # fp64 and a rounding tolerance: in fp32 a uniform p has an entropy just above
+        # log(n), so gamma = 1 (which must always reuse) would never reuse.
+        return torch.softmax(logits, dim=0)
 
     def _narrow(self, compatible: list[Anchor], embedding: np.ndarray) -> list[Anchor]:
         k = self.config.max_candidates
@@ -175,7 +239,7 @@ class AnchorPool:
         ``onto_following`` (fp32 KV of matching shape) the estimates are accumulated into
         them in place and returned, which saves the caller an addition pass.
         """
-        n = match.covered
+        n = min(match.covered, base.length)  # a plan cuts a segment that ends the prompt short
         deviations = [a.deviations[match.slot] for a in match.anchors]
         if match.identical:
             shared, following = deviations[0].shared.span(0, n), deviations[0].following
@@ -184,9 +248,11 @@ class AnchorPool:
                 following = _accumulate(onto_following, [following.span(0, onto_following.length)], [1.0], [1.0])
             return shared, following
         tau = self.config.temperature
-        dist = [estimate_distances(a.base, base, n) for a in match.anchors]
-        wk = torch.softmax(-torch.stack([d.token_keys for d in dist]) / tau, dim=0)  # [A, n]
-        wv = torch.softmax(-torch.stack([d.token_values for d in dist]) / tau, dim=0)
+        dist = match.distances or estimate_distances_many(
+            [a.base for a in match.anchors], base, [match.covered] * len(match.anchors)
+        )
+        wk = torch.softmax(-torch.stack([d.token_keys[:n] for d in dist]) / tau, dim=0)  # [A, n]
+        wv = torch.softmax(-torch.stack([d.token_values[:n] for d in dist]) / tau, dim=0)
         shared = _accumulate(
             onto, [d.shared.span(0, n) for d in deviations], wk[:, None, None, :, None], wv[:, None, None, :, None]
         )
@@ -237,24 +303,68 @@ class AnchorPool:
             self._index = EmbeddingIndex(anchor.embedding.shape[0])
         self._index.add(anchor.serial, anchor.embedding)
 
+    def restore(self, anchors: list[Anchor], next_serial: int, evictions: int = 0) -> None:
+        """Fill this empty pool with persisted ``anchors`` (in insertion order) exactly as they
+        were: serials, access counts, deviations, embedding index. State that would break the
+        pool's invariants is refused with ValueError and the pool stays empty."""
+        with self._lock:
+            problems = []
+            serials = [a.serial for a in anchors]
+            if self._anchors:
+                problems.append(f"the pool already holds {len(self._anchors)} anchors")
+            if len(anchors) > self.config.max_anchors:
+                problems.append(f"{len(anchors)} anchors exceed max_anchors (V) = {self.config.max_anchors}")
+            if serials != sorted(set(serials)) or (serials and not (0 <= serials[0] and serials[-1] < next_serial)):
+                problems.append(f"serials {serials} are not increasing and below next_serial {next_serial}")
+            if len({a.segment_id for a in anchors}) != len(anchors):
+                problems.append("two anchors share a segment id")
+            held = sum(a.nbytes for a in anchors)
+            if self.config.max_bytes is not None and held > self.config.max_bytes:
+                problems.append(f"{held} bytes exceed max_bytes = {self.config.max_bytes}")
+            if problems:
+                raise ValueError("cannot restore anchor pool: " + "; ".join(problems))
+            for anchor in anchors:
+                self._insert(anchor)
+            self._next_serial, self.evictions = next_serial, evictions
+
+    def evict(self) -> Anchor | None:
+        """Evict one anchor by the eviction rule (least-accessed among the W earliest); None
+        if the pool is empty. For budgets shared with other pools (``kvcomm.tenants``)."""
+        with self._lock:
+            return self._evict_one() if self._anchors else None
+
     def _evict_one(self, protect: Anchor | None = None) -> Anchor:
         window = [a for a in self._anchors.values() if a is not protect][: self.config.eviction_window]
         victim = min(window, key=lambda a: (a.accesses, a.serial))
         del self._anchors[victim.segment_id]
         del self._by_serial[victim.serial]
         self._index.remove(victim.serial)
+        self.distance_cache.forget_anchor(victim.serial)
         self.evictions += 1
         return victim
 
 
 def _accumulate(onto: KV | None, parts: list[KV], key_weights, value_weights) -> KV:
     """``onto + sum_a w_a * part_a`` for keys and values, in place in ``onto`` (fp32 zeros if
-    None), without stacking the parts. Weights broadcast against the parts (or are floats)."""
+    None), without stacking the parts. Weights broadcast against the parts (or are floats);
+    a weight with a layer axis (``[layers, ...]``, per channel) is sliced with the layers.
+
+    Runs over blocks of layers, all anchors per block, so each block of ``onto`` stays in
+    cache while the anchors' deviations stream past it (same additions in the same order
+    per element as anchor by anchor over whole tensors, so the same result bit for bit).
+    """
     if onto is None:
         onto = KV(torch.zeros_like(parts[0].keys, dtype=torch.float32), torch.zeros_like(parts[0].values, dtype=torch.float32))
-    for i, part in enumerate(parts):
-        onto.keys.addcmul_(part.keys.float(), torch.as_tensor(key_weights[i], dtype=torch.float32))
-        onto.values.addcmul_(part.values.float(), torch.as_tensor(value_weights[i], dtype=torch.float32))
+    layers = onto.keys.shape[0]
+    block = block_layers(layers, onto.keys[0].numel() * onto.keys.element_size())
+    for name, weights in (("keys", key_weights), ("values", value_weights)):
+        target = getattr(onto, name)
+        ws = [torch.as_tensor(weights[i], dtype=torch.float32) for i in range(len(parts))]
+        for start in range(0, layers, block):
+            end = min(start + block, layers)
+            for part, w in zip(parts, ws):
+                w = w[start:end] if w.ndim == target.ndim and w.shape[0] == layers > 1 else w
+                target[start:end].addcmul_(getattr(part, name)[start:end].float(), w)
     return onto
 
 

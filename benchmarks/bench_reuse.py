@@ -6,6 +6,7 @@ repeated, and reported as medians, on one OpenMP thread by default (see --thread
 matching vs pool size, 5 embedders.
 
     python benchmarks/bench_reuse.py [--quick] [--json PATH] [--sections 12345] [--threads N]
+                                     [--anchors 2,4,8] [--baseline]
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from kvcomm.anchors.anchor import Deviation
-from kvcomm.anchors.distance import value_l2
+from kvcomm.anchors.distance import EstimateDistances, admission_logits, value_l2
 from kvcomm.anchors.index import kv_embedding
 from kvcomm.anchors.pool import AnchorPool, PoolConfig
 from kvcomm.engine import ReuseConfig, ReuseEngine
@@ -161,53 +162,104 @@ def admit(executor, engine, prompt):
     engine.learn(ReusePlan(prompt, learn=[index]), executor.generate(prompt.token_ids, None, 1).computed)
 
 
+class PlainDistancePool(AnchorPool):
+    """The anchor distances as computed before blocking and caching (session 7), for a side-by-side
+    baseline: admission's value L2 and estimation's distances as full-size fp32 differences,
+    computed afresh by ``decide`` and again by ``estimate``; nothing cached."""
+
+    def _distances(self, segment_id, base, compatible, covered, full):
+        return [torch.linalg.vector_norm(a.base.values[:, :, :n].float() - base.values[:, :, :n].float())
+                for a, n in ((a, min(base.length, a.length)) for a in compatible)]
+
+    def estimate(self, match, base, onto=None, onto_following=None):
+        if not match.identical:
+            match = dataclasses.replace(match, distances=tuple(_plain_distances(a.base, base, match.covered) for a in match.anchors))
+        return super().estimate(match, base, onto, onto_following)
+
+
+def _plain_distances(anchor, new, n):
+    dk = anchor.keys[:, :, :n].float() - new.keys[:, :, :n].float()
+    dv = anchor.values[:, :, :n].float() - new.values[:, :, :n].float()
+    count = dk.shape[0] * dk.shape[1] * dk.shape[3]
+    return EstimateDistances(dk.abs().sum(3).sum((0, 1)) / count, dv.abs().sum(3).sum((0, 1)) / count,
+                             dk.square().sum(2).sqrt(), dv.square().sum(2).sqrt(), None)
+
+
 def bench_segment(executor, args):
     agent = parse_pipeline({"agents": [{"name": "reader", "system": "You are a careful reader. Be brief.",
                                         "template": "Task: {task}\nAnswer briefly."}], "inputs": [{"task": "-"}]}).agents[0]
     prompt_of = lambda ids: build_prompt(executor, agent, {"task": Segment(ids, slot="task")})  # noqa: E731
     engine = ReuseEngine(executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
-    pool, texts = engine.pool("task"), [synthetic_ids(executor, seed, args.seg_tokens) for seed in range(6)]
+    pool = engine.pool("task")
+    counts = args.seg_anchors
+    texts = [synthetic_ids(executor, seed, args.seg_tokens) for seed in range(max(counts) + len(counts))]
     results, rows, filled = {}, [], 0
-    for anchors, new in ((2, texts[4]), (4, texts[5])):
+    for k, anchors in enumerate(counts):
         for ids in bar(texts[filled:anchors], desc="fill anchors"):  # run_agent admits while the pool holds < 2
             run_agent(executor, engine, prompt_of(ids), 1) if len(pool) < 2 else admit(executor, engine, prompt_of(ids))
         filled = anchors
-        prompt = prompt_of(new)
+        prompt = prompt_of(texts[max(counts) + k])
         segment = next(s for s in prompt.segments if s.is_shared)
         base, base_s = timed(executor.base_kv, segment)
         engine.register_base(segment, base)
-        d = torch.stack([value_l2(a.base, base, min(len(segment), a.length)) for a in pool.anchors]).double()
-        p = torch.softmax(-d, 0)
+        variants = {"now": pool}
+        if args.baseline:
+            variants["before"] = PlainDistancePool(pool.config)
+            variants["before"].restore(list(pool.anchors), pool.next_serial)
+        cfg = pool.config
+        n = torch.tensor([min(len(segment), a.length) for a in pool.anchors])
+        l2 = torch.stack([value_l2(a.base, base, int(m)) for a, m in zip(pool.anchors, n)])
+        per_token = base.values.shape[0] * base.values.shape[1] * base.values.shape[3]
+        p = torch.softmax(admission_logits(l2, n * per_token, cfg.admission_distance, cfg.admission_temperature), 0)
         entropy = float(-(p * p.clamp_min(1e-300).log()).sum())
 
-        def reuse():  # -> (plan, materialize, tail) seconds; the tail generates with the materialized prefix
+        def reuse(variant, cold):  # -> (plan, materialize, tail) seconds; the tail generates with the materialized prefix
+            engine.pools["task"] = variants[variant]
+            if cold:  # the first agent to see this content; later agents find its distances cached
+                pool.distance_cache.clear()
             plan, plan_s = timed(engine.plan, prompt)
-            assert len(pool) == anchors and plan.reuse_end == len(prompt) - 1, (len(pool), plan.note)
+            assert plan.reuse_end == len(prompt) - 1, plan.note
             kv, materialize_s = timed(engine.materialize, plan)
-            return plan_s, materialize_s, executor.generate(prompt.token_ids, kv, 1).ttft_s, plan.estimated_tokens
+            tail = executor.generate(prompt.token_ids, kv, 1).ttft_s if variant == "now" and cold else None
+            return plan_s, materialize_s, tail, plan.estimated_tokens
 
-        t = interleave(args.seg_reps, {"dense": lambda: executor.generate(prompt.token_ids, None, 1).ttft_s, "reuse": reuse},
-                       f"{anchors} anchors")
-        r = {f"{k}_s": med(x[i] for x in t["reuse"]) for i, k in enumerate(("plan", "materialize", "tail"))}
-        r["dense_s"] = med(t["dense"])
-        r |= {"prompt_tokens": len(prompt), "estimated_tokens": t["reuse"][0][3], "base_prefill_s": base_s,
-              "work_s": r["plan_s"] + r["materialize_s"], "admission_distances": d.tolist(), "admission_entropy": entropy}
-        r |= {"reuse_ttft_s": r["work_s"] + r["tail_s"]}
-        r |= {"work_fraction": r["work_s"] / r["reuse_ttft_s"], "speedup": r["dense_s"] / r["reuse_ttft_s"]}
+        steps = {"dense": lambda: executor.generate(prompt.token_ids, None, 1).ttft_s,
+                 "cold": lambda: reuse("now", True), "warm": lambda: reuse("now", False)}
+        if args.baseline:
+            steps["before"] = lambda: reuse("before", True)
+        t = interleave(args.seg_reps, steps, f"{anchors} anchors")
+        engine.pools["task"] = pool
+        r = {"dense_s": med(t["dense"]), "prompt_tokens": len(prompt), "estimated_tokens": t["cold"][0][3],
+             "base_prefill_s": base_s, "admission_p": p.tolist(), "admission_entropy_ratio": entropy / np.log(anchors),
+             "relative_rms": (l2 / (n * per_token).sqrt() / (l2 / (n * per_token).sqrt()).min()).tolist()}
+        for name in ("cold", "warm", "before"):
+            if name in t:
+                r[f"{name}_plan_s"] = med(x[0] for x in t[name])
+                r[f"{name}_materialize_s"] = med(x[1] for x in t[name])
+                r[f"{name}_work_s"] = med(x[0] + x[1] for x in t[name])
+        r["tail_s"] = med(x[2] for x in t["cold"])
+        r["reuse_ttft_s"] = r["cold_work_s"] + r["tail_s"]
+        r |= {"work_fraction": r["cold_work_s"] / r["reuse_ttft_s"], "speedup": r["dense_s"] / r["reuse_ttft_s"]}
+        if args.baseline:
+            r["before_over_now"] = r["before_work_s"] / r["cold_work_s"]
         results[f"{anchors}_anchors"] = r
-        rows.append([anchors, len(prompt), ms(base_s), ms(r["plan_s"]), ms(r["materialize_s"]), ms(r["work_s"]),
-                     "yes" if r["work_s"] < 0.1 else "NO", ms(r["tail_s"]), f"{r['work_fraction']:.0%}",
-                     ms(r["dense_s"]), ratio(r["speedup"])])
+        rows.append([anchors, len(prompt), ms(base_s), ms(r["cold_plan_s"]), ms(r["cold_materialize_s"]), ms(r["cold_work_s"]),
+                     "yes" if r["cold_work_s"] < 0.1 else "NO", ms(r["warm_work_s"]),
+                     ms(r.get("before_work_s")), ratio(r.get("before_over_now")), ms(r["tail_s"]),
+                     f"{r['work_fraction']:.0%}", ms(r["dense_s"]), ratio(r["speedup"])])
     print(f"\n== 3. Reuse-path work, {args.seg_tokens}-token shared segment on SmolLM2 (gamma=1.0, median of "
           f"{args.seg_reps}; the new segment's base KV registered beforehand)")
-    print(table(["anchors", "prompt", "base prefill", "plan", "materialize", "work", "<0.1s", "tail (1 tok)",
-                 "work/TTFT", "dense TTFT", "dense/reuse"], rows))
-    print("work = plan + materialize (realign + estimate + assemble); reuse TTFT = work + tail (generate with the "
-          "materialized prefix); the base prefill (once per new content) comes on top when the content is new.")
+    print(table(["anchors", "prompt", "base prefill", "plan", "materialize", "work", "<0.1s", "work (cached)",
+                 "work before", "before/now", "tail (1 tok)", "work/TTFT", "dense TTFT", "dense/reuse"], rows))
+    print("work = plan + materialize (admission + distances, realign + estimate + assemble) for the first agent to see "
+          "the content; work (cached) = the same for later agents (distances cached per content and anchor); work before "
+          "= the session-7 distance computation (full-size temporaries, computed in decide and again in estimate, no "
+          "cache; --baseline), interleaved with the others. reuse TTFT = work + tail; the base prefill (once per new "
+          "content) comes on top when the content is new.")
     for k, r in results.items():
-        print(f"  {k}: admission value-L2 distances [{', '.join(f'{x:.1f}' for x in r['admission_distances'])}], "
-              f"entropy of softmax(-d) {r['admission_entropy']:.3g} "
-              f"(threshold at the default gamma 0.3: {0.3 * np.log(len(r['admission_distances'])):.3g})")
+        print(f"  {k}: admission r/r_min [{', '.join(f'{x:.4f}' for x in r['relative_rms'])}], "
+              f"p [{', '.join(f'{x:.2f}' for x in r['admission_p'])}], H(p)/log(n) {r['admission_entropy_ratio']:.2f} "
+              f"(reuses at the default gamma {PoolConfig.gamma}: {r['admission_entropy_ratio'] <= PoolConfig.gamma})")
     return results
 
 
@@ -320,6 +372,9 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="~1-minute smoke run (smaller everything)")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     parser.add_argument("--sections", default="12345", help="sections to run, e.g. 135 (default all)")
+    parser.add_argument("--anchors", default="2,4,8", help="section 3: anchor counts, comma-separated (default 2,4,8)")
+    parser.add_argument("--baseline", action="store_true", help="section 3: also time the session-7 distance computation "
+                        "side by side (before/now ratio)")
     parser.add_argument("--threads", type=int, default=1, help="OpenMP threads for torch and faiss (default 1; 0: torch's "
                         "own choice). On a shared machine more threads stall whenever another process holds a core.")
     args = parser.parse_args(argv)
@@ -329,6 +384,12 @@ def main(argv=None):
     args.demo_rows, args.demo_new_tokens, args.demo_reps = (3, 4, 1) if quick else (4, 48, 1)
     args.miss_reps = 3 if quick else 7
     args.seg_tokens, args.seg_reps = (128, 3) if quick else (1000, 5)
+    try:
+        args.seg_anchors = sorted({int(x) for x in args.anchors.split(",")})
+    except ValueError:
+        parser.error(f"--anchors takes comma-separated integers, got {args.anchors!r}")
+    if args.seg_anchors[0] < 2:
+        parser.error(f"--anchors: every count must be >= 2 (a pool of <= 1 anchor never reuses), got {args.anchors!r}")
     args.pool_sizes, args.decide_reps = ((10, 100), 10) if quick else ((10, 100, 1000), 30)
     args.embed_reps, args.facts, args.probes = (5, 10, 5) if quick else (20, len(FACTS), len(PROBES))
 

@@ -101,6 +101,12 @@ class ReuseEngine:
     def has_base(self, shared_id: str) -> bool:
         return shared_id in self._bases
 
+    def drop_base(self, shared_id: str) -> bool:
+        """Forget the base KV of ``shared_id``; a later plan recomputes it from its tokens
+        (anchors keep their own copies). Returns whether one was held."""
+        with self._lock:
+            return self._bases.pop(shared_id, None) is not None
+
     @property
     def uses_bases(self) -> bool:
         """Whether plans reuse shared content from base KV (every mode but "exact"), so
@@ -235,8 +241,9 @@ class ReuseEngine:
     def materialize(self, plan: ReusePlan) -> KV | None:
         """KV for prompt tokens ``[0, plan.reuse_end)``, keys rotated at their positions, or None.
 
-        Written into one preallocated buffer: estimates accumulate onto a copy of the
-        realigned piece's base and are rotated straight into place.
+        Written into one preallocated buffer: value estimates accumulate in place there (on
+        an fp32 buffer), key estimates onto an fp32 copy of the piece's position-free base,
+        rotated straight into place.
         """
         end = plan.reuse_end
         if end == 0:
@@ -251,19 +258,33 @@ class ReuseEngine:
             if piece.match is None:  # realigned base, no deviation
                 self._write(out, piece.base, piece.start)
                 continue
-            shared = _fp32_copy(piece.base)
-            following = _fp32_copy(piece.following_base) if piece.following_base is not None else None
+            shared = self._estimate_onto(out, piece.base, piece.start)
+            following = None
+            if piece.following_base is not None:
+                following = self._estimate_onto(out, piece.following_base, piece.following_start)
             piece.pool.estimate(piece.match, piece.base, shared, following)
             self._write(out, shared, piece.start)
             if following is not None:
                 self._write(out, following, piece.following_start)
         return out
 
+    @staticmethod
+    def _estimate_onto(out: KV, base: KV, start: int) -> KV:
+        """fp32 buffers to accumulate a piece's estimate on, preloaded with its base: its
+        values are ``out``'s own slots when ``out`` is fp32 (``_write`` then skips the copy)."""
+        values = out.span(start, start + base.length).values
+        if values.dtype == torch.float32:
+            values.copy_(base.values)
+        else:
+            values = base.values.to(torch.float32, copy=True)
+        return KV(base.keys.to(torch.float32, copy=True), values)
+
     def _write(self, out: KV, kv: KV, start: int) -> None:
         """Realign position-free ``kv`` to ``[start, start + T)`` inside ``out``."""
         target = out.span(start, start + kv.length)
         self.rotary.rotate(kv.keys.to(target.keys.dtype), positions(start, kv.length), out=target.keys)
-        target.values.copy_(kv.values)
+        if kv.values.data_ptr() != target.values.data_ptr():  # estimates accumulate there in place
+            target.values.copy_(kv.values)
 
     # -- learn -------------------------------------------------------------------------------
 
@@ -312,6 +333,3 @@ def _fixed_key(prompt: Prompt, index: int) -> tuple[str, str]:
     make one segment's base stand in for another's."""
     return prompt.template_id, content_id(prompt.segments[index].token_ids)
 
-
-def _fp32_copy(kv: KV) -> KV:
-    return KV(kv.keys.to(torch.float32, copy=True), kv.values.to(torch.float32, copy=True))

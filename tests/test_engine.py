@@ -101,3 +101,61 @@ def test_bfloat16_anchors_halve_pool_bytes_and_still_estimate(tiny_executor):
         pools[dtype] = engine.pool("doc")
     assert [a.segment_id for a in pools[None].anchors] == [a.segment_id for a in pools[torch.bfloat16].anchors]
     assert pools[torch.bfloat16].nbytes * 2 == pools[None].nbytes
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_materialize_equals_realigned_base_plus_plainly_weighted_deviations(blocks, monkeypatch):
+    """The optimized path (distances computed at admission, accumulation in layer blocks, values
+    accumulated in place) against the formula written out plainly: full-size differences,
+    softmax(-d / tau) weights, realigned sum. Synthetic KV on a real engine, no model.
+    ``blocks``: one layer per block (one intra-op thread), else whole tensors."""
+    import kvcomm.anchors.distance as distance
+    from kvcomm.kv import KV, place
+    from kvcomm.plan import ReusePlan
+    from kvcomm.rope import Rotary
+    from kvcomm.segments import Segment
+
+    layers, heads, dim, t, tau = 5, 2, 16, 40, 0.7
+    if blocks:
+        monkeypatch.setattr(distance, "BLOCK_BYTES", 1)
+    rotary = Rotary(1.0 / (1e4 ** (torch.arange(0, dim, 2).float() / dim)), head_dim=dim)
+    gen = torch.Generator().manual_seed(3)
+    rand = lambda n: KV(torch.randn(layers, heads, n, dim, generator=gen), torch.randn(layers, heads, n, dim, generator=gen))  # noqa: E731
+    prompt = lambda i: Prompt("agent", (Segment(tuple(range(1, 8))), Segment(tuple(range(100 + i, 100 + i + t)), slot="task", shared_id=f"s{i}"),  # noqa: E731
+                                        Segment(tuple(range(20, 26))), Segment((30,))))
+    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, temperature=tau), exact_prefix=False))
+    for i in range(3):
+        p = prompt(i)
+        engine.register_base(p.segments[1], rand(t))
+        engine.learn(ReusePlan(p, learn=[1]), rand(len(p)))
+    p = prompt(9)
+    base = rand(t)
+    engine.register_base(p.segments[1], base)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if blocks else threads)  # blocks are used on one intra-op thread only
+    try:
+        plan = engine.plan(p)
+        kv = engine.materialize(plan)
+    finally:
+        torch.set_num_threads(threads)
+    piece = plan.pieces[0]
+    assert piece.following_base is not None and plan.reuse_end == len(p) - 1
+
+    anchors = piece.match.anchors
+    devs = [a.deviations[piece.match.slot] for a in anchors]
+    dk = [a.base.keys - base.keys for a in anchors]
+    dv = [a.base.values - base.values for a in anchors]
+    per_token = layers * heads * dim
+    wk = torch.softmax(-torch.stack([d.abs().sum((0, 1, 3)) / per_token for d in dk]) / tau, 0)  # [A, t]
+    wv = torch.softmax(-torch.stack([d.abs().sum((0, 1, 3)) / per_token for d in dv]) / tau, 0)
+    fk = torch.softmax(-torch.stack([d.square().sum(2).sqrt() for d in dk]) / tau, 0)  # [A, L, H, D]
+    fv = torch.softmax(-torch.stack([d.square().sum(2).sqrt() for d in dv]) / tau, 0)
+    shared = KV(base.keys + sum(w[None, None, :, None] * d.shared.keys for w, d in zip(wk, devs)),
+                base.values + sum(w[None, None, :, None] * d.shared.values for w, d in zip(wv, devs)))
+    fixed = piece.following_base
+    following = KV(fixed.keys + sum(w[:, :, None, :] * d.following.keys[:, :, : fixed.length] for w, d in zip(fk, devs)),
+                   fixed.values + sum(w[:, :, None, :] * d.following.values[:, :, : fixed.length] for w, d in zip(fv, devs)))
+    expected = KV.cat([place(shared, rotary, piece.start), place(following, rotary, piece.following_start)])
+    got = kv.span(piece.start, piece.following_start + fixed.length)
+    assert (got.keys - expected.keys).abs().max() <= 1e-5
+    assert (got.values - expected.values).abs().max() <= 1e-5

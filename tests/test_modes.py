@@ -10,7 +10,7 @@ import torch
 from kvcomm.engine import MODES, ReuseConfig, ReuseEngine
 from kvcomm.kv import KV, positions
 from kvcomm.pipeline import parse_pipeline
-from kvcomm.plan import BlendRequest, ReusePlan
+from kvcomm.plan import BlendRequest
 from kvcomm.rope import Rotary
 from kvcomm.runner import run_agent, run_row
 from kvcomm.segments import Prompt, Segment, content_id

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -93,6 +93,9 @@ def index_size(pool: AnchorPool) -> int:
         ({"max_candidates": 1}, "max_candidates must be 0 (all) or >= 2 (got 1)"),
         ({"max_candidates": -3}, "max_candidates must be 0 (all) or >= 2 (got -3)"),
         ({"max_bytes": 0}, "max_bytes must be positive or None (got 0)"),
+        ({"admission_distance": "cosine"}, "admission_distance must be one of relative, l2 (got 'cosine')"),
+        ({"admission_temperature": 0.0}, "admission_temperature must be > 0 (got 0.0)"),
+        ({"admission_temperature": float("nan")}, "admission_temperature must be > 0"),
     ],
 )
 def test_config_rejects_bad_values_with_clear_message(kwargs, message):
@@ -159,17 +162,102 @@ def test_equidistant_anchors_have_entropy_log2():
             assert accesses(pool) == {"a": 0, "b": 0}
 
 
-def test_entropy_threshold_is_exactly_gamma_log_n():
-    # Two anchors at distances 0 and delta: p = [s, 1-s], s = 1 / (1 + e^-delta).
+def _two_point_entropy_ratio(logit_gap: float) -> float:
+    """H(p) / log 2 for p = softmax([0, -logit_gap])."""
+    s = 1.0 / (1.0 + math.exp(-logit_gap))
+    return -(s * math.log(s) + (1 - s) * math.log(1 - s)) / math.log(2)
+
+
+def test_entropy_threshold_is_exactly_gamma_log_n_reference_l2():
+    # Two anchors at raw value-L2 distances 0 and delta: p = softmax([0, -delta]).
     delta = 1.0
-    s = 1.0 / (1.0 + math.exp(-delta))
-    entropy = -(s * math.log(s) + (1 - s) * math.log(1 - s))
-    ratio = entropy / math.log(2)
+    ratio = _two_point_entropy_ratio(delta)
     for gamma, expect_match in [(ratio - 1e-4, False), (ratio + 1e-4, True)]:
-        pool = AnchorPool(PoolConfig(gamma=gamma))
+        pool = AnchorPool(PoolConfig(gamma=gamma, admission_distance="l2"))
         add(pool, "a", const_kv(4))
         add(pool, "b", value_offset(4, delta))
         assert (pool.decide(SLOT, "new", const_kv(4), DEFAULT_EMB) is not None) is expect_match
+
+
+@pytest.mark.parametrize("tau", [0.02, 0.1])
+def test_entropy_threshold_is_exactly_gamma_log_n_relative(tau):
+    # Anchors at per-element RMS distances 1 and 1.03 (2 * 1 * 4 * 4 = 32 elements each):
+    # logits -(1 / 1) / tau and -(1.03 / 1) / tau, a gap of 0.03 / tau.
+    near, far = const_kv(4, value=1.0), const_kv(4, value=1.03)
+    ratio = _two_point_entropy_ratio(0.03 / tau)
+    assert 0.05 < ratio < 0.999
+    for gamma, expect_match in [(ratio - 1e-4, False), (ratio + 1e-4, True)]:
+        pool = AnchorPool(PoolConfig(gamma=gamma, admission_distance="relative", admission_temperature=tau))
+        add(pool, "far", far)
+        add(pool, "near", near)
+        match = pool.decide(SLOT, "new", const_kv(4), DEFAULT_EMB)
+        assert (match is not None) is expect_match
+
+
+def test_relative_admission_is_length_normalized_and_scale_free():
+    new = rand_kv(8, 0)
+    noise = 3.0 * rand_kv(8, 1).values
+    noise[:, :, 4:] *= 1.02  # "long" is about 1% farther per element than "short"
+    long = KV(new.keys.clone(), new.values + noise)
+    short = KV(new.keys[:, :, :4].clone(), new.values[:, :, :4] + noise[:, :, :4])
+    reference = AnchorPool(PoolConfig(admission_distance="l2"))
+    relative = AnchorPool(PoolConfig(admission_distance="relative", admission_temperature=0.02))
+    for pool in (reference, relative):
+        add(pool, "long", long)
+        add(pool, "short", short)
+    # The raw L2 over min(T, length) tokens makes "short" look far nearer (fewer tokens compared).
+    p_ref = reference._admission(list(reference.anchors), new)
+    assert float(p_ref[1]) > 0.99
+    # Per-element RMS relative to the nearest, over tau, computed independently here.
+    rms = torch.tensor([float(noise.square().mean().sqrt()), float(noise[:, :, :4].square().mean().sqrt())], dtype=torch.float64)
+    expected = torch.softmax(-(rms / rms.min()) / 0.02, 0)
+    p_rel = relative._admission(list(relative.anchors), new)
+    close(p_rel, expected, atol=1e-6)
+    assert 0.05 < float(p_rel[0]) < 0.5  # "long" keeps real weight: not one-hot
+    # Scale-free: scaling every value by 10 changes nothing.
+    scaled = AnchorPool(PoolConfig(admission_distance="relative", admission_temperature=0.02))
+    add(scaled, "long", KV(long.keys, long.values * 10))
+    add(scaled, "short", KV(short.keys, short.values * 10))
+    close(scaled._admission(list(scaled.anchors), KV(new.keys, new.values * 10)), p_rel, atol=1e-5)
+
+
+def test_relative_admission_with_an_anchor_at_distance_zero_is_one_hot():
+    pool = AnchorPool(PoolConfig(gamma=0.0, top_p=1.0))
+    add(pool, "twin", rand_kv(4, 3))
+    add(pool, "other", rand_kv(4, 4))
+    match = pool.decide(SLOT, "new", rand_kv(4, 3), DEFAULT_EMB)  # same values as "twin", another id
+    assert match is not None and not match.identical
+    assert accesses(pool) == {"twin": 1, "other": 0}
+
+
+_GAMMAS = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    kind=st.sampled_from(["relative", "l2"]),
+    tau=st.sampled_from([0.005, 0.02, 0.2]),
+    offsets=st.lists(st.sampled_from([0.0, 0.001, 0.01, 0.05, 0.3, 1.0, 5.0, 40.0]), min_size=2, max_size=6),
+    lengths=st.lists(st.integers(2, 6), min_size=6, max_size=6),
+    new_length=st.integers(2, 6),
+)
+def test_admission_laws_in_gamma(kind, tau, offsets, lengths, new_length):
+    """gamma = 1 always reuses (>= 2 compatible anchors); gamma = 0 reuses only when p is
+    one-hot; reuse is monotone in gamma."""
+    center = rand_kv(6, 100).values
+    new = KV(torch.zeros(L, H, new_length, D), center[:, :, :new_length])
+    decisions = []
+    for gamma in _GAMMAS:
+        pool = AnchorPool(PoolConfig(gamma=gamma, admission_distance=kind, admission_temperature=tau))
+        for i, (offset, t) in enumerate(zip(offsets, lengths)):
+            add(pool, f"a{i}", KV(torch.zeros(L, H, t, D), center[:, :, :t] + offset * rand_kv(t, i).values))
+        decisions.append(pool.decide(SLOT, "new", new, DEFAULT_EMB, commit=False) is not None)
+        if gamma == 0.0:
+            p = pool._admission(list(pool.anchors), new)
+    assert decisions[-1], "gamma = 1 must reuse with >= 2 compatible anchors"
+    assert decisions == sorted(decisions), f"not monotone in gamma: {dict(zip(_GAMMAS, decisions))}"
+    if decisions[0]:
+        assert float(p.max()) >= 1 - 1e-9, p
 
 
 def test_anchors_without_a_deviation_for_the_slot_do_not_count():
@@ -246,7 +334,8 @@ def test_identical_segment_without_deviation_for_the_slot_is_not_reused():
 
 
 def test_commit_false_leaves_access_counts_unchanged():
-    pool = AnchorPool(PoolConfig(gamma=1.0, top_p=1.0))
+    # Reference distances: no anchor's p underflows to 0, so top_p = 1 counts all three.
+    pool = AnchorPool(PoolConfig(gamma=1.0, top_p=1.0, admission_distance="l2"))
     add(pool, "a", const_kv(4))
     add(pool, "b", value_offset(4, 1.0))
     add(pool, "c", value_offset(4, 2.0))
@@ -271,7 +360,7 @@ def test_top_p_counts_the_anchors_carrying_the_mass(top_p, counted):
     distances = [1.0 - math.log(p) for p in probs]
     entropy = -sum(p * math.log(p) for p in probs)
     assert entropy / math.log(3) < 0.7
-    pool = AnchorPool(PoolConfig(gamma=0.7, top_p=top_p))
+    pool = AnchorPool(PoolConfig(gamma=0.7, top_p=top_p, admission_distance="l2"))
     # Insert in an order unrelated to probability.
     for sid, d in [("c", distances[2]), ("a", distances[0]), ("b", distances[1])]:
         add(pool, sid, value_offset(4, d))
@@ -407,7 +496,8 @@ def test_byte_budget_evicts_others_when_a_held_anchor_grows():
 
 
 def _narrowing_pool(max_candidates: int, other_slot: tuple[int, ...] = ()) -> AnchorPool:
-    pool = AnchorPool(PoolConfig(gamma=1.0, top_p=1.0, max_candidates=max_candidates, max_anchors=20))
+    # Reference distances: no anchor's p underflows to 0, so top_p = 1 counts every candidate.
+    pool = AnchorPool(PoolConfig(gamma=1.0, top_p=1.0, max_candidates=max_candidates, max_anchors=20, admission_distance="l2"))
     for i in range(10):
         angle = i * 0.3
         # Anchors 3 and 4 are the nearest to the query direction (angle 1.0) by embedding; their
