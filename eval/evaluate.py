@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from kvcomm.anchors.pool import PoolConfig
 from kvcomm.engine import ReuseConfig, ReuseEngine
-from kvcomm.eval.metrics import KL_TOP_K, TopK, kl_topk_other, top1_matches, topk_reference
+from kvcomm.divergence import KL_TOP_K, TopK, kl_topk_other, top1_matches, topk_reference
 from kvcomm.runner import AgentCall, run_row
 
 DENSE = "dense"

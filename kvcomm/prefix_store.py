@@ -57,6 +57,16 @@ class PrefixStore:
             while self.nbytes > self.max_bytes:
                 self._drop(next(iter(self._entries)))
 
+    def drop_oldest(self) -> int:
+        """Drop the least recently used entry; returns the bytes freed (0 when empty)."""
+        with self._lock:
+            if not self._entries:
+                return 0
+            entry = next(iter(self._entries))
+            freed = self._entries[entry].nbytes
+            self._drop(entry)
+            return freed
+
     def _drop(self, entry: int) -> None:
         del self._entries[entry]
         for key in [k for k, (e, _) in self._keys.items() if e == entry]:

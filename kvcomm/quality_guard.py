@@ -1,0 +1,192 @@
+"""Quality guard (shadow mode): measure what estimated reuse costs on live traffic and back
+off per slot when it costs too much.
+
+For a sampled fraction of the requests that reused estimated KV, the guard also runs the
+dense prefill of the same prompt and records KL(dense || reuse) of the first reply token's
+distribution (top-k + "other" bucket, as the evaluation computes it: a lower bound of the
+full KL). Each slot whose content was estimated in that request gets the sample. When a
+slot's rolling mean exceeds the budget, the guard acts and logs why:
+
+- ``"tighten"``: multiply the slot pool's gamma by ``tighten_factor`` (the entropy rule reuses
+  when H <= gamma * log(n), so a lower gamma means fewer reuses), and after
+  ``max_tightenings`` such steps disable the slot;
+- ``"disable"``: disable the slot at once.
+
+A disabled slot's estimated pieces are cut from every later plan (``restrict``), so reuse
+stops before its content and the rest is computed densely. One guard serves one engine
+(slot names are per engine; give each tenant its own guard).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcomm.engine import ReuseEngine
+from kvcomm.divergence import kl_topk_other, topk_reference
+from kvcomm.plan import BlendRequest, ReusePlan
+
+log = logging.getLogger("kvcomm.quality_guard")
+ACTIONS = ("tighten", "disable")
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """fraction: share of requests with estimated KV that are shadowed, in [0, 1].
+    budget: the most KL (nats, first-token distribution) a slot's rolling mean may reach.
+    window: samples in the rolling mean. min_samples: samples before the guard acts.
+    action, tighten_factor, max_tightenings: see the module docs. top_k: tokens kept
+    before the "other" bucket. seed: the sampling RNG's seed."""
+
+    fraction: float = 0.05
+    budget: float = 0.1
+    window: int = 20
+    min_samples: int = 3
+    action: str = "tighten"
+    tighten_factor: float = 0.5
+    max_tightenings: int = 3
+    top_k: int = 20
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not 0 <= self.fraction <= 1:
+            problems.append(f"fraction must be in [0, 1] (got {self.fraction})")
+        if not self.budget >= 0:
+            problems.append(f"budget must be >= 0 nats (got {self.budget})")
+        if not 1 <= self.min_samples <= self.window:
+            problems.append(f"need 1 <= min_samples <= window (got {self.min_samples}, {self.window})")
+        if self.action not in ACTIONS:
+            problems.append(f"action must be one of {', '.join(ACTIONS)} (got {self.action!r})")
+        if not 0 < self.tighten_factor < 1:
+            problems.append(f"tighten_factor must be in (0, 1) (got {self.tighten_factor})")
+        if self.max_tightenings < 0 or self.top_k < 1:
+            problems.append(f"max_tightenings must be >= 0 and top_k >= 1 (got {self.max_tightenings}, {self.top_k})")
+        if problems:
+            raise ValueError("invalid quality guard config: " + "; ".join(problems))
+
+
+@dataclass
+class SlotQuality:
+    """What the guard knows about one slot (pool)."""
+
+    recent: deque = field(default_factory=deque)
+    samples: int = 0
+    last_kl: float | None = None
+    tightenings: int = 0
+    disabled: bool = False
+    reason: str = ""
+
+    @property
+    def mean(self) -> float | None:
+        return sum(self.recent) / len(self.recent) if self.recent else None
+
+
+class QualityGuard:
+    def __init__(self, config: GuardConfig | None = None):
+        self.config = config or GuardConfig()
+        self.slots: dict[str, SlotQuality] = {}
+        self.shadowed = 0
+        self.shadow_seconds = 0.0
+        self._engine: ReuseEngine | None = None
+        self._rng = random.Random(self.config.seed)
+        self._lock = threading.Lock()
+
+    def _bind(self, engine: ReuseEngine) -> None:
+        if self._engine is None:
+            self._engine = engine
+        elif self._engine is not engine:
+            raise ValueError("a QualityGuard serves one engine; create one guard per engine (per tenant)")
+
+    def _slot(self, slot: str) -> SlotQuality:
+        return self.slots.setdefault(slot, SlotQuality(deque(maxlen=self.config.window)))
+
+    def disabled(self, slot: str) -> bool:
+        return slot in self.slots and self.slots[slot].disabled
+
+    # -- per request ---------------------------------------------------------------------------
+
+    def restrict(self, engine: ReuseEngine, plan: ReusePlan) -> None:
+        """Cut ``plan`` (before materializing) at its first piece whose shared segment's slot
+        is disabled; everything from there on is computed densely."""
+        self._bind(engine)
+        for i, piece in enumerate(plan.pieces):
+            segment = plan.prompt.segments[piece.segment_index]
+            if segment.is_shared and self.disabled(segment.slot):
+                plan.pieces = plan.pieces[:i]
+                plan.note = f"quality guard: reuse disabled for slot {segment.slot!r} ({self.slots[segment.slot].reason})"
+                if plan.blend is not None:
+                    blend = plan.blend
+                    plan.blend = BlendRequest(plan.exact_length, plan.reuse_end, blend.ratio, blend.check_layer) \
+                        if plan.estimated_tokens > 0 else None
+                return
+
+    def sample(self, plan: ReusePlan) -> tuple[str, ...]:
+        """The slots to attribute a shadow sample of this request to, or () to not shadow it."""
+        slots = tuple(dict.fromkeys(
+            plan.prompt.segments[p.segment_index].slot for p in plan.pieces
+            if plan.prompt.segments[p.segment_index].is_shared
+        ))
+        if not slots or plan.estimated_tokens == 0:
+            return ()
+        with self._lock:
+            return slots if self._rng.random() < self.config.fraction else ()
+
+    def shadow(self, executor, engine: ReuseEngine, token_ids, reuse_logprobs: torch.Tensor, slots: tuple[str, ...]) -> float:
+        """Run the dense prefill of ``token_ids``, record KL(dense || reuse) of the first-token
+        distribution (``reuse_logprobs``: ``[vocab]`` log-softmax) for ``slots`` and act on it."""
+        started = time.perf_counter()
+        dense = executor.generate(token_ids, None, 1, started, keep_logprobs=True).prompt_logprobs[-1]
+        kl = float(kl_topk_other(topk_reference(dense[None].float(), self.config.top_k), reuse_logprobs[None].float())[0])
+        with self._lock:
+            self.shadowed += 1
+            self.shadow_seconds += time.perf_counter() - started
+            for slot in slots:
+                self._record(engine, slot, kl)
+        return kl
+
+    def _record(self, engine: ReuseEngine, slot: str, kl: float) -> None:
+        state = self._slot(slot)
+        state.recent.append(kl)
+        state.samples += 1
+        state.last_kl = kl
+        mean = state.mean
+        if state.disabled or len(state.recent) < self.config.min_samples or mean <= self.config.budget:
+            return
+        why = f"mean KL {mean:.4g} over the last {len(state.recent)} shadowed requests exceeds budget {self.config.budget:g}"
+        pool = engine.pool(slot)
+        if self.config.action == "tighten" and state.tightenings < self.config.max_tightenings:
+            gamma = pool.config.gamma * self.config.tighten_factor
+            pool.config = dataclasses.replace(pool.config, gamma=gamma)
+            state.tightenings += 1
+            state.reason = f"{why}: gamma lowered to {gamma:.4g} (fewer reuses)"
+            state.recent.clear()  # judge the new gamma on its own samples
+        else:
+            state.disabled = True
+            state.reason = f"{why}: reuse disabled"
+        log.warning("quality guard, slot %r: %s", slot, state.reason)
+
+    # -- export --------------------------------------------------------------------------------
+
+    def metrics(self) -> dict:
+        """Numbers for a metrics exporter: shadowed requests, seconds spent shadowing, and per
+        slot the rolling mean / last KL, samples, current gamma, tightenings, disabled."""
+        with self._lock:
+            pools = self._engine.pools if self._engine is not None else {}
+            return {
+                "shadowed": self.shadowed, "shadow_seconds": self.shadow_seconds, "budget": self.config.budget,
+                "slots": {
+                    slot: {
+                        "kl_mean": s.mean, "kl_last": s.last_kl, "samples": s.samples, "tightenings": s.tightenings,
+                        "disabled": s.disabled, "reason": s.reason,
+                        "gamma": pools[slot].config.gamma if slot in pools else None,
+                    } for slot, s in self.slots.items()
+                },
+            }

@@ -1,0 +1,249 @@
+"""Tenant isolation and a byte cap across tenants (design notes §3 "Isolation", "Budgets").
+
+Every tenant gets its own ``TenantEngine``: anchor pools, base KV, fixed-segment bases and
+exact prefix store are never shared, so one tenant's requests cannot make another's faster
+(a shared cache is a timing side channel). A ``TenantRegistry`` caps the bytes all engines
+hold together, and optionally each tenant's own bytes, by evicting after every call that
+grew an engine.
+
+A per-tenant quota with ``max_tenants * max_tenant_bytes <= max_total_bytes`` means the total
+cap is never what evicts, so one tenant's load cannot evict another's entries either; with
+the total cap alone, eviction hits the largest tenant first, and a tenant that fills the
+shared budget can observe (by its own misses) that others are active.
+
+Locks: an engine's lock guards its state; the registry's lock guards the tenant map and
+enforcement. Enforcement runs only while no engine lock is held by the calling thread and
+takes one engine lock at a time, so the two never wait on each other in a cycle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from kvcomm.anchors.index import Embedder, kv_embedding
+from kvcomm.engine import BaseProvider, ReuseConfig, ReuseEngine
+from kvcomm.kv import KV
+from kvcomm.plan import ReusePlan
+from kvcomm.rope import Rotary
+from kvcomm.segments import Prompt, Segment
+
+MAX_TENANT_KEY_LENGTH = 256
+
+
+@dataclass(frozen=True)
+class EngineBytes:
+    """Bytes of tensors an engine holds, by kind. ``pools``: slot name -> anchor bytes."""
+
+    pools: dict[str, int]
+    prefix_store: int
+    bases: int
+    fixed_bases: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.pools.values()) + self.prefix_store + self.bases + self.fixed_bases
+
+
+class TenantEngine(ReuseEngine):
+    """A ``ReuseEngine`` that reports its bytes, can shrink itself, and calls ``on_grow``
+    (outside its lock) after every call that may have grown it: ``plan``, ``learn``,
+    ``register_base``."""
+
+    def __init__(
+        self, rotary: Rotary, config: ReuseConfig | None = None, embedder: Embedder = kv_embedding,
+        on_grow: Callable[[], None] | None = None,
+    ):
+        super().__init__(rotary, config, embedder)
+        self.on_grow = on_grow
+        self.evicted = {"prefix_store": 0, "bases": 0, "fixed_bases": 0, "anchors": 0}
+        self._local = threading.local()
+
+    def _grew(self) -> None:
+        if self.on_grow is not None and not getattr(self._local, "depth", 0):
+            self.on_grow()
+
+    def plan(self, prompt: Prompt, provide_base: BaseProvider | None = None) -> ReusePlan:
+        # Planning holds the lock throughout, so a concurrent shrink cannot drop a base
+        # between its registration and its use.
+        with self._lock:
+            self._local.depth = getattr(self._local, "depth", 0) + 1
+            try:
+                plan = super().plan(prompt, provide_base)
+            finally:
+                self._local.depth -= 1
+        self._grew()
+        return plan
+
+    def learn(self, plan: ReusePlan, computed: KV) -> None:
+        with self._lock:
+            # A base evicted under memory pressure since planning cannot be learned from:
+            # skip that segment (it stays a dense sample) rather than fail the request.
+            plan.learn = [i for i in plan.learn if self.has_base(plan.prompt.segments[i].shared_id)]
+            super().learn(plan, computed)
+        self._grew()
+
+    def register_base(self, segment: Segment, base: KV) -> None:
+        super().register_base(segment, base)
+        self._grew()
+
+    def memory(self) -> EngineBytes:
+        with self._lock:
+            return EngineBytes(
+                {slot: pool.nbytes for slot, pool in self.pools.items()},
+                self.prefix_store.nbytes,
+                sum(kv.nbytes + getattr(emb, "nbytes", 0) for kv, emb in self._bases.values()),
+                sum(kv.nbytes for kv in self._fixed_bases.values()),
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return self.memory().total
+
+    def shrink(self, target: int) -> int:
+        """Evict until this engine holds <= ``target`` bytes (or nothing is left); returns
+        the bytes freed. Cheapest to rebuild goes first: exact prefixes (LRU), base KV of
+        shared content (oldest first; recomputed on demand), fixed-segment bases (oldest
+        first; relearned by the next dense prefill), then anchors, from the largest pool
+        by its own eviction rule."""
+        with self._lock:
+            held = self.nbytes
+            start = held
+            while held > target and self.prefix_store.nbytes:
+                held -= self.prefix_store.drop_oldest()
+                self.evicted["prefix_store"] += 1
+            while held > target and self._bases:
+                kv, embedding = self._bases.pop(next(iter(self._bases)))
+                held -= kv.nbytes + getattr(embedding, "nbytes", 0)
+                self.evicted["bases"] += 1
+            while held > target and self._fixed_bases:
+                held -= self._fixed_bases.pop(next(iter(self._fixed_bases))).nbytes
+                self.evicted["fixed_bases"] += 1
+            while held > target:
+                pools = [p for p in self.pools.values() if len(p)]
+                if not pools:
+                    break
+                pool = max(pools, key=lambda p: p.nbytes)
+                before = pool.nbytes
+                if pool.evict() is None:
+                    break
+                held -= before - pool.nbytes
+                self.evicted["anchors"] += 1
+            return start - held
+
+
+def tenant_label(tenant: str) -> str:
+    """A short stable label for metrics and logs: tenant keys may be API keys, never export them."""
+    return hashlib.blake2b(tenant.encode("utf-8"), digest_size=6).hexdigest()
+
+
+class TenantRegistry:
+    """Tenant key -> its own ``TenantEngine``, created on first use, all sharing one rotary
+    and config. After every call that grows an engine: that engine is shrunk to
+    ``max_tenant_bytes`` if set, then, while all engines together exceed ``max_total_bytes``,
+    the largest engine is shrunk by the excess."""
+
+    def __init__(
+        self, rotary: Rotary, config: ReuseConfig | None = None, *, max_total_bytes: int | None = None,
+        max_tenant_bytes: int | None = None, embedder: Embedder = kv_embedding,
+    ):
+        for name, value in (("max_total_bytes", max_total_bytes), ("max_tenant_bytes", max_tenant_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer or None (got {value!r})")
+        self.rotary = rotary
+        self.config = config or ReuseConfig()
+        self.embedder = embedder
+        self.max_total_bytes = max_total_bytes
+        self.max_tenant_bytes = max_tenant_bytes
+        self._engines: dict[str, TenantEngine] = {}
+        self._lock = threading.RLock()
+        self.enforcements = 0
+
+    def engine(self, tenant: str) -> TenantEngine:
+        """The engine of ``tenant`` (created empty on first use)."""
+        _check_key(tenant)
+        with self._lock:
+            engine = self._engines.get(tenant)
+            if engine is None:
+                engine = TenantEngine(self.rotary, self.config, self.embedder)
+                engine.on_grow = lambda: self.enforce(engine)
+                self._engines[tenant] = engine
+            return engine
+
+    def __contains__(self, tenant: object) -> bool:
+        return tenant in self._engines
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    @property
+    def tenants(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(self._engines)
+
+    def drop(self, tenant: str) -> None:
+        """Forget ``tenant`` and everything its engine holds (KeyError if unknown)."""
+        with self._lock:
+            if tenant not in self._engines:
+                raise KeyError(f"unknown tenant {tenant_label(tenant)} (label); nothing to drop")
+            self._engines.pop(tenant).on_grow = None
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(e.nbytes for e in self._engines.values())
+
+    def load(self, tenant: str, directory, fingerprint) -> None:
+        """Restore ``tenant``'s pools from a save (``kvcomm.persist.load_engine``), then apply the caps."""
+        from kvcomm.persist import load_engine  # persistence is optional for a registry
+
+        engine = self.engine(tenant)
+        load_engine(directory, engine, fingerprint)
+        self.enforce(engine)
+
+    def enforce(self, grown: TenantEngine | None = None) -> int:
+        """Apply the per-tenant quota to ``grown`` and the total cap to all; returns bytes freed."""
+        with self._lock:
+            freed = 0
+            if grown is not None and self.max_tenant_bytes is not None:
+                freed += grown.shrink(self.max_tenant_bytes)
+            if self.max_total_bytes is not None:
+                sizes = {id(e): e.nbytes for e in self._engines.values()}
+                excess = sum(sizes.values()) - self.max_total_bytes
+                for engine in sorted(self._engines.values(), key=lambda e: -sizes[id(e)]):
+                    if excess <= 0:
+                        break
+                    released = engine.shrink(sizes[id(engine)] - excess)
+                    freed += released
+                    excess -= released
+            self.enforcements += int(freed > 0)
+            return freed
+
+    def metrics(self) -> dict:
+        """Numbers for a metrics exporter: total bytes and caps, and per tenant label its
+        bytes by kind, anchors per slot and evictions by kind."""
+        with self._lock:
+            tenants = {}
+            for tenant, engine in self._engines.items():
+                memory = engine.memory()
+                tenants[tenant_label(tenant)] = {
+                    "bytes": memory.total, "pool_bytes": dict(memory.pools), "prefix_store_bytes": memory.prefix_store,
+                    "base_bytes": memory.bases, "fixed_base_bytes": memory.fixed_bases,
+                    "anchors": {slot: len(pool) for slot, pool in engine.pools.items()},
+                    "evicted": dict(engine.evicted),
+                }
+            return {
+                "bytes": sum(t["bytes"] for t in tenants.values()), "max_total_bytes": self.max_total_bytes,
+                "max_tenant_bytes": self.max_tenant_bytes, "tenants": tenants, "enforcements": self.enforcements,
+            }
+
+
+def _check_key(tenant: object) -> None:
+    if not isinstance(tenant, str) or not tenant or len(tenant) > MAX_TENANT_KEY_LENGTH:
+        shown = type(tenant).__name__ if not isinstance(tenant, str) else f"a string of {len(tenant)} characters"
+        raise ValueError(
+            f"tenant key must be a non-empty string of at most {MAX_TENANT_KEY_LENGTH} characters, got {shown}; "
+            "pass e.g. the request's API key or a tenant name"
+        )

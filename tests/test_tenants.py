@@ -1,0 +1,210 @@
+"""Tenant isolation, per-tenant and total byte caps, and a cross-tenant timing probe."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+from scipy.stats import binomtest
+
+from kvcomm.anchors.pool import PoolConfig
+from kvcomm.engine import ReuseConfig
+from kvcomm.pipeline import parse_pipeline
+from kvcomm.rope import Rotary
+from kvcomm.runner import run_agent, run_row
+from kvcomm.tenants import TenantRegistry, tenant_label
+from one_thread import one_thread  # noqa: F401 (autouse fixture)
+from two_agent_case import PIPELINE, agent_prompt
+
+WORDS = "river mountain city forest ocean desert island valley bridge castle garden market".split()
+
+
+def _doc(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))) + "."
+
+
+def _load(registry: TenantRegistry, executor, tenants: int, calls: int, seed: int = 0, check=None):
+    """Each tenant runs ``calls`` two-agent rows on random documents; ``check`` after each call."""
+    spec = parse_pipeline(PIPELINE)
+    rng = random.Random(seed)
+    for _ in range(calls):
+        for t in range(tenants):
+            engine = registry.engine(f"tenant-{t}")
+            for agent in spec.agents:
+                prompt = agent_prompt(executor, agent, {"doc": _doc(rng), "reader": _doc(rng)})
+                run_agent(executor, engine, prompt, 2)
+                if check is not None:
+                    check()
+
+
+@pytest.mark.slow
+def test_total_cap_holds_after_every_call_under_sustained_load(tiny_executor):
+    config = ReuseConfig(pool=PoolConfig(gamma=1.0))
+    free = TenantRegistry(tiny_executor.rotary, config)
+    _load(free, tiny_executor, tenants=5, calls=4)
+    uncapped = free.nbytes
+    cap = uncapped // 4
+    registry = TenantRegistry(tiny_executor.rotary, config, max_total_bytes=cap)
+    seen = []
+
+    def check():
+        total = registry.nbytes
+        seen.append(total)
+        assert total <= cap, f"{total} bytes held, cap {cap}"
+
+    _load(registry, tiny_executor, tenants=5, calls=4, check=check)
+    assert max(seen) > cap // 2 and registry.enforcements > 0
+    metrics = registry.metrics()
+    assert metrics["bytes"] == registry.nbytes <= cap and len(metrics["tenants"]) == 5
+    assert sum(sum(t["evicted"].values()) for t in metrics["tenants"].values()) > 0
+    assert all(t["bytes"] == t["prefix_store_bytes"] + t["base_bytes"] + t["fixed_base_bytes"] + sum(t["pool_bytes"].values())
+               for t in metrics["tenants"].values())
+    assert "tenant-0" not in str(metrics)  # tenant keys may be API keys: only labels are exported
+
+
+@pytest.mark.slow
+def test_per_tenant_quota_keeps_one_tenants_load_from_evicting_another(tiny_executor):
+    config = ReuseConfig(pool=PoolConfig(gamma=1.0))
+    probe = TenantRegistry(tiny_executor.rotary, config)
+    _load(probe, tiny_executor, tenants=1, calls=2)
+    quota = probe.nbytes  # tenant-0's whole state after 2 rows fits its quota
+    registry = TenantRegistry(tiny_executor.rotary, config, max_tenant_bytes=quota, max_total_bytes=3 * quota)
+    _load(registry, tiny_executor, tenants=1, calls=2)
+    quiet = registry.engine("tenant-0")
+    before = (quiet.nbytes, dict(quiet.evicted))
+    noisy = TenantRegistry(tiny_executor.rotary, config)
+    for t in (1, 2):  # two other tenants push hard, far past their quota
+        for row in range(8):
+            rng = random.Random(100 * t + row)
+            spec = parse_pipeline(PIPELINE)
+            run_agent(tiny_executor, registry.engine(f"tenant-{t}"), agent_prompt(tiny_executor, spec.agents[1], {"doc": _doc(rng), "reader": _doc(rng)}), 2)
+            assert registry.engine(f"tenant-{t}").nbytes <= quota
+            run_agent(tiny_executor, noisy.engine("x"), agent_prompt(tiny_executor, spec.agents[1], {"doc": _doc(rng), "reader": _doc(rng)}), 2)
+    assert noisy.nbytes > quota  # the same load, unbounded, would have exceeded the quota
+    assert (quiet.nbytes, quiet.evicted) == before
+
+
+@pytest.mark.slow
+def test_sharing_works_within_a_tenant_and_never_across(tiny_executor):
+    spec = parse_pipeline(PIPELINE)
+    registry = TenantRegistry(tiny_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
+    alice = [c.provenance for row in range(4) for c in run_row(spec, row, tiny_executor, registry.engine("alice"))]
+    assert sum(p.estimated_tokens for p in alice) > 0  # anchors shared between alice's calls
+    prompt = agent_prompt(tiny_executor, spec.agents[0], spec.inputs[0])
+    _, seen = run_agent(tiny_executor, registry.engine("alice"), prompt, 2)
+    assert seen.exact_tokens == len(prompt) - 1  # alice's own prompt: an exact hit
+    _, bob = run_agent(tiny_executor, registry.engine("bob"), prompt, 2)
+    assert bob.exact_tokens == 0 and bob.estimated_tokens == 0  # nothing of alice's reaches bob
+    assert registry.engine("bob").pools.keys() <= {"doc"} and len(registry.engine("bob").pool("doc")) <= 1
+
+
+@pytest.mark.slow
+def test_concurrent_tenants_keep_the_cap_and_raise_nothing(tiny_executor):
+    config = ReuseConfig(pool=PoolConfig(gamma=1.0))
+    registry = TenantRegistry(tiny_executor.rotary, config, max_total_bytes=400_000)
+    errors = []
+
+    def worker(t: int) -> None:
+        try:
+            _load_one(registry, tiny_executor, t)
+        except Exception as error:  # collected: an exception in a thread would not fail the test
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert registry.nbytes <= 400_000 and len(registry) == 4
+    assert sum(sum(t["evicted"].values()) for t in registry.metrics()["tenants"].values()) > 0  # the cap did bind
+
+
+def _load_one(registry: TenantRegistry, executor, t: int) -> None:
+    spec = parse_pipeline(PIPELINE)
+    rng = random.Random(t)
+    for _ in range(3):
+        for agent in spec.agents:
+            run_agent(executor, registry.engine(f"t{t}"), agent_prompt(executor, agent, {"doc": _doc(rng), "reader": _doc(rng)}), 2)
+
+
+def test_bad_tenant_keys_and_caps_are_refused():
+    rotary = Rotary(torch.ones(4))
+    registry = TenantRegistry(rotary)
+    for key in ("", None, 7, "k" * 300):
+        with pytest.raises(ValueError, match="tenant key must be a non-empty string"):
+            registry.engine(key)
+    with pytest.raises(ValueError, match="max_total_bytes must be a positive integer"):
+        TenantRegistry(rotary, max_total_bytes=0)
+    with pytest.raises(KeyError, match="unknown tenant"):
+        registry.drop("nobody")
+    assert len(registry) == 0 and tenant_label("a") != tenant_label("b") and len(tenant_label("a")) == 12
+
+
+# -- the timing probe ------------------------------------------------------------------------
+
+PROBE = {"agents": [{"name": "keeper", "system": "Be brief.", "template": "Note: {secret}\nOK?"}],
+         "inputs": [{"secret": "-"}], "max_new_tokens": 1}
+
+
+def _probe(executor, isolated: bool, trials: int, seed: int) -> list[tuple[bool, float, int]]:
+    """Per trial: tenant A sends the secret prompt or (coin flip) a decoy of the same shape,
+    then tenant B sends the secret prompt. Returns (A sent it, B's TTFT, B's reused tokens).
+
+    Mode "exact" (the exact prefix store, the channel a plain prefix cache opens) keeps each
+    call at two forward passes; anchors and bases are kept apart by the same per-tenant
+    engines (``test_sharing_works_within_a_tenant_and_never_across``)."""
+    agent = parse_pipeline(PROBE).agents[0]
+    registry = TenantRegistry(executor.rotary, ReuseConfig(mode="exact"))
+    alice = registry.engine("alice")
+    bob = registry.engine("bob") if isolated else alice
+    rng = random.Random(seed)
+    out = []
+    for trial in range(trials):
+        secret = f"Vault {trial} code {rng.randrange(10**5):05d}."
+        decoy = f"Vault {trial} code {rng.randrange(10**5):05d}."
+        sent = rng.random() < 0.5
+        run_agent(executor, alice, agent_prompt(executor, agent, {"secret": secret if sent else decoy}), 1)
+        _, seen = run_agent(executor, bob, agent_prompt(executor, agent, {"secret": secret}), 1)
+        out.append((sent, seen.ttft_s, seen.exact_tokens + seen.estimated_tokens))
+    return out
+
+
+def _attack(trials: list[tuple[bool, float, int]]) -> int:
+    """Correct guesses of an attacker who, for each half of the trials, picks the best
+    single threshold rule (on TTFT or on reused tokens, either direction) on the other half."""
+
+    def fit(train):
+        best = (-1, None)
+        for feature in (1, 2):
+            for threshold in sorted({t[feature] for t in train}):
+                for above in (True, False):
+                    hits = sum(((t[feature] >= threshold) == above) == t[0] for t in train)
+                    best = max(best, (hits, (feature, threshold, above)), key=lambda b: b[0])
+        return best[1]
+
+    half = len(trials) // 2
+    correct = 0
+    for train, test in ((trials[:half], trials[half:]), (trials[half:], trials[:half])):
+        feature, threshold, above = fit(train)
+        correct += sum(((t[feature] >= threshold) == above) == t[0] for t in test)
+    return correct
+
+
+@pytest.mark.slow
+def test_cross_tenant_timing_probe_is_at_chance_level(smol_executor):
+    started, cpu = time.perf_counter(), time.process_time()
+    control = _probe(smol_executor, isolated=False, trials=20, seed=1)
+    leaked = _attack(control)
+    assert binomtest(leaked, len(control), 0.5, alternative="greater").pvalue < 0.01, (
+        f"the harness must catch a shared cache: only {leaked}/{len(control)} guessed")
+    isolated = _probe(smol_executor, isolated=True, trials=200, seed=2)
+    guessed = _attack(isolated)
+    p = binomtest(guessed, len(isolated), 0.5).pvalue
+    print(f"probe: shared cache {leaked}/20 guessed; isolated {guessed}/{len(isolated)} "
+          f"(rate {guessed / len(isolated):.3f}, two-sided p {p:.3f}); {time.perf_counter() - started:.0f} s, "
+          f"{time.process_time() - cpu:.0f} s CPU")
+    assert p > 0.01, f"attacker guessed {guessed}/{len(isolated)} across tenants (p = {p:.4f})"
