@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from kvcomm.executor import Generation
+from kvcomm.executor import Generation, OnToken
 from kvcomm.kv import KV, to_position_free
 from kvcomm.pipeline import Slot
 from kvcomm.plan import BlendRequest
@@ -104,7 +104,7 @@ class TransformersExecutor:
 
     def generate(
         self, token_ids: Sequence[int], prefix: KV | None, max_new_tokens: int, started: float | None = None,
-        keep_logprobs: bool = False, blend: BlendRequest | None = None,
+        keep_logprobs: bool = False, blend: BlendRequest | None = None, on_token: OnToken | None = None,
     ) -> Generation:
         started = time.perf_counter() if started is None else started
         n = len(token_ids)
@@ -129,6 +129,8 @@ class TransformersExecutor:
             if token in self.stop_ids:
                 break
             reply.append(token)
+            if on_token is not None and on_token(token) is False:
+                break
             if len(reply) < max_new_tokens:
                 logits = self._forward([token], cache, n + len(reply) - 1)
         if reply and cache.get_seq_length() < n + len(reply):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -12,6 +12,11 @@ from kvcomm.pipeline import Slot
 from kvcomm.plan import BlendRequest
 from kvcomm.rope import Rotary
 from kvcomm.segments import Segment
+
+
+OnToken = Callable[[int], "bool | None"]
+"""Called with each generated token as it is decoded (streaming); returning False stops
+decoding after that token (cancellation). The reply keeps the tokens decoded so far."""
 
 
 @dataclass(frozen=True)
@@ -56,14 +61,14 @@ class Executor(Protocol):
 
     def generate(
         self, token_ids: Sequence[int], prefix: KV | None, max_new_tokens: int, started: float,
-        keep_logprobs: bool = False, blend: BlendRequest | None = None,
+        keep_logprobs: bool = False, blend: BlendRequest | None = None, on_token: OnToken | None = None,
     ) -> Generation:
         """Inject ``prefix`` (KV of the first ``prefix.length`` tokens, rotated), compute the
         rest of the prompt densely and decode greedily.
 
         keep_logprobs: fill ``Generation.prompt_logprobs``. blend: before the tail, recompute
-        the selected tokens of ``prefix`` (CacheBlend) and correct their cached KV. Both are
-        optional: callers pass them only when set, so executors without them keep working
-        for the modes that do not need them.
+        the selected tokens of ``prefix`` (CacheBlend) and correct their cached KV. on_token:
+        see ``OnToken``. All three are optional: callers pass them only when set, so executors
+        without them keep working for the modes that do not need them.
         """
         ...

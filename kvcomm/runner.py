@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 
 from kvcomm.engine import ReuseEngine
-from kvcomm.executor import Executor
+from kvcomm.executor import Executor, OnToken
 from kvcomm.kv import to_position_free
 from kvcomm.pipeline import AgentSpec, PipelineSpec, Slot
 from kvcomm.plan import Provenance
 from kvcomm.segments import Prompt, Segment
+
+if TYPE_CHECKING:
+    from kvcomm.quality_guard import QualityGuard
 
 
 @dataclass(frozen=True)
@@ -60,18 +63,30 @@ def _content(executor: Executor, text: str) -> Segment | None:
 
 def run_agent(
     executor: Executor, engine: ReuseEngine | None, prompt: Prompt, max_new_tokens: int, keep_logprobs: bool = False,
+    on_token: OnToken | None = None, guard: QualityGuard | None = None,
 ):
     """One call: plan and materialize (with an engine), generate, learn. Returns (Generation, Provenance).
 
     keep_logprobs: ask the executor for ``Generation.prompt_logprobs`` (computed positions only).
+    on_token: passed to the executor (streaming, cancellation; see ``OnToken``).
+    guard: a quality guard (shadow mode): it cuts reuse of slots it disabled and, for the
+    requests it samples, also runs the dense prefill and records the first-token KL.
     """
     started = time.perf_counter()
-    options = {"keep_logprobs": True} if keep_logprobs else {}
+    options: dict = {"keep_logprobs": True} if keep_logprobs else {}
+    if on_token is not None:
+        options["on_token"] = on_token
     if engine is None:
         generation = executor.generate(prompt.token_ids, None, max_new_tokens, started, **options)
         shared = sum(len(s) for s in prompt.segments if s.is_shared)
         return generation, Provenance(len(prompt), 0, 0, len(prompt), shared, 0, False, "dense", generation.ttft_s)
     plan = engine.plan(prompt, executor.base_kv)
+    shadow = ()
+    if guard is not None:
+        guard.restrict(engine, plan)
+        shadow = guard.sample(plan)
+        if shadow:
+            options["keep_logprobs"] = True
     if plan.blend is not None:
         options["blend"] = plan.blend
     generation = executor.generate(prompt.token_ids, engine.materialize(plan), max_new_tokens, started, **options)
@@ -81,21 +96,24 @@ def run_agent(
     if generation.reply_kv is not None and engine.uses_bases:
         reply = Segment(generation.reply_ids, slot="_")
         engine.register_base(reply, to_position_free(generation.reply_kv, engine.rotary, len(prompt)))
+    if shadow:
+        guard.shadow(executor, engine, prompt.token_ids, generation.prompt_logprobs[-1], shadow)
     return generation, plan.provenance(generation.ttft_s)
 
 
 def run_row(
     spec: PipelineSpec, row_index: int, executor: Executor, engine: ReuseEngine | None,
     on_call: Callable[[AgentCall], None] | None = None, keep_logprobs: bool = False,
+    guard: QualityGuard | None = None,
 ) -> list[AgentCall]:
     """Run every agent, in order, on input row ``row_index``; ``keep_logprobs`` fills each
-    call's ``prompt_logprobs``."""
+    call's ``prompt_logprobs``; ``guard`` goes to every ``run_agent``."""
     row = spec.inputs[row_index]
     shared: dict[str, Segment | None] = {name: _content(executor, row[name]) for name in spec.input_slots}
     calls = []
     for agent in spec.agents:
         prompt = build_prompt(executor, agent, shared)
-        generation, provenance = run_agent(executor, engine, prompt, spec.max_new_tokens, keep_logprobs)
+        generation, provenance = run_agent(executor, engine, prompt, spec.max_new_tokens, keep_logprobs, guard=guard)
         reply_ids = generation.reply_ids
         shared[agent.name] = Segment(reply_ids, slot="_") if reply_ids else None
         logprobs = generation.prompt_logprobs if keep_logprobs else None

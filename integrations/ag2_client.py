@@ -1,0 +1,143 @@
+"""An AG2 ``ModelClient`` served by kvcomm in process (AG2 0.x ``register_model_client``).
+
+    config_list = [{"model": "kvcomm", "model_client_cls": "KvcommAG2Client"}]
+    agent = ConversableAgent("writer", system_message=..., llm_config={"config_list": config_list})
+    agent.register_model_client(KvcommAG2Client, backend=backend)
+
+Register the same ``ChatBackend`` with every agent so they share one executor and one reuse
+engine. Reuse statistics: ``response.kvcomm`` (a ``ChatCall``) on each response, and
+``backend.calls`` / ``backend.summary()``. Per-call options in the config entry or the
+``create`` params: ``max_tokens``, ``context_ids``. AG2's own response cache
+(``cache_seed``) is separate: keep it None to measure kvcomm.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcomm.integrations.chat_backend import ChatBackend, ChatCall
+from kvcomm.integrations.chat_segments import ChatTurn
+
+_ids = itertools.count()
+
+
+@dataclass
+class AG2Message:
+    """An OpenAI-style assistant message (what AG2 reads from ``choices[i].message``)."""
+
+    content: str | None
+    role: str = "assistant"
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: None = None
+
+    def model_dump(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"content": self.content, "role": self.role}
+        if self.tool_calls:
+            out["tool_calls"] = [dict(c, function=dict(c["function"])) for c in self.tool_calls]
+        return out
+
+
+@dataclass
+class AG2Choice:
+    message: AG2Message
+    finish_reason: str
+    index: int = 0
+
+
+@dataclass
+class AG2Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class AG2Response:
+    """``ModelClientResponseProtocol``: ``choices``, ``model``; plus usage, cost and ``kvcomm``
+    (where the prompt's KV came from)."""
+
+    id: str
+    model: str
+    choices: list[AG2Choice]
+    usage: AG2Usage
+    kvcomm: ChatCall
+    cost: float = 0.0
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class KvcommAG2Client:
+    """config: the config-list entry AG2 passes in. backend: the shared ``ChatBackend``
+    (default: a new one on the embedded model, reuse on unless ``config["kvcomm_reuse"]``
+    is False)."""
+
+    def __init__(self, config: dict[str, Any], backend: ChatBackend | None = None, **_: Any):
+        self.config = dict(config)
+        if backend is None:
+            backend = ChatBackend.embedded(reuse=bool(self.config.get("kvcomm_reuse", True)))
+        self.backend = backend
+        self.model = str(self.config.get("model") or backend.model_name)
+
+    def create(self, params: dict[str, Any]) -> AG2Response:
+        if params.get("stream"):
+            raise ValueError("streaming is not supported by the kvcomm AG2 client; set stream to False")
+        messages = params.get("messages")
+        if not messages:
+            raise ValueError("the kvcomm AG2 client needs params['messages'] (a non-empty list of message dicts)")
+        tools = params.get("tools") or None
+        if params.get("functions"):
+            raise ValueError("legacy `functions` are not supported; register tools (`tools`) instead")
+        reply = self.backend.complete(
+            to_turns(messages), tools=tools, max_new_tokens=params.get("max_tokens", self.config.get("max_tokens")),
+            context_ids=tuple(params.get("context_ids", self.config.get("context_ids", ()))),
+        )
+        tool_calls = [
+            {"id": f"call_{next(_ids)}", "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in reply.tool_calls
+        ]
+        message = AG2Message(reply.text if reply.text or not tool_calls else None, tool_calls=tool_calls or None)
+        finish = "tool_calls" if tool_calls else reply.call.finish_reason
+        usage = AG2Usage(reply.call.prompt_tokens, reply.call.completion_tokens)
+        return AG2Response(f"kvcomm-{next(_ids)}", self.model, [AG2Choice(message, finish)], usage, reply.call)
+
+    def message_retrieval(self, response: AG2Response) -> list[str] | list[dict[str, Any]]:
+        """Text of each choice, or the message dict where it carries tool calls."""
+        return [c.message.model_dump() if c.message.tool_calls else (c.message.content or "") for c in response.choices]
+
+    def cost(self, response: AG2Response) -> float:
+        return 0.0  # a local model: no per-token price
+
+    @staticmethod
+    def get_usage(response: AG2Response) -> dict[str, Any]:
+        return {
+            "prompt_tokens": response.usage.prompt_tokens, "completion_tokens": response.usage.completion_tokens,
+            "total_tokens": response.usage.total_tokens, "cost": response.cost, "model": response.model,
+        }
+
+
+def to_turns(messages: list[dict[str, Any]]) -> list[ChatTurn]:
+    """OpenAI-style message dicts (as AG2 sends them) -> chat turns."""
+    turns = []
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if role not in ("system", "user", "assistant", "tool", "function"):
+            raise ValueError(f"message {i} has role {role!r}; expected system, user, assistant or tool")
+        content = message.get("content")
+        if isinstance(content, list):  # multimodal parts: keep the text ones
+            if any(isinstance(p, dict) and p.get("type") not in (None, "text") for p in content):
+                raise ValueError(f"message {i} has non-text content; this model reads text only")
+            content = "\n".join(p["text"] if isinstance(p, dict) else str(p) for p in content)
+        elif content is not None and not isinstance(content, str):
+            content = json.dumps(content)
+        calls = tuple(message.get("tool_calls") or ())
+        turns.append(ChatTurn(
+            "tool" if role == "function" else role, content or "", message.get("name"), tool_calls=calls,
+            tool_call_id=message.get("tool_call_id"),
+        ))
+    return turns

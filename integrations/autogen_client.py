@@ -1,0 +1,237 @@
+"""An autogen-core ``ChatCompletionClient`` served by kvcomm in process (AutoGen 0.7).
+
+Give every agent of a team the same client: they then share one executor and one reuse
+engine, and each agent reuses the KV of what the others wrote (see ``chat_backend``).
+
+    client = KvcommChatCompletionClient()            # embedded SmolLM2, with reuse
+    dense = KvcommChatCompletionClient(reuse=False)  # the same model, dense prefill
+    team = RoundRobinGroupChat([AssistantAgent("a", client, ...), ...])
+
+AutoGen's ``RequestUsage`` has no cached-token field, so reuse statistics sit next to it:
+``client.last_call`` / ``client.call_log`` (``ChatCall``: exact / estimated / computed prompt
+tokens, fallback, TTFT), and ``client.summary()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncGenerator, Literal, Mapping, Optional, Sequence, Union
+
+from autogen_core import CancellationToken, FunctionCall, Image
+from autogen_core.models import (
+    AssistantMessage, ChatCompletionClient, CreateResult, FunctionExecutionResultMessage, LLMMessage, ModelCapabilities,
+    ModelFamily, ModelInfo, RequestUsage, SystemMessage, UserMessage,
+)
+from autogen_core.tools import Tool, ToolSchema
+from pydantic import BaseModel
+
+from kvcomm.engine import ReuseConfig
+from kvcomm.handles import ContextHandle
+from kvcomm.integrations.chat_backend import Cancelled, ChatBackend, ChatCall, ChatReply
+from kvcomm.integrations.chat_segments import ChatTurn
+
+_KNOWN_ARGS = {"max_tokens", "max_new_tokens", "context_ids"}
+
+
+class KvcommChatCompletionClient(ChatCompletionClient):
+    """backend: a ``ChatBackend`` to share (e.g. with an AG2 client, or a reuse and a dense
+    client side by side); by default one is built on the embedded model with ``reuse`` and
+    ``config``. max_tokens: default reply budget of a new backend.
+
+    ``extra_create_args``: ``max_tokens`` (reply budget), ``context_ids`` (handles this call
+    expects to hit; reported in ``ChatCall.contexts``). Anything else is an error.
+    """
+
+    component_type = "model"
+
+    def __init__(
+        self, backend: ChatBackend | None = None, *, reuse: bool = True, config: ReuseConfig | None = None,
+        max_tokens: int = 128,
+    ):
+        self.backend = backend if backend is not None else ChatBackend.embedded(reuse, config, max_new_tokens=max_tokens)
+        self._total = RequestUsage(0, 0)
+        self._actual = RequestUsage(0, 0)
+        self._closed = False
+
+    # -- reuse statistics and handles --------------------------------------------------------
+
+    @property
+    def call_log(self) -> list[ChatCall]:
+        """A snapshot of the recent calls through this client's backend, oldest first (a
+        shared backend shares its log; ``ChatBackend(max_log=...)`` bounds it)."""
+        return list(self.backend.calls)
+
+    @property
+    def last_call(self) -> ChatCall | None:
+        return self.backend.last
+
+    def summary(self) -> dict[str, Any]:
+        return self.backend.summary()
+
+    def retain_context(self, text: str) -> ContextHandle:
+        """Prefill ``text`` now and keep its KV for messages that carry exactly this text."""
+        return self.backend.retain(text)
+
+    def release_context(self, handle: ContextHandle | str) -> bool:
+        return self.backend.release(handle)
+
+    # -- ChatCompletionClient --------------------------------------------------------------
+
+    async def create(
+        self, messages: Sequence[LLMMessage], *, tools: Sequence[Tool | ToolSchema] = [],
+        tool_choice: Tool | Literal["auto", "required", "none"] = "auto", json_output: Optional[bool | type[BaseModel]] = None,
+        extra_create_args: Mapping[str, Any] = {}, cancellation_token: Optional[CancellationToken] = None,
+    ) -> CreateResult:
+        result = None
+        async for item in self._run(messages, tools, tool_choice, json_output, extra_create_args, cancellation_token, None):
+            result = item
+        assert isinstance(result, CreateResult)
+        return result
+
+    async def create_stream(
+        self, messages: Sequence[LLMMessage], *, tools: Sequence[Tool | ToolSchema] = [],
+        tool_choice: Tool | Literal["auto", "required", "none"] = "auto", json_output: Optional[bool | type[BaseModel]] = None,
+        extra_create_args: Mapping[str, Any] = {}, cancellation_token: Optional[CancellationToken] = None,
+    ) -> AsyncGenerator[Union[str, CreateResult], None]:
+        """Text chunks as tokens are decoded, then the ``CreateResult``."""
+        async for item in self._run(messages, tools, tool_choice, json_output, extra_create_args, cancellation_token, asyncio.Queue()):
+            yield item
+
+    async def _run(self, messages, tools, tool_choice, json_output, extra, token, queue: asyncio.Queue | None):
+        if self._closed:
+            raise RuntimeError("this client is closed; create a new KvcommChatCompletionClient")
+        if json_output:
+            raise ValueError("json_output / structured output is not supported by the kvcomm client (greedy text only)")
+        unknown = set(extra) - _KNOWN_ARGS
+        if unknown:
+            raise ValueError(f"unknown extra_create_args {sorted(unknown)}; supported: {sorted(_KNOWN_ARGS)}")
+        turns = to_turns(messages)
+        schemas = [] if tool_choice == "none" else tool_schemas(tools)
+        budget = extra.get("max_tokens", extra.get("max_new_tokens"))
+        loop = asyncio.get_running_loop()
+        if token is not None and token.is_cancelled():
+            raise asyncio.CancelledError("cancelled before the call started")
+        decoder = _Chunker(self.backend.executor)
+
+        def on_token(t: int) -> bool | None:
+            if queue is not None:
+                chunk = decoder.push(t)
+                if chunk and not loop.is_closed():
+                    loop.call_soon_threadsafe(queue.put_nowait, chunk)
+            return False if token is not None and token.is_cancelled() else None
+
+        work = loop.run_in_executor(
+            None, lambda: self.backend.complete(
+                turns, tools=schemas or None, max_new_tokens=budget, on_token=on_token, context_ids=tuple(extra.get("context_ids", ())),
+            ),
+        )
+        if token is not None:
+            token.link_future(work)  # the await ends at once; decoding stops at the next token
+        if queue is not None:
+            while not work.done() or not queue.empty():
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait({getter, work}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                else:
+                    getter.cancel()
+        try:
+            reply: ChatReply = await work
+        except Cancelled as error:
+            raise asyncio.CancelledError(str(error)) from None
+        usage = RequestUsage(reply.call.prompt_tokens, reply.call.completion_tokens)
+        self._total = RequestUsage(self._total.prompt_tokens + usage.prompt_tokens, self._total.completion_tokens + usage.completion_tokens)
+        self._actual = RequestUsage(self._actual.prompt_tokens + usage.prompt_tokens, self._actual.completion_tokens + usage.completion_tokens)
+        content: str | list[FunctionCall] = reply.text
+        thought = None
+        if reply.tool_calls:
+            content = [FunctionCall(id=f"call_{len(self.call_log)}_{i}", name=c["name"], arguments=c["arguments"]) for i, c in enumerate(reply.tool_calls)]
+            thought = reply.text or None
+        finish = "unknown" if reply.call.finish_reason == "cancelled" else reply.call.finish_reason
+        yield CreateResult(finish_reason=finish, content=content, usage=usage, cached=False, thought=thought)
+
+    async def close(self) -> None:
+        self._closed = True
+
+    def actual_usage(self) -> RequestUsage:
+        return self._actual
+
+    def total_usage(self) -> RequestUsage:
+        return self._total
+
+    def count_tokens(self, messages: Sequence[LLMMessage], *, tools: Sequence[Tool | ToolSchema] = []) -> int:
+        return self.backend.count_tokens(to_turns(messages), tool_schemas(tools) or None)
+
+    def remaining_tokens(self, messages: Sequence[LLMMessage], *, tools: Sequence[Tool | ToolSchema] = []) -> int:
+        return self.backend.max_context - self.count_tokens(messages, tools=tools)
+
+    @property
+    def capabilities(self) -> ModelCapabilities:  # type: ignore[override]
+        info = self.model_info
+        return ModelCapabilities(vision=False, function_calling=info["function_calling"], json_output=False)  # type: ignore[typeddict-item]
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(
+            vision=False, function_calling=self.backend.supports_tools, json_output=False, family=ModelFamily.UNKNOWN,
+            structured_output=False, multiple_system_messages=True,
+        )
+
+
+def to_turns(messages: Sequence[LLMMessage]) -> list[ChatTurn]:
+    """AutoGen messages -> chat turns (a function-result message gives one "tool" turn per result)."""
+    turns: list[ChatTurn] = []
+    for message in messages:
+        if isinstance(message, SystemMessage):
+            turns.append(ChatTurn("system", message.content))
+        elif isinstance(message, UserMessage):
+            turns.append(ChatTurn("user", _text(message.content), message.source))
+        elif isinstance(message, AssistantMessage):
+            if isinstance(message.content, str):
+                turns.append(ChatTurn("assistant", message.content, message.source))
+            else:
+                calls = tuple(
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in message.content
+                )
+                turns.append(ChatTurn("assistant", message.thought or "", message.source, tool_calls=calls))
+        elif isinstance(message, FunctionExecutionResultMessage):
+            turns.extend(ChatTurn("tool", r.content, r.name, tool_call_id=r.call_id) for r in message.content)
+        else:
+            raise TypeError(f"unsupported message type {type(message).__name__}")
+    return turns
+
+
+def tool_schemas(tools: Sequence[Tool | ToolSchema]) -> list[dict]:
+    """Tools as OpenAI-style function schemas, which chat templates take."""
+    schemas = []
+    for tool in tools:
+        schema = tool.schema if hasattr(tool, "schema") else tool
+        schemas.append({"type": "function", "function": json.loads(json.dumps(dict(schema)))})
+    return schemas
+
+
+def _text(content: str | list[str | Image]) -> str:
+    if isinstance(content, str):
+        return content
+    if any(isinstance(part, Image) for part in content):
+        raise ValueError("this model has no vision: remove images from the messages (model_info['vision'] is False)")
+    return "\n".join(content)
+
+
+class _Chunker:
+    """Incremental detokenization: emits the new text once it decodes cleanly (no partial
+    UTF-8 sequence at the end)."""
+
+    def __init__(self, executor):
+        self.executor = executor
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.executor.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        chunk, self.sent = text[self.sent :], len(text)
+        return chunk

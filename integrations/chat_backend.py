@@ -1,0 +1,282 @@
+"""One in-process chat backend shared by the AutoGen and AG2 clients: executor + reuse engine.
+
+Every agent of a team talks to the same backend, so one agent's reply KV (registered as a
+base when it is produced) and the anchors its context builds up serve the next agent. A
+call renders the conversation per message (``chat_segments``), runs ``run_agent`` (plan,
+materialize, generate, learn, register the reply as a base) and logs where the prompt's KV
+came from. Calls are serialized: the executor runs one request at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from kvcomm.engine import ReuseConfig, ReuseEngine
+from kvcomm.executor import OnToken
+from kvcomm.handles import ContextHandle, ContextRegistry
+from kvcomm.plan import Provenance
+from kvcomm.runner import run_agent
+from kvcomm.segments import Segment, content_id
+from kvcomm.integrations.chat_segments import ChatPrompt, ChatTurn, parse_tool_calls, render_chat, supports_tools
+
+FinishReason = str  # "stop" | "length" | "function_calls" | "cancelled"
+
+
+@dataclass(frozen=True)
+class ChatCall:
+    """Where one completion's prompt KV came from, and what it produced.
+
+    provenance: exact / estimated / computed prompt tokens (they add up to ``prompt_tokens``),
+        fallback, note, TTFT (seconds, planning included).
+    template_id: the agent (hash of its system message). agent: the name on the agent's own
+        earlier replies in this conversation, if any (AutoGen ``source``, AG2 ``name``).
+    reply_registered: the reply's KV was kept as a base for whoever reads it next (False when
+        its text does not re-tokenize to the same ids, or without reuse).
+    contexts: for each ``context_id`` the call named, "hit" (retained KV served), "fallback"
+        (released or evicted: recomputed from the text) or "absent" (no message carries it).
+    latency_s: wall seconds of the whole call.
+    slots: per shared message, its slot (``"{author}#{k}"``) -> (tokens whose KV was reused,
+        exact or estimated; tokens in the message).
+    """
+
+    template_id: str
+    agent: str | None
+    provenance: Provenance
+    completion_tokens: int
+    finish_reason: FinishReason
+    reply_registered: bool
+    latency_s: float
+    contexts: dict[str, str] = field(default_factory=dict)
+    render_note: str = ""
+    slots: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.provenance.prompt_tokens
+
+
+@dataclass(frozen=True)
+class ChatReply:
+    """text: the reply, tool-call blocks removed when ``tool_calls`` were parsed out of it.
+    tool_calls: ``{"name", "arguments" (JSON string)}`` dicts."""
+
+    text: str
+    reply_ids: tuple[int, ...]
+    call: ChatCall
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Cancelled(Exception):
+    """The caller cancelled a completion while it was decoding."""
+
+
+class ChatBackend:
+    """executor: a ``TransformersExecutor`` (anything with ``.tokenizer`` and the executor
+    protocol). engine: a ``ReuseEngine`` for reuse, None for dense prefill. max_new_tokens:
+    default reply budget. base_bytes: LRU bound on bases of unretained shared content.
+    max_log: how many recent calls ``calls`` keeps (and ``summary`` totals). max_context:
+    prompt + reply token limit (default: the model's, from its config or vLLM's)."""
+
+    def __init__(
+        self, executor, engine: ReuseEngine | None = None, max_new_tokens: int = 128, base_bytes: int | None = 256 << 20,
+        max_log: int = 10_000, max_context: int | None = None,
+    ):
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+        if max_log < 1:
+            raise ValueError(f"max_log must be >= 1 (got {max_log})")
+        self.executor = executor
+        self.engine = engine
+        self.max_new_tokens = max_new_tokens
+        self.contexts = ContextRegistry(engine, base_bytes) if engine is not None else None
+        self.calls: deque[ChatCall] = deque(maxlen=max_log)
+        self._lock = threading.RLock()
+        config = getattr(getattr(executor, "model", None), "config", None)
+        self.max_context = max_context or _context_length(executor)
+        self.model_name = str(getattr(config, "_name_or_path", "") or getattr(config, "model_type", "") or "kvcomm")
+
+    @classmethod
+    def embedded(cls, reuse: bool = True, config: ReuseConfig | None = None, **options) -> "ChatBackend":
+        """The embedded SmolLM2-135M-Instruct; ``reuse=False`` runs it dense."""
+        from kvcomm.integrations.embedded import load_model_and_tokenizer
+        from kvcomm.integrations.transformers_executor import TransformersExecutor
+
+        executor = TransformersExecutor(*load_model_and_tokenizer(), dense_only=not reuse)
+        engine = ReuseEngine(executor.rotary, config) if reuse else None
+        return cls(executor, engine, **options)
+
+    @property
+    def supports_tools(self) -> bool:
+        return supports_tools(self.executor.tokenizer)
+
+    @property
+    def last(self) -> ChatCall | None:
+        return self.calls[-1] if self.calls else None
+
+    # -- prompts ---------------------------------------------------------------------------
+
+    def render(self, turns: Sequence[ChatTurn], tools: Sequence[dict] | None = None) -> ChatPrompt:
+        if tools and not self.supports_tools:
+            raise ValueError(
+                "this model's chat template has no tool support, so it cannot be given tools; "
+                "drop the tools or use a model whose chat template renders `tools`"
+            )
+        return render_chat(self.executor.tokenizer, self.executor.encode, turns, tools)
+
+    def count_tokens(self, turns: Sequence[ChatTurn], tools: Sequence[dict] | None = None) -> int:
+        return len(self.render(turns, tools).prompt)
+
+    # -- context handles -------------------------------------------------------------------
+
+    def retain(self, text: str) -> ContextHandle:
+        """Prefill ``text`` (as a message's content) now and keep its KV until ``release``.
+
+        Without reuse the handle is still valid (releasing and fallback work the same); it
+        just holds nothing."""
+        ids = tuple(self.executor.encode(text))
+        if not ids:
+            raise ValueError("cannot retain empty text: it has no tokens")
+        segment = Segment(ids, slot="_")
+        if self.contexts is None:
+            return ContextHandle(segment.shared_id, len(ids))
+        with self._lock:
+            return self.contexts.retain(segment, self.executor.base_kv)
+
+    def release(self, handle: ContextHandle | str) -> bool:
+        if self.contexts is None:
+            return False
+        with self._lock:
+            return self.contexts.release(handle)
+
+    # -- completion ------------------------------------------------------------------------
+
+    def complete(
+        self, turns: Sequence[ChatTurn], *, tools: Sequence[dict] | None = None, max_new_tokens: int | None = None,
+        on_token: OnToken | None = None, context_ids: Sequence[str] = (),
+    ) -> ChatReply:
+        """One greedy completion of ``turns``. Raises ``Cancelled`` when ``on_token`` returned
+        False (the call is still logged, and what it learned is kept: all its KV is real)."""
+        budget = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if budget < 1:
+            raise ValueError(f"max_tokens must be >= 1 (got {budget})")
+        started = time.perf_counter()
+        with self._lock:
+            chat = self.render(turns, tools)
+            prompt = chat.prompt
+            if len(prompt) + budget > self.max_context:
+                raise ValueError(
+                    f"prompt of {len(prompt)} tokens + {budget} new tokens exceeds the model's context of "
+                    f"{self.max_context}; shorten the conversation (e.g. a BufferedChatCompletionContext) or max_tokens"
+                )
+            contexts = self._context_report(chat, context_ids)
+            stopped = []
+
+            def watch(token: int) -> bool | None:
+                if on_token is not None and on_token(token) is False:
+                    stopped.append(True)
+                    return False
+                return None
+
+            # executors without streaming support still serve callers that pass no on_token
+            hook = watch if on_token is not None else None
+            generation, provenance = run_agent(self.executor, self.engine, prompt, budget, on_token=hook)
+            text = self.executor.decode(generation.reply_ids)
+            registered = self._keep_reply(generation, text)
+            self._note_bases(chat, generation)
+            tool_calls, text_out = parse_tool_calls(text) if tools else ([], text)
+            if stopped:
+                reason = "cancelled"
+            elif tool_calls:
+                reason = "function_calls"
+            else:
+                reason = "length" if len(generation.reply_ids) >= budget else "stop"
+            agent = next((t.source for t in reversed(turns) if t.role == "assistant" and t.source), None)
+            call = ChatCall(
+                prompt.template_id, agent, provenance, len(generation.reply_ids), reason, registered,
+                time.perf_counter() - started, contexts, chat.note, slot_reuse(chat, provenance),
+            )
+            self.calls.append(call)
+        if stopped:
+            raise Cancelled(f"cancelled after {len(generation.reply_ids)} tokens")
+        return ChatReply(text_out, generation.reply_ids, call, tool_calls)
+
+    def _keep_reply(self, generation, text: str) -> bool:
+        """Keep the reply's base only if readers will tokenize its text to the same ids."""
+        if self.engine is None or not generation.reply_ids or not self.engine.uses_bases:
+            return False
+        shared_id = content_id(generation.reply_ids)
+        if tuple(self.executor.encode(text)) != generation.reply_ids:
+            self.engine.drop_base(shared_id)
+            return False
+        return self.engine.has_base(shared_id)
+
+    def _note_bases(self, chat: ChatPrompt, generation) -> None:
+        """Tell the registry which bases this call used or made (sizes from the KV's
+        bytes per token), most recent last, so its LRU bound can drop the oldest."""
+        if self.contexts is None or generation.computed.length == 0:
+            return
+        per_token = generation.computed.nbytes // generation.computed.length
+        segments = [chat.prompt.segments[i] for i in chat.turn_segments.values()]
+        if generation.reply_ids:
+            segments.append(Segment(generation.reply_ids, slot="_"))
+        for segment in segments:
+            if self.engine.has_base(segment.shared_id):
+                self.contexts.note(segment.shared_id, per_token * len(segment))
+        self.contexts.touch([s.shared_id for s in segments])
+
+    def _context_report(self, chat: ChatPrompt, context_ids: Sequence[str]) -> dict[str, str]:
+        report = {}
+        present = set(chat.shared_ids)
+        for context_id in context_ids:
+            if context_id not in present:
+                report[context_id] = "absent"
+            elif self.contexts is not None and self.contexts.state(context_id) == "live":
+                report[context_id] = "hit"
+            else:
+                report[context_id] = "fallback"
+        return report
+
+    def summary(self) -> dict[str, Any]:
+        with self._lock:
+            return summarize(list(self.calls))
+
+
+def summarize(calls: Sequence[ChatCall]) -> dict[str, Any]:
+    """Totals over logged calls (token counts by source, agent-level reuse rate, fallbacks)."""
+    prompt = sum(c.provenance.prompt_tokens for c in calls)
+    exact = sum(c.provenance.exact_tokens for c in calls)
+    estimated = sum(c.provenance.estimated_tokens for c in calls)
+    return {
+        "calls": len(calls), "prompt_tokens": prompt, "exact_tokens": exact, "estimated_tokens": estimated,
+        "computed_tokens": prompt - exact - estimated,
+        "token_reuse_rate": (exact + estimated) / prompt if prompt else 0.0,
+        "agent_reuse_rate": sum(c.provenance.reused for c in calls) / len(calls) if calls else 0.0,
+        "fallbacks": sum(c.provenance.fallback for c in calls),
+    }
+
+
+def slot_reuse(chat: ChatPrompt, provenance: Provenance) -> dict[str, tuple[int, int]]:
+    """Slot -> (reused tokens, tokens) for every shared message: reuse is a prefix of the
+    prompt (``[0, reuse_end)``), so a message's reused tokens are its part of that prefix."""
+    end, prompt = provenance.reuse_end, chat.prompt
+    out = {}
+    for index in chat.turn_segments.values():
+        segment, start = prompt.segments[index], prompt.starts[index]
+        out[segment.slot] = (max(0, min(end - start, len(segment))), len(segment))
+    return out
+
+
+def _context_length(executor) -> int:
+    """The model's context in tokens: transformers' ``max_position_embeddings``, else vLLM's
+    ``max_model_len``, else 2048."""
+    config = getattr(getattr(executor, "model", None), "config", None)
+    if getattr(config, "max_position_embeddings", None):
+        return int(config.max_position_embeddings)
+    llm = getattr(executor, "llm", None)
+    if llm is not None:
+        return int(llm.llm_engine.vllm_config.model_config.max_model_len)
+    return 2048
