@@ -16,7 +16,7 @@ from kvcomm.eval.evaluate import ALL_MODES, EvalSettings
 from kvcomm.eval.outputs import check_out_dir
 
 BACKENDS = ("transformers", "vllm")
-AVAILABLE_BACKENDS = ("transformers",)
+AVAILABLE_BACKENDS = ("transformers", "vllm")
 
 
 def _items(text: str, what: str) -> list[str]:
@@ -129,7 +129,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                              "pass (faster; TTFT then includes full-vocabulary logits of every computed position)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--backend", choices=BACKENDS, default="transformers",
-                        help="model runtime (default transformers; vllm is not available yet)")
+                        help="model runtime (default transformers; vllm needs --no-kl and no cacheblend mode)")
     parser.add_argument("--model", help="local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.set_defaults(eval_command=run_eval_command)
     return parser
@@ -143,11 +143,11 @@ def settings_from_args(args) -> EvalSettings:
     )
 
 
-def load_executor(model: str | None):
-    """(TransformersExecutor, model path) for ``model`` or the embedded model."""
+def load_executor(model: str | None, backend: str = "transformers"):
+    """(executor, model path) for ``model`` or the embedded model on ``backend``."""
     from kvcomm.integrations.cli import load_executor as load
 
-    return load(model)
+    return load(model, backend)
 
 
 def run_eval_command(args, executor=None) -> int:
@@ -163,6 +163,9 @@ def run_eval_command(args, executor=None) -> int:
 
     if args.backend not in AVAILABLE_BACKENDS:
         return fail(f"the {args.backend} backend is not available yet; use --backend transformers")
+    if args.backend == "vllm" and (not args.no_kl or "cacheblend" in args.modes):
+        return fail("the vllm backend keeps no prompt log-probabilities and runs no CacheBlend recompute: "
+                    "pass --no-kl and leave cacheblend out of --modes, or use --backend transformers")
     try:
         settings = settings_from_args(args)
         out = check_out_dir(args.out)
@@ -172,7 +175,7 @@ def run_eval_command(args, executor=None) -> int:
                                  max_new_tokens=args.max_new_tokens)
         model_path = getattr(args, "model", None)
         if executor is None:
-            executor, model_path = load_executor(args.model)
+            executor, model_path = load_executor(args.model, args.backend)
         meta = {"model": model_path, "backend": args.backend, "limit": args.limit, "workload_arg": args.workload,
                 "workload_seed": 0, "n_agents": args.agents,
                 "max_new_tokens": workload.pipeline.max_new_tokens, "kl": not args.no_kl,

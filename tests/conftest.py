@@ -37,3 +37,21 @@ def tiny_executor(smol):
         eos_token_id=tokenizer.eos_token_id, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     return TransformersExecutor(LlamaForCausalLM(config).eval(), tokenizer)
+
+
+@pytest.fixture(scope="session")
+def vllm_llm():
+    """One in-process ``vllm.LLM`` with the kvcomm connector on the embedded model, fp32,
+    prefix caching on with 32-token blocks, chunked prefill with 64-token chunks (so real
+    prompts span several blocks and chunks), server-side planning of annotated requests on."""
+    pytest.importorskip("vllm")
+    from kvcomm.integrations.vllm_engine import make_llm, transfer_config
+
+    return make_llm(max_num_batched_tokens=64, max_num_seqs=8, block_size=32, kv_transfer_config=transfer_config(extra={"plan": True, "gamma": 1.0}))
+
+
+@pytest.fixture(scope="session")
+def vllm_executor(vllm_llm, smol):
+    from kvcomm.integrations.vllm_executor import VllmExecutor
+
+    return VllmExecutor(vllm_llm, *smol)

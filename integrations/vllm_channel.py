@@ -1,0 +1,95 @@
+"""The in-process channel between a vLLM engine's kvcomm connector and its callers.
+
+With tensor parallelism 1, vLLM's scheduler and its worker live in one process (the
+EngineCore; with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` that is also the caller's process),
+so one process-level ``Channel`` per engine (keyed by ``KVTransferConfig.engine_id``)
+carries state between the scheduler-side and worker-side connector instances and the
+caller: KV to inject per request handle, and the real KV captured for it.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcomm.kv import KV
+
+
+@dataclass
+class Capture:
+    """Real KV read back from vLLM's cache for one request, rotated at absolute positions.
+
+    keys, values: ``[layers, kv_heads, capacity, head_dim]``; position ``p`` is valid once
+    ``filled[p]`` is set (``[capacity]`` bool).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    filled: torch.Tensor
+
+    @staticmethod
+    def empty(layers: int, heads: int, capacity: int, head_dim: int, dtype: torch.dtype) -> "Capture":
+        shape = (layers, heads, capacity, head_dim)
+        return Capture(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), torch.zeros(capacity, dtype=torch.bool))
+
+    def span(self, start: int, end: int) -> KV:
+        """Captured KV of positions ``[start, end)``; raises if any was not captured."""
+        if end > self.filled.numel() or not bool(self.filled[start:end].all()):
+            missing = [p for p in range(start, end) if p >= self.filled.numel() or not self.filled[p]]
+            raise RuntimeError(f"kvcomm connector did not capture positions {missing[:8]}... of [{start}, {end})")
+        return KV(self.keys[:, :, start:end].clone(), self.values[:, :, start:end].clone())
+
+
+@dataclass
+class Order:
+    """What the caller asks of the connector for one request handle.
+
+    inject: rotated KV of prompt positions ``[0, inject.length)`` to load (None: load nothing).
+    capture_from, capture_to: prompt+output positions whose real KV to keep (``capture_to`` 0:
+    capture nothing).
+    """
+
+    inject: KV | None = None
+    capture_from: int = 0
+    capture_to: int = 0
+
+
+@dataclass
+class Channel:
+    """One engine's orders, captures and prompt completion times (``time.perf_counter()``
+    when the forward computing a request's last prompt token ended), keyed by request handle."""
+
+    orders: dict[str, Order] = field(default_factory=dict)
+    captures: dict[str, Capture] = field(default_factory=dict)
+    prompt_done_at: dict[str, float] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def place(self, handle: str, order: Order) -> None:
+        with self.lock:
+            if handle in self.orders:
+                raise ValueError(f"request handle {handle!r} is already in use")
+            self.orders[handle] = order
+
+    def order(self, handle: str) -> Order | None:
+        with self.lock:
+            return self.orders.get(handle)
+
+    def take(self, handle: str) -> tuple[Capture | None, float | None]:
+        """Remove the handle's state; return its capture and prompt completion time (None if absent)."""
+        with self.lock:
+            self.orders.pop(handle, None)
+            return self.captures.pop(handle, None), self.prompt_done_at.pop(handle, None)
+
+
+_CHANNELS: dict[str, Channel] = {}
+_LOCK = threading.Lock()
+
+
+def channel(engine_id: str) -> Channel:
+    """The channel of engine ``engine_id`` (created on first use)."""
+    with _LOCK:
+        if engine_id not in _CHANNELS:
+            _CHANNELS[engine_id] = Channel()
+        return _CHANNELS[engine_id]

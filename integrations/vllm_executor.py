@@ -1,0 +1,156 @@
+"""kvcomm's ``Executor`` on vLLM: the same pipelines, engine and decisions as the
+transformers reference, with prefill and decode run by a ``vllm.LLM`` through the kvcomm
+connector.
+
+Each call places an ``Order`` on the engine's channel (KV to inject for the first
+``prefix.length`` prompt tokens, positions whose real KV to capture), submits the prompt as
+token ids with the order's handle in ``kv_transfer_params``, and collects the captured KV
+for ``ReuseEngine.learn``. Requests that inject KV carry a ``cache_salt`` unique to the call,
+so vLLM's prefix cache never serves their (possibly approximate) blocks to anyone else;
+dense calls carry no salt and share vLLM's prefix cache like any request.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Sequence
+
+import torch
+
+from kvcomm.executor import Generation, OnToken
+from kvcomm.kv import KV, to_position_free
+from kvcomm.plan import BlendRequest
+from kvcomm.segments import Segment
+from kvcomm.integrations.hf_rotary import rotary_from_model
+from kvcomm.integrations.transformers_executor import TransformersExecutor, _as_list
+from kvcomm.integrations.vllm_channel import Channel, Order, channel
+from kvcomm.integrations.vllm_engine import CONNECTOR
+
+
+class VllmExecutor:
+    """Runs one agent call at a time on ``llm`` (a ``vllm.LLM`` from ``make_llm``, in-process).
+
+    hf_model, tokenizer: the same checkpoint loaded with transformers, used for the RoPE
+    self-check (raises ``RopeError`` if realignment is not exact), the chat template and the
+    stop tokens; the model's weights are not used for inference.
+    """
+
+    # Text handling is the reference executor's, token for token (same tokenizer).
+    encode = TransformersExecutor.encode
+    decode = TransformersExecutor.decode
+    render = TransformersExecutor.render
+
+    def __init__(self, llm, hf_model, tokenizer):
+        config = llm.llm_engine.vllm_config
+        transfer = config.kv_transfer_config
+        if transfer is None or transfer.kv_connector != CONNECTOR:
+            raise ValueError("the vllm.LLM must load the kvcomm connector; build it with kvcomm.integrations.vllm_engine.make_llm")
+        import vllm.envs as envs
+
+        if envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+            raise RuntimeError("VllmExecutor needs the engine in this process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating the LLM")
+        self.llm = llm
+        self.tokenizer = tokenizer
+        self.channel: Channel = channel(str(transfer.engine_id))
+        self.rotary, self.self_check = rotary_from_model(hf_model)
+        eos = {tokenizer.eos_token_id, *_as_list(getattr(hf_model.generation_config, "eos_token_id", None))}
+        self.stop_ids = {t for t in eos if t is not None}
+        self.lead_in_ids = tokenizer.encode(tokenizer.bos_token or "\n", add_special_tokens=False)
+        self.dtype = getattr(torch, str(config.model_config.dtype).replace("torch.", ""))
+
+    def _run(self, token_ids: Sequence[int], order: Order, max_tokens: int, salted: bool, on_token: OnToken | None = None):
+        """Submit one request under a fresh handle and step the engine until it finishes
+        (``on_token`` sees each new token; False aborts the request). Returns (token ids,
+        number of cached prompt tokens, Capture, prompt completion time)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        handle = uuid.uuid4().hex
+        engine = self.llm.llm_engine
+        if engine.has_unfinished_requests():
+            raise RuntimeError("VllmExecutor runs one request at a time; the LLM has unfinished requests")
+        self.channel.place(handle, order)
+        prompt = TokensPrompt(prompt_token_ids=list(token_ids))
+        if salted:
+            prompt["cache_salt"] = f"kvcomm-{handle}"
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, stop_token_ids=sorted(self.stop_ids), detokenize=False,
+            output_kind=RequestOutputKind.CUMULATIVE, extra_args={"kv_transfer_params": {"kvcomm": {"handle": handle}}},
+        )
+        request_id = f"kvcomm-{handle}"
+        tokens: list[int] = []
+        seen, cached, error, aborted = 0, 0, None, False
+        try:
+            engine.add_request(request_id, prompt, params)
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.request_id != request_id or aborted:
+                        continue
+                    cached = output.num_cached_tokens or 0
+                    error = (output.kv_transfer_params or {}).get("kvcomm", {}).get("error") or error
+                    new = [int(t) for t in output.outputs[0].token_ids[seen:]]
+                    seen += len(new)
+                    for token in new:
+                        tokens.append(token)
+                        if on_token is not None and token not in self.stop_ids and on_token(token) is False:
+                            aborted = True
+                            engine.abort_request([request_id])
+                            break
+        finally:
+            capture, done_at = self.channel.take(handle)
+        if error:
+            raise RuntimeError(f"kvcomm connector rejected the request: {error}")
+        if capture is None and order.capture_to > order.capture_from:
+            raise RuntimeError("the kvcomm connector captured nothing; is the LLM running in this process?")
+        return tokens, cached, capture, done_at
+
+    def base_kv(self, segment: Segment) -> KV:
+        """Prefill ``lead_in + segment`` alone (vLLM); keep the segment's KV, de-rotated."""
+        lead = len(self.lead_in_ids)
+        ids = self.lead_in_ids + list(segment.token_ids)
+        _, _, capture, _ = self._run(ids, Order(None, lead, len(ids)), 1, salted=False)
+        return to_position_free(capture.span(lead, len(ids)), self.rotary, lead)
+
+    def generate(
+        self, token_ids: Sequence[int], prefix: KV | None, max_new_tokens: int, started: float | None = None,
+        keep_logprobs: bool = False, blend: BlendRequest | None = None, on_token: OnToken | None = None,
+    ) -> Generation:
+        started = time.perf_counter() if started is None else started
+        if keep_logprobs or blend is not None:
+            raise ValueError(
+                "the vLLM executor does not support keep_logprobs (KL evaluation) or CacheBlend's recompute; "
+                "use the transformers backend for those, or --no-kl and modes other than cacheblend"
+            )
+        n = len(token_ids)
+        reused = 0 if prefix is None else prefix.length
+        if not 0 <= reused < n:
+            raise ValueError(f"prefix covers {reused} of {n} prompt tokens; at least the last token must be computed")
+        inject = None if prefix is None else KV(prefix.keys.to(self.dtype).contiguous(), prefix.values.to(self.dtype).contiguous())
+        # One token past max_new_tokens, so the last reply token is fed back and its KV
+        # (the next agent's base) is computed; the extra token is dropped.
+        order = Order(inject, reused, n + max_new_tokens)
+        stream = None
+        if on_token is not None:
+            budget = [max_new_tokens]
+
+            def stream(token: int) -> bool | None:  # the extra token is not the caller's
+                budget[0] -= 1
+                return on_token(token) if budget[0] >= 0 else None
+
+        tokens, cached, capture, done_at = self._run(token_ids, order, max_new_tokens + 1, prefix is not None, stream)
+        if cached < reused:
+            raise RuntimeError(f"vLLM reports {cached} cached prompt tokens, the connector claimed {reused}")
+        reply: list[int] = []
+        for token in tokens[:max_new_tokens]:
+            if token in self.stop_ids:
+                break
+            reply.append(token)
+        if done_at is None:
+            raise RuntimeError("the kvcomm connector did not see the prompt's last token computed")
+        # A call cancelled by on_token may end before its last reply token was fed back:
+        # then its reply KV is not kept (downstream agents prefill the reply as a base).
+        complete = reply and bool(capture.filled[n : n + len(reply)].all())
+        reply_kv = capture.span(n, n + len(reply)) if complete else None
+        return Generation(tuple(reply), capture.span(reused, n), reply_kv, done_at - started)

@@ -1,0 +1,117 @@
+"""The per-request options of the kvcomm vLLM plugin: ``kv_transfer_params["kvcomm"]``.
+
+Schema (JSON object; every key optional, unknown keys rejected)::
+
+    {"kvcomm": {
+        "handle":   "<str>",                 # in-process callers (VllmExecutor) only: the
+                                             # channel order carrying KV to inject / capture
+        "template": "<str>",                 # agent template id (default: "default")
+        "segments": [                        # shared segments, sorted, non-overlapping;
+                                             # absent: detected automatically (vllm_detect)
+            {"start": 12, "end": 40,         # prompt token span [start, end), end <= prompt length
+             "slot": "task",                 # slot name (anchor pool); a known slot when the
+                                             # server was started with a slot list
+             "id": "<str>"}                  # optional shared content id (default: token hash)
+        ]
+    }}
+
+A request without the ``"kvcomm"`` key is not touched by the plugin. A request with an
+invalid value gets no reuse at all (it is prefilled like stock vLLM) and its output's
+``kv_transfer_params`` carries ``{"kvcomm": {"error": "<what was wrong and how to fix it>"}}``;
+other requests are unaffected.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Collection
+
+_SLOT = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
+_KEYS = {"handle", "template", "segments"}
+_SEGMENT_KEYS = {"start", "end", "slot", "id"}
+
+
+class KvcommParamsError(ValueError):
+    """Invalid ``kv_transfer_params["kvcomm"]``; the message says what and how to fix it."""
+
+
+@dataclass(frozen=True)
+class SpanAnnotation:
+    """A shared segment named by the caller: prompt tokens ``[start, end)`` fill ``slot``."""
+
+    start: int
+    end: int
+    slot: str
+    shared_id: str | None = None
+
+
+@dataclass(frozen=True)
+class KvcommParams:
+    handle: str | None
+    template: str
+    segments: tuple[SpanAnnotation, ...] | None
+    """None: not given, detect shared segments automatically."""
+
+
+def _int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise KvcommParamsError(f"{where} must be an integer, got {type(value).__name__} {value!r}")
+    return value
+
+
+def parse_params(params: Any, prompt_len: int, known_slots: Collection[str] | None = None) -> KvcommParams | None:
+    """Validate a request's ``kv_transfer_params``; None when it does not opt into kvcomm.
+
+    known_slots: slot names the server accepts (None: any well-formed name).
+    """
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise KvcommParamsError(f"kv_transfer_params must be a JSON object, got {type(params).__name__}")
+    if "kvcomm" not in params:
+        return None
+    body = params["kvcomm"]
+    if not isinstance(body, dict):
+        raise KvcommParamsError(f"kv_transfer_params.kvcomm must be a JSON object, got {type(body).__name__}")
+    unknown = set(body) - _KEYS
+    if unknown:
+        raise KvcommParamsError(f"kv_transfer_params.kvcomm has unknown keys {sorted(unknown)}; allowed: {sorted(_KEYS)}")
+    handle = body.get("handle")
+    if handle is not None and (not isinstance(handle, str) or not handle):
+        raise KvcommParamsError(f"kv_transfer_params.kvcomm.handle must be a non-empty string, got {handle!r}")
+    template = body.get("template", "default")
+    if not isinstance(template, str) or not template:
+        raise KvcommParamsError(f"kv_transfer_params.kvcomm.template must be a non-empty string, got {template!r}")
+    if "segments" not in body:
+        return KvcommParams(handle, template, None)
+    raw = body["segments"]
+    if not isinstance(raw, list):
+        raise KvcommParamsError(f"kv_transfer_params.kvcomm.segments must be a list, got {type(raw).__name__}")
+    segments: list[SpanAnnotation] = []
+    for i, item in enumerate(raw):
+        where = f"kv_transfer_params.kvcomm.segments[{i}]"
+        if not isinstance(item, dict):
+            raise KvcommParamsError(f"{where} must be an object with start, end, slot (and optional id)")
+        unknown = set(item) - _SEGMENT_KEYS
+        missing = {"start", "end", "slot"} - set(item)
+        if unknown or missing:
+            raise KvcommParamsError(f"{where}: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
+        start, end = _int(item["start"], f"{where}.start"), _int(item["end"], f"{where}.end")
+        if not 0 <= start < end <= prompt_len:
+            raise KvcommParamsError(f"{where} spans [{start}, {end}); need 0 <= start < end <= {prompt_len} (the prompt length)")
+        slot = item["slot"]
+        if not isinstance(slot, str) or not _SLOT.match(slot):
+            raise KvcommParamsError(f"{where}.slot must be a name like 'task' (letters, digits, _ . -), got {slot!r}")
+        if known_slots is not None and slot not in known_slots:
+            raise KvcommParamsError(f"{where}.slot {slot!r} is not a known slot; known: {sorted(known_slots)}")
+        shared_id = item.get("id")
+        if shared_id is not None and (not isinstance(shared_id, str) or not shared_id):
+            raise KvcommParamsError(f"{where}.id must be a non-empty string, got {shared_id!r}")
+        if segments and start < segments[-1].end:
+            raise KvcommParamsError(
+                f"{where} [{start}, {end}) overlaps or precedes segments[{i - 1}] "
+                f"[{segments[-1].start}, {segments[-1].end}); give segments sorted and non-overlapping"
+            )
+        segments.append(SpanAnnotation(start, end, slot, shared_id))
+    return KvcommParams(handle, template, tuple(segments))

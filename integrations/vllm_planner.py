@@ -1,0 +1,148 @@
+"""Server-side reuse planning for requests annotated with shared segments
+(``kv_transfer_params["kvcomm"]["segments"]``, see ``vllm_params``).
+
+Runs inside vLLM's scheduler process (the connector's scheduler side), one ``ReuseEngine``
+per tenant key. A request's prompt becomes fixed segments (the gaps) and shared segments
+(the annotated spans); the engine plans and materializes the reusable front of the prompt,
+and after the request finishes it learns from the real KV the connector captured.
+
+Base KV choice: a shared segment seen for the first time has no base; it is planned as
+fixed text (reuse stops there), and its base becomes its position-free KV as captured in
+that first prefill (in that request's context, not a standalone prefill: no extra forward
+pass is run). Later requests estimate from it.
+
+Safety: approximate KV only goes to requests carrying a ``cache_salt`` (so vLLM's prefix
+cache keeps their blocks apart from every request without that salt); an annotated
+request without a salt gets exact reuse only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass
+
+from kvcomm.engine import ReuseConfig, ReuseEngine
+from kvcomm.kv import KV, to_position_free
+from kvcomm.plan import ReusePlan
+from kvcomm.rope import Rotary
+from kvcomm.segments import Prompt, Segment
+from kvcomm.integrations.vllm_channel import Capture, Order
+from kvcomm.integrations.vllm_detect import RunIndex
+from kvcomm.integrations.vllm_metrics import record_planned
+from kvcomm.integrations.vllm_params import KvcommParams
+
+
+@dataclass
+class PlannedRequest:
+    """One annotated request: its plan, the shared segments lacking a base (indices into
+    ``plan.prompt.segments``), and the order for the connector."""
+
+    engine: ReuseEngine
+    plan: ReusePlan
+    missing: tuple[int, ...]
+    order: Order
+    shared: Prompt | None = None
+    """The annotated prompt (``plan.prompt`` has the segments lacking a base as fixed text)."""
+
+    def summary(self) -> dict:
+        """Per-request provenance, returned in the output's ``kv_transfer_params["kvcomm"]``."""
+        p = self.plan.provenance()
+        return {"prompt_tokens": p.prompt_tokens, "exact_tokens": p.exact_tokens,
+                "estimated_tokens": p.estimated_tokens, "computed_tokens": p.computed_tokens,
+                "fallback": p.fallback, "note": self.plan.note}
+
+
+def annotated_prompt(token_ids: list[int], params: KvcommParams) -> Prompt:
+    """Fixed segments between the (validated, sorted) annotated shared spans."""
+    segments: list[Segment] = []
+    at = 0
+    for span in params.segments:
+        if span.start > at:
+            segments.append(Segment(tuple(token_ids[at : span.start])))
+        segments.append(Segment(tuple(token_ids[span.start : span.end]), slot=span.slot, shared_id=span.shared_id))
+        at = span.end
+    if at < len(token_ids):
+        segments.append(Segment(tuple(token_ids[at:])))
+    return Prompt(params.template, tuple(segments))
+
+
+class ServerPlanner:
+    """Reuse engines per tenant and the plan/learn cycle of annotated requests; thread-safe."""
+
+    def __init__(self, rotary: Rotary, config: ReuseConfig | None = None):
+        self.rotary = rotary
+        self.config = config or ReuseConfig()
+        self.engines: dict[str, ReuseEngine] = {}
+        self.totals = {"exact": 0, "estimated": 0, "computed": 0, "requests": 0, "fallbacks": 0}
+        self.runs = RunIndex()
+        self._lock = threading.Lock()
+
+    def engine(self, tenant: str) -> ReuseEngine:
+        with self._lock:
+            if tenant not in self.engines:
+                self.engines[tenant] = ReuseEngine(self.rotary, self.config)
+            return self.engines[tenant]
+
+    def prepare(
+        self, token_ids: list[int], params: KvcommParams, salted: bool, max_tokens: int, tenant: str = "default",
+    ) -> PlannedRequest:
+        """Plan and materialize; the order captures the prompt's computed tail and the reply.
+        Without annotated segments, known shared runs are detected in the prompt."""
+        if params.segments is None:
+            params = dataclasses.replace(params, segments=self.runs.find(token_ids))
+        prompt = annotated_prompt(token_ids, params)
+        engine = self.engine(tenant)
+        shared = prompt
+        missing = tuple(i for i, s in enumerate(prompt.segments) if s.is_shared and not engine.has_base(s.shared_id))
+        if not salted:
+            plan = ReusePlan(prompt)
+            if engine.config.exact_prefix:
+                length, kv = engine.prefix_store.longest(prompt)
+                length = min(length, len(prompt) - 1)
+                plan.exact_length, plan.exact_kv = length, (kv.span(0, length) if length else None)
+            plan.note = "no cache_salt: exact reuse only"
+        else:
+            # Shared content without a base yet is planned as fixed text: reuse stops there,
+            # and its base is taken from this prefill (``finish``).
+            planned_prompt = Prompt(prompt.template_id, tuple(
+                Segment(s.token_ids) if i in missing else s for i, s in enumerate(prompt.segments)))
+            plan = engine.plan(planned_prompt)
+            plan.prompt = planned_prompt
+            prompt = planned_prompt if missing else prompt
+        inject = engine.materialize(plan)
+        return PlannedRequest(engine, plan, missing, Order(inject, plan.reuse_end, len(prompt) + max_tokens), shared)
+
+    def finish(self, planned: PlannedRequest, capture: Capture | None, reply_ids: list[int]) -> None:
+        """Learn from the captured real KV of prompt positions ``[reuse_end, len(prompt))``;
+        ``reply_ids`` (stop token excluded) becomes shared content with its decode KV as base
+        when all of it was fed back (a reply cut by max_tokens lacks its last token's KV)."""
+        plan, prompt = planned.plan, planned.plan.prompt
+        if capture is None or len(prompt) > capture.filled.numel() or not bool(capture.filled[plan.reuse_end : len(prompt)].all()):
+            return  # aborted before its prefill completed: nothing to learn
+        computed: KV = capture.span(plan.reuse_end, len(prompt))
+        annotated = planned.shared or prompt
+        for index in planned.missing:
+            start = annotated.starts[index]
+            if start >= plan.reuse_end:
+                real = computed.span(start - plan.reuse_end, annotated.end(index) - plan.reuse_end)
+                planned.engine.register_base(annotated.segments[index], to_position_free(real, self.rotary, start))
+        planned.engine.learn(plan, computed)
+        for segment in annotated.segments:
+            if segment.is_shared:
+                self.runs.add(segment.token_ids, segment.slot)
+        n, r = len(prompt), len(reply_ids)
+        if r and n + r <= capture.filled.numel() and bool(capture.filled[n : n + r].all()):
+            reply = Segment(tuple(reply_ids), slot="_")
+            if not planned.engine.has_base(reply.shared_id):
+                planned.engine.register_base(reply, to_position_free(capture.span(n, n + r), self.rotary, n))
+            self.runs.add(reply_ids, f"{prompt.template_id}.reply")  # a pool per producing template
+        provenance = plan.provenance()
+        with self._lock:
+            self.totals["requests"] += 1
+            self.totals["exact"] += provenance.exact_tokens
+            self.totals["estimated"] += provenance.estimated_tokens
+            self.totals["computed"] += provenance.computed_tokens
+            self.totals["fallbacks"] += int(provenance.fallback)
+            engines = list(self.engines.values())
+        record_planned(provenance, engines)

@@ -1,0 +1,106 @@
+"""The vLLM backend against the transformers reference, through the kvcomm connector.
+
+One in-process engine per session (``vllm_llm`` fixture): prefix caching on, chunked
+prefill with 64-token chunks, fp32 on both sides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvcomm.anchors.pool import PoolConfig
+from kvcomm.engine import ReuseConfig
+from kvcomm.kv import KV
+from kvcomm.pipeline import load_demo_pipeline
+
+pytestmark = pytest.mark.slow
+
+
+def _chat(executor, text: str) -> list[int]:
+    rendered = executor.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return executor.encode(rendered)
+
+
+LONG = ("Read the notes and answer. Notes: the train leaves at nine, the bus at ten, the ferry at noon; "
+        "tickets cost four dollars for the train, two for the bus and nine for the ferry. "
+        "Question: which is cheapest, and when does it leave?")
+
+
+def test_dense_call_matches_the_transformers_reference(vllm_executor, smol_executor):
+    ids = _chat(vllm_executor, LONG)
+    assert len(ids) > 64  # several prefill chunks
+    ours, ref = vllm_executor.generate(ids, None, 24), smol_executor.generate(ids, None, 24)
+    assert ours.reply_ids == ref.reply_ids
+    assert torch.allclose(ours.computed.keys, ref.computed.keys, atol=1e-3)
+    assert torch.allclose(ours.computed.values, ref.computed.values, atol=1e-3)
+    assert torch.allclose(ours.reply_kv.keys, ref.reply_kv.keys, atol=1e-3)
+    assert ours.ttft_s > 0
+
+
+def test_injected_exact_prefix_gives_the_dense_reply_and_kv(vllm_executor, smol_executor):
+    ids = _chat(vllm_executor, LONG)
+    ref = smol_executor.generate(ids, None, 24)
+    for cut in (1, 37, 64, len(ids) - 1):  # inside a block, on a block edge, all but the last token
+        ours = vllm_executor.generate(ids, ref.computed.span(0, cut), 24)
+        assert ours.reply_ids == ref.reply_ids, cut
+        assert ours.computed.length == len(ids) - cut
+        assert torch.allclose(ours.computed.keys, ref.computed.keys[:, :, cut:], atol=1e-3)
+
+
+def test_injected_kv_is_really_used(vllm_executor, smol_executor):
+    """Garbage KV for the first tokens must change the computed tail: the load is not a no-op."""
+    ids = _chat(vllm_executor, LONG)
+    ref = smol_executor.generate(ids, None, 8)
+    wrong = KV(torch.randn_like(ref.computed.keys[:, :, :40]), torch.randn_like(ref.computed.values[:, :, :40]))
+    ours = vllm_executor.generate(ids, wrong, 8)
+    assert (ours.computed.values[1:] - ref.computed.values[1:, :, 40:]).abs().max() > 0.1
+
+
+def test_base_kv_matches_the_reference(vllm_executor, smol_executor):
+    from kvcomm.segments import Segment
+
+    segment = Segment(tuple(vllm_executor.encode(" the ferry leaves at noon and costs nine dollars")), slot="task")
+    ours, ref = vllm_executor.base_kv(segment), smol_executor.base_kv(segment)
+    assert torch.allclose(ours.keys, ref.keys, atol=1e-3) and torch.allclose(ours.values, ref.values, atol=1e-3)
+
+
+def test_streaming_and_cancellation(vllm_executor):
+    ids = _chat(vllm_executor, LONG)
+    full = vllm_executor.generate(ids, None, 12)
+    seen: list[int] = []
+    cut = vllm_executor.generate(ids, None, 12, on_token=lambda t: seen.append(t) or len(seen) < 3)
+    assert seen == list(full.reply_ids[:3]) and cut.reply_ids == full.reply_ids[:3]
+    assert vllm_executor.generate(ids, None, 12, on_token=seen.append).reply_ids == full.reply_ids
+
+
+def test_demo_pipeline_conformance(vllm_executor, smol_executor):
+    """Same decisions, same dense replies; reuse replies agree with the reference's."""
+    from kvcomm.integrations.cli import run_side_by_side
+
+    spec = load_demo_pipeline()
+    spec = dataclasses.replace(spec, inputs=spec.inputs[:3], max_new_tokens=12)  # short replies: CI time
+    config = ReuseConfig(pool=PoolConfig(gamma=1.0))  # admit reuse as soon as two anchors are compatible
+    ref_dense, ref_reuse, _ = run_side_by_side(spec, smol_executor, config, progress=False)
+    our_dense, our_reuse, _ = run_side_by_side(spec, vllm_executor, config, progress=False)
+
+    dense_equal = [a.reply_ids == b.reply_ids for a, b in zip(ref_dense, our_dense)]
+    same_prompt = [a.prompt_ids == b.prompt_ids for a, b in zip(ref_reuse, our_reuse)]
+    same_plan = [
+        (a.provenance.exact_tokens, a.provenance.estimated_tokens, a.provenance.computed_tokens)
+        == (b.provenance.exact_tokens, b.provenance.estimated_tokens, b.provenance.computed_tokens)
+        for a, b, same in zip(ref_reuse, our_reuse, same_prompt) if same
+    ]
+    reply_agree = [a.reply_ids == b.reply_ids for a, b in zip(ref_reuse, our_reuse)]
+    estimated = sum(c.provenance.estimated_tokens for c in our_reuse)
+    exact_calls = [(c, d) for c, d in zip(our_reuse, our_dense) if c.provenance.estimated_tokens == 0 and c.prompt_ids == d.prompt_ids]
+    print(f"\nconformance: dense replies equal {sum(dense_equal)}/{len(dense_equal)}, "
+          f"same reuse prompts {sum(same_prompt)}/{len(same_prompt)}, same plans {sum(same_plan)}/{len(same_plan)}, "
+          f"reuse replies agree {sum(reply_agree)}/{len(reply_agree)}, estimated tokens {estimated}, "
+          f"exact-only calls equal to dense {sum(c.reply_ids == d.reply_ids for c, d in exact_calls)}/{len(exact_calls)}")
+    assert all(dense_equal)
+    assert estimated > 0 and all(same_plan)
+    assert all(c.reply_ids == d.reply_ids for c, d in exact_calls)
+    assert sum(reply_agree) >= 0.8 * len(reply_agree)

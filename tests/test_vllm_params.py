@@ -1,0 +1,40 @@
+"""Validation of ``kv_transfer_params["kvcomm"]`` (no engine needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcomm.integrations.vllm_params import KvcommParamsError, SpanAnnotation, parse_params
+
+
+def test_requests_without_kvcomm_key_are_not_opted_in():
+    assert parse_params(None, 10) is None
+    assert parse_params({"do_remote_decode": True}, 10) is None
+
+
+def test_valid_annotations_parse_in_order():
+    params = parse_params({"kvcomm": {"template": "critic", "segments": [
+        {"start": 2, "end": 5, "slot": "task"}, {"start": 5, "end": 9, "slot": "planner", "id": "p1"}]}}, 10)
+    assert params.template == "critic" and params.handle is None
+    assert params.segments == (SpanAnnotation(2, 5, "task"), SpanAnnotation(5, 9, "planner", "p1"))
+
+
+@pytest.mark.parametrize("body, message", [
+    ([1], "must be a JSON object"),
+    ({"segmnts": []}, "unknown keys ['segmnts']"),
+    ({"segments": "0-4"}, "segments must be a list"),
+    ({"segments": [{"start": "0", "end": 4, "slot": "task"}]}, "segments[0].start must be an integer"),
+    ({"segments": [{"start": True, "end": 4, "slot": "task"}]}, "segments[0].start must be an integer"),
+    ({"segments": [{"start": 0, "end": 11, "slot": "task"}]}, "need 0 <= start < end <= 10"),
+    ({"segments": [{"start": 4, "end": 4, "slot": "task"}]}, "need 0 <= start < end <= 10"),
+    ({"segments": [{"start": -1, "end": 4, "slot": "task"}]}, "need 0 <= start < end <= 10"),
+    ({"segments": [{"start": 0, "end": 4, "slot": "task"}, {"start": 3, "end": 6, "slot": "x"}]}, "overlaps"),
+    ({"segments": [{"start": 0, "end": 4}]}, "missing keys ['slot']"),
+    ({"segments": [{"start": 0, "end": 4, "slot": "no spaces"}]}, "slot must be a name"),
+    ({"segments": [{"start": 0, "end": 4, "slot": "critic"}]}, "not a known slot"),
+    ({"handle": 7}, "handle must be a non-empty string"),
+])
+def test_bad_params_name_the_problem(body, message):
+    with pytest.raises(KvcommParamsError) as error:
+        parse_params({"kvcomm": body}, 10, known_slots={"task", "x"})
+    assert message in str(error.value)
