@@ -1,7 +1,6 @@
 """Model fingerprints: which checkpoint, tokenizer, KV dtype and RoPE produced a piece of KV.
 
-Anchors and base KV are only valid for the model that computed them (design notes §3,
-"Provenance"): persisted pools carry a ``ModelFingerprint`` and are refused for any other.
+Anchors and base KV are only valid for the model that computed them: persisted pools carry a ``ModelFingerprint`` and are refused for any other.
 Works on any ``torch.nn.Module`` with a ``config`` (``to_dict``) and any tokenizer with
 ``get_vocab``; this module imports no model library.
 """
