@@ -8,30 +8,14 @@ import os
 from collections.abc import Sequence
 from types import MappingProxyType
 
-from kvcomm.textfile import read_utf8
+from kvcomm.textfile import parse_json, read_utf8
 from kvcomm.pipeline import PipelineError, parse_pipeline
 
 from .scorers import SCORERS, _reference_number
 from .workloads import DEFAULT_MAX_NEW_TOKENS, Workload, WorkloadError, _finish, _order
 
-def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise WorkloadError(f"duplicate key {k!r} in a JSON object; keep only one")
-        out[k] = v
-    return out
-
-
 def _json(text: str, where: str) -> object:
-    try:
-        return json.loads(text, object_pairs_hook=_no_duplicate_keys)
-    except WorkloadError as e:
-        raise WorkloadError(f"{where}: {e}") from None
-    except json.JSONDecodeError as e:
-        raise WorkloadError(f"{where}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
-    except (ValueError, RecursionError) as e:
-        raise WorkloadError(f"{where}: unreadable JSON ({type(e).__name__}: {e})"[:300]) from None
+    return parse_json(text, where, WorkloadError)
 
 
 def _check_reference(ref: object, scorer: str, where: str) -> None:

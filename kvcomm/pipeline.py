@@ -7,14 +7,13 @@ any other slot comes from the input row; ``{{``/``}}`` are literal braces.  Ever
 from __future__ import annotations
 
 import importlib.resources
-import json
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from kvcomm.textfile import read_utf8
+from kvcomm.textfile import parse_json, read_utf8
 
 __all__ = ["PipelineError", "Slot", "TemplatePart", "parse_template", "AgentSpec", "PipelineSpec",
            "parse_pipeline", "loads_pipeline", "load_pipeline", "load_demo_pipeline"]
@@ -203,25 +202,9 @@ def parse_pipeline(obj: object, source: str = "<pipeline>") -> PipelineSpec:
     return PipelineSpec(tuple(agents), tuple(MappingProxyType(r) for r in rows), mnt, description)
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise PipelineError(f"duplicate key {_short(k)} in a JSON object; keep only one")
-        out[k] = v
-    return out
-
-
 def loads_pipeline(text: str, source: str = "<pipeline>") -> PipelineSpec:
     """Parse JSON ``text`` (duplicate keys rejected) and validate it with :func:`parse_pipeline`."""
-    try:
-        obj = json.loads(text, object_pairs_hook=_no_duplicate_keys)
-    except PipelineError as e:
-        raise PipelineError(f"{source}: {e}") from None
-    except json.JSONDecodeError as e:
-        raise PipelineError(f"{source}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
-    except (ValueError, RecursionError) as e:  # e.g. nesting too deep, integer literal too long
-        raise PipelineError(f"{source}: unreadable JSON ({type(e).__name__}: {_short(str(e), 120)})") from None
+    obj = parse_json(text, source, PipelineError)
     return parse_pipeline(obj, source)
 
 
