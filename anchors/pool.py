@@ -3,7 +3,10 @@
 Invariants, held under the pool's lock after every public call:
 - ``len(pool) <= config.max_anchors`` (never V+1, not even transiently visible);
 - ``pool.nbytes <= config.max_bytes`` when a byte budget is set;
-- the embedding index holds exactly the anchors in the pool.
+- the embedding index holds exactly the anchors in the pool;
+- access counts add up: the accesses of held anchors plus those of evicted ones equal the
+  accesses ever granted (``accesses_granted``).
+``problems()`` checks all of them (a concurrency stress test and the server's metrics use it).
 """
 
 from __future__ import annotations
@@ -117,6 +120,8 @@ class AnchorPool:
         self._next_serial = 0
         self._lock = threading.RLock()
         self.evictions = 0
+        self.accesses_granted = 0
+        self.evicted_accesses = 0
         self.distance_cache = DistanceCache()
 
     def __len__(self) -> int:
@@ -160,6 +165,7 @@ class AnchorPool:
             same = self._anchors.get(segment_id)
             if same is not None and slot in same.deviations and same.length == length:
                 same.accesses += int(commit)
+                self.accesses_granted += int(commit)
                 return Match(slot, (same,), length, identical=True)
             compatible = [
                 a for a in self._anchors.values()
@@ -221,6 +227,7 @@ class AnchorPool:
         mass = 0.0
         for i in order:
             anchors[i].accesses += 1
+            self.accesses_granted += 1
             mass += float(p[i])
             if mass >= self.config.top_p:
                 break
@@ -230,38 +237,51 @@ class AnchorPool:
     def estimate(
         self, match: Match, base: KV, onto: KV | None = None, onto_following: KV | None = None
     ) -> tuple[KV, KV | None]:
-        """Estimated deviations for a matched segment: (shared ``[.., covered, ..]``, following or None).
+        """Estimated deviations for a matched segment: (shared ``[.., covered, ..]``, following or None),
+        summed from ``estimate_terms``. With ``onto`` / ``onto_following`` (fp32 KV of matching
+        shape) the estimates are accumulated into them in place and returned, which saves the
+        caller an addition pass."""
+        shared, following = self.estimate_terms(match, base)
+        shared_kv = shared.add_into(onto)
+        if following is None or (onto_following is None and match.identical):
+            return shared_kv, following.parts[0] if following is not None else None
+        return shared_kv, following.add_into(onto_following)
+
+    def estimate_terms(self, match: Match, base: KV) -> tuple[WeightedDeviations, WeightedDeviations | None]:
+        """The weighted deviations that estimate a matched segment (shared, following or None).
 
         Shared tokens are weighted per token by softmax(-d/tau) of the mean absolute base
         difference; the following fixed segment per (layer, head, channel) by softmax(-d/tau)
         of the L2 base difference over the same ``covered`` tokens. Keys and values each use
-        their own distances. All position-free; the caller realigns. With ``onto`` /
-        ``onto_following`` (fp32 KV of matching shape) the estimates are accumulated into
-        them in place and returned, which saves the caller an addition pass.
+        their own distances. All position-free; the caller realigns. An ``identical`` match
+        uses its anchor's deviations with weight 1. Weights are over all matched anchors: on
+        SmolLM2 (8 anchors, 400-token segments) the weighted mean of every anchor's deviation
+        had 25-35% less error against the real KV than the nearest anchor's or the top-p
+        anchors' alone (README, "Anchor pool").
         """
         n = min(match.covered, base.length)  # a plan cuts a segment that ends the prompt short
         deviations = [a.deviations[match.slot] for a in match.anchors]
         if match.identical:
-            shared, following = deviations[0].shared.span(0, n), deviations[0].following
-            shared = shared if onto is None else _accumulate(onto, [shared], [1.0], [1.0])
-            if following is not None and onto_following is not None:
-                following = _accumulate(onto_following, [following.span(0, onto_following.length)], [1.0], [1.0])
-            return shared, following
+            one = torch.ones((), dtype=torch.float32)
+            following = deviations[0].following
+            return (WeightedDeviations((deviations[0].shared.span(0, n),), (one,), (one,)),
+                    None if following is None else WeightedDeviations((following,), (one,), (one,)))
         tau = self.config.temperature
         dist = match.distances or estimate_distances_many(
             [a.base for a in match.anchors], base, [match.covered] * len(match.anchors)
         )
         wk = torch.softmax(-torch.stack([d.token_keys[:n] for d in dist]) / tau, dim=0)  # [A, n]
         wv = torch.softmax(-torch.stack([d.token_values[:n] for d in dist]) / tau, dim=0)
-        shared = _accumulate(
-            onto, [d.shared.span(0, n) for d in deviations], wk[:, None, None, :, None], wv[:, None, None, :, None]
+        shared = WeightedDeviations(
+            tuple(d.shared.span(0, n) for d in deviations),
+            tuple(wk[:, None, None, :, None]), tuple(wv[:, None, None, :, None]),
         )
         following = None
         if all(d.following is not None for d in deviations) and len({d.following.length for d in deviations}) == 1:
             fk = torch.softmax(-torch.stack([d.channel_keys for d in dist]) / tau, dim=0)  # [A, L, H, D]
             fv = torch.softmax(-torch.stack([d.channel_values for d in dist]) / tau, dim=0)
-            following = _accumulate(
-                onto_following, [_cut(d.following, onto_following) for d in deviations], fk[:, :, :, None, :], fv[:, :, :, None, :]
+            following = WeightedDeviations(
+                tuple(d.following for d in deviations), tuple(fk[:, :, :, None, :]), tuple(fv[:, :, :, None, :])
             )
         return shared, following
 
@@ -326,6 +346,7 @@ class AnchorPool:
             for anchor in anchors:
                 self._insert(anchor)
             self._next_serial, self.evictions = next_serial, evictions
+            self.accesses_granted, self.evicted_accesses = sum(a.accesses for a in anchors), 0
 
     def evict(self) -> Anchor | None:
         """Evict one anchor by the eviction rule (least-accessed among the W earliest); None
@@ -341,34 +362,65 @@ class AnchorPool:
         self._index.remove(victim.serial)
         self.distance_cache.forget_anchor(victim.serial)
         self.evictions += 1
+        self.evicted_accesses += victim.accesses
         return victim
 
+    def problems(self) -> list[str]:
+        """Violated invariants (see the module docstring), as readable sentences; empty when consistent."""
+        with self._lock:
+            found = []
+            if len(self._anchors) > self.config.max_anchors:
+                found.append(f"{len(self._anchors)} anchors exceed V = {self.config.max_anchors}")
+            held = sum(a.nbytes for a in self._anchors.values())
+            if self.config.max_bytes is not None and held > self.config.max_bytes:
+                found.append(f"{held} bytes exceed max_bytes = {self.config.max_bytes}")
+            indexed = len(self._index) if self._index is not None else 0
+            serials = sorted(a.serial for a in self._anchors.values())
+            if indexed != len(self._anchors) or sorted(self._by_serial) != serials:
+                found.append(f"index holds {indexed} entries and {len(self._by_serial)} serials for {len(self._anchors)} anchors")
+            accesses = sum(a.accesses for a in self._anchors.values())
+            if accesses + self.evicted_accesses != self.accesses_granted:
+                found.append(f"access counts do not add up: held {accesses} + evicted {self.evicted_accesses} "
+                             f"!= granted {self.accesses_granted}")
+            return found
 
-def _accumulate(onto: KV | None, parts: list[KV], key_weights, value_weights) -> KV:
-    """``onto + sum_a w_a * part_a`` for keys and values, in place in ``onto`` (fp32 zeros if
-    None), without stacking the parts. Weights broadcast against the parts (or are floats);
-    a weight with a layer axis (``[layers, ...]``, per channel) is sliced with the layers.
 
-    Runs over blocks of layers, all anchors per block, so each block of ``onto`` stays in
-    cache while the anchors' deviations stream past it (same additions in the same order
-    per element as anchor by anchor over whole tensors, so the same result bit for bit).
+@dataclass(frozen=True)
+class WeightedDeviations:
+    """``sum_a w_a * part_a`` kept as its terms, so a caller can add it layer block by layer
+    block while the block is in cache (``add_to``) or all at once (``add_into``).
+
+    parts: per anchor, position-free KV ``[layers, kv_heads, T_a, head_dim]`` (``T_a`` >= the
+        target's token count; a target shorter than a part takes its first tokens).
+    key_weights, value_weights: per anchor, fp32, broadcastable against a part: ``[1, 1, T, 1]``
+        per token, ``[layers, kv_heads, 1, head_dim]`` per channel, or a scalar.
     """
-    if onto is None:
-        onto = KV(torch.zeros_like(parts[0].keys, dtype=torch.float32), torch.zeros_like(parts[0].values, dtype=torch.float32))
-    layers = onto.keys.shape[0]
-    block = block_layers(layers, onto.keys[0].numel() * onto.keys.element_size())
-    for name, weights in (("keys", key_weights), ("values", value_weights)):
-        target = getattr(onto, name)
-        ws = [torch.as_tensor(weights[i], dtype=torch.float32) for i in range(len(parts))]
-        for start in range(0, layers, block):
-            end = min(start + block, layers)
-            for part, w in zip(parts, ws):
-                w = w[start:end] if w.ndim == target.ndim and w.shape[0] == layers > 1 else w
-                target[start:end].addcmul_(getattr(part, name)[start:end].float(), w)
-    return onto
 
+    parts: tuple[KV, ...]
+    key_weights: tuple[torch.Tensor, ...]
+    value_weights: tuple[torch.Tensor, ...]
 
-def _cut(part: KV, like: KV | None) -> KV:
-    """``part`` cut to ``like``'s token count (a following segment may be cut short so the
-    last prompt token is computed), or whole if ``like`` is None."""
-    return part if like is None else part.span(0, like.length)
+    def add_to(self, target: torch.Tensor, name: str, start: int, end: int) -> None:
+        """``target += sum_a w_a * part_a`` over layers ``[start, end)``, in anchor order, in place.
+
+        target: fp32 ``[end - start, kv_heads, T, head_dim]``; name: "keys" or "values"."""
+        weights = self.key_weights if name == "keys" else self.value_weights
+        length = target.shape[2]
+        for part, w in zip(self.parts, weights):
+            w = w[start:end] if w.ndim == 4 and w.shape[0] > 1 else w
+            target.addcmul_(getattr(part, name)[start:end, :, :length].float(), w)
+
+    def add_into(self, onto: KV | None = None) -> KV:
+        """``onto + sum_a w_a * part_a`` for keys and values, in place in ``onto`` (fp32 zeros
+        of the first part's shape if None). Runs over cache-sized blocks of layers, all anchors
+        per block, so each block of ``onto`` stays in cache while the deviations stream past."""
+        if onto is None:
+            like = self.parts[0]
+            onto = KV(torch.zeros_like(like.keys, dtype=torch.float32), torch.zeros_like(like.values, dtype=torch.float32))
+        layers = onto.keys.shape[0]
+        block = block_layers(layers, onto.keys[0].numel() * onto.keys.element_size())
+        for name in ("keys", "values"):
+            target = getattr(onto, name)
+            for start in range(0, layers, block):
+                self.add_to(target[start : start + block], name, start, min(start + block, layers))
+        return onto

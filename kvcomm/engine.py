@@ -15,7 +15,8 @@ import torch
 
 from kvcomm.anchors.anchor import Deviation
 from kvcomm.anchors.index import Embedder, kv_embedding
-from kvcomm.anchors.pool import AnchorPool, PoolConfig
+from kvcomm.anchors.distance import block_layers
+from kvcomm.anchors.pool import AnchorPool, PoolConfig, WeightedDeviations
 from kvcomm.kv import KV, place, positions, to_position_free
 from kvcomm.plan import BlendRequest, EstimatedPiece, ReusePlan
 from kvcomm.prefix_store import PrefixStore
@@ -241,9 +242,9 @@ class ReuseEngine:
     def materialize(self, plan: ReusePlan) -> KV | None:
         """KV for prompt tokens ``[0, plan.reuse_end)``, keys rotated at their positions, or None.
 
-        Written into one preallocated buffer: value estimates accumulate in place there (on
-        an fp32 buffer), key estimates onto an fp32 copy of the piece's position-free base,
-        rotated straight into place.
+        Written into one preallocated buffer, each piece layer block by layer block (cache-sized,
+        ``block_layers``): the block's base plus its weighted deviations is summed in fp32 and
+        its keys rotated straight into place, so no full-size temporary is made.
         """
         end = plan.reuse_end
         if end == 0:
@@ -256,35 +257,34 @@ class ReuseEngine:
             out.span(0, plan.exact_length).values.copy_(plan.exact_kv.values)
         for piece in plan.pieces:
             if piece.match is None:  # realigned base, no deviation
-                self._write(out, piece.base, piece.start)
+                self._place(out, piece.base, piece.start, None)
                 continue
-            shared = self._estimate_onto(out, piece.base, piece.start)
-            following = None
+            shared, following = piece.pool.estimate_terms(piece.match, piece.base)
+            self._place(out, piece.base, piece.start, shared)
             if piece.following_base is not None:
-                following = self._estimate_onto(out, piece.following_base, piece.following_start)
-            piece.pool.estimate(piece.match, piece.base, shared, following)
-            self._write(out, shared, piece.start)
-            if following is not None:
-                self._write(out, following, piece.following_start)
+                self._place(out, piece.following_base, piece.following_start, following)
         return out
 
-    @staticmethod
-    def _estimate_onto(out: KV, base: KV, start: int) -> KV:
-        """fp32 buffers to accumulate a piece's estimate on, preloaded with its base: its
-        values are ``out``'s own slots when ``out`` is fp32 (``_write`` then skips the copy)."""
-        values = out.span(start, start + base.length).values
-        if values.dtype == torch.float32:
-            values.copy_(base.values)
-        else:
-            values = base.values.to(torch.float32, copy=True)
-        return KV(base.keys.to(torch.float32, copy=True), values)
-
-    def _write(self, out: KV, kv: KV, start: int) -> None:
-        """Realign position-free ``kv`` to ``[start, start + T)`` inside ``out``."""
-        target = out.span(start, start + kv.length)
-        self.rotary.rotate(kv.keys.to(target.keys.dtype), positions(start, kv.length), out=target.keys)
-        if kv.values.data_ptr() != target.values.data_ptr():  # estimates accumulate there in place
-            target.values.copy_(kv.values)
+    def _place(self, out: KV, base: KV, start: int, deviations: WeightedDeviations | None) -> None:
+        """Write position-free ``base`` (plus ``deviations``, if any) realigned to ``[start, start + T)`` of ``out``."""
+        target = out.span(start, start + base.length)
+        layers, heads, length, dim = base.keys.shape
+        block = block_layers(layers, heads * length * dim * 4)
+        at = positions(start, length)
+        keys = torch.empty(block, heads, length, dim, dtype=torch.float32)
+        values = None if target.values.dtype == torch.float32 else torch.empty_like(keys)
+        for first in range(0, layers, block):
+            last = min(first + block, layers)
+            k = keys[: last - first]
+            k.copy_(base.keys[first:last])
+            v = target.values[first:last] if values is None else values[: last - first]
+            v.copy_(base.values[first:last])
+            if deviations is not None:
+                deviations.add_to(k, "keys", first, last)
+                deviations.add_to(v, "values", first, last)
+            self.rotary.rotate(k, at, out=target.keys[first:last])
+            if values is not None:
+                target.values[first:last].copy_(v)
 
     # -- learn -------------------------------------------------------------------------------
 

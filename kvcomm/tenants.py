@@ -221,6 +221,23 @@ class TenantRegistry:
             self.enforcements += int(freed > 0)
             return freed
 
+    def problems(self) -> list[str]:
+        """Violated invariants of the registry and of every pool in it (``AnchorPool.problems``),
+        as sentences naming the tenant label and slot; empty when consistent. Byte caps are
+        checked as they hold between calls (a growing call exceeds them until it returns)."""
+        with self._lock:
+            found = []
+            for tenant, engine in self._engines.items():
+                label = tenant_label(tenant)
+                for slot, pool in list(engine.pools.items()):
+                    found += [f"tenant {label}, slot {slot!r}: {p}" for p in pool.problems()]
+                if self.max_tenant_bytes is not None and engine.nbytes > self.max_tenant_bytes:
+                    found.append(f"tenant {label} holds {engine.nbytes} bytes > max_tenant_bytes {self.max_tenant_bytes}")
+            total = sum(e.nbytes for e in self._engines.values())
+            if self.max_total_bytes is not None and total > self.max_total_bytes:
+                found.append(f"tenants hold {total} bytes > max_total_bytes {self.max_total_bytes}")
+            return found
+
     def metrics(self) -> dict:
         """Numbers for a metrics exporter: total bytes and caps, and per tenant label its
         bytes by kind, anchors per slot and evictions by kind."""

@@ -807,9 +807,24 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.pool.evictions == self.removed
         serials = [a.serial for a in self.pool.anchors]
         assert serials == sorted(serials)
+        assert self.pool.problems() == []
 
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(
     max_examples=60, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+def test_problems_reports_each_broken_invariant():
+    pool = AnchorPool(PoolConfig(max_anchors=3, gamma=1.0))
+    for i in range(4):
+        add(pool, f"s{i}", value_offset(3, float(i + 1)))
+    pool.decide(SLOT, "new", value_offset(3, 2.5), DEFAULT_EMB)
+    assert pool.problems() == [] and pool.accesses_granted > 0 and pool.evictions == 1
+    pool.anchors[0].accesses += 1  # a lost or doubled update, as a race would leave it
+    assert any("access counts do not add up" in p for p in pool.problems())
+    pool.anchors[0].accesses -= 1
+    pool._anchors["extra"] = Anchor("extra", const_kv(3), DEFAULT_EMB, 99)  # bypassing the index
+    problems = pool.problems()
+    assert any("exceed V = 3" in p for p in problems) and any("index holds" in p for p in problems)

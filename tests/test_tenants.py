@@ -54,6 +54,7 @@ def test_total_cap_holds_after_every_call_under_sustained_load(tiny_executor):
         total = registry.nbytes
         seen.append(total)
         assert total <= cap, f"{total} bytes held, cap {cap}"
+        assert registry.problems() == []
 
     _load(registry, tiny_executor, tenants=5, calls=4, check=check)
     assert max(seen) > cap // 2 and registry.enforcements > 0
@@ -119,6 +120,7 @@ def test_concurrent_tenants_keep_the_cap_and_raise_nothing(tiny_executor):
     for thread in threads:
         thread.join()
     assert not errors
+    assert registry.problems() == []  # caps hold, access counts add up, indexes match their pools
     assert registry.nbytes <= 400_000 and len(registry) == 4
     assert sum(sum(t["evicted"].values()) for t in registry.metrics()["tenants"].values()) > 0  # the cap did bind
 
