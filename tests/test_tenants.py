@@ -125,6 +125,47 @@ def test_concurrent_tenants_keep_the_cap_and_raise_nothing(tiny_executor):
     assert sum(sum(t["evicted"].values()) for t in registry.metrics()["tenants"].values()) > 0  # the cap did bind
 
 
+def test_concurrent_tenants_get_the_results_of_a_serial_run(tiny_executor):
+    """Tenants share nothing, so thread timing cannot change what reuse does: each tenant's calls
+    (replies, exact/estimated/computed tokens, fallbacks) under 4 concurrent threads equal the same
+    calls run one tenant after another. A per-tenant quota of half what a tenant would hold
+    makes eviction part of what must agree."""
+    config = ReuseConfig(pool=PoolConfig(gamma=1.0))
+
+    def calls(registry: TenantRegistry, t: int) -> list[tuple]:
+        spec, rng, out = parse_pipeline(PIPELINE), random.Random(t), []
+        for _ in range(4):
+            for agent in spec.agents:
+                prompt = agent_prompt(tiny_executor, agent, {"doc": _doc(rng), "reader": _doc(rng)})
+                generation, p = run_agent(tiny_executor, registry.engine(f"t{t}"), prompt, 2)
+                out.append((generation.reply_ids, p.exact_tokens, p.estimated_tokens, p.computed_tokens, p.fallback))
+        return out
+
+    probe = TenantRegistry(tiny_executor.rotary, config)
+    calls(probe, 0)
+    quota = probe.nbytes // 2
+    serial_registry = TenantRegistry(tiny_executor.rotary, config, max_tenant_bytes=quota)
+    serial = {t: calls(serial_registry, t) for t in range(4)}
+    registry, results, errors = TenantRegistry(tiny_executor.rotary, config, max_tenant_bytes=quota), {}, []
+
+    def worker(t: int) -> None:
+        try:
+            results[t] = calls(registry, t)
+        except Exception as error:  # collected: an exception in a thread would not fail the test
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert results == serial
+    assert sum(c[2] for per_tenant in serial.values() for c in per_tenant) > 0  # reuse did happen
+    assert registry.enforcements > 0  # the quota did bind
+    assert registry.problems() == []
+
+
 def _load_one(registry: TenantRegistry, executor, t: int) -> None:
     spec = parse_pipeline(PIPELINE)
     rng = random.Random(t)
