@@ -9,6 +9,11 @@ engine. Reuse statistics: ``response.kvcomm`` (a ``ChatCall``) on each response,
 ``backend.calls`` / ``backend.summary()``. Per-call options in the config entry or the
 ``create`` params: ``max_tokens``, ``context_ids``. AG2's own response cache
 (``cache_seed``) is separate: keep it None to measure kvcomm.
+
+Remote flavour (against ``kvcomm serve``): a ``base_url`` in the config entry, e.g.
+``{"model": "kvcomm", "model_client_cls": "KvcommAG2Client", "base_url": "http://host:8000"}``
+(optional ``api_key``, ``kvcomm_tenant``, ``kvcomm_tokenizer``; the served model is checked),
+or ``backend=RemoteChatBackend(url)`` shared by every agent.
 """
 
 from __future__ import annotations
@@ -73,14 +78,22 @@ class AG2Response:
 
 
 class KvcommAG2Client:
-    """config: the config-list entry AG2 passes in. backend: the shared ``ChatBackend``
-    (default: a new one on the embedded model, reuse on unless ``config["kvcomm_reuse"]``
-    is False)."""
+    """config: the config-list entry AG2 passes in. backend: the shared ``ChatBackend`` or
+    ``RemoteChatBackend`` (default: a new one, remote when ``config["base_url"]`` is set,
+    else on the embedded model; reuse on unless ``config["kvcomm_reuse"]`` is False)."""
 
     def __init__(self, config: dict[str, Any], backend: ChatBackend | None = None, **_: Any):
         self.config = dict(config)
+        reuse = bool(self.config.get("kvcomm_reuse", True))
+        if backend is None and self.config.get("base_url"):
+            from kvcomm.integrations.remote_backend import RemoteChatBackend
+
+            backend = RemoteChatBackend(
+                str(self.config["base_url"]), reuse=reuse, api_key=self.config.get("api_key"),
+                tenant=str(self.config.get("kvcomm_tenant", "default")), tokenizer=self.config.get("kvcomm_tokenizer"),
+            )
         if backend is None:
-            backend = ChatBackend.embedded(reuse=bool(self.config.get("kvcomm_reuse", True)))
+            backend = ChatBackend.embedded(reuse=reuse)
         self.backend = backend
         self.model = str(self.config.get("model") or backend.model_name)
 

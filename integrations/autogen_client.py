@@ -5,6 +5,7 @@ engine, and each agent reuses the KV of what the others wrote (see ``chat_backen
 
     client = KvcommChatCompletionClient()            # embedded SmolLM2, with reuse
     dense = KvcommChatCompletionClient(reuse=False)  # the same model, dense prefill
+    remote = KvcommChatCompletionClient.remote("http://localhost:8000")  # against `kvcomm serve`
     team = RoundRobinGroupChat([AssistantAgent("a", client, ...), ...])
 
 AutoGen's ``RequestUsage`` has no cached-token field, so reuse statistics sit next to it:
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncGenerator, Literal, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Literal, Mapping, Optional, Sequence, Union
 
 from autogen_core import CancellationToken, FunctionCall, Image
 from autogen_core.models import (
@@ -31,13 +32,17 @@ from kvcomm.handles import ContextHandle
 from kvcomm.integrations.chat_backend import Cancelled, ChatBackend, ChatCall, ChatReply
 from kvcomm.integrations.chat_segments import ChatTurn
 
+if TYPE_CHECKING:
+    from kvcomm.integrations.remote_backend import RemoteChatBackend
+
 _KNOWN_ARGS = {"max_tokens", "max_new_tokens", "context_ids"}
 
 
 class KvcommChatCompletionClient(ChatCompletionClient):
     """backend: a ``ChatBackend`` to share (e.g. with an AG2 client, or a reuse and a dense
-    client side by side); by default one is built on the embedded model with ``reuse`` and
-    ``config``. max_tokens: default reply budget of a new backend.
+    client side by side), or a ``RemoteChatBackend`` (see ``remote``); by default one is
+    built on the embedded model with ``reuse`` and ``config``. max_tokens: default reply
+    budget of a new backend.
 
     ``extra_create_args``: ``max_tokens`` (reply budget), ``context_ids`` (handles this call
     expects to hit; reported in ``ChatCall.contexts``). Anything else is an error.
@@ -46,13 +51,21 @@ class KvcommChatCompletionClient(ChatCompletionClient):
     component_type = "model"
 
     def __init__(
-        self, backend: ChatBackend | None = None, *, reuse: bool = True, config: ReuseConfig | None = None,
+        self, backend: "ChatBackend | RemoteChatBackend | None" = None, *, reuse: bool = True, config: ReuseConfig | None = None,
         max_tokens: int = 128,
     ):
         self.backend = backend if backend is not None else ChatBackend.embedded(reuse, config, max_new_tokens=max_tokens)
         self._total = RequestUsage(0, 0)
         self._actual = RequestUsage(0, 0)
         self._closed = False
+
+    @classmethod
+    def remote(cls, base_url: str, **options: Any) -> "KvcommChatCompletionClient":
+        """A client of ``kvcomm serve`` at ``base_url``; ``options`` go to ``RemoteChatBackend``
+        (``tokenizer``, ``model``, ``reuse``, ``tenant``, ``max_new_tokens``, ``api_key``, ...)."""
+        from kvcomm.integrations.remote_backend import RemoteChatBackend
+
+        return cls(RemoteChatBackend(base_url, **options))
 
     # -- reuse statistics and handles --------------------------------------------------------
 
@@ -109,23 +122,17 @@ class KvcommChatCompletionClient(ChatCompletionClient):
         turns = to_turns(messages)
         schemas = [] if tool_choice == "none" else tool_schemas(tools)
         budget = extra.get("max_tokens", extra.get("max_new_tokens"))
-        loop = asyncio.get_running_loop()
         if token is not None and token.is_cancelled():
             raise asyncio.CancelledError("cancelled before the call started")
-        decoder = _Chunker(self.backend.executor)
-
-        def on_token(t: int) -> bool | None:
-            if queue is not None:
-                chunk = decoder.push(t)
-                if chunk and not loop.is_closed():
-                    loop.call_soon_threadsafe(queue.put_nowait, chunk)
-            return False if token is not None and token.is_cancelled() else None
-
-        work = loop.run_in_executor(
-            None, lambda: self.backend.complete(
-                turns, tools=schemas or None, max_new_tokens=budget, on_token=on_token, context_ids=tuple(extra.get("context_ids", ())),
-            ),
-        )
+        context_ids = tuple(extra.get("context_ids", ()))
+        if getattr(self.backend, "remote", False):
+            on_text = queue.put_nowait if queue is not None else None
+            # a task of this loop: cancelling it closes the HTTP request, and the server aborts
+            work = asyncio.ensure_future(self.backend.acomplete(
+                turns, tools=schemas or None, max_new_tokens=budget, on_text=on_text, context_ids=context_ids,
+            ))
+        else:
+            work = self._in_process(turns, schemas, budget, context_ids, token, queue)
         if token is not None:
             token.link_future(work)  # the await ends at once; decoding stops at the next token
         if queue is not None:
@@ -140,6 +147,27 @@ class KvcommChatCompletionClient(ChatCompletionClient):
             reply: ChatReply = await work
         except Cancelled as error:
             raise asyncio.CancelledError(str(error)) from None
+        yield self._result(reply)
+
+    def _in_process(self, turns, schemas, budget, context_ids, token, queue: asyncio.Queue | None) -> asyncio.Future:
+        """The in-process backend's call in a worker thread; tokens go to ``queue`` as text."""
+        loop = asyncio.get_running_loop()
+        decoder = _Chunker(self.backend.executor)
+
+        def on_token(t: int) -> bool | None:
+            if queue is not None:
+                chunk = decoder.push(t)
+                if chunk and not loop.is_closed():
+                    loop.call_soon_threadsafe(queue.put_nowait, chunk)
+            return False if token is not None and token.is_cancelled() else None
+
+        return loop.run_in_executor(
+            None, lambda: self.backend.complete(
+                turns, tools=schemas or None, max_new_tokens=budget, on_token=on_token, context_ids=context_ids,
+            ),
+        )
+
+    def _result(self, reply: ChatReply) -> CreateResult:
         usage = RequestUsage(reply.call.prompt_tokens, reply.call.completion_tokens)
         self._total = RequestUsage(self._total.prompt_tokens + usage.prompt_tokens, self._total.completion_tokens + usage.completion_tokens)
         self._actual = RequestUsage(self._actual.prompt_tokens + usage.prompt_tokens, self._actual.completion_tokens + usage.completion_tokens)
@@ -149,7 +177,7 @@ class KvcommChatCompletionClient(ChatCompletionClient):
             content = [FunctionCall(id=f"call_{len(self.call_log)}_{i}", name=c["name"], arguments=c["arguments"]) for i, c in enumerate(reply.tool_calls)]
             thought = reply.text or None
         finish = "unknown" if reply.call.finish_reason == "cancelled" else reply.call.finish_reason
-        yield CreateResult(finish_reason=finish, content=content, usage=usage, cached=False, thought=thought)
+        return CreateResult(finish_reason=finish, content=content, usage=usage, cached=False, thought=thought)
 
     async def close(self) -> None:
         self._closed = True

@@ -1,0 +1,315 @@
+"""The remote chat backend: the AutoGen and AG2 clients against ``kvcomm serve`` over HTTP.
+
+Same contract as the in-process ``ChatBackend`` (``complete``, ``calls``, ``summary``,
+``count_tokens``, ...), but the model, the reuse engine and the anchor pools live in the
+server. The conversation is rendered here, per message, with the model's tokenizer and chat
+template (``chat_segments``, the in-process rendering); the request is a greedy
+``/v1/completions`` call whose prompt is those token ids, with every shared message annotated
+as a span in ``kv_transfer_params["kvcomm"]`` (``remote_wire``). The server plans, reuses and
+learns; its response says where the prompt's KV came from, logged as a ``ChatCall``.
+
+    backend = RemoteChatBackend("http://localhost:8000")    # checks the server's model
+    client = KvcommChatCompletionClient(backend)             # or KvcommChatCompletionClient.remote(url)
+
+At construction the backend checks that the local tokenizer is the server's: the model's
+``max_model_len`` from ``/v1/models``, and the server's own tokenization (``/tokenize``) of a
+probe conversation with its chat template, against the local rendering.
+
+Not here, because the server has no API for them: context handles (``retain`` /
+``release`` raise; shared text is reused by content anyway), and the per-source split of a
+*streamed* call (vLLM streams no ``kv_transfer_params``: a streamed call's provenance counts
+every prompt token as computed and its note says so; ``create`` has the split).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import httpx
+
+from kvcomm.integrations.chat_backend import ChatCall, ChatReply, slot_reuse, summarize
+from kvcomm.integrations.chat_segments import ChatPrompt, ChatTurn, parse_tool_calls, render_chat, supports_tools
+from kvcomm.integrations import remote_wire as wire
+
+log = logging.getLogger(__name__)
+
+PROBE = (
+    ChatTurn("system", "You check tokenizers."),
+    ChatTurn("user", "Héllo, wörld! 12345 + 0.5 = ?\n\tTabs, ünïcode ✓ and emoji 🙂.", "user"),
+    ChatTurn("assistant", "Fine: 12345.5", "helper"),
+)
+
+
+_NO_HANDLES = (
+    "context handles are in-process only: `kvcomm serve` has no API to pin or release KV. Against a server, "
+    "send the text itself: shared messages are reused by content (the server keys them by their token hash)"
+)
+
+
+class RemoteError(RuntimeError):
+    """The server could not be reached, answered with an error, or serves another model."""
+
+
+class RemoteChatBackend:
+    """base_url: the server (``http://host:port``, with or without ``/v1``). tokenizer: a
+    local folder or a loaded tokenizer (default: the embedded model's). model: the served
+    model id (default: the server's only model). reuse: annotate requests (False: plain
+    dense requests, no kvcomm options). tenant: the server's reuse engine (anchors, bases,
+    exact prefixes) and ``cache_salt`` for annotated requests; a server with API keys
+    decides the tenant by the key instead. max_new_tokens: default reply budget. api_key:
+    sent as a bearer token. timeout: seconds per HTTP request. verify: run the tokenizer check.
+    """
+
+    remote = True
+
+    def __init__(
+        self, base_url: str, *, tokenizer: Any = None, model: str | None = None, reuse: bool = True,
+        tenant: str = "default", max_new_tokens: int = 128, api_key: str | None = None, timeout: float = 600.0,
+        max_log: int = 10_000, verify: bool = True,
+    ):
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+        if not tenant or len(tenant) > 100 or any(c in tenant for c in "@/\\\0"):
+            raise ValueError(f"tenant must be a non-empty name of at most 100 characters without @ / \\ or NUL (got {tenant!r})")
+        self.base_url = _root(base_url)
+        self.reuse = reuse
+        self.tenant = tenant
+        self.max_new_tokens = max_new_tokens
+        self.calls: deque[ChatCall] = deque(maxlen=max_log)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout = timeout
+        self._http = httpx.Client(base_url=self.base_url, headers=self._headers, timeout=timeout)
+        self.tokenizer = _load_tokenizer(tokenizer)
+        self.model_name, self.max_context = self._served_model(model)
+        if verify:
+            self.check_tokenizer()
+
+    # -- the server ------------------------------------------------------------------------
+
+    def _get(self, path: str) -> dict[str, Any]:
+        return _json(self._send(lambda: self._http.get(path)), path)
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return _json(self._send(lambda: self._http.post(path, json=body)), path)
+
+    def _send(self, request: Callable[[], httpx.Response]) -> httpx.Response:
+        try:
+            return request()
+        except httpx.HTTPError as error:
+            raise RemoteError(f"cannot reach the kvcomm server at {self.base_url} ({error}); is `kvcomm serve` running?") from error
+
+    def _served_model(self, model: str | None) -> tuple[str, int]:
+        served = {m["id"]: m for m in self._get("/v1/models").get("data", [])}
+        if not served:
+            raise RemoteError(f"{self.base_url}/v1/models lists no model")
+        if model is None:
+            if len(served) > 1:
+                raise RemoteError(f"the server serves {sorted(served)}; pass model= to choose one")
+            model = next(iter(served))
+        if model not in served:
+            raise RemoteError(f"the server does not serve {model!r}; it serves {sorted(served)}")
+        return model, int(served[model].get("max_model_len") or 2048)
+
+    def check_tokenizer(self) -> None:
+        """Raise ``RemoteError`` unless the server tokenizes the probe conversation (its chat
+        template, its tokenizer) to exactly the ids the local rendering gives."""
+        local = list(self.render(PROBE).prompt.token_ids)
+        messages = [{"role": t.role, "content": t.content} for t in PROBE]
+        answer = self._post("/tokenize", {"model": self.model_name, "messages": messages, "add_generation_prompt": True,
+                                          "add_special_tokens": False})
+        remote = answer.get("tokens")
+        if remote != local:
+            first = next((i for i, (a, b) in enumerate(zip(local, remote or [])) if a != b), min(len(local), len(remote or [])))
+            raise RemoteError(
+                f"the local tokenizer does not match the server's model {self.model_name!r}: the probe conversation "
+                f"tokenizes to {len(local)} ids here and {len(remote or [])} on the server (first difference at {first}); "
+                "pass tokenizer= the served model's folder"
+            )
+
+    def close(self) -> None:
+        self._http.close()
+
+    # -- prompts ---------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    @property
+    def supports_tools(self) -> bool:
+        return supports_tools(self.tokenizer)
+
+    @property
+    def last(self) -> ChatCall | None:
+        return self.calls[-1] if self.calls else None
+
+    def render(self, turns: Sequence[ChatTurn], tools: Sequence[dict] | None = None) -> ChatPrompt:
+        if tools and not self.supports_tools:
+            raise ValueError(
+                "this model's chat template has no tool support, so it cannot be given tools; "
+                "drop the tools or serve a model whose chat template renders `tools`"
+            )
+        return render_chat(self.tokenizer, self.encode, turns, tools)
+
+    def count_tokens(self, turns: Sequence[ChatTurn], tools: Sequence[dict] | None = None) -> int:
+        return len(self.render(turns, tools).prompt)
+
+    def retain(self, text: str):
+        raise NotImplementedError(_NO_HANDLES)
+
+    def release(self, handle: Any) -> bool:
+        raise NotImplementedError(_NO_HANDLES)
+
+    # -- completion ------------------------------------------------------------------------
+
+    def _prepare(self, turns, tools, max_new_tokens, context_ids, stream: bool) -> tuple[ChatPrompt, dict[str, Any]]:
+        if context_ids:
+            raise NotImplementedError(_NO_HANDLES)
+        budget = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if budget < 1:
+            raise ValueError(f"max_tokens must be >= 1 (got {budget})")
+        chat = self.render(turns, tools)
+        if len(chat.prompt) + budget > self.max_context:
+            raise ValueError(
+                f"prompt of {len(chat.prompt)} tokens + {budget} new tokens exceeds the server's max_model_len of "
+                f"{self.max_context}; shorten the conversation (e.g. a BufferedChatCompletionContext) or max_tokens"
+            )
+        body = wire.completion_body(self.model_name, chat, budget, reuse=self.reuse, tenant=self.tenant, stream=stream)
+        return chat, body
+
+    def complete(
+        self, turns: Sequence[ChatTurn], *, tools: Sequence[dict] | None = None, max_new_tokens: int | None = None,
+        on_token: Any = None, context_ids: Sequence[str] = (),
+    ) -> ChatReply:
+        """One greedy completion of ``turns`` (blocking; ``acomplete`` streams and cancels)."""
+        if on_token is not None:
+            raise ValueError("token callbacks need the async path: use acomplete(on_text=...) on a remote backend")
+        started = time.perf_counter()
+        chat, body = self._prepare(turns, tools, max_new_tokens, context_ids, stream=False)
+        data = self._post("/v1/completions", body)
+        return self._finish(turns, chat, tools, started, data)
+
+    async def acomplete(
+        self, turns: Sequence[ChatTurn], *, tools: Sequence[dict] | None = None, max_new_tokens: int | None = None,
+        on_text: Callable[[str], None] | None = None, context_ids: Sequence[str] = (),
+    ) -> ChatReply:
+        """One greedy completion; with ``on_text`` the server streams and each text delta is
+        passed on as it arrives. Cancelling the awaiting task closes the HTTP connection,
+        which makes vLLM abort the request; the call is logged as "cancelled"."""
+        started = time.perf_counter()
+        chat, body = self._prepare(turns, tools, max_new_tokens, context_ids, stream=on_text is not None)
+        streamed = wire.StreamedCompletion()
+        try:
+            async with httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
+                if on_text is None:
+                    data = _json(await self._asend(http.post("/v1/completions", json=body)), "/v1/completions")
+                else:
+                    await self._stream(http, body, streamed, on_text)
+                    data = streamed.response()
+        except asyncio.CancelledError:
+            self._log_cancelled(turns, chat, started, streamed)
+            raise
+        return self._finish(turns, chat, tools, started, data,
+                            why_unknown="streamed: vLLM streams no kv_transfer_params (use create for the split)" if on_text else "")
+
+    async def _asend(self, pending) -> httpx.Response:
+        try:
+            return await pending
+        except httpx.HTTPError as error:
+            raise RemoteError(f"cannot reach the kvcomm server at {self.base_url} ({error}); is `kvcomm serve` running?") from error
+
+    async def _stream(self, http: httpx.AsyncClient, body: dict, streamed: wire.StreamedCompletion, on_text: Callable[[str], None]) -> None:
+        try:
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    _json(response, "/v1/completions")
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: "):])
+                    if "error" in chunk:
+                        raise RemoteError(f"the server failed the streamed completion: {chunk['error']}")
+                    text = streamed.add(chunk)
+                    if text:
+                        on_text(text)
+        except httpx.HTTPError as error:
+            raise RemoteError(f"the stream from {self.base_url} broke ({error})") from error
+
+    def _finish(self, turns, chat: ChatPrompt, tools, started: float, data: dict[str, Any], why_unknown: str = "") -> ChatReply:
+        choice = (data.get("choices") or [None])[0]
+        if not isinstance(choice, dict):
+            raise RemoteError(f"the server's completion has no choices: {str(data)[:300]}")
+        usage = data.get("usage") or {}
+        summary = wire.kvcomm_summary(data)
+        if summary is not None and "error" in summary:
+            log.warning("kvcomm serve rejected this request's kvcomm options: %s", summary["error"])
+        provenance = wire.provenance(
+            chat, int(usage.get("prompt_tokens", len(chat.prompt))), summary, self.reuse,
+            cached_tokens=wire.cached_tokens(usage), ttft_s=wire.ttft_seconds(data), why_unknown=why_unknown,
+        )
+        reply_ids = list(choice.get("token_ids") or [])
+        if reply_ids and choice.get("finish_reason") == "stop" and reply_ids[-1] in self.tokenizer.all_special_ids:
+            reply_ids.pop()
+        text = str(choice.get("text") or "")
+        tool_calls, text_out = parse_tool_calls(text) if tools else ([], text)
+        reason = "function_calls" if tool_calls else str(choice.get("finish_reason") or "stop")
+        # The server keeps a reply's decode KV as a base when it ended with a stop token; a
+        # reader reuses it when the text re-tokenizes to the same ids.
+        registered = bool(self.reuse and summary and "error" not in summary and reason != "length"
+                          and reply_ids and self.encode(self.decode(reply_ids)) == reply_ids)
+        agent = next((t.source for t in reversed(turns) if t.role == "assistant" and t.source), None)
+        call = ChatCall(
+            chat.prompt.template_id, agent, provenance, int(usage.get("completion_tokens", len(reply_ids))), reason, registered,
+            time.perf_counter() - started, {}, chat.note, slot_reuse(chat, provenance),
+        )
+        self.calls.append(call)
+        return ChatReply(text_out, tuple(reply_ids), call, tool_calls)
+
+    def _log_cancelled(self, turns, chat: ChatPrompt, started: float, streamed: wire.StreamedCompletion) -> None:
+        provenance = wire.provenance(chat, len(chat.prompt), None, self.reuse, why_unknown="cancelled: the server aborted the request")
+        agent = next((t.source for t in reversed(turns) if t.role == "assistant" and t.source), None)
+        self.calls.append(ChatCall(
+            chat.prompt.template_id, agent, provenance, len(streamed.token_ids), "cancelled", False,
+            time.perf_counter() - started, {}, chat.note, slot_reuse(chat, provenance),
+        ))
+
+    def summary(self) -> dict[str, Any]:
+        return summarize(list(self.calls))
+
+
+def _root(base_url: str) -> str:
+    url = base_url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"base_url must start with http:// or https:// (got {base_url!r}), e.g. http://localhost:8000")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _json(response: httpx.Response, path: str) -> dict[str, Any]:
+    if response.status_code == 401:
+        raise RemoteError(f"{path} answered HTTP 401 (unauthorized): pass api_key= one of the server's --api-key keys")
+    if response.status_code != 200:
+        raise RemoteError(f"{path} answered HTTP {response.status_code}: {response.text[:500]}")
+    try:
+        return response.json()
+    except ValueError as error:
+        raise RemoteError(f"{path} answered something that is not JSON: {response.text[:200]!r}") from error
+
+
+def _load_tokenizer(tokenizer: Any):
+    """A loaded tokenizer as is; a folder (or None: the embedded model's) loaded offline."""
+    if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    from kvcomm.integrations.embedded import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(str(resolve_model_dir(None if tokenizer is None else str(tokenizer))), local_files_only=True)

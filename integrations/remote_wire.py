@@ -1,0 +1,159 @@
+"""What the remote chat backend sends to ``kvcomm serve`` and reads back (OpenAI ``/v1/completions``).
+
+The client renders the conversation locally (``chat_segments``), so the request's prompt is
+token ids and each shared message is a span ``[start, end)`` of them, annotated in
+``kv_transfer_params["kvcomm"]`` (schema: ``vllm_params``). The server plans those spans with
+its own reuse engine and answers with ``{"kvcomm": {"prompt_tokens", "exact_tokens",
+"estimated_tokens", "computed_tokens", "fallback", "note"}}`` (or ``{"error": ...}``).
+
+Slot names on the wire must match ``[A-Za-z_][A-Za-z0-9_.-]{0,63}``: the local slot
+``"{author}#{k}"`` travels as ``"{author}.{k}"``, an author name outside that alphabet as its
+sanitized form plus a short hash of the original (so two authors never share a pool by
+accident). The template id (``"chat:<hash>"``) travels as is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any
+
+from kvcomm.plan import Provenance
+from kvcomm.integrations.chat_segments import ChatPrompt
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+_BAD = re.compile(r"[^A-Za-z0-9_.-]")
+MAX_SLOT = 64
+
+
+def wire_slot(slot: str) -> str:
+    """``"{author}#{k}"`` -> a slot name the server accepts (deterministic, collision-averse)."""
+    author, _, k = slot.rpartition("#")
+    if not author:
+        author, k = slot, ""
+    suffix = f".{k}" if k else ""
+    if _NAME.match(author) and len(author) + len(suffix) <= MAX_SLOT:
+        return author + suffix
+    digest = hashlib.sha1(author.encode()).hexdigest()[:8]
+    clean = _BAD.sub("_", author)
+    if not clean or not (clean[0].isalpha() or clean[0] == "_"):
+        clean = "_" + clean
+    clean = clean[: MAX_SLOT - len(suffix) - 9]
+    return f"{clean}_{digest}{suffix}"
+
+
+def annotations(chat: ChatPrompt, tenant: str = "default") -> dict[str, Any]:
+    """``kv_transfer_params["kvcomm"]`` for a rendered chat: every shared message's span, in
+    order, for the server's reuse engine of ``tenant`` (a server with API keys overrides it)."""
+    prompt = chat.prompt
+    spans = []
+    for index in sorted(chat.turn_segments.values()):
+        segment, start = prompt.segments[index], prompt.starts[index]
+        spans.append({"start": start, "end": start + len(segment), "slot": wire_slot(segment.slot)})
+    return {"template": prompt.template_id, "tenant": tenant, "segments": spans}
+
+
+def completion_body(
+    model: str, chat: ChatPrompt, max_tokens: int, *, reuse: bool, tenant: str = "default", stream: bool = False,
+) -> dict[str, Any]:
+    """A greedy ``/v1/completions`` request for ``chat``'s token ids. Reuse: the annotations
+    and a per-tenant ``cache_salt`` (approximate KV only goes to salted requests; `kvcomm
+    serve` with API keys replaces both tenant and salt by the key's). Dense (``reuse``
+    False): no kvcomm options and no salt, exactly what a plain OpenAI client would send."""
+    body: dict[str, Any] = {
+        "model": model, "prompt": list(chat.prompt.token_ids), "max_tokens": max_tokens, "temperature": 0.0,
+        "return_token_ids": True, "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if reuse:
+        body["kv_transfer_params"] = {"kvcomm": annotations(chat, tenant)}
+        body["cache_salt"] = f"kvcomm-{tenant}"
+    return body
+
+
+def provenance(
+    chat: ChatPrompt, prompt_tokens: int, summary: dict[str, Any] | None, reuse: bool, *,
+    cached_tokens: int | None = None, ttft_s: float | None = None, why_unknown: str = "",
+) -> Provenance:
+    """The call's provenance from the server's ``kv_transfer_params["kvcomm"]`` summary.
+
+    Where the server reported no split (dense call, streamed call, rejected annotations),
+    every prompt token counts as computed and the note says why; ``cached_tokens`` (vLLM's
+    ``prompt_tokens_details``, when the server reports it) is quoted in the note.
+    """
+    shared = sum(len(chat.prompt.segments[i]) for i in chat.turn_segments.values())
+    extra = f"server reports {cached_tokens} cached prompt tokens" if cached_tokens is not None else ""
+    if summary is not None and "error" in summary:
+        why_unknown = f"server rejected the kvcomm options (served without reuse): {summary['error']}"
+        summary = None
+    if summary is not None and not {"prompt_tokens", "exact_tokens", "estimated_tokens", "computed_tokens"} <= set(summary):
+        why_unknown = f"the server's kvcomm summary lacks token counts: {summary}"
+        summary = None
+    if summary is None:
+        if not why_unknown:
+            why_unknown = "dense: no kvcomm options sent" if not reuse else (
+                "the server returned no kvcomm provenance (started with --no-plan, or not `kvcomm serve`?)")
+        return Provenance(prompt_tokens, 0, 0, prompt_tokens, shared, 0, False, _join(why_unknown, extra), ttft_s)
+    exact, estimated = int(summary["exact_tokens"]), int(summary["estimated_tokens"])
+    end = exact + estimated
+    reused_shared = 0
+    for index in chat.turn_segments.values():
+        start = chat.prompt.starts[index]
+        reused_shared += max(0, min(end - start, len(chat.prompt.segments[index])))
+    note = _join(str(summary.get("note") or ""), extra)
+    return Provenance(
+        int(summary["prompt_tokens"]), exact, estimated, int(summary["computed_tokens"]), shared, reused_shared,
+        bool(summary.get("fallback", False)), note, ttft_s,
+    )
+
+
+def _join(*parts: str) -> str:
+    return "; ".join(p for p in parts if p)
+
+
+def kvcomm_summary(response: dict[str, Any]) -> dict[str, Any] | None:
+    params = response.get("kv_transfer_params")
+    if isinstance(params, dict) and isinstance(params.get("kvcomm"), dict):
+        return params["kvcomm"]
+    return None
+
+
+def cached_tokens(usage: dict[str, Any] | None) -> int | None:
+    details = (usage or {}).get("prompt_tokens_details")
+    return int(details["cached_tokens"]) if isinstance(details, dict) and details.get("cached_tokens") is not None else None
+
+
+def ttft_seconds(response: dict[str, Any]) -> float | None:
+    """Server-measured TTFT (``--enable-per-request-metrics``), seconds."""
+    metrics = response.get("metrics")
+    value = metrics.get("time_to_first_token_ms") if isinstance(metrics, dict) else None
+    return float(value) / 1e3 if value is not None else None
+
+
+class StreamedCompletion:
+    """Accumulates a streamed completion into the shape of a non-streamed response."""
+
+    def __init__(self):
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.metrics: dict[str, Any] | None = None
+
+    def add(self, chunk: dict[str, Any]) -> str:
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        if chunk.get("metrics"):
+            self.metrics = chunk["metrics"]
+        text = ""
+        for choice in chunk.get("choices") or []:
+            text += choice.get("text") or ""
+            self.token_ids += choice.get("token_ids") or []
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        self.text.append(text)
+        return text
+
+    def response(self) -> dict[str, Any]:
+        choice = {"text": "".join(self.text), "token_ids": self.token_ids, "finish_reason": self.finish_reason}
+        return {"choices": [choice], "usage": self.usage, "metrics": self.metrics}

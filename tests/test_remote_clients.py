@@ -1,0 +1,212 @@
+"""The remote flavour: the AutoGen and AG2 clients against a real `kvcomm serve` over HTTP
+(real autogen-agentchat, ag2 and openai packages; nothing faked)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+WRITER, REVIEWER = "You answer briefly.", "You review the answer in one sentence."
+# Greedy SmolLM2 ends the writer's reply to each of these with its stop token inside 12
+# tokens (10, 10 and 8 reply tokens), so the server keeps the reply's decode KV as the base
+# the reviewer reads. With gamma 1 the first two replies become anchors of the reviewer's
+# slot "writer.0" and the third (not longer than them) is estimated from them.
+TASKS = ["Name a fruit.", "Name a capital city in Europe.", "Name a color."]
+BUDGET = 12
+
+
+@pytest.fixture(scope="module")
+def server(kvcomm_server) -> dict:
+    """Connection options of the session's `kvcomm serve` (its first API key = one tenant)."""
+    return {"base_url": kvcomm_server.base_url, "api_key": kvcomm_server.keys[0]}
+
+
+def _team(client):
+    from autogen_agentchat.agents import AssistantAgent
+    from autogen_agentchat.teams import RoundRobinGroupChat
+
+    writer = AssistantAgent("writer", client, system_message=WRITER)
+    reviewer = AssistantAgent("reviewer", client, system_message=REVIEWER)
+    return RoundRobinGroupChat([writer, reviewer], max_turns=2)
+
+
+def _sums_add_up(calls) -> None:
+    for call in calls:
+        p = call.provenance
+        assert p.exact_tokens + p.estimated_tokens + p.computed_tokens == p.prompt_tokens and p.computed_tokens >= 1, p
+
+
+def test_autogen_reviewer_reuses_the_writers_reply_on_the_server(server):
+    from kvcomm.integrations.autogen_client import KvcommChatCompletionClient
+
+    client = KvcommChatCompletionClient.remote(**server, max_new_tokens=BUDGET)
+    for task in TASKS:
+        result = asyncio.run(_team(client).run(task=task))
+        assert [m.source for m in result.messages] == ["user", "writer", "reviewer"]
+    calls = client.call_log
+    assert len(calls) == 2 * len(TASKS)
+    print("\n" + "\n".join(f"{c.template_id} {c.slots} exact {c.provenance.exact_tokens} estimated "
+                           f"{c.provenance.estimated_tokens} computed {c.provenance.computed_tokens}: {c.provenance.note}" for c in calls))
+    _sums_add_up(calls)
+    estimated = [c for c in calls[1::2] if c.slots["writer#0"][0] > 0 and c.provenance.estimated_tokens > 0]
+    assert estimated, "no reviewer call estimated the writer's reply"
+    assert all(c.template_id == calls[1].template_id != calls[0].template_id for c in estimated)
+    assert all(c.reply_registered for c in calls[0::2])
+    summary = client.summary()
+    assert summary["estimated_tokens"] > 0 and summary["exact_tokens"] > 0
+    usage = client.total_usage()
+    assert usage.prompt_tokens == sum(c.prompt_tokens for c in calls)
+    assert usage.completion_tokens == sum(c.completion_tokens for c in calls)
+
+
+def test_ag2_pair_reuses_the_other_agents_reply_on_the_server(server):
+    """The reviewer opens with the task; the writer answers (call 1); the reviewer answers
+    that (call 2), reading the writer's reply, whose decode KV the server kept."""
+    from autogen import ConversableAgent
+
+    from kvcomm.integrations.ag2_client import KvcommAG2Client
+    from kvcomm.integrations.remote_backend import RemoteChatBackend
+
+    config = {"config_list": [{"model": "kvcomm", "model_client_cls": "KvcommAG2Client"}], "cache_seed": None}
+    backend = RemoteChatBackend(**server, max_new_tokens=BUDGET)
+    for task in TASKS:
+        writer = ConversableAgent("writer", system_message=WRITER, llm_config=config, human_input_mode="NEVER")
+        reviewer = ConversableAgent("reviewer", system_message=REVIEWER, llm_config=config, human_input_mode="NEVER")
+        for agent in (writer, reviewer):
+            agent.register_model_client(KvcommAG2Client, backend=backend)
+        reviewer.initiate_chat(writer, message=task, max_turns=1, silent=True)
+        assert reviewer.generate_reply(sender=writer)
+    calls = list(backend.calls)
+    assert len(calls) == 2 * len(TASKS)
+    print("\n" + "\n".join(f"{c.slots} {c.provenance}" for c in calls))
+    _sums_add_up(calls)
+    assert any(c.slots["writer#0"][0] > 0 and c.provenance.estimated_tokens > 0 for c in calls[1::2])
+
+
+def test_ag2_config_entry_with_base_url_selects_the_remote_backend(server):
+    from kvcomm.integrations.ag2_client import KvcommAG2Client
+    from kvcomm.integrations.remote_backend import RemoteChatBackend
+
+    client = KvcommAG2Client({"model": "kvcomm", "base_url": server["base_url"] + "/v1", "api_key": server["api_key"],
+                              "kvcomm_reuse": False, "max_tokens": 3})
+    assert isinstance(client.backend, RemoteChatBackend) and not client.backend.reuse
+    response = client.create({"messages": [{"role": "user", "content": "Hi"}]})
+    assert response.usage.completion_tokens <= 3 and response.kvcomm is client.backend.last
+    assert response.kvcomm.provenance.note.startswith("dense")
+    with pytest.raises(ValueError, match="streaming"):
+        client.create({"messages": [{"role": "user", "content": "Hi"}], "stream": True})
+
+
+def test_dense_remote_client_equals_the_servers_own_chat_completions(server):
+    """Without the kvcomm opt-in the client's requests are plain vLLM requests: each reply and
+    prompt length equal the server's /v1/chat/completions (its chat template, its tokenizer)
+    called with the openai package on the same messages."""
+    import openai
+
+    from kvcomm.integrations.autogen_client import KvcommChatCompletionClient
+
+    client = KvcommChatCompletionClient.remote(**server, reuse=False, max_new_tokens=12)
+    result = asyncio.run(_team(client).run(task=TASKS[1]))
+    task, written, reviewed = (m.content for m in result.messages)
+    seen = [(written, [("system", WRITER), ("user", task)]), (reviewed, [("system", REVIEWER), ("user", task), ("user", written)])]
+    direct = openai.OpenAI(base_url=server["base_url"] + "/v1", api_key=server["api_key"])
+    for (reply, messages), call in zip(seen, client.call_log):
+        answer = direct.chat.completions.create(
+            model=client.backend.model_name, messages=[{"role": r, "content": c} for r, c in messages], max_tokens=12, temperature=0,
+        )
+        assert answer.choices[0].message.content == reply
+        assert answer.usage.prompt_tokens == call.prompt_tokens
+        assert call.provenance.computed_tokens == call.prompt_tokens and call.provenance.note.startswith("dense")
+
+
+def test_stream_and_cancellation_close_the_server_request(server):
+    from autogen_core import CancellationToken
+    from autogen_core.models import SystemMessage, UserMessage
+
+    from kvcomm.integrations.autogen_client import KvcommChatCompletionClient
+
+    client = KvcommChatCompletionClient.remote(**server, max_new_tokens=8)
+    messages = [SystemMessage(content=REVIEWER), UserMessage(content="Which planet is the largest one?", source="user")]
+
+    async def stream(token=None, cancel_after=None):
+        chunks, result = [], None
+        async for item in client.create_stream(messages, cancellation_token=token):
+            if isinstance(item, str):
+                chunks.append(item)
+                if cancel_after is not None and len(chunks) == cancel_after:
+                    token.cancel()
+            else:
+                result = item
+        return chunks, result
+
+    chunks, result = asyncio.run(stream())
+    assert "".join(chunks) == result.content and len(chunks) > 1
+    assert result.usage.completion_tokens == 8 and result.finish_reason == "length"
+    assert client.last_call.provenance.note.startswith("streamed")
+    created = asyncio.run(client.create(messages))
+    assert created.content == result.content and "streamed" not in client.last_call.provenance.note
+    before = len(client.call_log)
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(stream(CancellationToken(), cancel_after=1))
+    stopped = client.call_log[before]
+    assert stopped.finish_reason == "cancelled" and stopped.completion_tokens < 8
+    assert asyncio.run(client.create(messages)).content == result.content  # the server serves on
+    token = CancellationToken()
+    token.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(client.create(messages, cancellation_token=token))
+    assert len(client.call_log) == before + 2
+
+
+def test_server_model_checks_and_refusals(server):
+    from autogen_core.models import UserMessage
+
+    from kvcomm.integrations.autogen_client import KvcommChatCompletionClient
+    from kvcomm.integrations.chat_segments import ChatTurn
+    from kvcomm.integrations.remote_backend import RemoteChatBackend, RemoteError
+
+    backend = RemoteChatBackend(**server)
+    other = copy.deepcopy(backend.tokenizer)
+    other.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+    with pytest.raises(RemoteError, match="does not match the server's model"):
+        RemoteChatBackend(**server, tokenizer=other)
+    with pytest.raises(RemoteError, match="does not serve 'gpt-4'"):
+        RemoteChatBackend(**server, model="gpt-4")
+    with pytest.raises(RemoteError, match="api_key"):
+        RemoteChatBackend(server["base_url"], api_key="not-a-key")
+    with pytest.raises(RemoteError, match="cannot reach"):
+        RemoteChatBackend("http://127.0.0.1:9", timeout=5)
+    with pytest.raises(ValueError, match="http://"):
+        RemoteChatBackend("localhost:8000")
+    client = KvcommChatCompletionClient(backend)
+    messages = [UserMessage(content="Hi", source="user")]
+    with pytest.raises(NotImplementedError, match="in-process only"):
+        client.retain_context("shared text")
+    with pytest.raises(NotImplementedError, match="in-process only"):
+        asyncio.run(client.create(messages, extra_create_args={"context_ids": ["x"]}))
+    with pytest.raises(ValueError, match="max_model_len"):
+        asyncio.run(client.create(messages, extra_create_args={"max_tokens": backend.max_context}))
+    assert client.count_tokens(messages) == len(backend.render([ChatTurn("user", "Hi", "user")]).prompt)
+    assert client.remaining_tokens(messages) == backend.max_context - client.count_tokens(messages)
+    assert len(backend.calls) == 0
+
+
+def test_concurrent_remote_calls_run_together_and_equal_sequential_ones(server):
+    """Remote calls are not serialized by the client: the server batches them."""
+    from autogen_core.models import SystemMessage, UserMessage
+
+    from kvcomm.integrations.autogen_client import KvcommChatCompletionClient
+
+    client = KvcommChatCompletionClient.remote(**server, reuse=False, max_new_tokens=6)
+    conversations = [[SystemMessage(content=s), UserMessage(content=t, source="user")] for s, t in zip((WRITER, REVIEWER), TASKS)]
+    sequential = [asyncio.run(client.create(c)).content for c in conversations]
+
+    async def together():
+        return await asyncio.gather(*(client.create(c) for c in conversations))
+
+    assert [r.content for r in asyncio.run(together())] == sequential
+    assert len(client.call_log) == 4

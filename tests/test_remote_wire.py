@@ -1,0 +1,80 @@
+"""The remote backend's wire format: slot names and span annotations the server accepts."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcomm.integrations.chat_segments import ChatTurn, render_chat
+from kvcomm.integrations.remote_wire import annotations, completion_body, provenance, wire_slot
+from kvcomm.integrations.vllm_params import _SLOT, parse_params
+
+_author = st.text(min_size=1, max_size=90)
+_index = st.integers(0, 10_000)
+
+
+@settings(max_examples=300, deadline=None)
+@given(author=_author, k=_index, other=_author)
+def test_wire_slots_pass_the_servers_rule_and_keep_authors_apart(author, k, other):
+    slot = wire_slot(f"{author}#{k}")
+    assert _SLOT.match(slot), slot
+    assert wire_slot(f"{author}#{k}") == slot
+    assert slot.endswith(f".{k}")
+    if other != author:
+        assert wire_slot(f"{other}#{k}") != slot
+    assert wire_slot(f"{author}#{k + 1}") != slot
+
+
+def test_plain_author_names_travel_unchanged():
+    assert wire_slot("writer#0") == "writer.0"
+    assert wire_slot("user#12") == "user.12"
+    assert wire_slot("my agent#1").startswith("my_agent_") and wire_slot("my_agent#1") == "my_agent.1"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from kvcomm.integrations.embedded import embedded_model_dir
+
+    return AutoTokenizer.from_pretrained(str(embedded_model_dir()), local_files_only=True)
+
+
+_content = st.text(st.characters(whitelist_categories=("Lu", "Ll", "Nd"), whitelist_characters=" .,?!'#"), min_size=1, max_size=30)
+_turn = st.tuples(st.sampled_from(["user", "assistant"]), st.sampled_from([None, "planner", "the critic", "Ärger#2"]), _content)
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None)
+@given(turns=st.lists(_turn, min_size=1, max_size=6))
+def test_annotations_are_valid_server_params_naming_each_message(tokenizer, turns):
+    chat = render_chat(tokenizer, lambda t: tokenizer.encode(t, add_special_tokens=False),
+                       [ChatTurn("system", "You help.")] + [ChatTurn(r, c, s) for r, s, c in turns])
+    body = completion_body("m", chat, 8, reuse=True, tenant="team-1")
+    params = parse_params(body["kv_transfer_params"], len(body["prompt"]))  # the server's own validator
+    shared = [chat.prompt.segments[i] for i in sorted(chat.turn_segments.values())]
+    assert params is not None and params.template == chat.prompt.template_id and params.tenant == "team-1"
+    assert body["cache_salt"] == "kvcomm-team-1"
+    assert len(params.segments) == len(shared)
+    for span, segment in zip(params.segments, shared):
+        assert tuple(body["prompt"][span.start : span.end]) == segment.token_ids
+        assert span.slot == wire_slot(segment.slot)
+    dense = completion_body("m", chat, 8, reuse=False, tenant="team-1")
+    assert "kv_transfer_params" not in dense and "cache_salt" not in dense and dense["prompt"] == body["prompt"]
+
+
+@pytest.mark.slow
+def test_provenance_from_a_server_summary_and_without_one(tokenizer):
+    chat = render_chat(tokenizer, lambda t: tokenizer.encode(t, add_special_tokens=False),
+                       [ChatTurn("system", "You help."), ChatTurn("user", "Name a fruit."), ChatTurn("assistant", "A pear.", "w")])
+    n = len(chat.prompt)
+    first = chat.prompt.starts[chat.turn_segments[1]]
+    summary = {"prompt_tokens": n, "exact_tokens": first, "estimated_tokens": 3, "computed_tokens": n - first - 3,
+               "fallback": False, "note": ""}
+    p = provenance(chat, n, summary, True, cached_tokens=first + 3)
+    assert (p.exact_tokens, p.estimated_tokens, p.reused_shared_tokens) == (first, 3, 3)
+    assert "cached" in p.note
+    for rejected in ({"error": "bad slot"}, None, {"note": "x"}):
+        p = provenance(chat, n, rejected, True)
+        assert p.computed_tokens == n and p.exact_tokens == p.estimated_tokens == 0 and p.note
