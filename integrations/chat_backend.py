@@ -19,6 +19,7 @@ from kvcomm.engine import ReuseConfig, ReuseEngine
 from kvcomm.executor import OnToken
 from kvcomm.handles import ContextHandle, ContextRegistry
 from kvcomm.plan import Provenance
+from kvcomm.quality_guard import QualityGuard
 from kvcomm.runner import run_agent
 from kvcomm.segments import Segment, content_id
 from kvcomm.integrations.chat_segments import ChatPrompt, ChatTurn, parse_tool_calls, render_chat, supports_tools
@@ -79,11 +80,13 @@ class ChatBackend:
     protocol). engine: a ``ReuseEngine`` for reuse, None for dense prefill. max_new_tokens:
     default reply budget. base_bytes: LRU bound on bases of unretained shared content.
     max_log: how many recent calls ``calls`` keeps (and ``summary`` totals). max_context:
-    prompt + reply token limit (default: the model's, from its config or vLLM's)."""
+    prompt + reply token limit (default: the model's, from its config or vLLM's). guard: a
+    ``QualityGuard`` (shadow mode) for every call with reuse; export it with
+    ``kvcomm.integrations.guard_metrics.export``."""
 
     def __init__(
         self, executor, engine: ReuseEngine | None = None, max_new_tokens: int = 128, base_bytes: int | None = 256 << 20,
-        max_log: int = 10_000, max_context: int | None = None,
+        max_log: int = 10_000, max_context: int | None = None, guard: QualityGuard | None = None,
     ):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
@@ -91,6 +94,7 @@ class ChatBackend:
             raise ValueError(f"max_log must be >= 1 (got {max_log})")
         self.executor = executor
         self.engine = engine
+        self.guard = guard
         self.max_new_tokens = max_new_tokens
         self.contexts = ContextRegistry(engine, base_bytes) if engine is not None else None
         self.calls: deque[ChatCall] = deque(maxlen=max_log)
@@ -183,7 +187,7 @@ class ChatBackend:
 
             # executors without streaming support still serve callers that pass no on_token
             hook = watch if on_token is not None else None
-            generation, provenance = run_agent(self.executor, self.engine, prompt, budget, on_token=hook)
+            generation, provenance = run_agent(self.executor, self.engine, prompt, budget, on_token=hook, guard=self.guard)
             text = self.executor.decode(generation.reply_ids)
             registered = self._keep_reply(generation, text)
             self._note_bases(chat, generation)

@@ -182,3 +182,27 @@ def test_concurrent_calls_are_serialized_and_equal_sequential_ones(tiny_executor
 
     assert [r.content for r in asyncio.run(together())] == sequential
     assert len(client.call_log) == 4
+
+
+def test_a_guarded_team_is_shadowed_and_exported(tiny_executor):
+    """A quality guard on the shared backend shadows every call that estimated KV (fraction 1),
+    never acts at a huge budget (same replies as unguarded), and its numbers reach Prometheus."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvcomm.integrations.guard_metrics import export
+    from kvcomm.quality_guard import GuardConfig, QualityGuard
+
+    guard = QualityGuard(GuardConfig(fraction=1.0, budget=1e9, min_samples=1))
+    runs = {}
+    for name, backend_guard in (("plain", None), ("guarded", guard)):
+        backend = _reuse_backend(tiny_executor)
+        backend.guard = backend_guard
+        client = KvcommChatCompletionClient(backend)
+        runs[name] = [asyncio.run(_team(client).run(task=task)).messages[-1].content for task in TASKS]
+        calls = client.call_log
+    assert runs["guarded"] == runs["plain"]
+    estimated = [c for c in calls if c.provenance.estimated_tokens > 0]
+    assert estimated and guard.metrics()["shadowed"] == len(estimated)
+    registry = CollectorRegistry()
+    export(guard, "team", registry)
+    assert "kvcomm_guard_shadowed_total{tenant=" in generate_latest(registry).decode()
