@@ -51,7 +51,13 @@ class PoolConfig:
     access. temperature: tau in the delta weights softmax(-d / tau). max_candidates: narrow the
     compatible anchors to this many nearest by embedding (0 keeps all). partial_coverage:
     a segment longer than every anchor reuses the covered head instead of going dense.
-    max_bytes: byte budget for the pool's tensors (None: unbounded).
+    max_bytes: byte budget for the pool's tensors (None: unbounded). min_estimate_anchors: with
+    partial coverage, estimate only the head that at least this many compatible anchors cover
+    (0: all of them), so that more deviations are averaged; 1 (default) estimates as far as the
+    longest anchor reaches. On MMLU items (diverse 40-130-token questions, 2 agents + decider,
+    12 items, gamma 0.7) the default's estimated deviations were farther from the real KV than
+    no deviation at all (error ratio keys 1.02, values 1.18, often from 1-2 anchors); 0 gave
+    0.80 / 0.95 over a third of the tokens (README, "Anchor pool").
     """
 
     gamma: float = 0.3
@@ -64,6 +70,7 @@ class PoolConfig:
     max_candidates: int = 8
     partial_coverage: bool = True
     max_bytes: int | None = None
+    min_estimate_anchors: int = 1
 
     def __post_init__(self) -> None:
         problems = []
@@ -85,6 +92,9 @@ class PoolConfig:
             problems.append(f"temperature must be > 0 (got {self.temperature})")
         if self.max_candidates == 1 or self.max_candidates < 0:
             problems.append(f"max_candidates must be 0 (all) or >= 2 (got {self.max_candidates})")
+        if isinstance(self.min_estimate_anchors, bool) or not isinstance(self.min_estimate_anchors, int) \
+                or self.min_estimate_anchors < 0:
+            problems.append(f"min_estimate_anchors must be an integer >= 0 (got {self.min_estimate_anchors!r})")
         if self.max_bytes is not None and self.max_bytes <= 0:
             problems.append(f"max_bytes must be positive or None (got {self.max_bytes})")
         if problems:
@@ -174,7 +184,7 @@ class AnchorPool:
             if len(self._anchors) <= 1 or len(compatible) <= 1:
                 return None
             compatible = self._narrow(compatible, embedding)
-            covered = min(length, max(a.length for a in compatible))
+            covered = self._coverage(compatible, length)
             distances = self._distances(segment_id, base, compatible, covered, commit)
             p = self._admission(compatible, base, [d if isinstance(d, torch.Tensor) else d.value_l2 for d in distances])
             entropy = float(-(p * torch.log(p.clamp_min(1e-300))).sum())
@@ -213,6 +223,13 @@ class AnchorPool:
         # fp64 and a rounding tolerance: in fp32 a uniform p has an entropy just above
         # log(n), so gamma = 1 (which must always reuse) would never reuse.
         return torch.softmax(logits, dim=0)
+
+    def _coverage(self, compatible: list[Anchor], length: int) -> int:
+        """Tokens to estimate: all ``length`` if enough anchors are that long, else the longest
+        head that ``min_estimate_anchors`` of them (all, if fewer) cover."""
+        lengths = sorted((a.length for a in compatible), reverse=True)
+        need = len(lengths) if self.config.min_estimate_anchors == 0 else min(self.config.min_estimate_anchors, len(lengths))
+        return min(length, lengths[need - 1])
 
     def _narrow(self, compatible: list[Anchor], embedding: np.ndarray) -> list[Anchor]:
         k = self.config.max_candidates

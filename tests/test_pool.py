@@ -93,6 +93,7 @@ def index_size(pool: AnchorPool) -> int:
         ({"max_candidates": 1}, "max_candidates must be 0 (all) or >= 2 (got 1)"),
         ({"max_candidates": -3}, "max_candidates must be 0 (all) or >= 2 (got -3)"),
         ({"max_bytes": 0}, "max_bytes must be positive or None (got 0)"),
+        ({"min_estimate_anchors": -1}, "min_estimate_anchors must be an integer >= 0 (got -1)"),
         ({"admission_distance": "cosine"}, "admission_distance must be one of relative, l2 (got 'cosine')"),
         ({"admission_temperature": 0.0}, "admission_temperature must be > 0 (got 0.0)"),
         ({"admission_temperature": float("nan")}, "admission_temperature must be > 0"),
@@ -313,6 +314,18 @@ def test_partial_coverage_with_an_anchor_long_enough_covers_everything():
     match = pool.decide(SLOT, "new", const_kv(5), DEFAULT_EMB)
     assert match is not None and match.covered == 5
     assert {a.segment_id for a in match.anchors} == {"eight", "five"}
+
+
+@pytest.mark.parametrize("need, covered, used", [(1, 8, {"eight"}), (2, 5, {"eight", "five"}),
+                                                 (3, 3, {"eight", "five", "three"}), (0, 3, {"eight", "five", "three"}),
+                                                 (9, 3, {"eight", "five", "three"})])
+def test_min_estimate_anchors_shortens_the_head_to_what_enough_anchors_cover(need, covered, used):
+    pool = AnchorPool(PoolConfig(gamma=1.0, min_estimate_anchors=need))
+    for sid, length in (("three", 3), ("eight", 8), ("five", 5)):
+        add(pool, sid, value_offset(length, 1.0))
+    match = pool.decide(SLOT, "new", const_kv(10), DEFAULT_EMB)
+    assert match is not None and match.covered == covered
+    assert {a.segment_id for a in match.anchors} == used
 
 
 def test_identical_segment_is_reused_directly():
