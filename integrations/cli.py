@@ -1,4 +1,4 @@
-"""The `kvcomm` command: run pipelines dense vs reuse side by side, the demo, the RoPE self-check."""
+"""The `kvcomm` command: run pipelines dense vs reuse side by side, the demo, the RoPE self-check, serve over HTTP."""
 
 from __future__ import annotations
 
@@ -67,13 +67,19 @@ def _cmd_run(args, spec: PipelineSpec) -> int:
     return 0
 
 
-def serve_argv(model: str | None, plan: bool, slots: list[str] | None, vllm_args: list[str]) -> list[str]:
+MIDDLEWARE = "kvcomm.integrations.serve_middleware.KvcommTenantMiddleware"
+
+
+def serve_argv(
+    model: str | None, plan: bool, slots: list[str] | None, vllm_args: list[str], engine: dict | None = None,
+) -> list[str]:
     """vLLM OpenAI server arguments (``sys.argv`` of its API server entry point) for the model with the kvcomm connector (server-side planning
-    of annotated requests on unless ``plan`` is False); ``vllm_args`` pass through and win."""
+    of annotated requests on unless ``plan`` is False; ``engine``: more ``kv_connector_extra_config``
+    such as gamma, max_anchors, byte caps) and kvcomm's tenant middleware; ``vllm_args`` pass through and win."""
     from kvcomm.integrations.embedded import resolve_model_dir
     from kvcomm.integrations.vllm_engine import CONNECTOR, CONNECTOR_MODULE
 
-    extra: dict = {"plan": plan}
+    extra: dict = {"plan": plan, **(engine or {})}
     if slots:
         extra["slots"] = slots
     config = {"kv_connector": CONNECTOR, "kv_role": "kv_both", "kv_connector_module_path": CONNECTOR_MODULE,
@@ -83,23 +89,51 @@ def serve_argv(model: str | None, plan: bool, slots: list[str] | None, vllm_args
     for flag, value in (("--dtype", "float32"), ("--max-model-len", "2048")):
         if flag not in given:
             argv += [flag, value]
-    if "--enforce-eager" not in given:
-        argv.append("--enforce-eager")
+    for flag in ("--enforce-eager", "--enable-prompt-tokens-details"):
+        if flag not in given:
+            argv.append(flag)
+    if plan:
+        argv += ["--middleware", MIDDLEWARE]
     return argv + vllm_args
+
+
+def api_keys(vllm_args: list[str]) -> list[str]:
+    """The API keys vLLM will accept: ``--api-key K [K ...]`` (repeatable) or ``$VLLM_API_KEY``."""
+    import os
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--api-key", nargs="+", action="extend", default=[])
+    keys = [k for k in parser.parse_known_args(vllm_args)[0].api_key if k]
+    return keys or [k for k in [os.environ.get("VLLM_API_KEY", "")] if k]
 
 
 def _cmd_serve(args, vllm_args: list[str]) -> int:
     import os
 
+    # On CPU, vLLM runs its worker in a process of its own unless multiprocessing is off; the
+    # connector's scheduler and worker sides must share the engine-core process (vllm_channel).
+    # The engine core still runs apart from the API server.
+    for name in ("max_tenant_bytes", "max_total_bytes"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number of bytes, got {getattr(args, name)}")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from kvcomm.integrations.serve_middleware import KEY_DIGESTS_ENV, key_digest
+
+    keys = api_keys(vllm_args)
+    os.environ[KEY_DIGESTS_ENV] = ",".join(key_digest(k) for k in keys) if args.tenant_per_key else ""
     # vLLM's own `vllm` CLI looks up the version of a distribution named "vllm", which
     # vllm-cpu is not; its API server entry point has no such lookup.
     from vllm.entrypoints.launchers.api_server.entry import main as vllm_main
     from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     setup_multiprocess_prometheus()  # the connector's metrics live in the engine process
-    sys.argv = serve_argv(args.model, not args.no_plan, args.slots, vllm_args)
-    print("kvcomm: " + " ".join(sys.argv), file=sys.stderr)
+    engine = {"gamma": args.gamma, "max_anchors": args.max_anchors,
+              "max_tenant_bytes": args.max_tenant_bytes, "max_total_bytes": args.max_total_bytes}
+    sys.argv = serve_argv(args.model, not args.no_plan, args.slots, vllm_args, engine)
+    shown = [("<hidden>" if a in keys else a) for a in sys.argv]
+    tenants = f"{len(keys)} API keys, one tenant each" if keys and args.tenant_per_key else "one tenant"
+    print(f"kvcomm: {tenants}; " + " ".join(shown), file=sys.stderr)
     vllm_main()
     return 0
 
@@ -152,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", help="local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
     serve.add_argument("--no-plan", action="store_true", help="no server-side planning of annotated requests")
     serve.add_argument("--slots", nargs="+", help="the slot names annotations may use (default: any)")
+    serve.add_argument("--gamma", type=float, default=PoolConfig.gamma, help="admission entropy threshold factor")
+    serve.add_argument("--max-anchors", type=int, default=PoolConfig.max_anchors, help="V, anchors per pool")
+    serve.add_argument("--max-tenant-bytes", type=int, help="byte cap of each tenant's pools, bases and prefixes")
+    serve.add_argument("--max-total-bytes", type=int, help="byte cap of all tenants together")
+    serve.add_argument("--no-tenant-per-key", dest="tenant_per_key", action="store_false",
+                       help="with vLLM's --api-key: one tenant for all keys (default: each key its own tenant)")
     check = sub.add_parser("selfcheck", help="RoPE realignment self-check on a model")
     check.add_argument("--model", help="local transformers model folder (default: the embedded model)")
     check.add_argument("--json", action="store_true")

@@ -98,6 +98,14 @@ class KvcommConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("the kvcomm connector supports tensor and pipeline parallel size 1 only")
+        backend = vllm_config.parallel_config.distributed_executor_backend
+        if backend not in (None, "uni"):
+            # Scheduler and worker sides exchange orders and captured KV in memory (vllm_channel).
+            raise ValueError(
+                f"the kvcomm connector needs vLLM's worker in the engine-core process, but the executor backend is "
+                f"{backend!r}; on CPU set VLLM_ENABLE_V1_MULTIPROCESSING=0 before vLLM builds its config "
+                "(`kvcomm serve` and make_llm do), elsewhere pass distributed_executor_backend='uni'"
+            )
         self.engine_id = str(self._kv_transfer_config.engine_id)
         self.channel: Channel = channel(self.engine_id)
         self._tracked: dict[str, _Tracked] = {}
@@ -316,7 +324,8 @@ def _make_planner(vllm_config: "VllmConfig") -> ServerPlanner:
     extra = vllm_config.kv_transfer_config
     pool = PoolConfig(gamma=float(extra.get_from_extra_config("gamma", PoolConfig.gamma)),
                       max_anchors=int(extra.get_from_extra_config("max_anchors", PoolConfig.max_anchors)))
-    return ServerPlanner(rotary, ReuseConfig(pool=pool))
+    caps = {name: extra.get_from_extra_config(name, None) for name in ("max_total_bytes", "max_tenant_bytes")}
+    return ServerPlanner(rotary, ReuseConfig(pool=pool), **caps)
 
 
 def _slots(blocks: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -8,8 +8,8 @@ vLLM's own.
   planned (annotated) requests by where their KV came from.
 - ``kvcomm_requests_total{outcome="planned"|"rejected"}``; ``kvcomm_fallbacks_total``: planned
   requests whose shared content was all recomputed.
-- ``kvcomm_anchors{slot}``, ``kvcomm_pool_bytes``, ``kvcomm_evictions`` (gauges, refreshed
-  after each planned request).
+- ``kvcomm_anchors{slot}``, ``kvcomm_pool_bytes``, ``kvcomm_tenant_bytes{tenant}`` (hash
+  label, never the key), ``kvcomm_evictions`` (gauges, refreshed after each planned request).
 """
 
 from __future__ import annotations
@@ -19,24 +19,34 @@ from prometheus_client import Counter, Gauge
 PROMPT_TOKENS = Counter("kvcomm_prompt_tokens", "Prompt tokens of planned requests by KV source", ["source"])
 REQUESTS = Counter("kvcomm_requests", "Requests that opted into kvcomm, by outcome", ["outcome"])
 FALLBACKS = Counter("kvcomm_fallbacks", "Planned requests whose shared content was all recomputed")
-ANCHORS = Gauge("kvcomm_anchors", "Anchors held per slot", ["slot"], multiprocess_mode="livesum")
-POOL_BYTES = Gauge("kvcomm_pool_bytes", "Bytes held by all anchor pools", multiprocess_mode="livesum")
-EVICTIONS = Gauge("kvcomm_evictions", "Anchors evicted so far", multiprocess_mode="livesum")
+ANCHORS = Gauge("kvcomm_anchors", "Anchors held per slot (all tenants)", ["slot"], multiprocess_mode="livesum")
+POOL_BYTES = Gauge("kvcomm_pool_bytes", "Bytes held by all anchor pools (all tenants)", multiprocess_mode="livesum")
+TENANT_BYTES = Gauge("kvcomm_tenant_bytes", "Bytes held per tenant (pools, bases, exact prefixes)", ["tenant"],
+                     multiprocess_mode="livesum")
+EVICTIONS = Gauge("kvcomm_evictions", "Anchors evicted so far (V cap and byte caps)", multiprocess_mode="livesum")
 
 
-def record_planned(provenance, engines) -> None:
-    """Count one finished planned request and refresh the pool gauges from ``engines``."""
+def record_planned(provenance, registry) -> None:
+    """Count one finished planned request and refresh the pool gauges from ``registry``
+    (a ``kvcomm.tenants.TenantRegistry``; tenants are exported under their hash label)."""
     PROMPT_TOKENS.labels("exact").inc(provenance.exact_tokens)
     PROMPT_TOKENS.labels("estimated").inc(provenance.estimated_tokens)
     PROMPT_TOKENS.labels("computed").inc(provenance.computed_tokens)
     REQUESTS.labels("planned").inc()
     if provenance.fallback:
         FALLBACKS.inc()
-    pools = [(slot, pool) for engine in engines for slot, pool in engine.pools.items()]
-    for slot in {slot for slot, _ in pools}:
-        ANCHORS.labels(slot).set(sum(len(p) for s, p in pools if s == slot))
-    POOL_BYTES.set(sum(p.nbytes for _, p in pools))
-    EVICTIONS.set(sum(p.evictions for _, p in pools))
+    numbers = registry.metrics()
+    anchors: dict[str, int] = {}
+    for tenant in numbers["tenants"].values():
+        for slot, count in tenant["anchors"].items():
+            anchors[slot] = anchors.get(slot, 0) + count
+    for slot, count in anchors.items():
+        ANCHORS.labels(slot).set(count)
+    POOL_BYTES.set(sum(sum(t["pool_bytes"].values()) for t in numbers["tenants"].values()))
+    for label, tenant in numbers["tenants"].items():
+        TENANT_BYTES.labels(label).set(tenant["bytes"])
+    pools = [pool for tenant in registry.tenants for pool in registry.engine(tenant).pools.values()]
+    EVICTIONS.set(sum(pool.evictions for pool in pools))
 
 
 def record_rejected() -> None:

@@ -6,6 +6,8 @@ Schema (JSON object; every key optional, unknown keys rejected)::
         "handle":   "<str>",                 # in-process callers (VllmExecutor) only: the
                                              # channel order carrying KV to inject / capture
         "template": "<str>",                 # agent template id (default: "default")
+        "tenant":   "<str>",                 # tenant key (default: "default"); `kvcomm serve`
+                                             # with API keys overwrites it with the key's tenant
         "segments": [                        # shared segments, sorted, non-overlapping;
                                              # absent: detected automatically (vllm_detect)
             {"start": 12, "end": 40,         # prompt token span [start, end), end <= prompt length
@@ -28,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any, Collection
 
 _SLOT = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
-_KEYS = {"handle", "template", "segments"}
+_KEYS = {"handle", "template", "tenant", "segments"}
+MAX_TENANT_LENGTH = 256
 _SEGMENT_KEYS = {"start", "end", "slot", "id"}
 
 
@@ -52,6 +55,7 @@ class KvcommParams:
     template: str
     segments: tuple[SpanAnnotation, ...] | None
     """None: not given, detect shared segments automatically."""
+    tenant: str = "default"
 
 
 def _int(value: Any, where: str) -> int:
@@ -83,8 +87,13 @@ def parse_params(params: Any, prompt_len: int, known_slots: Collection[str] | No
     template = body.get("template", "default")
     if not isinstance(template, str) or not template:
         raise KvcommParamsError(f"kv_transfer_params.kvcomm.template must be a non-empty string, got {template!r}")
+    tenant = body.get("tenant", "default")
+    if not isinstance(tenant, str) or not 0 < len(tenant) <= MAX_TENANT_LENGTH:
+        raise KvcommParamsError(
+            f"kv_transfer_params.kvcomm.tenant must be a non-empty string of at most {MAX_TENANT_LENGTH} characters"
+        )
     if "segments" not in body:
-        return KvcommParams(handle, template, None)
+        return KvcommParams(handle, template, None, tenant)
     raw = body["segments"]
     if not isinstance(raw, list):
         raise KvcommParamsError(f"kv_transfer_params.kvcomm.segments must be a list, got {type(raw).__name__}")
@@ -114,4 +123,4 @@ def parse_params(params: Any, prompt_len: int, known_slots: Collection[str] | No
                 f"[{segments[-1].start}, {segments[-1].end}); give segments sorted and non-overlapping"
             )
         segments.append(SpanAnnotation(start, end, slot, shared_id))
-    return KvcommParams(handle, template, tuple(segments))
+    return KvcommParams(handle, template, tuple(segments), tenant)

@@ -2,9 +2,11 @@
 (``kv_transfer_params["kvcomm"]["segments"]``, see ``vllm_params``).
 
 Runs inside vLLM's scheduler process (the connector's scheduler side), one ``ReuseEngine``
-per tenant key. A request's prompt becomes fixed segments (the gaps) and shared segments
-(the annotated spans); the engine plans and materializes the reusable front of the prompt,
-and after the request finishes it learns from the real KV the connector captured.
+per tenant key (``kv_transfer_params["kvcomm"]["tenant"]``; ``kvcomm serve`` with API keys
+sets it from the authenticated key). A request's prompt becomes fixed segments (the gaps)
+and shared segments (the annotated spans); the engine plans and materializes the reusable
+front of the prompt, and after the request finishes it learns from the real KV the
+connector captured.
 
 Base KV choice: a shared segment seen for the first time has no base; it is planned as
 fixed text (reuse stops there), and its base becomes its position-free KV as captured in
@@ -27,6 +29,7 @@ from kvcomm.kv import KV, to_position_free
 from kvcomm.plan import ReusePlan
 from kvcomm.rope import Rotary
 from kvcomm.segments import Prompt, Segment
+from kvcomm.tenants import TenantRegistry
 from kvcomm.integrations.vllm_channel import Capture, Order
 from kvcomm.integrations.vllm_detect import RunIndex
 from kvcomm.integrations.vllm_metrics import record_planned
@@ -44,6 +47,7 @@ class PlannedRequest:
     order: Order
     shared: Prompt | None = None
     """The annotated prompt (``plan.prompt`` has the segments lacking a base as fixed text)."""
+    tenant: str = "default"
 
     def summary(self) -> dict:
         """Per-request provenance, returned in the output's ``kv_transfer_params["kvcomm"]``."""
@@ -68,29 +72,40 @@ def annotated_prompt(token_ids: list[int], params: KvcommParams) -> Prompt:
 
 
 class ServerPlanner:
-    """Reuse engines per tenant and the plan/learn cycle of annotated requests; thread-safe."""
+    """Reuse engines per tenant (a ``TenantRegistry``: nothing shared across tenants, byte
+    caps per tenant and in total) and the plan/learn cycle of annotated requests; thread-safe."""
 
-    def __init__(self, rotary: Rotary, config: ReuseConfig | None = None):
+    def __init__(
+        self, rotary: Rotary, config: ReuseConfig | None = None, *,
+        max_total_bytes: int | None = None, max_tenant_bytes: int | None = None,
+    ):
         self.rotary = rotary
-        self.config = config or ReuseConfig()
-        self.engines: dict[str, ReuseEngine] = {}
+        self.registry = TenantRegistry(rotary, config, max_total_bytes=max_total_bytes, max_tenant_bytes=max_tenant_bytes)
+        self.config = self.registry.config
         self.totals = {"exact": 0, "estimated": 0, "computed": 0, "requests": 0, "fallbacks": 0}
-        self.runs = RunIndex()
+        self._runs: dict[str, RunIndex] = {}
         self._lock = threading.Lock()
 
+    @property
+    def engines(self) -> dict[str, ReuseEngine]:
+        return {tenant: self.registry.engine(tenant) for tenant in self.registry.tenants}
+
     def engine(self, tenant: str) -> ReuseEngine:
+        return self.registry.engine(tenant)
+
+    def runs(self, tenant: str) -> RunIndex:
+        """Shared token runs seen in ``tenant``'s requests (automatic detection is per tenant too)."""
         with self._lock:
-            if tenant not in self.engines:
-                self.engines[tenant] = ReuseEngine(self.rotary, self.config)
-            return self.engines[tenant]
+            return self._runs.setdefault(tenant, RunIndex())
 
     def prepare(
-        self, token_ids: list[int], params: KvcommParams, salted: bool, max_tokens: int, tenant: str = "default",
+        self, token_ids: list[int], params: KvcommParams, salted: bool, max_tokens: int, tenant: str | None = None,
     ) -> PlannedRequest:
         """Plan and materialize; the order captures the prompt's computed tail and the reply.
         Without annotated segments, known shared runs are detected in the prompt."""
+        tenant = params.tenant if tenant is None else tenant
         if params.segments is None:
-            params = dataclasses.replace(params, segments=self.runs.find(token_ids))
+            params = dataclasses.replace(params, segments=self.runs(tenant).find(token_ids))
         prompt = annotated_prompt(token_ids, params)
         engine = self.engine(tenant)
         shared = prompt
@@ -111,7 +126,7 @@ class ServerPlanner:
             plan.prompt = planned_prompt
             prompt = planned_prompt if missing else prompt
         inject = engine.materialize(plan)
-        return PlannedRequest(engine, plan, missing, Order(inject, plan.reuse_end, len(prompt) + max_tokens), shared)
+        return PlannedRequest(engine, plan, missing, Order(inject, plan.reuse_end, len(prompt) + max_tokens), shared, tenant)
 
     def finish(self, planned: PlannedRequest, capture: Capture | None, reply_ids: list[int]) -> None:
         """Learn from the captured real KV of prompt positions ``[reuse_end, len(prompt))``;
@@ -122,6 +137,7 @@ class ServerPlanner:
             return  # aborted before its prefill completed: nothing to learn
         computed: KV = capture.span(plan.reuse_end, len(prompt))
         annotated = planned.shared or prompt
+        runs = self.runs(planned.tenant)
         for index in planned.missing:
             start = annotated.starts[index]
             if start >= plan.reuse_end:
@@ -130,13 +146,13 @@ class ServerPlanner:
         planned.engine.learn(plan, computed)
         for segment in annotated.segments:
             if segment.is_shared:
-                self.runs.add(segment.token_ids, segment.slot)
+                runs.add(segment.token_ids, segment.slot)
         n, r = len(prompt), len(reply_ids)
         if r and n + r <= capture.filled.numel() and bool(capture.filled[n : n + r].all()):
             reply = Segment(tuple(reply_ids), slot="_")
             if not planned.engine.has_base(reply.shared_id):
                 planned.engine.register_base(reply, to_position_free(capture.span(n, n + r), self.rotary, n))
-            self.runs.add(reply_ids, f"{prompt.template_id}.reply")  # a pool per producing template
+            runs.add(reply_ids, f"{prompt.template_id}.reply")  # a pool per producing template
         provenance = plan.provenance()
         with self._lock:
             self.totals["requests"] += 1
@@ -144,5 +160,4 @@ class ServerPlanner:
             self.totals["estimated"] += provenance.estimated_tokens
             self.totals["computed"] += provenance.computed_tokens
             self.totals["fallbacks"] += int(provenance.fallback)
-            engines = list(self.engines.values())
-        record_planned(provenance, engines)
+        record_planned(provenance, self.registry)

@@ -55,3 +55,22 @@ def vllm_executor(vllm_llm, smol):
     from kvcomm.integrations.vllm_executor import VllmExecutor
 
     return VllmExecutor(vllm_llm, *smol)
+
+
+SERVER_KEYS = ("kvcomm-test-key-a", "kvcomm-test-key-b")
+"""API keys of the ``kvcomm_server`` fixture; each is its own tenant."""
+
+
+@pytest.fixture(scope="session")
+def kvcomm_server(tmp_path_factory):
+    """A `kvcomm serve` subprocess on a free port (embedded model, gamma 1, 32-token blocks,
+    ``--max-model-len 1024``, API keys ``SERVER_KEYS``), up once per session (~70 s) and only
+    for tests that ask for it. Yields ``serve_client.Server`` (base_url, keys, model, log)."""
+    pytest.importorskip("vllm")
+    from serve_client import start_server
+
+    server = start_server(tmp_path_factory.mktemp("kvcomm-serve") / "server.log", SERVER_KEYS)
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -17,6 +17,8 @@ def test_valid_annotations_parse_in_order():
         {"start": 2, "end": 5, "slot": "task"}, {"start": 5, "end": 9, "slot": "planner", "id": "p1"}]}}, 10)
     assert params.template == "critic" and params.handle is None
     assert params.segments == (SpanAnnotation(2, 5, "task"), SpanAnnotation(5, 9, "planner", "p1"))
+    assert params.tenant == "default"
+    assert parse_params({"kvcomm": {"tenant": "team-a"}}, 10).tenant == "team-a"
 
 
 @pytest.mark.parametrize("body, message", [
@@ -33,6 +35,8 @@ def test_valid_annotations_parse_in_order():
     ({"segments": [{"start": 0, "end": 4, "slot": "no spaces"}]}, "slot must be a name"),
     ({"segments": [{"start": 0, "end": 4, "slot": "critic"}]}, "not a known slot"),
     ({"handle": 7}, "handle must be a non-empty string"),
+    ({"tenant": ""}, "tenant must be a non-empty string"),
+    ({"tenant": "t" * 257}, "at most 256 characters"),
 ])
 def test_bad_params_name_the_problem(body, message):
     with pytest.raises(KvcommParamsError) as error:

@@ -1,0 +1,152 @@
+"""`kvcomm serve` end to end over HTTP: one server subprocess per session (``kvcomm_server``),
+two API keys = two tenants, annotated /v1/completions requests as a remote client sends them."""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from kvcomm.integrations.serve_middleware import salt_of, tenant_of
+from kvcomm.pipeline import load_demo_pipeline
+from kvcomm.runner import _content, build_prompt
+
+pytestmark = pytest.mark.slow
+
+SOURCES = ("exact", "estimated", "computed")
+
+
+def annotations(prompt) -> dict:
+    """``kv_transfer_params["kvcomm"]`` naming a kvcomm ``Prompt``'s shared segments."""
+    spans = [{"start": start, "end": start + len(segment), "slot": segment.slot}
+             for segment, start in zip(prompt.segments, prompt.starts) if segment.is_shared]
+    return {"template": prompt.template_id, "segments": spans}
+
+
+def provenance(response: dict) -> dict:
+    summary = response["kv_transfer_params"]["kvcomm"]
+    assert "error" not in summary, summary
+    return summary
+
+
+def run_pipeline_row(server, executor, key: str, row: int, max_tokens: int = 12) -> list[tuple[object, dict]]:
+    """The demo pipeline's agents on input ``row`` through HTTP; each agent sees the earlier
+    agents' replies (as returned token ids). Returns (prompt, response) per agent."""
+    from kvcomm.segments import Segment
+
+    spec = load_demo_pipeline()
+    shared = {name: _content(executor, spec.inputs[row][name]) for name in spec.input_slots}
+    calls = []
+    for agent in spec.agents:
+        prompt = build_prompt(executor, agent, shared)
+        response = server.complete(prompt.token_ids, key, max_tokens, annotations(prompt))
+        calls.append((prompt, response))
+        reply = [t for t in response["choices"][0]["token_ids"] if t != executor.tokenizer.eos_token_id]
+        shared[agent.name] = Segment(tuple(reply), slot="_") if reply else None
+    return calls
+
+
+def metrics(server) -> dict[str, float]:
+    status, text = server.request("GET", "/metrics")
+    assert status == 200
+    found = {}
+    for line in text.splitlines():
+        match = re.match(r'^(kvcomm_[a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)$', line)
+        if match:
+            found[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    return found
+
+
+@pytest.fixture(scope="module")
+def executor(smol):
+    """Tokenizer and chat template of the served model (prompts are built exactly as in-process)."""
+    from kvcomm.integrations.transformers_executor import TransformersExecutor
+
+    return TransformersExecutor(*smol)
+
+
+def test_models_and_authentication(kvcomm_server):
+    status, models = kvcomm_server.request("GET", "/v1/models", key=kvcomm_server.keys[1])
+    assert status == 200 and models["data"][0]["id"] == kvcomm_server.model
+    status, _ = kvcomm_server.request("GET", "/v1/models", key="not-a-key")
+    assert status == 401
+    assert all(key not in kvcomm_server.log.read_text() for key in kvcomm_server.keys), "an API key reached the log"
+
+
+def test_annotated_requests_learn_reuse_and_metrics_match(kvcomm_server, executor):
+    key = kvcomm_server.keys[0]
+    before = metrics(kvcomm_server)
+    calls = [call for row in range(3) for call in run_pipeline_row(kvcomm_server, executor, key, row)]
+    first_prompt = calls[0][0]
+    repeat = kvcomm_server.complete(first_prompt.token_ids, key, 4, annotations(first_prompt))
+    calls.append((first_prompt, repeat))
+    summaries = [provenance(response) for _, response in calls]
+    for (prompt, response), summary in zip(calls, summaries):
+        assert sum(summary[f"{s}_tokens"] for s in SOURCES) == summary["prompt_tokens"] == len(prompt)
+        # vLLM counts its own prefix hit and every token the connector supplied as cached.
+        cached = response["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= summary["exact_tokens"] + summary["estimated_tokens"]
+    print(f"\nHTTP pipeline: {[(s['exact_tokens'], s['estimated_tokens'], s['computed_tokens']) for s in summaries]}")
+    # (1) a repeated annotated prompt is served from the exact store, all but its last token
+    assert summaries[-1]["exact_tokens"] == len(first_prompt) - 1
+    # (2) later agents see earlier agents' replies at other offsets: estimated from anchors
+    assert sum(s["estimated_tokens"] for s in summaries) > 0
+    after = metrics(kvcomm_server)
+    for source in SOURCES:
+        name = f'kvcomm_prompt_tokens_total{{source="{source}"}}'
+        assert after[name] - before.get(name, 0.0) == sum(s[f"{source}_tokens"] for s in summaries)
+    planned = 'kvcomm_requests_total{outcome="planned"}'
+    assert after[planned] - before.get(planned, 0.0) == len(calls)
+    fallbacks = after.get("kvcomm_fallbacks_total", 0.0) - before.get("kvcomm_fallbacks_total", 0.0)
+    assert fallbacks == sum(s["fallback"] for s in summaries)
+    assert after["kvcomm_pool_bytes"] > 0 and any(k.startswith("kvcomm_anchors{") and v > 0 for k, v in after.items())
+    assert "kvcomm_evictions" in after and any(k.startswith("kvcomm_tenant_bytes{") for k in after)
+
+
+def test_tenants_per_api_key_are_isolated(kvcomm_server, executor):
+    key_a, key_b = kvcomm_server.keys
+    spec = load_demo_pipeline()
+    prompt = build_prompt(executor, spec.agents[1], {
+        "task": _content(executor, "Tenant A's secret: the launch code is 7-4-1-9. " + spec.inputs[1]["task"]),
+        "analyst": _content(executor, "Step one: read the code. Step two: keep it."),
+    })
+    assert len(prompt) > 64  # spans several 32-token blocks, so vLLM's prefix cache could hit
+    for _ in range(2):
+        a = kvcomm_server.complete(prompt.token_ids, key_a, 4, annotations(prompt))
+    assert provenance(a)["exact_tokens"] == len(prompt) - 1  # same key: reused
+    assert a["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prompt) - 1
+    # Tenant B even names tenant A's tenant id and cache salt in the body: the key decides.
+    forged = {**annotations(prompt), "tenant": tenant_of(key_a)}
+    b = kvcomm_server.complete(prompt.token_ids, key_b, 4, forged, cache_salt=salt_of(tenant_of(key_a), True))
+    b_plain = kvcomm_server.complete(prompt.token_ids, key_b, 4, cache_salt=salt_of(tenant_of(key_a), False))
+    summary_b = provenance(b)
+    assert summary_b["exact_tokens"] == summary_b["estimated_tokens"] == 0
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # not even vLLM's prefix cache
+    assert b_plain["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    again = kvcomm_server.complete(prompt.token_ids, key_b, 4, annotations(prompt))
+    assert provenance(again)["exact_tokens"] == len(prompt) - 1  # B's own content is reused for B
+    assert again["choices"][0]["text"] == b["choices"][0]["text"]
+
+def test_bad_params_get_a_clear_error_while_good_requests_succeed(kvcomm_server, executor):
+    key = kvcomm_server.keys[0]
+    spec = load_demo_pipeline()
+    prompt = build_prompt(executor, spec.agents[0], {"task": _content(executor, spec.inputs[2]["task"])})
+    good = annotations(prompt)
+    span = good["segments"][0]
+    bad = [
+        {**good, "segments": [span, {**span, "start": span["start"] + 1}]},  # overlapping
+        {**good, "segments": [{**span, "end": len(prompt) + 5}]},  # out of range
+        {**good, "segments": [{**span, "start": "0"}]},  # wrong type
+    ]
+    jobs = [good, bad[0], good, bad[1], good, bad[2]]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        responses = list(pool.map(lambda kv: kvcomm_server.complete(prompt.token_ids, key, 6, kv), jobs))
+    assert all(r["choices"][0]["finish_reason"] in ("length", "stop") for r in responses)  # all served
+    errors = [r["kv_transfer_params"]["kvcomm"].get("error") for r in responses]
+    assert errors[0] is None and errors[2] is None and errors[4] is None
+    assert "overlaps" in errors[1] and "prompt length" in errors[3] and "must be an integer" in errors[5]
+    status, reply = kvcomm_server.request("POST", "/v1/completions", {
+        "model": kvcomm_server.model, "prompt": list(prompt.token_ids), "max_tokens": 2,
+        "kv_transfer_params": {"kvcomm": {"handle": "request-x"}}}, key)
+    assert status == 400 and "in-process callers only" in str(reply)

@@ -1,0 +1,88 @@
+"""The server planner's tenants, byte caps and metrics, driven like the connector drives it
+(prepare, a real forward with the injected prefix, captured KV, finish) on a tiny random
+Llama: no vLLM engine needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from prometheus_client import REGISTRY
+
+from kvcomm.anchors.pool import PoolConfig
+from kvcomm.engine import ReuseConfig
+from kvcomm.tenants import tenant_label
+from kvcomm.integrations.vllm_channel import Capture
+from kvcomm.integrations.vllm_params import parse_params
+from kvcomm.integrations.vllm_planner import ServerPlanner
+
+
+def serve(planner: ServerPlanner, executor, ids: list[int], spans: list[dict], tenant: str, max_tokens: int = 3) -> dict:
+    """One annotated request: plan, prefill with the planned prefix, capture, learn."""
+    params = parse_params({"kvcomm": {"template": "agent", "tenant": tenant, "segments": spans}}, len(ids))
+    planned = planner.prepare(ids, params, salted=True, max_tokens=max_tokens)
+    reuse_end = planned.plan.reuse_end
+    generation = executor.generate(ids, planned.order.inject, max_tokens)
+    n, reply = len(ids), list(generation.reply_ids)
+    layers, heads, _, dim = generation.computed.keys.shape
+    capture = Capture.empty(layers, heads, n + max_tokens, dim, generation.computed.keys.dtype)
+    pieces = [(reuse_end, generation.computed)] + ([(n, generation.reply_kv)] if generation.reply_kv is not None else [])
+    for start, kv in pieces:
+        capture.keys[:, :, start : start + kv.length] = kv.keys
+        capture.values[:, :, start : start + kv.length] = kv.values
+        capture.filled[start : start + kv.length] = True
+    planner.finish(planned, capture, reply)
+    return planned.summary()
+
+
+def request(seed: int, length: int = 24, lead: int = 6) -> tuple[list[int], list[dict]]:
+    """A prompt of ``lead`` fixed tokens, one shared span (distinct content per seed), 4 fixed tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    shared = torch.randint(100, 5000, (length,), generator=generator).tolist()
+    ids = list(range(1, lead + 1)) + shared + [7, 8, 9, 10]
+    return ids, [{"start": lead, "end": lead + length, "slot": "task"}]
+
+
+@pytest.fixture()
+def planner(tiny_executor):
+    return ServerPlanner(tiny_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, max_anchors=3)))
+
+
+def test_tenants_do_not_share_what_they_learned(planner, tiny_executor):
+    ids, spans = request(0)
+    serve(planner, tiny_executor, ids, spans, "team-a")
+    assert serve(planner, tiny_executor, ids, spans, "team-a")["exact_tokens"] == len(ids) - 1
+    other = serve(planner, tiny_executor, ids, spans, "team-b")
+    assert other["exact_tokens"] == other["estimated_tokens"] == 0
+    assert planner.engine("team-a") is not planner.engine("team-b")
+    assert planner.runs("team-a") is not planner.runs("team-b")
+
+
+def test_tenant_byte_cap_holds_and_does_not_touch_other_tenants(tiny_executor):
+    uncapped = ServerPlanner(tiny_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
+    ids, spans = request(1)
+    serve(uncapped, tiny_executor, ids, spans, "one")
+    per_request = uncapped.registry.nbytes
+    cap = 3 * per_request
+    planner = ServerPlanner(tiny_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)), max_tenant_bytes=cap)
+    serve(planner, tiny_executor, ids, spans, "quiet")
+    quiet = planner.registry.metrics()["tenants"][tenant_label("quiet")]["bytes"]
+    for seed in range(2, 10):
+        serve(planner, tiny_executor, *request(seed), "busy")
+        assert planner.engine("busy").nbytes <= cap
+    numbers = planner.registry.metrics()["tenants"]
+    assert sum(numbers[tenant_label("busy")]["evicted"].values()) > 0
+    assert numbers[tenant_label("quiet")]["bytes"] == quiet  # one tenant's load evicts nothing of another's
+
+
+def test_metrics_count_what_the_requests_reported(planner, tiny_executor):
+    def sample(source: str) -> float:
+        return REGISTRY.get_sample_value("kvcomm_prompt_tokens_total", {"source": source}) or 0.0
+
+    before = {s: sample(s) for s in ("exact", "estimated", "computed")}
+    # the same contents behind leads of other lengths: anchors are admitted, then estimated from
+    summaries = [serve(planner, tiny_executor, *request(seed, 20, lead), "m") for lead in (6, 9, 13, 3) for seed in range(3)]
+    assert sum(s["estimated_tokens"] for s in summaries) > 0
+    for source in before:
+        assert sample(source) - before[source] == sum(s[f"{source}_tokens"] for s in summaries)
+    assert REGISTRY.get_sample_value("kvcomm_tenant_bytes", {"tenant": tenant_label("m")}) == planner.registry.nbytes
+    assert REGISTRY.get_sample_value("kvcomm_anchors", {"slot": "task"}) == len(planner.engine("m").pools["task"])
