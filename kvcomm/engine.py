@@ -271,6 +271,7 @@ class ReuseEngine:
         layers, heads, length, dim = base.keys.shape
         block = block_layers(layers, heads * length * dim * 4)
         at = positions(start, length)
+        cos_sin = self.rotary.cos_sin(at)
         keys = torch.empty(block, heads, length, dim, dtype=torch.float32)
         values = None if target.values.dtype == torch.float32 else torch.empty_like(keys)
         for first in range(0, layers, block):
@@ -282,7 +283,7 @@ class ReuseEngine:
             if deviations is not None:
                 deviations.add_to(k, "keys", first, last)
                 deviations.add_to(v, "values", first, last)
-            self.rotary.rotate(k, at, out=target.keys[first:last])
+            self.rotary.rotate(k, at, out=target.keys[first:last], cos_sin=cos_sin)
             if values is not None:
                 target.values[first:last].copy_(v)
 

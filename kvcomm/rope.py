@@ -100,9 +100,13 @@ class Rotary:
             out[..., self.rotary_dim :] = x[..., self.rotary_dim :]
         return out
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Position-free keys ``[..., T, head_dim]`` -> keys as the model caches them at ``positions`` ``[T]``."""
-        cos, sin = self.cos_sin(positions, x.device)
+    def rotate(
+        self, x: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Position-free keys ``[..., T, head_dim]`` -> keys as the model caches them at ``positions`` ``[T]``.
+        ``cos_sin``: ``self.cos_sin(positions)`` if the caller already has it (rotating block by block)."""
+        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions, x.device)
         return self._apply(x, cos, sin, out)
 
     def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
