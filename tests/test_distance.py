@@ -55,7 +55,7 @@ def test_blocked_distances_equal_the_plain_formula(layers, heads, dim, anchor_le
     ns = [min(t, new_len) for t in anchor_lens]
     old, threads = distance.BLOCK_BYTES, torch.get_num_threads()
     distance.BLOCK_BYTES = block_bytes  # 1: one layer per block; 700/5000: uneven last block
-    torch.set_num_threads(1)  # blocks are used on one intra-op thread only (whole tensors on several)
+    torch.set_num_threads(1)
     try:
         many = estimate_distances_many(anchors, new, ns)
         single = [estimate_distances(a, new, n) for a, n in zip(anchors, ns)]
@@ -71,6 +71,11 @@ def test_blocked_distances_equal_the_plain_formula(layers, heads, dim, anchor_le
         exact = torch.linalg.vector_norm(anchor.values[:, :, :n].double() - new.values[:, :, :n].double())
         assert rel_err(own_l2, exact) <= 1e-6
         assert float(got.value_l2) == float(own_l2)  # both admission paths agree bit for bit
+    values_only = estimate_distances_many(anchors, new, ns, keys=False)
+    for got, fast in zip(many, values_only):  # value distances stand in for the keys' ones
+        assert torch.equal(fast.token_values, got.token_values) and torch.equal(fast.token_keys, got.token_values)
+        assert torch.equal(fast.channel_values, got.channel_values) and torch.equal(fast.channel_keys, got.channel_values)
+        assert float(fast.value_l2) == float(got.value_l2)
 
 
 def test_value_l2_is_accurate_to_fp64_rounding():
