@@ -9,12 +9,18 @@ vLLM's own.
 - ``kvcomm_requests_total{outcome="planned"|"rejected"}``; ``kvcomm_fallbacks_total``: planned
   requests whose shared content was all recomputed.
 - ``kvcomm_anchors{slot}``, ``kvcomm_pool_bytes``, ``kvcomm_tenant_bytes{tenant}`` (hash
-  label, never the key), ``kvcomm_evictions`` (gauges, refreshed after each planned request).
+  label, never the key), ``kvcomm_evictions`` (gauges, refreshed after each planned request);
+  ``kvcomm_pool_problems``: invariants found broken (V and byte caps, embedding index, access
+  counts adding up; each is also logged), 0 when the pools are consistent.
 """
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import Counter, Gauge
+
+log = logging.getLogger(__name__)
 
 PROMPT_TOKENS = Counter("kvcomm_prompt_tokens", "Prompt tokens of planned requests by KV source", ["source"])
 REQUESTS = Counter("kvcomm_requests", "Requests that opted into kvcomm, by outcome", ["outcome"])
@@ -24,6 +30,8 @@ POOL_BYTES = Gauge("kvcomm_pool_bytes", "Bytes held by all anchor pools (all ten
 TENANT_BYTES = Gauge("kvcomm_tenant_bytes", "Bytes held per tenant (pools, bases, exact prefixes)", ["tenant"],
                      multiprocess_mode="livesum")
 EVICTIONS = Gauge("kvcomm_evictions", "Anchors evicted so far (V cap and byte caps)", multiprocess_mode="livesum")
+PROBLEMS = Gauge("kvcomm_pool_problems", "Broken pool invariants found by TenantRegistry.problems() (0 when consistent)",
+                 multiprocess_mode="livesum")
 
 
 def record_planned(provenance, registry) -> None:
@@ -47,6 +55,10 @@ def record_planned(provenance, registry) -> None:
         TENANT_BYTES.labels(label).set(tenant["bytes"])
     pools = [pool for tenant in registry.tenants for pool in registry.engine(tenant).pools.values()]
     EVICTIONS.set(sum(pool.evictions for pool in pools))
+    problems = registry.problems()
+    for problem in problems:
+        log.error("kvcomm pool inconsistency: %s", problem)
+    PROBLEMS.set(len(problems))
 
 
 def record_rejected() -> None:
