@@ -3,7 +3,9 @@ two API keys = two tenants, annotated /v1/completions requests as a remote clien
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -107,7 +109,10 @@ def test_annotated_requests_learn_reuse_and_metrics_match(kvcomm_server, executo
 def test_tenants_per_api_key_are_isolated(kvcomm_server, executor):
     key_a, key_b = kvcomm_server.keys
     spec = load_demo_pipeline()
-    prompt = build_prompt(executor, spec.agents[1], {
+    # A system message no earlier test sent: B's own history (other tests use both keys) must
+    # not explain any reuse B gets here.
+    agent = dataclasses.replace(spec.agents[1], system=f"{spec.agents[1].system} Session {uuid.uuid4().hex}.")
+    prompt = build_prompt(executor, agent, {
         "task": _content(executor, "Tenant A's secret: the launch code is 7-4-1-9. " + spec.inputs[1]["task"]),
         "analyst": _content(executor, "Step one: read the code. Step two: keep it."),
     })

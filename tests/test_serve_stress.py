@@ -18,8 +18,8 @@ from test_serve_http import SOURCES, executor, metrics, provenance, run_pipeline
 
 pytestmark = pytest.mark.slow
 
-THREADS = 6
-ROWS_PER_THREAD = 2
+THREADS = 8
+ROWS_PER_THREAD = 3
 
 
 def test_concurrent_pipelines_keep_the_server_consistent(kvcomm_server, executor):  # noqa: F811
