@@ -124,11 +124,6 @@ class ChatBackend:
     # -- prompts ---------------------------------------------------------------------------
 
     def render(self, turns: Sequence[ChatTurn], tools: Sequence[dict] | None = None) -> ChatPrompt:
-        if tools and not self.supports_tools:
-            raise ValueError(
-                "this model's chat template has no tool support, so it cannot be given tools; "
-                "drop the tools or use a model whose chat template renders `tools`"
-            )
         return render_chat(self.executor.tokenizer, self.executor.encode, turns, tools)
 
     def count_tokens(self, turns: Sequence[ChatTurn], tools: Sequence[dict] | None = None) -> int:

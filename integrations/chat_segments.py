@@ -87,10 +87,15 @@ def render_chat(
     """Render ``turns`` (and the assistant's generation prompt) into fixed and shared segments.
 
     tools: JSON schemas (``{"type": "function", "function": {...}}``) passed to the chat
-    template; the caller checks ``supports_tools`` first.
+    template; refused with ValueError when the template cannot render them (``supports_tools``).
     """
     if not turns:
         raise ValueError("a chat request needs at least one message")
+    if tools and not supports_tools(tokenizer):
+        raise ValueError(
+            "this model's chat template has no tool support, so it cannot be given tools; "
+            "drop the tools or use a model whose chat template renders `tools`"
+        )
     tid = template_id(tokenizer, encode, turns)
     whole = _apply(tokenizer, [t.template_message(t.content) for t in turns], tools)
     for strip in (False, True):

@@ -152,11 +152,6 @@ class RemoteChatBackend:
         return self.calls[-1] if self.calls else None
 
     def render(self, turns: Sequence[ChatTurn], tools: Sequence[dict] | None = None) -> ChatPrompt:
-        if tools and not self.supports_tools:
-            raise ValueError(
-                "this model's chat template has no tool support, so it cannot be given tools; "
-                "drop the tools or serve a model whose chat template renders `tools`"
-            )
         return render_chat(self.tokenizer, self.encode, turns, tools)
 
     def count_tokens(self, turns: Sequence[ChatTurn], tools: Sequence[dict] | None = None) -> int:
