@@ -26,6 +26,25 @@ def _doc(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))) + "."
 
 
+def _in_threads(work, n: int) -> tuple[dict[int, object], list[str]]:
+    """Run ``work(t)`` for t in range(n) on n threads at once: (results by t, errors as text;
+    collected, since an exception in a thread would not fail the test)."""
+    results, errors = {}, []
+
+    def worker(t: int) -> None:
+        try:
+            results[t] = work(t)
+        except Exception as error:
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results, errors
+
+
 def _load(registry: TenantRegistry, executor, tenants: int, calls: int, seed: int = 0, check=None):
     """Each tenant runs ``calls`` two-agent rows on random documents; ``check`` after each call."""
     spec = parse_pipeline(PIPELINE)
@@ -106,19 +125,7 @@ def test_sharing_works_within_a_tenant_and_never_across(tiny_executor):
 def test_concurrent_tenants_keep_the_cap_and_raise_nothing(tiny_executor):
     config = ReuseConfig(pool=PoolConfig(gamma=1.0))
     registry = TenantRegistry(tiny_executor.rotary, config, max_total_bytes=400_000)
-    errors = []
-
-    def worker(t: int) -> None:
-        try:
-            _load_one(registry, tiny_executor, t)
-        except Exception as error:  # collected: an exception in a thread would not fail the test
-            errors.append(repr(error))
-
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    _, errors = _in_threads(lambda t: _load_one(registry, tiny_executor, t), 4)
     assert not errors
     assert registry.problems() == []  # caps hold, access counts add up, indexes match their pools
     assert registry.nbytes <= 400_000 and len(registry) == 4
@@ -146,19 +153,8 @@ def test_concurrent_tenants_get_the_results_of_a_serial_run(tiny_executor):
     quota = probe.nbytes // 2
     serial_registry = TenantRegistry(tiny_executor.rotary, config, max_tenant_bytes=quota)
     serial = {t: calls(serial_registry, t) for t in range(4)}
-    registry, results, errors = TenantRegistry(tiny_executor.rotary, config, max_tenant_bytes=quota), {}, []
-
-    def worker(t: int) -> None:
-        try:
-            results[t] = calls(registry, t)
-        except Exception as error:  # collected: an exception in a thread would not fail the test
-            errors.append(repr(error))
-
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    registry = TenantRegistry(tiny_executor.rotary, config, max_tenant_bytes=quota)
+    results, errors = _in_threads(lambda t: calls(registry, t), 4)
     assert not errors
     assert results == serial
     assert sum(c[2] for per_tenant in serial.values() for c in per_tenant) > 0  # reuse did happen
