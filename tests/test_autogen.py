@@ -14,6 +14,7 @@ from kvcomm.anchors.pool import PoolConfig
 from kvcomm.engine import ReuseConfig, ReuseEngine
 from kvcomm.integrations.autogen_client import KvcommChatCompletionClient
 from kvcomm.integrations.chat_backend import ChatBackend
+from chat_streaming import collect_stream
 
 WRITER, REVIEWER = "You answer briefly.", "You review the answer in one sentence."
 TASKS = ["Name a fruit.", "Which planet is the largest one?", "Give me a short word for happy.", "Name a capital city in Europe."]
@@ -83,16 +84,8 @@ def test_stream_chunks_add_up_and_cancellation_stops_decoding(tiny_executor):
     client = KvcommChatCompletionClient(_reuse_backend(tiny_executor, 10))
     messages = [SystemMessage(content=WRITER), UserMessage(content=TASKS[0], source="user")]
 
-    async def stream(token=None, cancel_after=None):
-        chunks, result = [], None
-        async for item in client.create_stream(messages, cancellation_token=token):
-            if isinstance(item, str):
-                chunks.append(item)
-                if cancel_after is not None and len(chunks) == cancel_after:
-                    token.cancel()
-            else:
-                result = item
-        return chunks, result
+    def stream(token=None, cancel_after=None):
+        return collect_stream(client, messages, token, cancel_after)
 
     chunks, result = asyncio.run(stream())
     assert "".join(chunks) == result.content and len(chunks) > 1

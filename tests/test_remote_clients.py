@@ -7,6 +7,7 @@ import asyncio
 import copy
 
 import pytest
+from chat_streaming import collect_stream
 
 pytestmark = pytest.mark.slow
 
@@ -132,16 +133,8 @@ def test_stream_and_cancellation_close_the_server_request(server):
     client = KvcommChatCompletionClient.remote(**server, max_new_tokens=8)
     messages = [SystemMessage(content=REVIEWER), UserMessage(content="Which planet is the largest one?", source="user")]
 
-    async def stream(token=None, cancel_after=None):
-        chunks, result = [], None
-        async for item in client.create_stream(messages, cancellation_token=token):
-            if isinstance(item, str):
-                chunks.append(item)
-                if cancel_after is not None and len(chunks) == cancel_after:
-                    token.cancel()
-            else:
-                result = item
-        return chunks, result
+    def stream(token=None, cancel_after=None):
+        return collect_stream(client, messages, token, cancel_after)
 
     chunks, result = asyncio.run(stream())
     assert "".join(chunks) == result.content and len(chunks) > 1
