@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -128,8 +129,12 @@ def _cmd_serve(args, vllm_args: list[str]) -> int:
     from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
 
     setup_multiprocess_prometheus()  # the connector's metrics live in the engine process
+    if not args.save_interval > 0:
+        raise ValueError(f"--save-interval must be a positive number of seconds, got {args.save_interval}")
     engine = {"gamma": args.gamma, "max_anchors": args.max_anchors,
               "max_tenant_bytes": args.max_tenant_bytes, "max_total_bytes": args.max_total_bytes}
+    if args.state_dir:
+        engine |= {"state_dir": str(Path(args.state_dir).resolve()), "save_interval_s": args.save_interval}
     sys.argv = serve_argv(args.model, not args.no_plan, args.slots, vllm_args, engine)
     shown = [("<hidden>" if a in keys else a) for a in sys.argv]
     tenants = f"{len(keys)} API keys, one tenant each" if keys and args.tenant_per_key else "one tenant"
@@ -190,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-anchors", type=int, default=PoolConfig.max_anchors, help="V, anchors per pool")
     serve.add_argument("--max-tenant-bytes", type=int, help="byte cap of each tenant's pools, bases and prefixes")
     serve.add_argument("--max-total-bytes", type=int, help="byte cap of all tenants together")
+    serve.add_argument("--state-dir", help="keep anchor pools and bases here across restarts (restored at start, "
+                       "saved every --save-interval seconds and at exit)")
+    serve.add_argument("--save-interval", type=float, default=60.0, help="seconds between saves of --state-dir (default 60)")
     serve.add_argument("--no-tenant-per-key", dest="tenant_per_key", action="store_false",
                        help="with vLLM's --api-key: one tenant for all keys (default: each key its own tenant)")
     check = sub.add_parser("selfcheck", help="RoPE realignment self-check on a model")

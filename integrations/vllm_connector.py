@@ -318,14 +318,24 @@ def _make_planner(vllm_config: "VllmConfig") -> ServerPlanner:
     from kvcomm.anchors.pool import PoolConfig
     from kvcomm.engine import ReuseConfig
 
-    model, _ = load_model_and_tokenizer(str(vllm_config.model_config.model))
+    model, tokenizer = load_model_and_tokenizer(str(vllm_config.model_config.model))
     rotary, _ = rotary_from_model(model)
-    del model
     extra = vllm_config.kv_transfer_config
     pool = PoolConfig(gamma=float(extra.get_from_extra_config("gamma", PoolConfig.gamma)),
                       max_anchors=int(extra.get_from_extra_config("max_anchors", PoolConfig.max_anchors)))
     caps = {name: extra.get_from_extra_config(name, None) for name in ("max_total_bytes", "max_tenant_bytes")}
-    return ServerPlanner(rotary, ReuseConfig(pool=pool), **caps)
+    planner = ServerPlanner(rotary, ReuseConfig(pool=pool), **caps)
+    state_dir = extra.get_from_extra_config("state_dir", None)
+    if state_dir:
+        from kvcomm.fingerprint import model_fingerprint
+        from kvcomm.integrations.serve_state import PlannerState
+
+        fingerprint = model_fingerprint(model, tokenizer, rotary, kv_dtype=vllm_config.model_config.dtype)
+        state = PlannerState(planner, state_dir, fingerprint, float(extra.get_from_extra_config("save_interval_s", 60.0)))
+        state.restore()
+        state.start()
+    del model
+    return planner
 
 
 def _slots(blocks: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -1,0 +1,118 @@
+"""Reuse state of `kvcomm serve` kept across restarts (``--state-dir DIR``), so a restarted
+server does not start cold (issue 6, persistence).
+
+Layout: ``DIR/<tenant label>/`` holds one tenant's save (``kvcomm.persist``: anchor pools,
+shared-content bases and fixed-segment bases as safetensors plus a JSON manifest carrying
+the model fingerprint; every file written atomically) and ``tenant.json`` its tenant key (an
+API key's tenant is already a digest of the key, never the key). Exact-prefix stores and the
+automatic-detection index are not saved: they refill from traffic.
+
+At start every tenant found is restored; a save for another model, or a corrupt one, is
+refused by ``kvcomm.persist`` with a clear error, which is logged, and that tenant starts
+cold (the server still starts). While serving, a background thread saves the tenants every
+``interval_s`` seconds when requests have finished since the last save, and once more at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+
+from kvcomm.fingerprint import ModelFingerprint
+from kvcomm.persist import PersistError, save_engine
+from kvcomm.tenants import tenant_label
+from kvcomm.integrations.vllm_planner import ServerPlanner
+
+log = logging.getLogger(__name__)
+TENANT_FILE = "tenant.json"
+
+
+class PlannerState:
+    """Restores and saves the tenants of ``planner`` under ``directory`` for the model ``fingerprint``."""
+
+    def __init__(self, planner: ServerPlanner, directory: str | os.PathLike, fingerprint: ModelFingerprint,
+                 interval_s: float = 60.0):
+        if not interval_s > 0:
+            raise ValueError(f"the save interval must be a positive number of seconds (got {interval_s})")
+        self.planner = planner
+        self.directory = Path(directory)
+        self.fingerprint = fingerprint
+        self.interval_s = interval_s
+        self.saves = 0
+        self._saved_at_requests = planner.totals["requests"]
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # one save at a time (kvcomm.persist: one writer per directory)
+
+    def restore(self) -> dict[str, str]:
+        """Load every saved tenant; returns tenant label -> what happened ("restored ..." or the error)."""
+        outcome = {}
+        for folder in sorted(p for p in self.directory.glob("*") if (p / TENANT_FILE).is_file()):
+            try:
+                tenant = json.loads((folder / TENANT_FILE).read_text(encoding="utf-8"))["tenant"]
+                if not isinstance(tenant, str) or tenant_label(tenant) != folder.name:
+                    raise PersistError(f"{folder / TENANT_FILE} names a tenant that does not belong in {folder.name}")
+                self.planner.registry.load(tenant, folder, self.fingerprint)
+                pools = {slot: len(pool) for slot, pool in self.planner.engine(tenant).pools.items()}
+                outcome[folder.name] = f"restored anchors per slot {pools}"
+                log.info("kvcomm: tenant %s restored from %s: anchors per slot %s", folder.name, folder, pools)
+            except (PersistError, OSError, ValueError, KeyError) as error:
+                outcome[folder.name] = f"not restored: {error}"
+                log.error("kvcomm: tenant %s starts cold: %s", folder.name, error)
+        self._saved_at_requests = self.planner.totals["requests"]
+        return outcome
+
+    def save(self) -> int:
+        """Save every tenant now; returns how many were saved."""
+        with self._lock:
+            requests = self.planner.totals["requests"]
+            saved = 0
+            for tenant in self.planner.registry.tenants:
+                folder = self.directory / tenant_label(tenant)
+                save_engine(self.planner.engine(tenant), folder, self.fingerprint)
+                _write_atomically(folder / TENANT_FILE, json.dumps({"tenant": tenant}))
+                saved += 1
+            self._saved_at_requests = requests
+            self.saves += 1
+            return saved
+
+    def save_if_changed(self) -> bool:
+        if self.planner.totals["requests"] == self._saved_at_requests:
+            return False
+        self.save()
+        return True
+
+    def start(self) -> None:
+        """Save every ``interval_s`` seconds (when something changed) and at exit."""
+        self._thread = threading.Thread(target=self._run, name="kvcomm-state", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.interval_s)
+        self._guarded_save()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._guarded_save()
+
+    def _guarded_save(self) -> None:
+        try:
+            self.save_if_changed()
+        except Exception:  # a failed save must not take the server down; the previous save stays intact
+            log.exception("kvcomm: saving the reuse state to %s failed", self.directory)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".kvcomm-{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
