@@ -119,6 +119,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         help=f"kvcomm V (anchors per pool), comma-separated (default {PoolConfig.max_anchors})")
     parser.add_argument("--seeds", type=parse_seeds, default=(0,),
                         help="input-order shuffle seeds, comma-separated (default 0)")
+    parser.add_argument("--min-estimate-anchors", type=nonnegative_int, default=PoolConfig.min_estimate_anchors,
+                        help="kvcomm: estimate only the head this many compatible anchors cover, 0 = all of them "
+                             f"(default {PoolConfig.min_estimate_anchors}: as far as the longest anchor reaches)")
     parser.add_argument("--recompute-ratio", type=ratio, default=0.15, help="cacheblend recompute ratio (default 0.15)")
     parser.add_argument("--check-layer", type=nonnegative_int, default=1, help="cacheblend check layer (default 1)")
     parser.add_argument("--max-new-tokens", type=positive_int, help="override the workload's reply budget")
@@ -138,7 +141,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
 def settings_from_args(args) -> EvalSettings:
     return EvalSettings(
         modes=args.modes, gammas=args.gammas, max_anchors=args.max_anchors, seeds=args.seeds,
-        recompute_ratio=args.recompute_ratio, check_layer=args.check_layer, top_k=args.top_k,
+        min_estimate_anchors=args.min_estimate_anchors, recompute_ratio=args.recompute_ratio, check_layer=args.check_layer, top_k=args.top_k,
         timing_pass=not args.single_pass,
     )
 

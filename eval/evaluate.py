@@ -52,7 +52,8 @@ POOLED = "pooled"
 class EvalSettings:
     """What to run. ``modes`` may include "dense" (always run, as the reference, anyway).
     ``gammas`` x ``max_anchors`` is the grid for mode "kvcomm"; the other modes use the
-    first of each. ``top_k``: tokens kept per position for the KL bound. ``noise``: also
+    first of each. ``min_estimate_anchors``: ``PoolConfig.min_estimate_anchors`` of the kvcomm
+    runs. ``top_k``: tokens kept per position for the KL bound. ``noise``: also
     measure the dense-vs-dense noise floor (one extra prefill per call). ``timing_pass``:
     with KL on, take TTFT from a separate pass without logprobs (see ``evaluate``). ``warm_up``:
     run the first row densely once, unrecorded, before anything is timed."""
@@ -61,6 +62,7 @@ class EvalSettings:
     gammas: tuple[float, ...] = (PoolConfig.gamma,)
     max_anchors: tuple[int, ...] = (PoolConfig.max_anchors,)
     seeds: tuple[int, ...] = (0,)
+    min_estimate_anchors: int = PoolConfig.min_estimate_anchors
     recompute_ratio: float = 0.15
     check_layer: int = 1
     top_k: int = KL_TOP_K
@@ -83,6 +85,9 @@ class EvalSettings:
             problems.append(f"gammas must be finite numbers >= 0, at least one (got {list(self.gammas)})")
         if not self.max_anchors or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in self.max_anchors):
             problems.append(f"max_anchors must be integers >= 1, at least one (got {list(self.max_anchors)})")
+        if isinstance(self.min_estimate_anchors, bool) or not isinstance(self.min_estimate_anchors, int) \
+                or self.min_estimate_anchors < 0:
+            problems.append(f"min_estimate_anchors must be an integer >= 0 (got {self.min_estimate_anchors!r})")
         if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in self.seeds):
             problems.append(f"seeds must be integers, at least one (got {list(self.seeds)})")
         if len(set(self.seeds)) != len(self.seeds):
@@ -110,6 +115,7 @@ class EvalSettings:
         pool = PoolConfig(
             gamma=run.gamma if run.gamma is not None else self.gammas[0],
             max_anchors=run.max_anchors if run.max_anchors is not None else self.max_anchors[0],
+            min_estimate_anchors=self.min_estimate_anchors,
         )
         return ReuseConfig(pool=pool, mode=run.mode, recompute_ratio=self.recompute_ratio, check_layer=self.check_layer)
 

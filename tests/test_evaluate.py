@@ -160,6 +160,10 @@ def test_settings_validation():
     runs = settings.runs()
     assert [r.mode for r in runs] == ["exact", "realign", "cacheblend"] + ["kvcomm"] * 4
     assert {r.setting for r in runs if r.mode == "kvcomm"} == {"gamma=0.3,V=4", "gamma=0.3,V=20", "gamma=0.6,V=4", "gamma=0.6,V=20"}
+    assert settings.config(runs[-1]).pool.min_estimate_anchors == 1
+    assert EvalSettings(min_estimate_anchors=0).config(runs[-1]).pool.min_estimate_anchors == 0
+    with pytest.raises(ValueError, match="min_estimate_anchors must be an integer >= 0"):
+        EvalSettings(min_estimate_anchors=-1)
 
 
 # -- end to end on a tiny random model ------------------------------------------------------------
