@@ -33,6 +33,43 @@ def _prefill_seconds(llm, ids: list[int], extra_args: dict | None) -> float:
     return time.perf_counter() - start
 
 
+def _stock_worker(connection) -> None:
+    """Child process: a plugin-free engine that times the prompts it is sent (None ends it)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    from kvcomm.integrations.embedded import embedded_model_dir
+    from kvcomm.integrations.vllm_engine import DEFAULTS
+
+    llm = LLM(model=str(embedded_model_dir()), **DEFAULTS)
+    connection.send("ready")
+    while (ids := connection.recv()) is not None:
+        connection.send(_prefill_seconds(llm, ids, None))
+
+
+class _StockEngine:
+    """Stock vLLM in a spawned process, timed turn by turn with the plugin's engine."""
+
+    def __init__(self) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self.connection, child = context.Pipe()
+        self.process = context.Process(target=_stock_worker, args=(child,), daemon=True)
+        self.process.start()
+        if self.connection.recv() != "ready":
+            raise RuntimeError("the plugin-free vLLM engine did not start")
+
+    def prefill_seconds(self, ids: list[int]) -> float:
+        self.connection.send(ids)
+        return self.connection.recv()
+
+    def close(self) -> None:
+        self.connection.send(None)
+        self.process.join(60)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=3, help="demo pipeline input rows")
@@ -43,12 +80,10 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-    from vllm import LLM
-
     from kvcomm.engine import ReuseConfig
     from kvcomm.integrations.cli import run_side_by_side
-    from kvcomm.integrations.embedded import embedded_model_dir, load_model_and_tokenizer
-    from kvcomm.integrations.vllm_engine import DEFAULTS, make_llm
+    from kvcomm.integrations.embedded import load_model_and_tokenizer
+    from kvcomm.integrations.vllm_engine import make_llm
     from kvcomm.integrations.vllm_executor import VllmExecutor
     from kvcomm.pipeline import load_demo_pipeline
 
@@ -72,17 +107,19 @@ def main() -> None:
             "ceiling": round(1 / (1 - rho), 3),
         })
 
-    stock = LLM(model=str(embedded_model_dir()), **DEFAULTS)
+    # vLLM keeps its KV connector process-wide: a plugin-free engine must live in its own process.
+    stock = _StockEngine()
     prompts = [list(c.prompt_ids) for c in dense[: len(spec.agents)]]
     plain, plugin_plain, plugin_dense = [], [], []
     for ids in tqdm(prompts, desc="overhead", file=sys.stderr):
         for _ in range(args.repeats):
-            plain.append(_prefill_seconds(stock, ids, None))
+            plain.append(stock.prefill_seconds(ids))
             plugin_plain.append(_prefill_seconds(executor.llm, ids, None))
             executor.llm.reset_prefix_cache()
             start = time.perf_counter()
             executor.generate(ids, None, 0)  # opted in, nothing reused: capture only
             plugin_dense.append(time.perf_counter() - start)
+    stock.close()
     overhead = {
         "stock_p50_s": round(statistics.median(plain), 4),
         "plugin_no_opt_in_p50_s": round(statistics.median(plugin_plain), 4),
