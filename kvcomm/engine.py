@@ -15,8 +15,9 @@ import torch
 
 from kvcomm.anchors.anchor import Deviation
 from kvcomm.anchors.index import Embedder, kv_embedding
+from kvcomm.anchors.deviations import WeightedDeviations
 from kvcomm.anchors.distance import block_layers
-from kvcomm.anchors.pool import AnchorPool, PoolConfig, WeightedDeviations
+from kvcomm.anchors.pool import AnchorPool, PoolConfig
 from kvcomm.kv import KV, place, positions, to_position_free
 from kvcomm.plan import BlendRequest, EstimatedPiece, ReusePlan
 from kvcomm.prefix_store import PrefixStore

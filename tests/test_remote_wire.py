@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcomm.integrations.chat_segments import ChatTurn, render_chat
-from kvcomm.integrations.remote_wire import annotations, completion_body, provenance, wire_slot
+from kvcomm.integrations.remote_wire import completion_body, provenance, wire_slot
 from kvcomm.integrations.vllm_params import _SLOT, parse_params
 
 _author = st.text(min_size=1, max_size=90)

@@ -1,0 +1,51 @@
+"""A weighted sum of anchors' deviations, kept as its terms so it can be added block by block."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcomm.anchors.distance import block_layers
+from kvcomm.kv import KV
+
+
+@dataclass(frozen=True)
+class WeightedDeviations:
+    """``sum_a w_a * part_a`` kept as its terms, so a caller can add it layer block by layer
+    block while the block is in cache (``add_to``) or all at once (``add_into``).
+
+    parts: per anchor, position-free KV ``[layers, kv_heads, T_a, head_dim]`` (``T_a`` >= the
+        target's token count; a target shorter than a part takes its first tokens).
+    key_weights, value_weights: per anchor, fp32, broadcastable against a part: ``[1, 1, T, 1]``
+        per token, ``[layers, kv_heads, 1, head_dim]`` per channel, or a scalar.
+    """
+
+    parts: tuple[KV, ...]
+    key_weights: tuple[torch.Tensor, ...]
+    value_weights: tuple[torch.Tensor, ...]
+
+    def add_to(self, target: torch.Tensor, name: str, start: int, end: int) -> None:
+        """``target += sum_a w_a * part_a`` over layers ``[start, end)``, in anchor order, in place.
+
+        target: fp32 ``[end - start, kv_heads, T, head_dim]``; name: "keys" or "values"."""
+        weights = self.key_weights if name == "keys" else self.value_weights
+        length = target.shape[2]
+        for part, w in zip(self.parts, weights):
+            w = w[start:end] if w.ndim == 4 and w.shape[0] > 1 else w
+            target.addcmul_(getattr(part, name)[start:end, :, :length].float(), w)
+
+    def add_into(self, onto: KV | None = None) -> KV:
+        """``onto + sum_a w_a * part_a`` for keys and values, in place in ``onto`` (fp32 zeros
+        of the first part's shape if None). Runs over cache-sized blocks of layers, all anchors
+        per block, so each block of ``onto`` stays in cache while the deviations stream past."""
+        if onto is None:
+            like = self.parts[0]
+            onto = KV(torch.zeros_like(like.keys, dtype=torch.float32), torch.zeros_like(like.values, dtype=torch.float32))
+        layers = onto.keys.shape[0]
+        block = block_layers(layers, onto.keys[0].numel() * onto.keys.element_size())
+        for name in ("keys", "values"):
+            target = getattr(onto, name)
+            for start in range(0, layers, block):
+                self.add_to(target[start : start + block], name, start, min(start + block, layers))
+        return onto
