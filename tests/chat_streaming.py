@@ -1,6 +1,8 @@
-"""Shared by the AutoGen client tests: collect a ``create_stream`` run, optionally cancelling it."""
+"""Shared by the in-process and remote AutoGen client tests: streaming and concurrent calls."""
 
 from __future__ import annotations
+
+import asyncio
 
 
 async def collect_stream(client, messages, token=None, cancel_after: int | None = None):
@@ -15,3 +17,14 @@ async def collect_stream(client, messages, token=None, cancel_after: int | None 
         else:
             result = item
     return chunks, result
+
+
+def assert_concurrent_calls_equal_sequential(client, conversations) -> None:
+    """``client.create`` on each conversation one by one, then all at once: the same replies."""
+    sequential = [asyncio.run(client.create(c)).content for c in conversations]
+
+    async def together():
+        return await asyncio.gather(*(client.create(c) for c in conversations))
+
+    assert [r.content for r in asyncio.run(together())] == sequential
+    assert len(client.call_log) == 2 * len(conversations)

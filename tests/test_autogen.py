@@ -14,7 +14,7 @@ from kvcomm.anchors.pool import PoolConfig
 from kvcomm.engine import ReuseConfig, ReuseEngine
 from kvcomm.integrations.autogen_client import KvcommChatCompletionClient
 from kvcomm.integrations.chat_backend import ChatBackend
-from chat_streaming import collect_stream
+from chat_streaming import assert_concurrent_calls_equal_sequential, collect_stream
 
 WRITER, REVIEWER = "You answer briefly.", "You review the answer in one sentence."
 TASKS = ["Name a fruit.", "Which planet is the largest one?", "Give me a short word for happy.", "Name a capital city in Europe."]
@@ -168,13 +168,7 @@ def test_selector_group_chat_runs_on_one_shared_client(tiny_executor):
 def test_concurrent_calls_are_serialized_and_equal_sequential_ones(tiny_executor):
     client = KvcommChatCompletionClient(ChatBackend(tiny_executor, None, max_new_tokens=6))
     conversations = [[SystemMessage(content=s), UserMessage(content=t, source="user")] for s, t in zip((WRITER, REVIEWER), TASKS)]
-    sequential = [asyncio.run(client.create(c)).content for c in conversations]
-
-    async def together():
-        return await asyncio.gather(*(client.create(c) for c in conversations))
-
-    assert [r.content for r in asyncio.run(together())] == sequential
-    assert len(client.call_log) == 4
+    assert_concurrent_calls_equal_sequential(client, conversations)
 
 
 def test_a_guarded_team_is_shadowed_and_exported(tiny_executor):

@@ -7,7 +7,7 @@ import asyncio
 import copy
 
 import pytest
-from chat_streaming import collect_stream
+from chat_streaming import assert_concurrent_calls_equal_sequential, collect_stream
 
 pytestmark = pytest.mark.slow
 
@@ -196,10 +196,4 @@ def test_concurrent_remote_calls_run_together_and_equal_sequential_ones(server):
 
     client = KvcommChatCompletionClient.remote(**server, reuse=False, max_new_tokens=6)
     conversations = [[SystemMessage(content=s), UserMessage(content=t, source="user")] for s, t in zip((WRITER, REVIEWER), TASKS)]
-    sequential = [asyncio.run(client.create(c)).content for c in conversations]
-
-    async def together():
-        return await asyncio.gather(*(client.create(c) for c in conversations))
-
-    assert [r.content for r in asyncio.run(together())] == sequential
-    assert len(client.call_log) == 4
+    assert_concurrent_calls_equal_sequential(client, conversations)

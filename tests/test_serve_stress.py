@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from test_serve_http import SOURCES, executor, metrics, provenance, run_pipeline_row  # noqa: F401 (fixture)
+from test_serve_http import SOURCES, assert_counters_match, executor, metrics, provenance, run_pipeline_row  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -49,11 +49,7 @@ def test_concurrent_pipelines_keep_the_server_consistent(kvcomm_server, executor
     for (prompt, _), summary in zip(calls, summaries):
         assert sum(summary[f"{s}_tokens"] for s in SOURCES) == summary["prompt_tokens"] == len(prompt)
     after = metrics(kvcomm_server)
-    for source in SOURCES:
-        name = f'kvcomm_prompt_tokens_total{{source="{source}"}}'
-        assert after[name] - before.get(name, 0.0) == sum(s[f"{source}_tokens"] for s in summaries)
-    planned = 'kvcomm_requests_total{outcome="planned"}'
-    assert after[planned] - before.get(planned, 0.0) == len(calls)
+    assert_counters_match(before, after, summaries)
     assert after["kvcomm_pool_problems"] == 0
     assert sum(s["exact_tokens"] + s["estimated_tokens"] for s in summaries) > 0  # reuse under load
     print(f"\nstress: {THREADS} client threads x {ROWS_PER_THREAD} demo rows x 4 agents = {len(calls)} requests "
