@@ -8,10 +8,10 @@ and shared segments (the annotated spans); the engine plans and materializes the
 front of the prompt, and after the request finishes it learns from the real KV the
 connector captured.
 
-Base KV choice: a shared segment seen for the first time has no base; it is planned as
-fixed text (reuse stops there), and its base becomes its position-free KV as captured in
-that first prefill (in that request's context, not a standalone prefill: no extra forward
-pass is run). Later requests estimate from it.
+Base KV choice: a shared segment seen for the first time has no base; the engine plans it
+as computed (reuse stops there), and its base becomes its position-free KV as captured in
+that first prefill (``ReuseConfig.base_source`` "first_use": no extra forward pass is run).
+Later requests estimate from it.
 
 Safety: approximate KV only goes to requests carrying a ``cache_salt`` (so vLLM's prefix
 cache keeps their blocks apart from every request without that salt); an annotated
@@ -38,15 +38,11 @@ from kvcomm.integrations.vllm_params import KvcommParams
 
 @dataclass
 class PlannedRequest:
-    """One annotated request: its plan, the shared segments lacking a base (indices into
-    ``plan.prompt.segments``), and the order for the connector."""
+    """One annotated request: its plan and the order for the connector."""
 
     engine: ReuseEngine
     plan: ReusePlan
-    missing: tuple[int, ...]
     order: Order
-    shared: Prompt | None = None
-    """The annotated prompt (``plan.prompt`` has the segments lacking a base as fixed text)."""
     tenant: str = "default"
 
     def summary(self) -> dict:
@@ -108,8 +104,6 @@ class ServerPlanner:
             params = dataclasses.replace(params, segments=self.runs(tenant).find(token_ids))
         prompt = annotated_prompt(token_ids, params)
         engine = self.engine(tenant)
-        shared = prompt
-        missing = tuple(i for i, s in enumerate(prompt.segments) if s.is_shared and not engine.has_base(s.shared_id))
         if not salted:
             plan = ReusePlan(prompt)
             if engine.config.exact_prefix:
@@ -118,15 +112,9 @@ class ServerPlanner:
                 plan.exact_length, plan.exact_kv = length, (kv.span(0, length) if length else None)
             plan.note = "no cache_salt: exact reuse only"
         else:
-            # Shared content without a base yet is planned as fixed text: reuse stops there,
-            # and its base is taken from this prefill (``finish``).
-            planned_prompt = Prompt(prompt.template_id, tuple(
-                Segment(s.token_ids) if i in missing else s for i, s in enumerate(prompt.segments)))
-            plan = engine.plan(planned_prompt)
-            plan.prompt = planned_prompt
-            prompt = planned_prompt if missing else prompt
+            plan = engine.plan(prompt)  # no base provider: new content's base comes from this prefill
         inject = engine.materialize(plan)
-        return PlannedRequest(engine, plan, missing, Order(inject, plan.reuse_end, len(prompt) + max_tokens), shared, tenant)
+        return PlannedRequest(engine, plan, Order(inject, plan.reuse_end, len(prompt) + max_tokens), tenant)
 
     def finish(self, planned: PlannedRequest, capture: Capture | None, reply_ids: list[int]) -> None:
         """Learn from the captured real KV of prompt positions ``[reuse_end, len(prompt))``;
@@ -136,15 +124,9 @@ class ServerPlanner:
         if capture is None or len(prompt) > capture.filled.numel() or not bool(capture.filled[plan.reuse_end : len(prompt)].all()):
             return  # aborted before its prefill completed: nothing to learn
         computed: KV = capture.span(plan.reuse_end, len(prompt))
-        annotated = planned.shared or prompt
         runs = self.runs(planned.tenant)
-        for index in planned.missing:
-            start = annotated.starts[index]
-            if start >= plan.reuse_end:
-                real = computed.span(start - plan.reuse_end, annotated.end(index) - plan.reuse_end)
-                planned.engine.register_base(annotated.segments[index], to_position_free(real, self.rotary, start))
-        planned.engine.learn(plan, computed)
-        for segment in annotated.segments:
+        planned.engine.learn(plan, computed)  # registers the bases of new shared content too
+        for segment in prompt.segments:
             if segment.is_shared:
                 runs.add(segment.token_ids, segment.slot)
         n, r = len(prompt), len(reply_ids)

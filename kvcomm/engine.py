@@ -1,8 +1,11 @@
 """The reuse engine: plans, materializes and learns KV reuse for one tenant (KVCOMM §4).
 
-The engine never runs a model. An executor supplies position-free base KV for shared
-segments it has not seen (``BaseProvider``), injects what ``materialize`` returns, computes
-the rest densely and hands the real KV back to ``learn``.
+The engine never runs a model. An executor injects what ``materialize`` returns, computes
+the rest densely and hands the real KV back to ``learn``. Shared content the engine has no
+base KV for gets one of two ways (``ReuseConfig.base_source``): a standalone prefill by the
+executor when it is planned (``BaseProvider``; it can be estimated at once), or the KV this
+request computes for it, taken in ``learn`` (no extra forward pass; estimable from the next
+request on).
 """
 
 from __future__ import annotations
@@ -28,6 +31,17 @@ BaseProvider = Callable[[Segment], KV]
 """Computes a shared segment's position-free base KV, ``[layers, kv_heads, T, head_dim]``."""
 
 
+BASE_SOURCES = ("standalone", "first_use")
+"""Where new shared content's base KV comes from (``ReuseConfig.base_source``).
+
+- ``standalone``: the executor prefills it alone behind a short lead-in (KVCOMM's base), when
+  the request that first sees it is planned; that request can estimate it already, but pays
+  one more forward pass over the content first.
+- ``first_use``: the first request that contains it computes it densely (reuse stops
+  there) and its KV there, de-rotated, becomes the base; no extra forward pass. Replies get
+  their base from the producer's decode either way.
+"""
+
 MODES = ("kvcomm", "exact", "realign", "cacheblend")
 """Reuse modes (dense prefill is no mode: it is running without an engine).
 
@@ -48,7 +62,9 @@ class ReuseConfig:
     anchors are stored in (None: the KV's own; bfloat16/float16 halve pool memory).
     mode: one of ``MODES``. recompute_ratio, check_layer: CacheBlend's share of estimated
     tokens to recompute, in (0, 1], and the decoder layer (0-based) whose key deviation
-    selects them (mode "cacheblend" only)."""
+    selects them (mode "cacheblend" only). base_source: one of ``BASE_SOURCES``, read by
+    callers that drive an executor (``runner.run_agent``) to decide whether to hand ``plan``
+    a ``BaseProvider``."""
 
     pool: PoolConfig = field(default_factory=PoolConfig)
     exact_prefix: bool = True
@@ -57,12 +73,15 @@ class ReuseConfig:
     mode: str = "kvcomm"
     recompute_ratio: float = 0.15
     check_layer: int = 1
+    base_source: str = "standalone"
 
     def __post_init__(self) -> None:
         problems = []
         if self.mode not in MODES:
             hint = " (dense prefill is running without an engine)" if self.mode == "dense" else ""
             problems.append(f"unknown mode {self.mode!r}{hint}; valid modes: {', '.join(MODES)}")
+        if self.base_source not in BASE_SOURCES:
+            problems.append(f"unknown base_source {self.base_source!r}; valid: {', '.join(BASE_SOURCES)}")
         if not 0 < self.recompute_ratio <= 1:
             problems.append(f"recompute_ratio must be in (0, 1] (got {self.recompute_ratio})")
         if isinstance(self.check_layer, bool) or not isinstance(self.check_layer, int) or self.check_layer < 0:
@@ -103,6 +122,11 @@ class ReuseEngine:
     def has_base(self, shared_id: str) -> bool:
         return shared_id in self._bases
 
+    def stored_base(self, shared_id: str) -> KV | None:
+        """The position-free base KV held for shared content ``shared_id``, or None."""
+        held = self._bases.get(shared_id)
+        return None if held is None else held[0]
+
     def drop_base(self, shared_id: str) -> bool:
         """Forget the base KV of ``shared_id``; a later plan recomputes it from its tokens
         (anchors keep their own copies). Returns whether one was held."""
@@ -115,17 +139,22 @@ class ReuseEngine:
         replies are worth registering as bases."""
         return self.config.mode != "exact"
 
-    def _base(self, segment: Segment, provide: BaseProvider | None) -> tuple[KV, object]:
+    def _base(self, segment: Segment, provide: BaseProvider | None) -> tuple[KV, object] | None:
+        """The content's (base, embedding); computed by ``provide`` if new; None if new and no provider."""
         if segment.shared_id not in self._bases:
             if provide is None:
-                raise KeyError(f"no base KV for shared segment {segment.shared_id} and no provider given")
+                return None
             self.register_base(segment, provide(segment))
         return self._bases[segment.shared_id]
 
     # -- plan --------------------------------------------------------------------------------
 
     def plan(self, prompt: Prompt, provide_base: BaseProvider | None = None) -> ReusePlan:
-        """Decide which prompt tokens are exact, estimated or computed (see ``ReusePlan``)."""
+        """Decide which prompt tokens are exact, estimated or computed (see ``ReusePlan``).
+
+        Shared content without a base: ``provide_base`` computes it now; without a provider
+        the content is computed densely (reuse stops there) and ``learn`` takes its base from
+        this request (``plan.new_bases``)."""
         plan = ReusePlan(prompt)
         last = len(prompt) - 1
         if self.config.exact_prefix:
@@ -150,6 +179,9 @@ class ReuseEngine:
                 self._plan_realigned(plan, provide_base)
         except RopeError as error:
             plan.note = f"no estimation: {error}"
+        if provide_base is None:
+            plan.new_bases = [i for i, s in enumerate(prompt.segments)
+                              if s.is_shared and s.shared_id not in self._bases and prompt.starts[i] >= plan.reuse_end]
         if mode == "cacheblend" and plan.estimated_tokens > 0:
             plan.blend = BlendRequest(plan.exact_length, plan.reuse_end, self.config.recompute_ratio, self.config.check_layer)
         return plan
@@ -165,7 +197,11 @@ class ReuseEngine:
             if start != plan.reuse_end:  # the exact prefix ends inside this segment (cut before the last token)
                 return
             if segment.is_shared:
-                base = self._base(segment, provide)[0]
+                known = self._base(segment, provide)
+                if known is None:
+                    plan.note = f"slot {segment.slot!r}: new content, its base is taken from this prefill"
+                    return
+                base = known[0]
             else:
                 base = self._fixed_bases.get(_fixed_key(prompt, index))
                 if base is None:
@@ -191,7 +227,14 @@ class ReuseEngine:
                 reusing = False
                 index += 1
                 continue
-            base, embedding = self._base(segment, provide)
+            known = self._base(segment, provide)
+            if known is None:  # new content: computed densely, its base taken in learn
+                if reusing and not plan.note:
+                    plan.note = f"slot {segment.slot!r}: new content, its base is taken from this prefill"
+                reusing = False
+                index += 1
+                continue
+            base, embedding = known
             slot = (prompt.template_id, segment.slot)
             pool = self.pool(segment.slot)
             if not reusing or start != plan.reuse_end:
@@ -303,6 +346,10 @@ class ReuseEngine:
             return to_position_free(kv, self.rotary, start)
 
         with self._lock:
+            for index in plan.new_bases:
+                segment = prompt.segments[index]
+                if segment.shared_id not in self._bases:
+                    self.register_base(segment, real(index).clone())
             if self.config.exact_prefix and plan.estimated_tokens == 0:
                 full = computed if plan.exact_kv is None else KV.cat([plan.exact_kv, computed.to(plan.exact_kv.keys.dtype)])
                 self.prefix_store.put(prompt, full)

@@ -65,7 +65,9 @@ class ReusePlan:
     ``[exact_length, reuse_end)`` contiguously, in order. ``reuse_end <= len(prompt) - 1``
     always: the last prompt token is recomputed so its logits come from a real forward.
     ``learn`` lists shared segment indices, all inside ``[reuse_end, len(prompt))``, whose
-    deviations are recorded after the forward pass. ``note`` says why reuse stopped.
+    deviations are recorded after the forward pass. ``new_bases`` lists shared segment
+    indices, all inside ``[reuse_end, len(prompt))``, whose content had no base KV when
+    planned; ``learn`` takes their base from the computed KV. ``note`` says why reuse stopped.
 
     ``blend`` (mode "cacheblend"): the selective recompute the executor is to run over the
     estimated tokens; ``recompute`` the sorted prompt positions it recomputed (filled in
@@ -78,6 +80,7 @@ class ReusePlan:
     exact_kv: KV | None = None
     pieces: list[EstimatedPiece] = field(default_factory=list)
     learn: list[int] = field(default_factory=list)
+    new_bases: list[int] = field(default_factory=list)
     note: str = ""
     blend: BlendRequest | None = None
     recompute: tuple[int, ...] | None = None

@@ -80,7 +80,7 @@ def run_agent(
         generation = executor.generate(prompt.token_ids, None, max_new_tokens, started, **options)
         shared = sum(len(s) for s in prompt.segments if s.is_shared)
         return generation, Provenance(len(prompt), 0, 0, len(prompt), shared, 0, False, "dense", generation.ttft_s)
-    plan = engine.plan(prompt, executor.base_kv)
+    plan = engine.plan(prompt, executor.base_kv if engine.config.base_source == "standalone" else None)
     shadow = ()
     if guard is not None:
         guard.restrict(engine, plan)

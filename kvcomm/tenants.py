@@ -82,7 +82,11 @@ class TenantEngine(ReuseEngine):
             # A base evicted under memory pressure since planning cannot be learned from:
             # skip that segment (it stays a dense sample) rather than fail the request.
             plan.learn = [i for i in plan.learn if self.has_base(plan.prompt.segments[i].shared_id)]
-            super().learn(plan, computed)
+            self._local.depth = getattr(self._local, "depth", 0) + 1  # no shrink mid-learn (new bases)
+            try:
+                super().learn(plan, computed)
+            finally:
+                self._local.depth -= 1
         self._grew()
 
     def register_base(self, segment: Segment, base: KV) -> None:

@@ -159,3 +159,36 @@ def test_materialize_equals_realigned_base_plus_plainly_weighted_deviations(bloc
     got = kv.span(piece.start, piece.following_start + fixed.length)
     assert (got.keys - expected.keys).abs().max() <= 1e-5
     assert (got.values - expected.values).abs().max() <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["kvcomm", "realign"])
+def test_first_use_bases_come_from_the_first_prefill_with_no_extra_forward(tiny_executor, monkeypatch, mode):
+    """base_source "first_use": new content is computed in the request that first sees it and
+    its KV there, de-rotated, becomes its base; the executor is never asked for a standalone
+    prefill; later requests reuse the content from that base."""
+    from kvcomm.kv import to_position_free
+
+    def no_standalone_prefill(segment):
+        raise AssertionError("base_source first_use must not run a standalone prefill")
+
+    monkeypatch.setattr(tiny_executor, "base_kv", no_standalone_prefill)
+    spec = parse_pipeline(PIPELINE)
+    engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), base_source="first_use", mode=mode))
+    reader = _prompt(tiny_executor, spec, 0, spec.inputs[0])
+    doc = next(i for i, s in enumerate(reader.segments) if s.is_shared)
+    plan = engine.plan(reader)
+    assert plan.new_bases == [doc] and plan.reuse_end <= reader.starts[doc]
+    dense = tiny_executor.generate(reader.token_ids, None, 1, None).computed
+    calls = [[c.provenance for c in run_row(spec, row, tiny_executor, engine)] for row in range(4)]
+    start = reader.starts[doc]
+    expected = to_position_free(dense.span(start, reader.end(doc)), tiny_executor.rotary, start)
+    base = engine.stored_base(reader.segments[doc].shared_id)
+    assert (base.keys - expected.keys).abs().max() <= 1e-5 and (base.values - expected.values).abs().max() <= 1e-5
+    readers, askers = [row[0] for row in calls], [row[1] for row in calls]
+    assert all(p.estimated_tokens == 0 for p in readers)  # the reader is always first to see its doc
+    reused_doc = [p.reused_shared_tokens > 0 for p in askers]
+    # kvcomm estimates once the pool holds 2 anchors; realign once the asker's own fixed text has a base
+    assert reused_doc == ([False, False, True, True] if mode == "kvcomm" else [False, True, True, True])
+    for p in (p for row in calls for p in row):
+        assert p.exact_tokens + p.estimated_tokens + p.computed_tokens == p.prompt_tokens

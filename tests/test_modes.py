@@ -53,6 +53,7 @@ def _adds_up(p) -> bool:
         ({"recompute_ratio": float("nan")}, "recompute_ratio must be in (0, 1]"),
         ({"check_layer": -1}, "check_layer must be an integer >= 0"),
         ({"check_layer": 1.5}, "check_layer must be an integer >= 0"),
+        ({"base_source": "prefill"}, "unknown base_source 'prefill'; valid: standalone, first_use"),
     ],
 )
 def test_bad_config_is_refused_clearly(kwargs, message):
