@@ -12,6 +12,7 @@ import sys
 import time
 
 from kvcomm.anchors.pool import PoolConfig
+from kvcomm.engine import BASE_SOURCES, ReuseConfig
 from kvcomm.eval.evaluate import ALL_MODES, EvalSettings
 from kvcomm.eval.outputs import check_out_dir
 
@@ -122,6 +123,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--min-estimate-anchors", type=nonnegative_int, default=PoolConfig.min_estimate_anchors,
                         help="kvcomm: estimate only the head this many compatible anchors cover, 0 = all of them "
                              f"(default {PoolConfig.min_estimate_anchors}: as far as the longest anchor reaches)")
+    parser.add_argument("--base-source", choices=BASE_SOURCES, default=ReuseConfig.base_source,
+                        help="new shared content's base KV: a standalone prefill, or its KV in the first prompt that "
+                             f"computes it (default {ReuseConfig.base_source})")
     parser.add_argument("--recompute-ratio", type=ratio, default=0.15, help="cacheblend recompute ratio (default 0.15)")
     parser.add_argument("--check-layer", type=nonnegative_int, default=1, help="cacheblend check layer (default 1)")
     parser.add_argument("--max-new-tokens", type=positive_int, help="override the workload's reply budget")
@@ -141,7 +145,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
 def settings_from_args(args) -> EvalSettings:
     return EvalSettings(
         modes=args.modes, gammas=args.gammas, max_anchors=args.max_anchors, seeds=args.seeds,
-        min_estimate_anchors=args.min_estimate_anchors, recompute_ratio=args.recompute_ratio, check_layer=args.check_layer, top_k=args.top_k,
+        min_estimate_anchors=args.min_estimate_anchors, base_source=args.base_source, recompute_ratio=args.recompute_ratio, check_layer=args.check_layer, top_k=args.top_k,
         timing_pass=not args.single_pass,
     )
 

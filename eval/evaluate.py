@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine import BASE_SOURCES, ReuseConfig, ReuseEngine
 from kvcomm.divergence import KL_TOP_K, TopK, kl_topk_other, top1_matches, topk_reference
 from kvcomm.runner import AgentCall, run_row
 
@@ -53,7 +53,7 @@ class EvalSettings:
     """What to run. ``modes`` may include "dense" (always run, as the reference, anyway).
     ``gammas`` x ``max_anchors`` is the grid for mode "kvcomm"; the other modes use the
     first of each. ``min_estimate_anchors``: ``PoolConfig.min_estimate_anchors`` of the kvcomm
-    runs. ``top_k``: tokens kept per position for the KL bound. ``noise``: also
+    runs. ``base_source``: ``ReuseConfig.base_source`` of every reuse mode. ``top_k``: tokens kept per position for the KL bound. ``noise``: also
     measure the dense-vs-dense noise floor (one extra prefill per call). ``timing_pass``:
     with KL on, take TTFT from a separate pass without logprobs (see ``evaluate``). ``warm_up``:
     run the first row densely once, unrecorded, before anything is timed."""
@@ -63,6 +63,7 @@ class EvalSettings:
     max_anchors: tuple[int, ...] = (PoolConfig.max_anchors,)
     seeds: tuple[int, ...] = (0,)
     min_estimate_anchors: int = PoolConfig.min_estimate_anchors
+    base_source: str = ReuseConfig.base_source
     recompute_ratio: float = 0.15
     check_layer: int = 1
     top_k: int = KL_TOP_K
@@ -88,6 +89,8 @@ class EvalSettings:
         if isinstance(self.min_estimate_anchors, bool) or not isinstance(self.min_estimate_anchors, int) \
                 or self.min_estimate_anchors < 0:
             problems.append(f"min_estimate_anchors must be an integer >= 0 (got {self.min_estimate_anchors!r})")
+        if self.base_source not in BASE_SOURCES:
+            problems.append(f"unknown base_source {self.base_source!r}; valid: {', '.join(BASE_SOURCES)}")
         if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in self.seeds):
             problems.append(f"seeds must be integers, at least one (got {list(self.seeds)})")
         if len(set(self.seeds)) != len(self.seeds):
@@ -117,7 +120,8 @@ class EvalSettings:
             max_anchors=run.max_anchors if run.max_anchors is not None else self.max_anchors[0],
             min_estimate_anchors=self.min_estimate_anchors,
         )
-        return ReuseConfig(pool=pool, mode=run.mode, recompute_ratio=self.recompute_ratio, check_layer=self.check_layer)
+        return ReuseConfig(pool=pool, mode=run.mode, recompute_ratio=self.recompute_ratio, check_layer=self.check_layer,
+                           base_source=self.base_source)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine import BASE_SOURCES, ReuseConfig, ReuseEngine
 from kvcomm.pipeline import PipelineError, PipelineSpec, load_demo_pipeline, load_pipeline
 from kvcomm.rope import RopeError
 from kvcomm.runner import run_row
@@ -55,11 +55,12 @@ def _cmd_run(args, spec: PipelineSpec) -> int:
     from kvcomm.eval.report import compare, format_table, to_json
 
     executor, model_path = load_executor(args.model, args.backend)
-    config = ReuseConfig(pool=PoolConfig(gamma=args.gamma, max_anchors=args.max_anchors))
+    config = ReuseConfig(pool=PoolConfig(gamma=args.gamma, max_anchors=args.max_anchors), base_source=args.base_source)
     dense, reuse, engine = run_side_by_side(spec, executor, config, progress=not args.json)
     calls = compare(dense, reuse)
     if args.json:
         meta = {"model": model_path, "backend": args.backend, "gamma": args.gamma, "max_anchors": args.max_anchors,
+                "base_source": args.base_source,
                 "anchors": {slot: len(pool) for slot, pool in engine.pools.items()}}
         print(json.dumps(to_json(calls, meta), indent=2))
     else:
@@ -175,6 +176,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=BACKENDS, default="transformers")
     parser.add_argument("--gamma", type=float, default=PoolConfig.gamma, help="admission entropy threshold factor")
     parser.add_argument("--max-anchors", type=int, default=PoolConfig.max_anchors, help="V, anchors per pool")
+    parser.add_argument("--base-source", choices=BASE_SOURCES, default=ReuseConfig.base_source,
+                        help="new shared content's base KV: a standalone prefill, or its KV in the first prompt "
+                        "that computes it (no extra forward pass)")
     parser.add_argument("--limit", type=int, help="run only the first N input rows")
     parser.add_argument("--json", action="store_true", help="print one JSON object (schema in the README)")
 

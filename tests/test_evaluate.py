@@ -122,6 +122,7 @@ def _parser():
     (["--limit", "0"], ">= 1"),
     (["--agents", "x"], "not an integer"),
     (["--backend", "tgi"], "invalid choice"),
+    (["--base-source", "prefill"], "invalid choice"),
 ])
 def test_bad_arguments_are_clear_errors(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
@@ -164,6 +165,10 @@ def test_settings_validation():
     assert EvalSettings(min_estimate_anchors=0).config(runs[-1]).pool.min_estimate_anchors == 0
     with pytest.raises(ValueError, match="min_estimate_anchors must be an integer >= 0"):
         EvalSettings(min_estimate_anchors=-1)
+    assert {settings.config(r).base_source for r in runs} == {"standalone"}
+    assert EvalSettings(base_source="first_use").config(runs[0]).base_source == "first_use"
+    with pytest.raises(ValueError, match="unknown base_source 'prefill'"):
+        EvalSettings(base_source="prefill")
 
 
 # -- end to end on a tiny random model ------------------------------------------------------------
