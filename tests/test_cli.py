@@ -34,6 +34,7 @@ def test_demo_reuses_tokens_and_reports_every_field(capsys):
     first_row = [c for c in report["calls"] if c["input_index"] == 0]
     assert all(c["fallback"] and c["reply_equal"] for c in first_row)  # nothing to reuse yet: dense, same replies
     assert report["anchors"]["task"] >= 2
+    assert report["base_source"] == "standalone"
 
 
 @pytest.mark.slow
