@@ -53,10 +53,11 @@ class EvalSettings:
     """What to run. ``modes`` may include "dense" (always run, as the reference, anyway).
     ``gammas`` x ``max_anchors`` is the grid for mode "kvcomm"; the other modes use the
     first of each. ``min_estimate_anchors``: ``PoolConfig.min_estimate_anchors`` of the kvcomm
-    runs. ``base_source``: ``ReuseConfig.base_source`` of every reuse mode. ``top_k``: tokens kept per position for the KL bound. ``noise``: also
-    measure the dense-vs-dense noise floor (one extra prefill per call). ``timing_pass``:
-    with KL on, take TTFT from a separate pass without logprobs (see ``evaluate``). ``warm_up``:
-    run the first row densely once, unrecorded, before anything is timed."""
+    runs. ``base_source``: ``ReuseConfig.base_source`` of every reuse mode. ``top_k``: tokens
+    kept per position for the KL bound. ``noise``: also measure the dense-vs-dense noise floor
+    (one extra prefill per call). ``timing_pass``: with KL on, take TTFT from a separate pass
+    without logprobs (see ``evaluate``). ``warm_up``: run the first row densely once,
+    unrecorded, before anything is timed."""
 
     modes: tuple[str, ...] = ALL_MODES
     gammas: tuple[float, ...] = (PoolConfig.gamma,)
