@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine import BASE_SOURCES, ReuseConfig, ReuseEngine
+from kvcomm.engine import ReuseConfig, ReuseEngine
 from kvcomm.divergence import KL_TOP_K, TopK, kl_topk_other, top1_matches, topk_reference
 from kvcomm.runner import AgentCall, run_row
 
@@ -87,11 +87,10 @@ class EvalSettings:
             problems.append(f"gammas must be finite numbers >= 0, at least one (got {list(self.gammas)})")
         if not self.max_anchors or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in self.max_anchors):
             problems.append(f"max_anchors must be integers >= 1, at least one (got {list(self.max_anchors)})")
-        if isinstance(self.min_estimate_anchors, bool) or not isinstance(self.min_estimate_anchors, int) \
-                or self.min_estimate_anchors < 0:
-            problems.append(f"min_estimate_anchors must be an integer >= 0 (got {self.min_estimate_anchors!r})")
-        if self.base_source not in BASE_SOURCES:
-            problems.append(f"unknown base_source {self.base_source!r}; valid: {', '.join(BASE_SOURCES)}")
+        try:  # the pool and reuse configs own these rules
+            ReuseConfig(pool=PoolConfig(min_estimate_anchors=self.min_estimate_anchors), base_source=self.base_source)
+        except ValueError as error:
+            problems.append(str(error))
         if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in self.seeds):
             problems.append(f"seeds must be integers, at least one (got {list(self.seeds)})")
         if len(set(self.seeds)) != len(self.seeds):

@@ -202,7 +202,7 @@ class ReuseEngine:
             if segment.is_shared:
                 known = self._base(segment, provide)
                 if known is None:
-                    plan.note = f"slot {segment.slot!r}: new content, its base is taken from this prefill"
+                    plan.note = _new_content_note(segment)
                     return
                 base = known[0]
             else:
@@ -233,7 +233,7 @@ class ReuseEngine:
             known = self._base(segment, provide)
             if known is None:  # new content: computed densely, its base taken in learn
                 if reusing and not plan.note:
-                    plan.note = f"slot {segment.slot!r}: new content, its base is taken from this prefill"
+                    plan.note = _new_content_note(segment)
                 reusing = False
                 index += 1
                 continue
@@ -378,6 +378,10 @@ class ReuseEngine:
     def _stored(self, kv: KV) -> KV:
         return kv.to(self.config.anchor_dtype) if self.config.anchor_dtype is not None else kv.clone()
 
+
+
+def _new_content_note(segment: Segment) -> str:
+    return f"slot {segment.slot!r}: new content, its base is taken from this prefill"
 
 
 def _fixed_key(prompt: Prompt, index: int) -> tuple[str, str]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -65,29 +66,29 @@ class TenantEngine(ReuseEngine):
         if self.on_grow is not None and not getattr(self._local, "depth", 0):
             self.on_grow()
 
-    def plan(self, prompt: Prompt, provide_base: BaseProvider | None = None) -> ReusePlan:
-        # Planning holds the lock throughout, so a concurrent shrink cannot drop a base
-        # between its registration and its use.
+    @contextmanager
+    def _held_without_shrink(self):
+        """Hold the lock and defer ``on_grow`` (a shrink) until the block ends, so nothing a
+        plan or a learn registers is dropped before it is used; ``on_grow`` runs once after."""
         with self._lock:
             self._local.depth = getattr(self._local, "depth", 0) + 1
             try:
-                plan = super().plan(prompt, provide_base)
+                yield
             finally:
                 self._local.depth -= 1
         self._grew()
-        return plan
+
+    def plan(self, prompt: Prompt, provide_base: BaseProvider | None = None) -> ReusePlan:
+        # A concurrent shrink must not drop a base between its registration and its use.
+        with self._held_without_shrink():
+            return super().plan(prompt, provide_base)
 
     def learn(self, plan: ReusePlan, computed: KV) -> None:
-        with self._lock:
+        with self._held_without_shrink():  # new content's bases are registered, then learned from
             # A base evicted under memory pressure since planning cannot be learned from:
             # skip that segment (it stays a dense sample) rather than fail the request.
             plan.learn = [i for i in plan.learn if self.has_base(plan.prompt.segments[i].shared_id)]
-            self._local.depth = getattr(self._local, "depth", 0) + 1  # no shrink mid-learn (new bases)
-            try:
-                super().learn(plan, computed)
-            finally:
-                self._local.depth -= 1
-        self._grew()
+            super().learn(plan, computed)
 
     def register_base(self, segment: Segment, base: KV) -> None:
         super().register_base(segment, base)
