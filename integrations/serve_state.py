@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 
 from kvcomm.fingerprint import ModelFingerprint
-from kvcomm.persist import PersistError, save_engine
+from kvcomm.persist import PersistError, save_engine, write_text_atomically
 from kvcomm.tenants import tenant_label
 from kvcomm.integrations.vllm_planner import ServerPlanner
 
@@ -74,7 +74,7 @@ class PlannerState:
             for tenant in self.planner.registry.tenants:
                 folder = self.directory / tenant_label(tenant)
                 save_engine(self.planner.engine(tenant), folder, self.fingerprint)
-                _write_atomically(folder / TENANT_FILE, json.dumps({"tenant": tenant}))
+                write_text_atomically(folder / TENANT_FILE, json.dumps({"tenant": tenant}))
                 saved += 1
             self._saved_at_requests = requests
             self.saves += 1
@@ -107,12 +107,3 @@ class PlannerState:
             self.save_if_changed()
         except Exception:  # a failed save must not take the server down; the previous save stays intact
             log.exception("kvcomm: saving the reuse state to %s failed", self.directory)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".kvcomm-{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)

@@ -74,6 +74,17 @@ def _temp(directory: Path, suffix: str) -> Path:
     return Path(name)
 
 
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` the way saves write their files: a temp file beside
+    it, fsync, rename over ``path``, fsync of the folder. A crash leaves the old file or the new."""
+    tmp = _temp(path.parent, path.suffix or ".txt")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        _commit(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -140,9 +151,7 @@ def save_engine(engine: ReuseEngine, directory: str | os.PathLike, fingerprint: 
             "config": {"mode": config.mode, "anchor_dtype": str(config.anchor_dtype), "pool": asdict(config.pool)},
             "tensors": {"file": name, "sha256": digest, "bytes": size}, **body,
         }
-        tmp = _temp(directory, ".json")
-        tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8")
-        _commit(tmp, directory / MANIFEST)
+        write_text_atomically(directory / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
     finally:
         tmp.unlink(missing_ok=True)
     for old in directory.glob("tensors-*.safetensors"):
