@@ -324,12 +324,13 @@ class ReuseEngine:
         for first in range(0, layers, block):
             last = min(first + block, layers)
             k = keys[: last - first]
-            k.copy_(base.keys[first:last])
             v = target.values[first:last] if values is None else values[: last - first]
-            v.copy_(base.values[first:last])
-            if deviations is not None:
-                deviations.add_to(k, "keys", first, last)
-                deviations.add_to(v, "values", first, last)
+            if deviations is None:
+                k.copy_(base.keys[first:last])
+                v.copy_(base.values[first:last])
+            else:
+                deviations.add_to(k, "keys", first, last, onto=base.keys[first:last])
+                deviations.add_to(v, "values", first, last, onto=base.values[first:last])
             self.rotary.rotate(k, at, out=target.keys[first:last], cos_sin=cos_sin)
             if values is not None:
                 target.values[first:last].copy_(v)
