@@ -1,0 +1,141 @@
+"""Estimate fidelity vs speed of anchor-pool settings on SmolLM2-135M, on the same anchors, in one run.
+
+A pool of ``--anchors`` anchors is filled with synthetic ``--tokens``-token segments read by one
+agent; then each of ``--probes`` new segments is prefilled densely (the real KV) and estimated
+under every variant of the pool settings. Reported per variant:
+
+- error: ||estimated KV - real KV|| / ||realigned base KV - real KV|| over the shared segment
+  (and separately the fixed segment after it), keys and values, mean over probes; 1 = the
+  estimate is no better than realignment alone, 0 = exact;
+- work: plan + materialize for the first agent to see the content (distance cache cleared),
+  median over probes and repeats, the variants interleaved in alternating order.
+
+    python benchmarks/bench_fidelity.py [--tokens 1000] [--anchors 8] [--probes 4] [--repeats 3] [--threads 2] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from bench_reuse import admit, alternate, bar, ms, synthetic_ids, table  # this folder is on sys.path when the script runs
+from kvcomm.anchors.anchor import Deviation
+from kvcomm.anchors.pool import AnchorPool, PoolConfig
+from kvcomm.engine import ReuseConfig, ReuseEngine
+from kvcomm.kv import KV, place
+from kvcomm.pipeline import parse_pipeline
+from kvcomm.runner import build_prompt, run_agent
+from kvcomm.segments import Segment
+
+VARIANTS = {  # name -> (changes to the default PoolConfig, anchor dtype or None for the KV's own)
+    "default": ({}, None),
+    "key distances": ({"key_distances": True}, None),
+    "float16 anchors": ({}, torch.float16),
+    "bfloat16 anchors": ({}, torch.bfloat16),
+    "4 candidates": ({"max_candidates": 4}, None),
+    "equal weights": ({"temperature": 1e9}, None),
+}
+
+
+def converted(pool: AnchorPool, config: PoolConfig, dtype: torch.dtype | None) -> AnchorPool:
+    """A pool with ``config`` holding ``pool``'s anchors, their tensors cast to ``dtype`` (shared if None)."""
+    cast = (lambda kv: kv) if dtype is None else (lambda kv: None if kv is None else kv.to(dtype))  # noqa: E731
+    anchors = [dataclasses.replace(a, base=cast(a.base), deviations={
+        slot: Deviation(cast(d.shared), cast(d.following)) for slot, d in a.deviations.items()}) for a in pool.anchors]
+    out = AnchorPool(config)
+    out.restore(anchors, pool.next_serial)
+    return out
+
+
+def relative_error(estimate: KV, real: KV, realigned: KV) -> tuple[float, float]:
+    """(keys, values) of ||estimate - real|| / ||realigned - real||."""
+    return tuple(float((getattr(estimate, n) - getattr(real, n)).norm() / (getattr(realigned, n) - getattr(real, n)).norm())
+                 for n in ("keys", "values"))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=1000, help="tokens per shared segment (default 1000)")
+    parser.add_argument("--anchors", type=int, default=8, help="anchors in the pool (default 8)")
+    parser.add_argument("--probes", type=int, default=4, help="new segments estimated (default 4)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per probe and variant (default 3)")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    parser.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    args = parser.parse_args(argv)
+    if args.anchors < 2 or args.probes < 1 or args.tokens < 8 or args.repeats < 1:
+        parser.error("need --anchors >= 2, --probes >= 1, --tokens >= 8, --repeats >= 1")
+
+    from kvcomm.integrations.embedded import load_model_and_tokenizer
+    from kvcomm.integrations.transformers_executor import TransformersExecutor
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    executor = TransformersExecutor(*load_model_and_tokenizer())
+    agent = parse_pipeline({"agents": [{"name": "reader", "system": "You are a careful reader. Be brief.",
+                                        "template": "Task: {task}\nAnswer briefly."}], "inputs": [{"task": "-"}]}).agents[0]
+    prompt_of = lambda ids: build_prompt(executor, agent, {"task": Segment(ids, slot="task")})  # noqa: E731
+    engine = ReuseEngine(executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
+    pool = engine.pool("task")
+    for seed in bar(range(args.anchors), desc="fill anchors"):  # run_agent admits while the pool holds < 2
+        prompt = prompt_of(synthetic_ids(executor, seed, args.tokens))
+        run_agent(executor, engine, prompt, 1) if len(pool) < 2 else admit(executor, engine, prompt)
+    pools = {name: converted(pool, dataclasses.replace(pool.config, **changes), dtype)
+             for name, (changes, dtype) in VARIANTS.items()}
+    errors = {name: [] for name in VARIANTS}
+    seconds = {name: [] for name in VARIANTS}
+    for probe in bar(range(args.probes), desc="probes"):
+        prompt = prompt_of(synthetic_ids(executor, 1000 + probe, args.tokens))
+        index = next(i for i, s in enumerate(prompt.segments) if s.is_shared)
+        base = executor.base_kv(prompt.segments[index])
+        engine.register_base(prompt.segments[index], base)
+        real = executor.generate(prompt.token_ids, None, 1).computed
+
+        def work(name):
+            engine.pools["task"] = pools[name]
+            pools[name].distance_cache.clear()
+            start = time.perf_counter()
+            plan = engine.plan(prompt)
+            kv = engine.materialize(plan)
+            return time.perf_counter() - start, plan, kv
+
+        for rep in range(args.repeats):
+            for name in alternate(rep + probe, list(VARIANTS)):
+                elapsed, plan, kv = work(name)
+                seconds[name].append(elapsed)
+                if rep:
+                    continue
+                (piece,) = plan.pieces
+                assert plan.reuse_end == len(prompt) - 1 and piece.following_base is not None, plan.note
+                spans = [(piece.start, piece.base), (piece.following_start, piece.following_base)]
+                errors[name].append([relative_error(kv.span(s, s + b.length), real.span(s, s + b.length),
+                                                    place(b, executor.rotary, s)) for s, b in spans])
+    engine.pools["task"] = pool
+    results = {"tokens": args.tokens, "anchors": args.anchors, "probes": args.probes, "threads": torch.get_num_threads(),
+               "variants": {}}
+    rows = []
+    for name in VARIANTS:
+        mean = lambda i, j: statistics.fmean(e[i][j] for e in errors[name])  # noqa: E731
+        r = {"shared_keys": mean(0, 0), "shared_values": mean(0, 1), "following_keys": mean(1, 0),
+             "following_values": mean(1, 1), "work_s": statistics.median(seconds[name]),
+             "pool_bytes": pools[name].nbytes}
+        results["variants"][name] = r
+        rows.append([name, f"{r['shared_keys']:.4f}", f"{r['shared_values']:.4f}", f"{r['following_keys']:.4f}",
+                     f"{r['following_values']:.4f}", ms(r["work_s"]), f"{r['pool_bytes'] / 2**20:.0f} MiB"])
+    print(f"\nEstimate fidelity vs pool settings: SmolLM2-135M, {args.anchors} anchors, {args.probes} new "
+          f"{args.tokens}-token segments, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}")
+    print(table(["variant", "keys", "values", "following keys", "following values", "work (first agent)", "pool"], rows))
+    print("error: ||estimate - real|| / ||realigned base - real|| (1 = no better than realignment alone), mean over "
+          "probes; work: plan + materialize with no distances cached, median.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
