@@ -6,7 +6,7 @@ repeated, and reported as medians, on one OpenMP thread by default (see --thread
 matching vs pool size, 5 embedders.
 
     python benchmarks/bench_reuse.py [--quick] [--json PATH] [--sections 12345] [--threads N]
-                                     [--anchors 2,4,8] [--baseline] [--value-distances] [--anchor-dtype D] [--max-candidates K]
+                                     [--anchors 2,4,8] [--baseline] [--key-distances] [--anchor-dtype D] [--max-candidates K]
                                      [--backend transformers|vllm]
 """
 
@@ -205,7 +205,7 @@ def bench_segment(executor, args):
     agent = parse_pipeline({"agents": [{"name": "reader", "system": "You are a careful reader. Be brief.",
                                         "template": "Task: {task}\nAnswer briefly."}], "inputs": [{"task": "-"}]}).agents[0]
     prompt_of = lambda ids: build_prompt(executor, agent, {"task": Segment(ids, slot="task")})  # noqa: E731
-    pool_config = PoolConfig(gamma=1.0, key_distances=not args.value_distances, max_candidates=args.max_candidates)
+    pool_config = PoolConfig(gamma=1.0, key_distances=args.key_distances, max_candidates=args.max_candidates)
     engine = ReuseEngine(executor.rotary, ReuseConfig(pool=pool_config, anchor_dtype=getattr(torch, args.anchor_dtype)))
     pool = engine.pool("task")
     counts = args.seg_anchors
@@ -265,7 +265,7 @@ def bench_segment(executor, args):
                      ms(r.get("before_work_s")), ratio(r.get("before_over_now")), ms(r["tail_s"]),
                      f"{r['work_fraction']:.0%}", ms(r["dense_s"]), ratio(r["speedup"])])
     print(f"\n== 3. Reuse-path work, {args.seg_tokens}-token shared segment on SmolLM2 (gamma=1.0, "
-          f"key_distances={not args.value_distances}, max_candidates={args.max_candidates}, anchors in {args.anchor_dtype}, median of "
+          f"key_distances={args.key_distances}, max_candidates={args.max_candidates}, anchors in {args.anchor_dtype}, median of "
           f"{args.seg_reps}; the new segment's base KV registered beforehand)")
     print(table(["anchors", "prompt", "base prefill", "plan", "materialize", "work", "<0.1s", "work (cached)",
                  "work before", "before/now", "tail (1 tok)", "work/TTFT", "dense TTFT", "dense/reuse"], rows))
@@ -393,8 +393,8 @@ def main(argv=None):
     parser.add_argument("--anchors", default="2,4,8", help="section 3: anchor counts, comma-separated (default 2,4,8)")
     parser.add_argument("--baseline", action="store_true", help="section 3: also time the session-7 distance computation "
                         "side by side (before/now ratio)")
-    parser.add_argument("--value-distances", action="store_true", help="section 3: PoolConfig(key_distances=False), "
-                        "key deviations weighted by value distances")
+    parser.add_argument("--key-distances", action="store_true", help="section 3: PoolConfig(key_distances=True), "
+                        "key deviations weighted by base-key distances (the reference; twice the distance work)")
     parser.add_argument("--max-candidates", type=int, default=PoolConfig.max_candidates,
                         help="section 3: PoolConfig.max_candidates, the most anchors one estimate uses (0: all)")
     parser.add_argument("--anchor-dtype", default="float32", choices=("float32", "bfloat16", "float16"),

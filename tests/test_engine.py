@@ -103,12 +103,14 @@ def test_bfloat16_anchors_halve_pool_bytes_and_still_estimate(tiny_executor):
     assert pools[torch.bfloat16].nbytes * 2 == pools[None].nbytes
 
 
+@pytest.mark.parametrize("key_distances", [False, True])
 @pytest.mark.parametrize("blocks", [False, True])
-def test_materialize_equals_realigned_base_plus_plainly_weighted_deviations(blocks, monkeypatch):
+def test_materialize_equals_realigned_base_plus_plainly_weighted_deviations(blocks, key_distances, monkeypatch):
     """The optimized path (distances computed at admission, accumulation in layer blocks, values
     accumulated in place) against the formula written out plainly: full-size differences,
     softmax(-d / tau) weights, realigned sum. Synthetic KV on a real engine, no model.
-    ``blocks``: one layer per block (one intra-op thread), else whole tensors."""
+    ``blocks``: one layer per block (one intra-op thread), else whole tensors.
+    ``key_distances``: key deviations weighted by base-key distances, else by base-value ones."""
     import kvcomm.anchors.distance as distance
     from kvcomm.kv import KV, place
     from kvcomm.plan import ReusePlan
@@ -123,7 +125,8 @@ def test_materialize_equals_realigned_base_plus_plainly_weighted_deviations(bloc
     rand = lambda n: KV(torch.randn(layers, heads, n, dim, generator=gen), torch.randn(layers, heads, n, dim, generator=gen))  # noqa: E731
     prompt = lambda i: Prompt("agent", (Segment(tuple(range(1, 8))), Segment(tuple(range(100 + i, 100 + i + t)), slot="task", shared_id=f"s{i}"),  # noqa: E731
                                         Segment(tuple(range(20, 26))), Segment((30,))))
-    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, temperature=tau), exact_prefix=False))
+    pool_config = PoolConfig(gamma=1.0, temperature=tau, key_distances=key_distances)
+    engine = ReuseEngine(rotary, ReuseConfig(pool=pool_config, exact_prefix=False))
     for i in range(3):
         p = prompt(i)
         engine.register_base(p.segments[1], rand(t))
@@ -143,8 +146,8 @@ def test_materialize_equals_realigned_base_plus_plainly_weighted_deviations(bloc
 
     anchors = piece.match.anchors
     devs = [a.deviations[piece.match.slot] for a in anchors]
-    dk = [a.base.keys - base.keys for a in anchors]
     dv = [a.base.values - base.values for a in anchors]
+    dk = [a.base.keys - base.keys for a in anchors] if key_distances else dv
     per_token = layers * heads * dim
     wk = torch.softmax(-torch.stack([d.abs().sum((0, 1, 3)) / per_token for d in dk]) / tau, 0)  # [A, t]
     wv = torch.softmax(-torch.stack([d.abs().sum((0, 1, 3)) / per_token for d in dv]) / tau, 0)

@@ -579,15 +579,17 @@ def test_estimate_picks_the_nearest_anchor_per_token():
     close(shared.values[:, :, 1], db.values[:, :, 1])
 
 
-def test_estimate_weights_are_softmax_of_mean_abs_difference_over_tau():
+@pytest.mark.parametrize("key_distances", [False, True])
+def test_estimate_weights_are_softmax_of_mean_abs_difference_over_tau(key_distances):
     tau = 2.0
     new = _kv_from_tokens([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
-    # Keys and values use their own distances: keys favour A on token 0, values favour B.
+    # Base keys favour A on token 0, base values favour B: key deviations follow the key
+    # distances with key_distances, else the value distances, as value deviations always do.
     a_base = _kv_from_tokens([0.0, 1.0, 3.0], [2.0, -1.0, 0.0])
     b_base = _kv_from_tokens([2.0, 1.0, 0.0], [0.0, 1.0, 3.0])
     a = _anchor("A", a_base, Deviation(const_kv(3, 1.0, 10.0), None))
     b = _anchor("B", b_base, Deviation(const_kv(3, 5.0, 20.0), None), 1)
-    pool = AnchorPool(PoolConfig(temperature=tau))
+    pool = AnchorPool(PoolConfig(temperature=tau, key_distances=key_distances))
     shared, _ = pool.estimate(Match(SLOT, (a, b), 3), new)
 
     def mix(da: float, db: float, xa: float, xb: float) -> float:
@@ -595,6 +597,8 @@ def test_estimate_weights_are_softmax_of_mean_abs_difference_over_tau():
         return wa * xa + (1 - wa) * xb
 
     for t, (dka, dkb, dva, dvb) in enumerate([(0, 2, 2, 0), (1, 1, 1, 1), (3, 0, 0, 3)]):
+        if not key_distances:
+            dka, dkb = dva, dvb
         assert shared.keys[:, :, t].flatten().tolist() == pytest.approx([mix(dka, dkb, 1.0, 5.0)] * L * H * D, abs=1e-5)
         assert shared.values[:, :, t].flatten().tolist() == pytest.approx([mix(dva, dvb, 10.0, 20.0)] * L * H * D, abs=1e-5)
 
@@ -652,7 +656,8 @@ def test_following_estimate_exact_weights_and_head_alignment():
     fa, fb = const_kv(1, 1.0, 1.0), const_kv(1, 3.0, 3.0)
     a = _anchor("A", a_base, Deviation(const_kv(4), fa))
     b = _anchor("B", b_base, Deviation(const_kv(2), fb), 1)
-    _, following = AnchorPool(PoolConfig(temperature=tau)).estimate(Match(SLOT, (a, b), 2), new)
+    # Only base keys differ: with key_distances they weight the key deviations, per channel.
+    _, following = AnchorPool(PoolConfig(temperature=tau, key_distances=True)).estimate(Match(SLOT, (a, b), 2), new)
     wa = math.exp(-5 / tau) / (math.exp(-5 / tau) + math.exp(-1 / tau))
     expected_keys = torch.full((L, H, 1, D), 2.0)  # equal distances elsewhere -> mean of 1 and 3
     expected_keys[0, 0, 0, 1] = wa * 1.0 + (1 - wa) * 3.0
