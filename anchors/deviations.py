@@ -25,22 +25,24 @@ class WeightedDeviations:
     key_weights: tuple[torch.Tensor, ...]
     value_weights: tuple[torch.Tensor, ...]
 
-    def add_to(self, target: torch.Tensor, name: str, start: int, end: int, onto: torch.Tensor | None = None) -> None:
+    def add_to(self, target: torch.Tensor, name: str, start: int, end: int, base: torch.Tensor | None = None) -> None:
         """``target += sum_a w_a * part_a`` over layers ``[start, end)``, in anchor order, in place;
-        with ``onto``, ``target = onto + sum_a w_a * part_a`` (one pass fewer than copying first).
+        with ``base``, ``target = base + sum_a w_a * part_a`` (one pass fewer than copying first).
 
-        target: fp32 ``[end - start, kv_heads, T, head_dim]``; onto: the same shape, any float
+        target: fp32 ``[end - start, kv_heads, T, head_dim]``; base: the same shape, any float
         dtype, not aliasing target; name: "keys" or "values"."""
         weights = self.key_weights if name == "keys" else self.value_weights
         length = target.shape[2]
         for part, w in zip(self.parts, weights):
             w = w[start:end] if w.ndim == 4 and w.shape[0] > 1 else w
             term = getattr(part, name)[start:end, :, :length].float()
-            if onto is None:
+            if base is None:
                 target.addcmul_(term, w)
             else:
-                torch.addcmul(onto, term, w, out=target)
-                onto = None
+                torch.addcmul(base, term, w, out=target)
+                base = None
+        if base is not None:  # no parts
+            target.copy_(base)
 
     def add_into(self, onto: KV | None = None) -> KV:
         """``onto + sum_a w_a * part_a`` for keys and values, in place in ``onto`` (fp32 zeros

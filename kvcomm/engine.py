@@ -329,8 +329,8 @@ class ReuseEngine:
                 k.copy_(base.keys[first:last])
                 v.copy_(base.values[first:last])
             else:
-                deviations.add_to(k, "keys", first, last, onto=base.keys[first:last])
-                deviations.add_to(v, "values", first, last, onto=base.values[first:last])
+                deviations.add_to(k, "keys", first, last, base=base.keys[first:last])
+                deviations.add_to(v, "values", first, last, base=base.values[first:last])
             self.rotary.rotate(k, at, out=target.keys[first:last], cos_sin=cos_sin)
             if values is not None:
                 target.values[first:last].copy_(v)
