@@ -24,14 +24,11 @@ import time
 
 import torch
 
-from bench_reuse import admit, alternate, bar, ms, synthetic_ids, table  # this folder is on sys.path when the script runs
+from bench_reuse import add_anchor, alternate, bar, ms, reader_prompt, synthetic_ids, table  # this folder is on sys.path when the script runs
 from kvcomm.anchors.anchor import Deviation
 from kvcomm.anchors.pool import AnchorPool, PoolConfig
 from kvcomm.engine import ReuseConfig, ReuseEngine
 from kvcomm.kv import KV, place
-from kvcomm.pipeline import parse_pipeline
-from kvcomm.runner import build_prompt, run_agent
-from kvcomm.segments import Segment
 
 VARIANTS = {  # name -> (changes to the default PoolConfig, anchor dtype or None for the KV's own)
     "default": ({}, None),
@@ -77,20 +74,16 @@ def main(argv=None):
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     executor = TransformersExecutor(*load_model_and_tokenizer())
-    agent = parse_pipeline({"agents": [{"name": "reader", "system": "You are a careful reader. Be brief.",
-                                        "template": "Task: {task}\nAnswer briefly."}], "inputs": [{"task": "-"}]}).agents[0]
-    prompt_of = lambda ids: build_prompt(executor, agent, {"task": Segment(ids, slot="task")})  # noqa: E731
     engine = ReuseEngine(executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
     pool = engine.pool("task")
-    for seed in bar(range(args.anchors), desc="fill anchors"):  # run_agent admits while the pool holds < 2
-        prompt = prompt_of(synthetic_ids(executor, seed, args.tokens))
-        run_agent(executor, engine, prompt, 1) if len(pool) < 2 else admit(executor, engine, prompt)
+    for seed in bar(range(args.anchors), desc="fill anchors"):
+        add_anchor(executor, engine, reader_prompt(executor, synthetic_ids(executor, seed, args.tokens)))
     pools = {name: converted(pool, dataclasses.replace(pool.config, **changes), dtype)
              for name, (changes, dtype) in VARIANTS.items()}
     errors = {name: [] for name in VARIANTS}
     seconds = {name: [] for name in VARIANTS}
     for probe in bar(range(args.probes), desc="probes"):
-        prompt = prompt_of(synthetic_ids(executor, 1000 + probe, args.tokens))
+        prompt = reader_prompt(executor, synthetic_ids(executor, 1000 + probe, args.tokens))
         index = next(i for i, s in enumerate(prompt.segments) if s.is_shared)
         base = executor.base_kv(prompt.segments[index])
         engine.register_base(prompt.segments[index], base)

@@ -169,6 +169,15 @@ def synthetic_ids(executor, seed, n_tokens):
     return tuple(ids[:n_tokens])
 
 
+READER = parse_pipeline({"agents": [{"name": "reader", "system": "You are a careful reader. Be brief.",
+                                     "template": "Task: {task}\nAnswer briefly."}], "inputs": [{"task": "-"}]}).agents[0]
+"""Section 3's agent (and bench_fidelity's): the shared segment in slot "task", a fixed one after it."""
+
+
+def reader_prompt(executor, ids):
+    return build_prompt(executor, READER, {"task": Segment(ids, slot="task")})
+
+
 def admit(executor, engine, prompt):
     """What run_agent does on a miss (dense prefill, learn the shared segment as an anchor),
     forced: at gamma=1 a pool of >= 2 anchors would reuse instead of admitting."""
@@ -176,6 +185,14 @@ def admit(executor, engine, prompt):
     if not engine.has_base(prompt.segments[index].shared_id):
         engine.register_base(prompt.segments[index], executor.base_kv(prompt.segments[index]))
     engine.learn(ReusePlan(prompt, learn=[index]), executor.generate(prompt.token_ids, None, 1).computed)
+
+
+def add_anchor(executor, engine, prompt):
+    """Make ``prompt``'s task an anchor of pool "task": run_agent admits while the pool holds < 2, admit after."""
+    if len(engine.pool("task")) < 2:
+        run_agent(executor, engine, prompt, 1)
+    else:
+        admit(executor, engine, prompt)
 
 
 class PlainDistancePool(AnchorPool):
@@ -202,9 +219,6 @@ def _plain_distances(anchor, new, n):
 
 
 def bench_segment(executor, args):
-    agent = parse_pipeline({"agents": [{"name": "reader", "system": "You are a careful reader. Be brief.",
-                                        "template": "Task: {task}\nAnswer briefly."}], "inputs": [{"task": "-"}]}).agents[0]
-    prompt_of = lambda ids: build_prompt(executor, agent, {"task": Segment(ids, slot="task")})  # noqa: E731
     pool_config = PoolConfig(gamma=1.0, key_distances=args.key_distances, max_candidates=args.max_candidates)
     engine = ReuseEngine(executor.rotary, ReuseConfig(pool=pool_config, anchor_dtype=getattr(torch, args.anchor_dtype)))
     pool = engine.pool("task")
@@ -212,10 +226,10 @@ def bench_segment(executor, args):
     texts = [synthetic_ids(executor, seed, args.seg_tokens) for seed in range(max(counts) + len(counts))]
     results, rows, filled = {}, [], 0
     for k, anchors in enumerate(counts):
-        for ids in bar(texts[filled:anchors], desc="fill anchors"):  # run_agent admits while the pool holds < 2
-            run_agent(executor, engine, prompt_of(ids), 1) if len(pool) < 2 else admit(executor, engine, prompt_of(ids))
+        for ids in bar(texts[filled:anchors], desc="fill anchors"):
+            add_anchor(executor, engine, reader_prompt(executor, ids))
         filled = anchors
-        prompt = prompt_of(texts[max(counts) + k])
+        prompt = reader_prompt(executor, texts[max(counts) + k])
         segment = next(s for s in prompt.segments if s.is_shared)
         base, base_s = timed(executor.base_kv, segment)
         engine.register_base(segment, base)
