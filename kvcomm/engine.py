@@ -11,6 +11,8 @@ request on).
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -18,14 +20,14 @@ import torch
 
 from kvcomm.anchors.anchor import Deviation
 from kvcomm.anchors.index import Embedder, kv_embedding
-from kvcomm.anchors.deviations import WeightedDeviations
-from kvcomm.anchors.distance import block_layers
 from kvcomm.anchors.pool import AnchorPool, PoolConfig
-from kvcomm.kv import KV, place, positions, to_position_free
+from kvcomm.assemble import assemble, reuse_layout
+from kvcomm.kv import KV, place, to_position_free
 from kvcomm.plan import BlendRequest, EstimatedPiece, ReusePlan
 from kvcomm.prefix_store import PrefixStore
 from kvcomm.rope import RopeError, Rotary
 from kvcomm.segments import Prompt, Segment, content_id
+from kvcomm.workspace import KVWorkspace
 
 BaseProvider = Callable[[Segment], KV]
 """Computes a shared segment's position-free base KV, ``[layers, kv_heads, T, head_dim]``."""
@@ -67,7 +69,8 @@ class ReuseConfig:
     tokens to recompute, in (0, 1], and the decoder layer (0-based) whose key deviation
     selects them (mode "cacheblend" only). base_source: one of ``BASE_SOURCES``, read by
     callers that drive an executor (``runner.run_agent``) to decide whether to hand ``plan``
-    a ``BaseProvider``."""
+    a ``BaseProvider``. workspace_bytes: most memory ``materialized`` keeps between requests
+    for reuse (``KVWorkspace``; 0 keeps none)."""
 
     pool: PoolConfig = field(default_factory=PoolConfig)
     exact_prefix: bool = True
@@ -77,6 +80,7 @@ class ReuseConfig:
     recompute_ratio: float = 0.15
     check_layer: int = 1
     base_source: str = "standalone"
+    workspace_bytes: int = 512 << 20
 
     def __post_init__(self) -> None:
         problems = []
@@ -89,6 +93,8 @@ class ReuseConfig:
             problems.append(f"recompute_ratio must be in (0, 1] (got {self.recompute_ratio})")
         if isinstance(self.check_layer, bool) or not isinstance(self.check_layer, int) or self.check_layer < 0:
             problems.append(f"check_layer must be an integer >= 0 (got {self.check_layer!r})")
+        if self.workspace_bytes < 0:
+            problems.append(f"workspace_bytes must be >= 0 (got {self.workspace_bytes})")
         if problems:
             raise ValueError("invalid reuse config: " + "; ".join(problems))
 
@@ -97,12 +103,18 @@ class ReuseEngine:
     """Reuse state of one tenant: base KV of shared content, fixed-segment bases per
     template, one anchor pool per slot name, and the exact prefix store."""
 
-    def __init__(self, rotary: Rotary, config: ReuseConfig | None = None, embedder: Embedder = kv_embedding):
+    def __init__(
+        self, rotary: Rotary, config: ReuseConfig | None = None, embedder: Embedder = kv_embedding,
+        workspace: KVWorkspace | None = None,
+    ):
+        """workspace: memory ``materialized`` lends (engines may share one); by default the
+        engine's own, keeping at most ``config.workspace_bytes`` idle."""
         self.rotary = rotary
         self.config = config or ReuseConfig()
         self.embedder = embedder
         self.pools: dict[str, AnchorPool] = {}
         self.prefix_store = PrefixStore(self.config.prefix_store_bytes)
+        self.workspace = workspace if workspace is not None else KVWorkspace(self.config.workspace_bytes)
         self._bases: dict[str, tuple[KV, object]] = {}  # shared_id -> (position-free KV, embedding)
         self._fixed_bases: dict[tuple[str, str], KV] = {}  # (template id, content id) -> position-free KV
         self._lock = threading.RLock()
@@ -287,53 +299,24 @@ class ReuseEngine:
     # -- materialize -------------------------------------------------------------------------
 
     def materialize(self, plan: ReusePlan) -> KV | None:
-        """KV for prompt tokens ``[0, plan.reuse_end)``, keys rotated at their positions, or None.
-
-        Written into one preallocated buffer, each piece layer block by layer block (cache-sized,
-        ``block_layers``): the block's base plus its weighted deviations is summed in fp32 and
-        its keys rotated straight into place, so no full-size temporary is made.
-        """
-        end = plan.reuse_end
-        if end == 0:
+        """KV for prompt tokens ``[0, plan.reuse_end)``, keys rotated at their positions, or None;
+        in new memory the caller owns (``materialized`` lends reused memory instead)."""
+        shape, key_dtype, value_dtype = reuse_layout(plan)
+        if shape is None:
             return None
-        like = plan.exact_kv if plan.exact_kv is not None else plan.pieces[0].base
-        layers, heads, _, dim = like.keys.shape
-        out = KV(torch.empty(layers, heads, end, dim, dtype=like.keys.dtype), torch.empty(layers, heads, end, dim, dtype=like.values.dtype))
-        if plan.exact_length:
-            out.span(0, plan.exact_length).keys.copy_(plan.exact_kv.keys)
-            out.span(0, plan.exact_length).values.copy_(plan.exact_kv.values)
-        for piece in plan.pieces:
-            if piece.match is None:  # realigned base, no deviation
-                self._place(out, piece.base, piece.start, None)
-                continue
-            shared, following = piece.pool.estimate_terms(piece.match, piece.base)
-            self._place(out, piece.base, piece.start, shared)
-            if piece.following_base is not None:
-                self._place(out, piece.following_base, piece.following_start, following)
-        return out
+        return assemble(plan, KV(torch.empty(shape, dtype=key_dtype), torch.empty(shape, dtype=value_dtype)), self.rotary)
 
-    def _place(self, out: KV, base: KV, start: int, deviations: WeightedDeviations | None) -> None:
-        """Write position-free ``base`` (plus ``deviations``, if any) realigned to ``[start, start + T)`` of ``out``."""
-        target = out.span(start, start + base.length)
-        layers, heads, length, dim = base.keys.shape
-        block = block_layers(layers, heads * length * dim * 4)
-        at = positions(start, length)
-        cos_sin = self.rotary.cos_sin(at)
-        keys = torch.empty(block, heads, length, dim, dtype=torch.float32)
-        values = None if target.values.dtype == torch.float32 else torch.empty_like(keys)
-        for first in range(0, layers, block):
-            last = min(first + block, layers)
-            k = keys[: last - first]
-            v = target.values[first:last] if values is None else values[: last - first]
-            if deviations is None:
-                k.copy_(base.keys[first:last])
-                v.copy_(base.values[first:last])
-            else:
-                deviations.add_to(k, "keys", first, last, base=base.keys[first:last])
-                deviations.add_to(v, "values", first, last, base=base.values[first:last])
-            self.rotary.rotate(k, at, out=target.keys[first:last], cos_sin=cos_sin)
-            if values is not None:
-                target.values[first:last].copy_(v)
+    @contextmanager
+    def materialized(self, plan: ReusePlan) -> Iterator[KV | None]:
+        """``materialize`` into memory lent by ``self.workspace`` for the ``with`` block: valid only
+        inside it (the next request's KV is written there), so inject it, and copy anything
+        that must outlive the block, before leaving. Skips the page faults of new memory."""
+        shape, key_dtype, value_dtype = reuse_layout(plan)
+        if shape is None:
+            yield None
+            return
+        with self.workspace.lease(shape, key_dtype, value_dtype) as out:
+            yield assemble(plan, out, self.rotary)
 
     # -- learn -------------------------------------------------------------------------------
 

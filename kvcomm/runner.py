@@ -89,7 +89,8 @@ def run_agent(
             options["keep_logprobs"] = True
     if plan.blend is not None:
         options["blend"] = plan.blend
-    generation = executor.generate(prompt.token_ids, engine.materialize(plan), max_new_tokens, started, **options)
+    with engine.materialized(plan) as prefix:  # executors copy the prefix into their own cache
+        generation = executor.generate(prompt.token_ids, prefix, max_new_tokens, started, **options)
     if plan.blend is not None:
         plan.recompute = tuple(generation.recomputed)
     engine.learn(plan, generation.computed)

@@ -30,6 +30,7 @@ from kvcomm.kv import KV
 from kvcomm.plan import ReusePlan
 from kvcomm.rope import Rotary
 from kvcomm.segments import Prompt, Segment
+from kvcomm.workspace import KVWorkspace
 
 MAX_TENANT_KEY_LENGTH = 256
 
@@ -55,9 +56,9 @@ class TenantEngine(ReuseEngine):
 
     def __init__(
         self, rotary: Rotary, config: ReuseConfig | None = None, embedder: Embedder = kv_embedding,
-        on_grow: Callable[[], None] | None = None,
+        on_grow: Callable[[], None] | None = None, workspace: KVWorkspace | None = None,
     ):
-        super().__init__(rotary, config, embedder)
+        super().__init__(rotary, config, embedder, workspace)
         self.on_grow = on_grow
         self.evicted = {"prefix_store": 0, "bases": 0, "fixed_bases": 0, "anchors": 0}
         self._local = threading.local()
@@ -165,6 +166,7 @@ class TenantRegistry:
         self._engines: dict[str, TenantEngine] = {}
         self._lock = threading.RLock()
         self.enforcements = 0
+        self.workspace = KVWorkspace(self.config.workspace_bytes)  # scratch, not tenant state: outside the byte limits
 
     def engine(self, tenant: str) -> TenantEngine:
         """The engine of ``tenant`` (created empty on first use)."""
@@ -172,7 +174,7 @@ class TenantRegistry:
         with self._lock:
             engine = self._engines.get(tenant)
             if engine is None:
-                engine = TenantEngine(self.rotary, self.config, self.embedder)
+                engine = TenantEngine(self.rotary, self.config, self.embedder, workspace=self.workspace)
                 engine.on_grow = lambda: self.enforce(engine)
                 self._engines[tenant] = engine
             return engine

@@ -8,6 +8,7 @@ import torch
 from kvcomm.anchors.pool import PoolConfig
 from kvcomm.engine import ReuseConfig, ReuseEngine
 from kvcomm.pipeline import parse_pipeline
+from kvcomm.plan import ReusePlan
 from kvcomm.runner import run_agent, run_row
 from kvcomm.segments import Prompt
 from two_agent_case import PIPELINE, agent_prompt
@@ -103,6 +104,29 @@ def test_bfloat16_anchors_halve_pool_bytes_and_still_estimate(tiny_executor):
     assert pools[torch.bfloat16].nbytes * 2 == pools[None].nbytes
 
 
+def _synthetic_engine(tau: float = 0.7, key_distances: bool = False, anchors: int = 3):
+    """A real engine on synthetic KV, no model: ``anchors`` anchors of a 40-token ``task`` segment
+    between fixed segments. Returns (engine, rotary, prompt(i), rand(tokens) -> KV)."""
+    from kvcomm.kv import KV
+    from kvcomm.plan import ReusePlan
+    from kvcomm.rope import Rotary
+    from kvcomm.segments import Segment
+
+    layers, heads, dim, t = 5, 2, 16, 40
+    rotary = Rotary(1.0 / (1e4 ** (torch.arange(0, dim, 2).float() / dim)), head_dim=dim)
+    gen = torch.Generator().manual_seed(3)
+    rand = lambda n: KV(torch.randn(layers, heads, n, dim, generator=gen), torch.randn(layers, heads, n, dim, generator=gen))  # noqa: E731
+    prompt = lambda i: Prompt("agent", (Segment(tuple(range(1, 8))), Segment(tuple(range(100 + i, 100 + i + t)), slot="task", shared_id=f"s{i}"),  # noqa: E731
+                                        Segment(tuple(range(20, 26))), Segment((30,))))
+    pool_config = PoolConfig(gamma=1.0, temperature=tau, key_distances=key_distances)
+    engine = ReuseEngine(rotary, ReuseConfig(pool=pool_config, exact_prefix=False))
+    for i in range(anchors):
+        p = prompt(i)
+        engine.register_base(p.segments[1], rand(t))
+        engine.learn(ReusePlan(p, learn=[1]), rand(len(p)))
+    return engine, rotary, prompt, rand
+
+
 @pytest.mark.parametrize("key_distances", [False, True])
 @pytest.mark.parametrize("blocks", [False, True])
 def test_materialize_equals_realigned_base_plus_plainly_weighted_deviations(blocks, key_distances, monkeypatch):
@@ -113,26 +137,13 @@ def test_materialize_equals_realigned_base_plus_plainly_weighted_deviations(bloc
     ``key_distances``: key deviations weighted by base-key distances, else by base-value ones."""
     import kvcomm.anchors.distance as distance
     from kvcomm.kv import KV, place
-    from kvcomm.plan import ReusePlan
-    from kvcomm.rope import Rotary
-    from kvcomm.segments import Segment
 
-    layers, heads, dim, t, tau = 5, 2, 16, 40, 0.7
+    tau = 0.7
     if blocks:
         monkeypatch.setattr(distance, "BLOCK_BYTES", 1)
-    rotary = Rotary(1.0 / (1e4 ** (torch.arange(0, dim, 2).float() / dim)), head_dim=dim)
-    gen = torch.Generator().manual_seed(3)
-    rand = lambda n: KV(torch.randn(layers, heads, n, dim, generator=gen), torch.randn(layers, heads, n, dim, generator=gen))  # noqa: E731
-    prompt = lambda i: Prompt("agent", (Segment(tuple(range(1, 8))), Segment(tuple(range(100 + i, 100 + i + t)), slot="task", shared_id=f"s{i}"),  # noqa: E731
-                                        Segment(tuple(range(20, 26))), Segment((30,))))
-    pool_config = PoolConfig(gamma=1.0, temperature=tau, key_distances=key_distances)
-    engine = ReuseEngine(rotary, ReuseConfig(pool=pool_config, exact_prefix=False))
-    for i in range(3):
-        p = prompt(i)
-        engine.register_base(p.segments[1], rand(t))
-        engine.learn(ReusePlan(p, learn=[1]), rand(len(p)))
+    engine, rotary, prompt, rand = _synthetic_engine(tau, key_distances)
     p = prompt(9)
-    base = rand(t)
+    base = rand(len(p.segments[1]))
     engine.register_base(p.segments[1], base)
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if blocks else threads)  # blocks are used on one intra-op thread only
@@ -145,6 +156,7 @@ def test_materialize_equals_realigned_base_plus_plainly_weighted_deviations(bloc
     assert piece.following_base is not None and plan.reuse_end == len(p) - 1
 
     anchors = piece.match.anchors
+    layers, heads, _, dim = base.keys.shape
     devs = [a.deviations[piece.match.slot] for a in anchors]
     dv = [a.base.values - base.values for a in anchors]
     dk = [a.base.keys - base.keys for a in anchors] if key_distances else dv
@@ -162,6 +174,32 @@ def test_materialize_equals_realigned_base_plus_plainly_weighted_deviations(bloc
     got = kv.span(piece.start, piece.following_start + fixed.length)
     assert (got.keys - expected.keys).abs().max() <= 1e-5
     assert (got.values - expected.values).abs().max() <= 1e-5
+
+
+def test_materialized_lends_the_same_memory_request_after_request_and_equals_materialize():
+    """``materialized`` writes exactly what ``materialize`` returns, into the workspace's memory,
+    which the next request gets again once the block is left; a nested (concurrent) request
+    gets other memory."""
+    engine, _, prompt, rand = _synthetic_engine()
+    plans = []
+    for i in (9, 10, 11):
+        p = prompt(i)
+        engine.register_base(p.segments[1], rand(len(p.segments[1])))
+        plans.append(engine.plan(p))
+    assert all(plan.pieces[0].match is not None for plan in plans)
+    fresh = [engine.materialize(plan) for plan in plans]
+    addresses = []
+    for plan, expected in zip(plans[:2], fresh):
+        with engine.materialized(plan) as lent:
+            assert torch.equal(lent.keys, expected.keys) and torch.equal(lent.values, expected.values)
+            addresses.append(lent.keys.data_ptr())
+            with engine.materialized(plans[2]) as nested:
+                assert nested.keys.data_ptr() != lent.keys.data_ptr()
+                assert torch.equal(nested.keys, fresh[2].keys) and torch.equal(nested.values, fresh[2].values)
+    assert addresses[0] == addresses[1]
+    assert 0 < engine.workspace.idle_bytes <= engine.config.workspace_bytes
+    with engine.materialized(ReusePlan(prompt(12))) as nothing:
+        assert nothing is None
 
 
 @pytest.mark.slow

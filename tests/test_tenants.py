@@ -160,6 +160,9 @@ def test_concurrent_tenants_get_the_results_of_a_serial_run(tiny_executor):
     assert sum(c[2] for per_tenant in serial.values() for c in per_tenant) > 0  # reuse did happen
     assert registry.enforcements > 0  # the quota did bind
     assert registry.problems() == []
+    # every tenant's prefix was assembled in memory lent by one shared workspace, held by four threads at once
+    assert all(registry.engine(f"t{t}").workspace is registry.workspace for t in range(4))
+    assert 0 < registry.workspace.idle_bytes <= config.workspace_bytes
 
 
 def _load_one(registry: TenantRegistry, executor, t: int) -> None:
