@@ -20,6 +20,7 @@ import random
 import statistics
 import sys
 import time
+from contextlib import ExitStack
 
 import faiss
 import numpy as np
@@ -244,18 +245,20 @@ def bench_segment(executor, args):
         p = torch.softmax(admission_logits(l2, n * per_token, cfg.admission_distance, cfg.admission_temperature), 0)
         entropy = float(-(p * p.clamp_min(1e-300).log()).sum())
 
-        def reuse(variant, cold):  # -> (plan, materialize, tail) seconds; the tail generates with the materialized prefix
+        def reuse(variant, cold, lent=True):  # -> (plan, materialize, tail) seconds; the tail generates with the materialized prefix
             engine.pools["task"] = variants[variant]
             if cold:  # the first agent to see this content; later agents find its distances cached
                 pool.distance_cache.clear()
             plan, plan_s = timed(engine.plan, prompt)
             assert plan.reuse_end == len(prompt) - 1, plan.note
-            kv, materialize_s = timed(engine.materialize, plan)
-            tail = executor.generate(prompt.token_ids, kv, 1).ttft_s if variant == "now" and cold else None
+            with ExitStack() as lease:  # as run_agent does: into the workspace's memory, valid in the block
+                kv, materialize_s = timed(lease.enter_context, engine.materialized(plan)) if lent else timed(engine.materialize, plan)
+                tail = executor.generate(prompt.token_ids, kv, 1).ttft_s if variant == "now" and cold and lent else None
             return plan_s, materialize_s, tail, plan.estimated_tokens
 
         steps = {"dense": lambda: fresh(executor) or executor.generate(prompt.token_ids, None, 1).ttft_s,
-                 "cold": lambda: reuse("now", True), "warm": lambda: reuse("now", False)}
+                 "cold": lambda: reuse("now", True), "warm": lambda: reuse("now", False),
+                 "new_memory": lambda: reuse("now", True, lent=False)}
         if args.baseline:
             steps["before"] = lambda: reuse("before", True)
         t = interleave(args.seg_reps, steps, f"{anchors} anchors")
@@ -263,7 +266,7 @@ def bench_segment(executor, args):
         r = {"dense_s": med(t["dense"]), "prompt_tokens": len(prompt), "estimated_tokens": t["cold"][0][3],
              "base_prefill_s": base_s, "admission_p": p.tolist(), "admission_entropy_ratio": entropy / np.log(anchors),
              "relative_rms": (l2 / (n * per_token).sqrt() / (l2 / (n * per_token).sqrt()).min()).tolist()}
-        for name in ("cold", "warm", "before"):
+        for name in ("cold", "warm", "new_memory", "before"):
             if name in t:
                 r[f"{name}_plan_s"] = med(x[0] for x in t[name])
                 r[f"{name}_materialize_s"] = med(x[1] for x in t[name])
@@ -275,16 +278,18 @@ def bench_segment(executor, args):
             r["before_over_now"] = r["before_work_s"] / r["cold_work_s"]
         results[f"{anchors}_anchors"] = r
         rows.append([anchors, len(prompt), ms(base_s), ms(r["cold_plan_s"]), ms(r["cold_materialize_s"]), ms(r["cold_work_s"]),
-                     "yes" if r["cold_work_s"] < 0.1 else "NO", ms(r["warm_work_s"]),
+                     "yes" if r["cold_work_s"] < 0.1 else "NO", ms(r["warm_work_s"]), ms(r["new_memory_work_s"]),
                      ms(r.get("before_work_s")), ratio(r.get("before_over_now")), ms(r["tail_s"]),
                      f"{r['work_fraction']:.0%}", ms(r["dense_s"]), ratio(r["speedup"])])
     print(f"\n== 3. Reuse-path work, {args.seg_tokens}-token shared segment on SmolLM2 (gamma=1.0, "
           f"key_distances={args.key_distances}, max_candidates={args.max_candidates}, anchors in {args.anchor_dtype}, median of "
           f"{args.seg_reps}; the new segment's base KV registered beforehand)")
-    print(table(["anchors", "prompt", "base prefill", "plan", "materialize", "work", "<0.1s", "work (cached)",
+    print(table(["anchors", "prompt", "base prefill", "plan", "materialize", "work", "<0.1s", "work (cached)", "work (new memory)",
                  "work before", "before/now", "tail (1 tok)", "work/TTFT", "dense TTFT", "dense/reuse"], rows))
     print("work = plan + materialize (admission + distances, realign + estimate + assemble) for the first agent to see "
-          "the content; work (cached) = the same for later agents (distances cached per content and anchor); work before "
+          "the content, into the engine's reused workspace memory as run_agent does; work (cached) = the same for later agents "
+          "(distances cached per content and anchor); work (new memory) = the first agent's into newly allocated memory "
+          "(engine.materialize: page faults on first write); work before "
           "= the session-7 distance computation (full-size temporaries, computed in decide and again in estimate, no "
           "cache; --baseline), interleaved with the others. reuse TTFT = work + tail; the base prefill (once per new "
           "content) comes on top when the content is new.")
