@@ -60,11 +60,6 @@ class KVWorkspace:
         finally:
             self._give_back(buffer)
 
-    def clear(self) -> None:
-        """Free every idle buffer (leased ones come back as usual)."""
-        with self._lock:
-            self._idle.clear()
-
     def _take(self, nbytes: int) -> torch.Tensor:
         """The smallest idle buffer of >= ``nbytes``, else a new one with room to grow: prompts
         in a pipeline lengthen agent by agent, and pages never written cost no memory."""
