@@ -64,7 +64,9 @@ class Executor(Protocol):
         keep_logprobs: bool = False, blend: BlendRequest | None = None, on_token: OnToken | None = None,
     ) -> Generation:
         """Inject ``prefix`` (KV of the first ``prefix.length`` tokens, rotated), compute the
-        rest of the prompt densely and decode greedily.
+        rest of the prompt densely and decode greedily. ``prefix`` may be memory lent for this
+        call only (``ReuseEngine.materialized``): copy what must outlive it, and return
+        nothing that views it.
 
         keep_logprobs: fill ``Generation.prompt_logprobs``. blend: before the tail, recompute
         the selected tokens of ``prefix`` (CacheBlend) and correct their cached KV. on_token:
