@@ -71,6 +71,10 @@ class ChatReply:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
+ANCHOR_BYTES = 256 << 20
+"""Default cap on the anchor pools of one ``ChatBackend`` (bytes, all pools together)."""
+
+
 class Cancelled(Exception):
     """The caller cancelled a completion while it was decoding."""
 
@@ -82,16 +86,30 @@ class ChatBackend:
     max_log: how many recent calls ``calls`` keeps (and ``summary`` totals). max_context:
     prompt + reply token limit (default: the model's, from its config or vLLM's). guard: a
     ``QualityGuard`` (shadow mode) for every call with reuse; export it with
-    ``kvcomm.integrations.guard_metrics.export``."""
+    ``kvcomm.integrations.guard_metrics.export``.
+
+    anchor_bytes: cap on the bytes all anchor pools of ``engine`` hold together (default
+    ``ANCHOR_BYTES``; None: unbounded). Chat slots are named per author and message index
+    (``chat_segments``), so every new message of a conversation opens a pool of its own and
+    a per-pool V bound does not bound the total. After every call (and ``retain``) the
+    largest pool gives up one anchor by its own eviction rule until the total fits, and
+    pools left empty are dropped (unless ``guard`` tracks their slot), so the number of
+    pools stays bounded too. Invariant between calls: ``anchor_pool_bytes <= anchor_bytes``.
+    ``anchor_evictions`` counts the anchors this cap evicted."""
 
     def __init__(
         self, executor, engine: ReuseEngine | None = None, max_new_tokens: int = 128, base_bytes: int | None = 256 << 20,
         max_log: int = 10_000, max_context: int | None = None, guard: QualityGuard | None = None,
+        anchor_bytes: int | None = ANCHOR_BYTES,
     ):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
         if max_log < 1:
             raise ValueError(f"max_log must be >= 1 (got {max_log})")
+        if anchor_bytes is not None and (isinstance(anchor_bytes, bool) or not isinstance(anchor_bytes, int) or anchor_bytes < 0):
+            raise ValueError(f"anchor_bytes must be a number of bytes >= 0, or None for no cap (got {anchor_bytes!r})")
+        self.anchor_bytes = anchor_bytes
+        self.anchor_evictions = 0
         self.executor = executor
         self.engine = engine
         self.guard = guard
@@ -143,7 +161,9 @@ class ChatBackend:
         if self.contexts is None:
             return ContextHandle(segment.shared_id, len(ids))
         with self._lock:
-            return self.contexts.retain(segment, self.executor.base_kv)
+            handle = self.contexts.retain(segment, self.executor.base_kv)
+            self._cap_anchors()
+            return handle
 
     def release(self, handle: ContextHandle | str) -> bool:
         if self.contexts is None:
@@ -183,6 +203,7 @@ class ChatBackend:
             # executors without streaming support still serve callers that pass no on_token
             hook = watch if on_token is not None else None
             generation, provenance = run_agent(self.executor, self.engine, prompt, budget, on_token=hook, guard=self.guard)
+            self._cap_anchors()
             text = self.executor.decode(generation.reply_ids)
             registered = self._keep_reply(generation, text)
             self._note_bases(chat, generation)
@@ -202,6 +223,38 @@ class ChatBackend:
         if stopped:
             raise Cancelled(f"cancelled after {len(generation.reply_ids)} tokens")
         return ChatReply(text_out, generation.reply_ids, call, tool_calls)
+
+    @property
+    def anchor_pool_bytes(self) -> int:
+        """Bytes held by all anchor pools of the engine (0 without reuse)."""
+        if self.engine is None:
+            return 0
+        with self.engine._lock:
+            return sum(pool.nbytes for pool in self.engine.pools.values())
+
+    def _cap_anchors(self) -> int:
+        """Apply ``anchor_bytes`` (see the class docstring); returns the anchors evicted."""
+        if self.engine is None:
+            return 0
+        evicted = 0
+        with self.engine._lock:
+            pools = self.engine.pools
+            if self.anchor_bytes is not None:
+                held = sum(pool.nbytes for pool in pools.values())
+                while held > self.anchor_bytes:
+                    pool = max((p for p in pools.values() if len(p)), key=lambda p: p.nbytes, default=None)
+                    if pool is None:
+                        break
+                    before = pool.nbytes
+                    if pool.evict() is None:
+                        break
+                    held -= before - pool.nbytes
+                    evicted += 1
+            tracked = self.guard.slots if self.guard is not None else {}
+            for slot in [s for s, pool in pools.items() if not len(pool) and s not in tracked]:
+                del pools[slot]
+        self.anchor_evictions += evicted
+        return evicted
 
     def _keep_reply(self, generation, text: str) -> bool:
         """Keep the reply's base only if readers will tokenize its text to the same ids."""

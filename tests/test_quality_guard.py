@@ -104,3 +104,98 @@ def test_bad_guard_config_is_refused_and_a_guard_serves_one_engine():
     guard.restrict(ReuseEngine(rotary), plan)
     with pytest.raises(ValueError, match="one guard per engine"):
         guard.restrict(ReuseEngine(rotary), plan)
+
+
+def _estimated_plan(executor):
+    """(engine, plan) of a prompt whose shared segment is estimated from an anchor: the same
+    prompt seen once before (no exact prefix store, so only the anchor path can reuse it)."""
+    engine = ReuseEngine(executor.rotary, ReuseConfig(exact_prefix=False))
+    prompt = agent_prompt(executor, SPEC.agents[1], {"doc": SPEC.inputs[0]["doc"], "reader": "A river."})
+    run_agent(executor, engine, prompt, 1)
+    plan = engine.plan(prompt, executor.base_kv)
+    assert plan.estimated_tokens > 0
+    return engine, prompt, plan
+
+
+def test_sampling_shadows_the_configured_fraction_of_estimated_requests(tiny_executor):
+    """``fraction`` is the share of requests with estimated KV that are shadowed: over n draws
+    the count is Binomial(n, fraction), drawn from the guard's own seeded RNG, so the check
+    below is deterministic (it sits 4 standard deviations wide). Requests that estimated
+    nothing are never shadowed, even at fraction 1."""
+    _, prompt, plan = _estimated_plan(tiny_executor)
+    slots = tuple(dict.fromkeys(prompt.segments[p.segment_index].slot for p in plan.pieces
+                                if prompt.segments[p.segment_index].is_shared))
+    n = 4000
+    for fraction in (0.0, 0.05, 0.25, 0.8, 1.0):
+        guard = QualityGuard(GuardConfig(fraction=fraction))
+        picks = [guard.sample(plan) for _ in range(n)]
+        count = sum(bool(p) for p in picks)
+        spread = 4 * (n * fraction * (1 - fraction)) ** 0.5
+        assert abs(count - n * fraction) <= spread, (fraction, count)
+        assert all(p == slots for p in picks if p)  # a sample goes to every slot the request estimated
+        if 0 < fraction < 1:
+            again = QualityGuard(GuardConfig(fraction=fraction))
+            assert [bool(again.sample(plan)) for _ in range(n)] == [bool(p) for p in picks]  # seeded
+            other = QualityGuard(GuardConfig(fraction=fraction, seed=1))
+            assert [bool(other.sample(plan)) for _ in range(n)] != [bool(p) for p in picks]
+    computed_only = ReusePlan(prompt)
+    assert QualityGuard(GuardConfig(fraction=1.0)).sample(computed_only) == ()
+
+
+def test_fraction_zero_never_shadows_a_pipeline(tiny_executor):
+    """The runner shadows only what ``sample`` picked: at fraction 0 no dense prefill runs,
+    though calls estimated KV."""
+    guard = QualityGuard(GuardConfig(fraction=0.0, budget=0.0, min_samples=1, action="disable"))
+    _, calls, _ = _run(tiny_executor, guard)
+    assert any(c.provenance.estimated_tokens > 0 for c in calls)
+    metrics = guard.metrics()
+    assert metrics["shadowed"] == 0 and metrics["slots"] == {}
+    assert not any("quality guard" in c.provenance.note for c in calls)
+
+
+def _shadow_kls(executor):
+    """(engine, token ids, reuse log-probs giving KL ~0, reuse log-probs giving KL > 1): the
+    first is the dense distribution itself, the second one that puts nearly all its mass on
+    dense's top token, leaving almost none for the rest (which holds most of the dense mass
+    of this near-wrong random model)."""
+    engine, prompt, _ = _estimated_plan(executor)
+    dense = executor.generate(prompt.token_ids, None, 1, time.perf_counter(), keep_logprobs=True).prompt_logprobs[-1]
+    wrong = torch.zeros_like(dense)
+    wrong[int(dense.argmax())] = 30.0
+    return engine, prompt.token_ids, dense, torch.log_softmax(wrong, -1)
+
+
+def test_the_guard_acts_on_the_rolling_window_after_min_samples(tiny_executor):
+    """The rolling mean covers the last ``window`` samples only, and the guard does not act
+    before ``min_samples`` samples; samples are fed through ``shadow`` (a real dense prefill)
+    with reuse distributions of known KL: ~0 (the dense one) or K > 1 (a wrong one)."""
+    engine, ids, dense, wrong = _shadow_kls(tiny_executor)
+    probe = QualityGuard(GuardConfig(fraction=1.0, budget=1e9, min_samples=1))
+    high = probe.shadow(tiny_executor, engine, ids, wrong, ("doc",))
+    low = probe.shadow(tiny_executor, engine, ids, dense, ("doc",))
+    assert high > 1.0 and 0 <= low < 1e-6
+
+    guard = QualityGuard(GuardConfig(fraction=1.0, budget=0.4 * high, window=3, min_samples=3, action="disable"))
+    expected_disabled = []
+    # K alone exceeds the budget, but 1 < min_samples; [K, 0, 0] and [0, 0, K] average K/3
+    # (the whole history's 2K/4 would exceed the budget); [0, K, K] averages 2K/3: disable.
+    for reuse, disabled in ((wrong, False), (dense, False), (dense, False), (wrong, False), (wrong, True)):
+        guard.shadow(tiny_executor, engine, ids, reuse, ("doc",))
+        expected_disabled.append(disabled)
+        assert guard.disabled("doc") == disabled, (len(expected_disabled), guard.metrics())
+    state = guard.metrics()["slots"]["doc"]
+    assert state["samples"] == 5 and state["kl_mean"] == pytest.approx((low + 2 * high) / 3, rel=1e-3)
+    assert "over the last 3 shadowed requests" in state["reason"]
+
+
+def test_tightening_restarts_the_window_so_min_samples_applies_again(tiny_executor):
+    engine, ids, _, wrong = _shadow_kls(tiny_executor)
+    guard = QualityGuard(GuardConfig(fraction=1.0, budget=1e-3, window=4, min_samples=2, max_tightenings=5))
+    gamma = engine.pool("doc").config.gamma
+    tightenings = []
+    for _ in range(6):
+        guard.shadow(tiny_executor, engine, ids, wrong, ("doc",))
+        tightenings.append(guard.metrics()["slots"]["doc"]["tightenings"])
+    # every second sample completes a fresh window of min_samples = 2 and tightens once more
+    assert tightenings == [0, 1, 1, 2, 2, 3]
+    assert engine.pool("doc").config.gamma == pytest.approx(gamma * 0.5 ** 3) and not guard.disabled("doc")
