@@ -157,7 +157,7 @@ def _shadow_kls(executor):
     """(engine, token ids, reuse log-probs giving KL ~0, reuse log-probs giving KL > 1): the
     first is the dense distribution itself, the second one that puts nearly all its mass on
     dense's top token, leaving almost none for the rest (which holds most of the dense mass
-    of this near-wrong random model)."""
+    of this near-uniform random model)."""
     engine, prompt, _ = _estimated_plan(executor)
     dense = executor.generate(prompt.token_ids, None, 1, time.perf_counter(), keep_logprobs=True).prompt_logprobs[-1]
     wrong = torch.zeros_like(dense)
