@@ -1,0 +1,80 @@
+"""The order in which a tenant over its byte cap gives memory back (``TenantEngine.shrink``):
+cheapest to rebuild first (exact prefixes, then shared-content bases, then fixed-segment
+bases), anchors last and from the largest pool; and the total cap shrinks the largest
+tenant first."""
+
+from __future__ import annotations
+
+import random
+
+from kvcomm.anchors.pool import PoolConfig
+from kvcomm.engine import ReuseConfig
+from kvcomm.pipeline import parse_pipeline
+from kvcomm.runner import run_agent
+from kvcomm.tenants import TenantRegistry
+from one_thread import one_thread  # noqa: F401 (autouse fixture)
+from two_agent_case import PIPELINE, agent_prompt
+
+WORDS = "river mountain city forest ocean desert island valley bridge castle garden market".split()
+
+
+def _fill(engine, executor, rows: int, seed: int = 0) -> None:
+    """Two-agent rows on random documents, gamma 0 (every sample becomes an anchor)."""
+    spec = parse_pipeline(PIPELINE)
+    rng = random.Random(seed)
+    for _ in range(rows):
+        doc = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))) + "."
+        reader = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6))) + "."
+        for agent in spec.agents:
+            run_agent(executor, engine, agent_prompt(executor, agent, {"doc": doc, "reader": reader}), 2)
+
+
+def _registry(executor, **caps) -> TenantRegistry:
+    return TenantRegistry(executor.rotary, ReuseConfig(pool=PoolConfig(gamma=0.0)), **caps)
+
+
+def test_shrink_gives_back_prefixes_then_bases_then_fixed_bases_then_anchors(tiny_executor):
+    engine = _registry(tiny_executor).engine("shrinking")
+    _fill(engine, tiny_executor, 5)
+    full = engine.memory()
+    assert full.prefix_store and full.bases and full.fixed_bases and sum(full.pools.values()), full
+
+    def step(target: int):
+        before = dict(engine.evicted)
+        engine.shrink(target)
+        after = engine.memory()
+        assert after.total <= target
+        return after, {k: engine.evicted[k] - before[k] for k in before}
+
+    # just under the total: the exact prefix store pays alone
+    after, evicted = step(full.total - 1)
+    assert evicted["prefix_store"] >= 1 and evicted["bases"] == evicted["fixed_bases"] == evicted["anchors"] == 0
+    assert (after.bases, after.fixed_bases, after.pools) == (full.bases, full.fixed_bases, full.pools)
+    # below what prefixes can give: all of them go, then shared-content bases
+    after, evicted = step(full.total - full.prefix_store - 1)
+    assert after.prefix_store == 0 and evicted["bases"] >= 1 and evicted["fixed_bases"] == evicted["anchors"] == 0
+    assert (after.fixed_bases, after.pools) == (full.fixed_bases, full.pools)
+    # below prefixes + bases: fixed-segment bases next, anchors untouched
+    after, evicted = step(full.fixed_bases + sum(full.pools.values()) - 1)
+    assert after.bases == 0 and evicted["fixed_bases"] >= 1 and evicted["anchors"] == 0 and after.pools == full.pools
+    # only anchors left: the largest pool gives up one anchor first
+    pools = {slot: n for slot, n in after.pools.items() if n}
+    largest = max(pools, key=pools.get)
+    after, evicted = step(sum(pools.values()) - 1)
+    assert after.fixed_bases == 0 and evicted["anchors"] == 1
+    assert after.pools[largest] < pools[largest] and all(after.pools[s] == n for s, n in pools.items() if s != largest)
+    assert not any(pool.problems() for pool in engine.pools.values())
+
+
+def test_the_total_cap_shrinks_the_largest_tenant_first(tiny_executor):
+    registry = _registry(tiny_executor)
+    small, large = registry.engine("small"), registry.engine("large")
+    _fill(small, tiny_executor, 1, seed=1)
+    _fill(large, tiny_executor, 4, seed=2)
+    sizes = {"small": small.nbytes, "large": large.nbytes}
+    assert sizes["large"] > 2 * sizes["small"]
+    registry.max_total_bytes = sum(sizes.values()) - sizes["small"] // 2  # less than the large one can give
+    registry.enforce()
+    assert small.nbytes == sizes["small"] and sum(small.evicted.values()) == 0  # the small tenant is not touched
+    assert large.nbytes <= sizes["large"] - sizes["small"] // 2 and registry.nbytes <= registry.max_total_bytes
+    assert registry.problems() == []
