@@ -70,6 +70,8 @@ def _cmd_run(args, spec: PipelineSpec) -> int:
 
 
 MIDDLEWARE = "kvcomm.integrations.serve_middleware.KvcommTenantMiddleware"
+STATE_SHUTDOWN_TIMEOUT_S = 30
+"""With --state-dir: vLLM's --shutdown-timeout (seconds the engine may take to stop) unless given."""
 
 
 def serve_argv(
@@ -94,6 +96,10 @@ def serve_argv(
     for flag in ("--enforce-eager", "--enable-prompt-tokens-details"):
         if flag not in given:
             argv.append(flag)
+    if (engine or {}).get("state_dir") and "--shutdown-timeout" not in given:
+        # vLLM's default (0) force-kills the engine-core process at once on shutdown, before
+        # the planner there can write its save at exit.
+        argv += ["--shutdown-timeout", str(STATE_SHUTDOWN_TIMEOUT_S)]
     if plan:
         argv += ["--middleware", MIDDLEWARE]
     return argv + vllm_args
@@ -200,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-tenant-bytes", type=int, help="byte cap of each tenant's pools, bases and prefixes")
     serve.add_argument("--max-total-bytes", type=int, help="byte cap of all tenants together")
     serve.add_argument("--state-dir", help="keep anchor pools and bases here across restarts (restored at start, "
-                       "saved every --save-interval seconds and at exit)")
+                       "saved every --save-interval seconds and at exit; gives vLLM --shutdown-timeout "
+                       f"{STATE_SHUTDOWN_TIMEOUT_S} unless set, so the engine lives long enough to save)")
     serve.add_argument("--save-interval", type=float, default=60.0, help="seconds between saves of --state-dir (default 60)")
     serve.add_argument("--no-tenant-per-key", dest="tenant_per_key", action="store_false",
                        help="with vLLM's --api-key: one tenant for all keys (default: each key its own tenant)")

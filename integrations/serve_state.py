@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import multiprocessing.util
 import os
 import threading
 from pathlib import Path
@@ -87,10 +88,16 @@ class PlannerState:
         return True
 
     def start(self) -> None:
-        """Save every ``interval_s`` seconds (when something changed) and at exit."""
+        """Save every ``interval_s`` seconds (when something changed) and at exit.
+
+        "At exit" covers both kinds of process the planner runs in: a main process (``atexit``)
+        and vLLM's engine-core process, a ``multiprocessing`` child that leaves through
+        ``os._exit``, which skips ``atexit`` but runs multiprocessing's exit finalizers.
+        ``stop`` is idempotent, so where both fire the second finds nothing to save."""
         self._thread = threading.Thread(target=self._run, name="kvcomm-state", daemon=True)
         self._thread.start()
         atexit.register(self.stop)
+        multiprocessing.util.Finalize(None, self.stop, exitpriority=10)
 
     def stop(self) -> None:
         self._stop.set()

@@ -59,22 +59,25 @@ class Server:
             raise AssertionError(f"HTTP {status}: {reply}")
         return reply
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 30) -> int:
+        """SIGTERM (vLLM shuts down gracefully), SIGKILL after ``timeout_s``; returns the exit status."""
         if self.process.poll() is None:
             self.process.terminate()
             try:
-                self.process.wait(30)
+                self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        return self.process.returncode
 
 
 def start_server(log: Path, keys: tuple[str, ...], *args: str) -> Server:
-    """`python -m kvcomm.integrations.cli serve` with test settings; waits for /health and /v1/models."""
+    """`python -m kvcomm.integrations.cli serve` with test settings; waits for /health and /v1/models.
+    ``keys``: vLLM's ``--api-key`` values; empty: no key at all (keyless mode, no authentication)."""
     port = free_port()
     command = [sys.executable, "-m", "kvcomm.integrations.cli", "serve", "--gamma", "1", "--port", str(port),
                "--host", "127.0.0.1", "--max-model-len", "1024", "--block-size", "32", "--max-num-seqs", "8",
-               "--api-key", *keys, *args]
+               *(("--api-key", *keys) if keys else ()), *args]
     # One OpenMP thread: on a small shared CPU, threads waiting at barriers for a descheduled
     # sibling make each forward many times slower.
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
@@ -90,7 +93,7 @@ def start_server(log: Path, keys: tuple[str, ...], *args: str) -> Server:
         except OSError:
             status = 0
         if status == 200:
-            status, models = server.request("GET", "/v1/models", key=keys[0])
+            status, models = server.request("GET", "/v1/models", key=keys[0] if keys else None)
             server.model = models["data"][0]["id"]
             return server
         time.sleep(2)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvcomm.integrations.cli import build_parser, main, serve_argv
 
 
@@ -42,3 +44,42 @@ def test_serve_adds_tenant_middleware_and_reads_api_keys(monkeypatch):
 def test_serve_refuses_a_non_positive_byte_cap(capsys):
     assert main(["serve", "--max-tenant-bytes", "0"]) == 2
     assert "--max-tenant-bytes must be a positive number of bytes" in capsys.readouterr().err
+
+
+def _connector(**parallel):
+    """The kvcomm connector built by vLLM's own config classes with ``parallel`` settings
+    (what vLLM's scheduler does at engine start); no engine runs."""
+    from vllm.config import ParallelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from kvcomm.integrations.vllm_connector import KvcommConnector
+    from kvcomm.integrations.vllm_engine import transfer_config
+
+    config = VllmConfig(parallel_config=ParallelConfig(**parallel), kv_transfer_config=transfer_config())
+    return KvcommConnector(config, KVConnectorRole.SCHEDULER, KVCacheConfig(num_blocks=0, kv_cache_tensors=[], kv_cache_groups=[]))
+
+
+def test_the_connector_refuses_parallel_engines_and_workers_in_other_processes():
+    """Scheduler and worker sides exchange orders and captured KV in memory, so the connector
+    refuses tensor or pipeline parallelism and executors that run workers elsewhere."""
+    for parallel in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
+        with pytest.raises(ValueError, match="supports tensor and pipeline parallel size 1 only"):
+            _connector(**parallel)
+    with pytest.raises(ValueError, match=r"executor backend is 'mp'; on CPU set VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+        _connector(distributed_executor_backend="mp")
+    assert _connector(distributed_executor_backend="uni").engine_id  # the supported setting is accepted
+
+
+def test_a_state_dir_gives_the_engine_time_to_save_at_exit():
+    """vLLM's default --shutdown-timeout 0 force-kills the engine-core process at once, before
+    the save at exit: with --state-dir, `kvcomm serve` asks for a grace period; the user's own
+    value wins."""
+    from kvcomm.integrations.cli import STATE_SHUTDOWN_TIMEOUT_S
+
+    state = {"state_dir": "/tmp/state", "save_interval_s": 60.0}
+    argv = serve_argv(None, True, None, [], state)
+    assert argv[argv.index("--shutdown-timeout") + 1] == str(STATE_SHUTDOWN_TIMEOUT_S) and STATE_SHUTDOWN_TIMEOUT_S > 0
+    mine = serve_argv(None, True, None, ["--shutdown-timeout", "5"], state)
+    assert mine.count("--shutdown-timeout") == 1 and mine[-2:] == ["--shutdown-timeout", "5"]
+    assert "--shutdown-timeout" not in serve_argv(None, True, None, [], {"gamma": 1.0})  # no state: vLLM's default

@@ -1,0 +1,134 @@
+"""`kvcomm serve --state-dir` through the real server (two starts on one state folder).
+
+First start (``--save-interval 2``): tenants' pools and bases are saved while the server
+runs. Then one tenant's save is corrupted on disk. Second start (``--save-interval 3600``,
+so only the save at exit can write): the intact tenant's state is restored (its first
+request is estimated from restored anchors, with no exact prefix to explain it), the corrupt
+one is logged and starts cold while the server serves, and the save at exit rewrites both.
+
+Both starts use ``--no-tenant-per-key``: two API keys share tenants, which the request body
+names (``kv_transfer_params.kvcomm.tenant``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from kvcomm.integrations.serve_state import TENANT_FILE
+from kvcomm.persist import MANIFEST
+from kvcomm.pipeline import load_demo_pipeline
+from kvcomm.runner import _content, build_prompt
+from kvcomm.segments import Segment
+from kvcomm.tenants import tenant_label
+from test_serve_http import SOURCES, annotations, executor, provenance  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.slow
+
+KEYS = ("persist-key-1", "persist-key-2")
+TENANTS = ("team-a", "team-b")
+ROWS = (0, 1, 2)
+
+
+def run_row(server, executor, row: int, tenant: str, key: str) -> list[tuple[object, dict]]:  # noqa: F811
+    """The demo pipeline's agents on ``row`` for ``tenant``; each agent sees the earlier replies."""
+    spec = load_demo_pipeline()
+    shared = {name: _content(executor, spec.inputs[row][name]) for name in spec.input_slots}
+    calls = []
+    for agent in spec.agents:
+        prompt = build_prompt(executor, agent, shared)
+        response = server.complete(prompt.token_ids, key, 8, {**annotations(prompt), "tenant": tenant})
+        calls.append((prompt, response))
+        reply = [t for t in response["choices"][0]["token_ids"] if t != executor.tokenizer.eos_token_id]
+        shared[agent.name] = Segment(tuple(reply), slot="_") if reply else None
+    return calls
+
+
+def _manifest(state: Path, tenant: str, after: float = 0.0) -> dict | None:
+    """The tenant's saved manifest, if written after the ``time.time()`` value ``after``."""
+    path = state / tenant_label(tenant) / MANIFEST
+    return json.loads(path.read_text()) if path.is_file() and path.stat().st_mtime > after else None
+
+
+def _anchors(manifest: dict) -> int:
+    return sum(len(pool["anchors"]) for pool in manifest["pools"])
+
+
+def _wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def test_state_is_saved_restored_and_a_corrupt_save_starts_cold(executor, tmp_path_factory):  # noqa: F811
+    from serve_client import start_server
+
+    state = tmp_path_factory.mktemp("kvcomm-state")
+    logs = tmp_path_factory.mktemp("kvcomm-persist-logs")
+    first = start_server(logs / "first.log", KEYS, "--state-dir", str(state), "--save-interval", "2", "--no-tenant-per-key")
+    try:
+        # team-a builds anchors over three rows; team-b only needs a save of its own to corrupt
+        calls = {t: [c for row in rows for c in run_row(first, executor, row, t, KEYS[i])]
+                 for i, (t, rows) in enumerate(zip(TENANTS, (ROWS, ROWS[-1:])))}
+        probe_prompt, _ = calls["team-a"][-1]  # the last agent: task and three replies, at their offsets
+        probe = {**annotations(probe_prompt), "tenant": "team-a"}
+        # --no-tenant-per-key: the other key reaches the same tenant, so this is an exact hit
+        spec = load_demo_pipeline()
+        agent = dataclasses.replace(spec.agents[0], system=f"{spec.agents[0].system} Session {uuid.uuid4().hex}.")
+        fresh = build_prompt(executor, agent, {"task": _content(executor, spec.inputs[0]["task"])})
+        for key in KEYS:
+            shared = provenance(first.complete(fresh.token_ids, key, 2, {**annotations(fresh), "tenant": "team-a"}))
+        assert shared["exact_tokens"] == len(fresh) - 1
+        # saved at the interval, while the server runs: both tenants, with anchors
+        served = time.time()
+        saved = {t: _wait_for(lambda t=t: _manifest(state, t, served), 30, f"a save of {t}") for t in TENANTS}
+        for tenant in TENANTS:
+            folder = state / tenant_label(tenant)
+            assert json.loads((folder / TENANT_FILE).read_text()) == {"tenant": tenant}
+            assert _anchors(saved[tenant]) > 0 and saved[tenant]["bases"]
+        # the interval save keeps up: new content for team-a shows up in a later save
+        bases_before = len(saved["team-a"]["bases"])
+        run_row(first, executor, 3, "team-a", KEYS[0])
+        served = time.time()
+        _wait_for(lambda: len((_manifest(state, "team-a", served) or {"bases": []})["bases"]) > bases_before, 30,
+                  "team-a's later save")
+        time.sleep(3)  # one more interval: nothing in flight any more
+    finally:
+        first.stop()
+    assert "starts cold" not in first.log.read_text()
+
+    before = {t: _manifest(state, t) for t in TENANTS}
+    corrupt = state / tenant_label("team-b") / before["team-b"]["tensors"]["file"]
+    corrupt.write_bytes(corrupt.read_bytes()[: corrupt.stat().st_size // 2])  # a torn file
+    second = start_server(logs / "second.log", KEYS, "--state-dir", str(state), "--save-interval", "3600", "--no-tenant-per-key")
+    try:
+        warm = provenance(second.complete(probe_prompt.token_ids, KEYS[0], 2, probe))
+        # exact prefixes are not saved and vLLM's cache is new, so what is reused here comes
+        # from the restored state: anchors estimate the shared content, and the restored base
+        # of the template's opening fixed segment serves it exactly at its own position
+        assert warm["estimated_tokens"] > 0 and warm["computed_tokens"] < len(probe_prompt) // 2, warm
+        cold = provenance(second.complete(probe_prompt.token_ids, KEYS[0], 2, {**probe, "tenant": "team-b"}))
+        assert cold["exact_tokens"] == cold["estimated_tokens"] == 0, cold  # its save was unreadable
+        log = second.log.read_text()
+        assert f"kvcomm: tenant {tenant_label('team-b')} starts cold" in log
+        assert f"kvcomm: tenant {tenant_label('team-a')} starts cold" not in log
+        print("\n" + next(line for line in log.splitlines() if "starts cold" in line))
+        print(f"restored: {warm}\ncold: {cold}")
+    finally:
+        status = second.stop(timeout_s=60)
+    # saved at exit (the 3600 s interval never came): team-b has a readable save again, and
+    # team-a's save holds what the probe taught it
+    after = {t: _manifest(state, t) for t in TENANTS}
+    assert after["team-b"] != before["team-b"] and after["team-a"] != before["team-a"], status
+    tensors = state / tenant_label("team-b") / after["team-b"]["tensors"]["file"]
+    assert tensors.is_file() and tensors.stat().st_size == after["team-b"]["tensors"]["bytes"]
+    assert not corrupt.exists() or corrupt == tensors
