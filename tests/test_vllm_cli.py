@@ -60,15 +60,21 @@ def _connector(**parallel):
     return KvcommConnector(config, KVConnectorRole.SCHEDULER, KVCacheConfig(num_blocks=0, kv_cache_tensors=[], kv_cache_groups=[]))
 
 
-def test_the_connector_refuses_parallel_engines_and_workers_in_other_processes():
+def test_the_connector_refuses_parallel_engines_and_workers_in_other_processes(monkeypatch):
     """Scheduler and worker sides exchange orders and captured KV in memory, so the connector
-    refuses tensor or pipeline parallelism and executors that run workers elsewhere."""
+    refuses tensor or pipeline parallelism and executors that run workers elsewhere. On CPU,
+    vLLM itself turns the one-process executor into "mp" unless
+    VLLM_ENABLE_V1_MULTIPROCESSING=0: the refusal says so."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     for parallel in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
         with pytest.raises(ValueError, match="supports tensor and pipeline parallel size 1 only"):
             _connector(**parallel)
     with pytest.raises(ValueError, match=r"executor backend is 'mp'; on CPU set VLLM_ENABLE_V1_MULTIPROCESSING=0"):
         _connector(distributed_executor_backend="mp")
     assert _connector(distributed_executor_backend="uni").engine_id  # the supported setting is accepted
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # what a user who forgot it gets
+    with pytest.raises(ValueError, match=r"executor backend is 'mp'"):
+        _connector(distributed_executor_backend="uni")
 
 
 def test_a_state_dir_gives_the_engine_time_to_save_at_exit():
