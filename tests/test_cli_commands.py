@@ -207,7 +207,6 @@ def test_selfcheck_exits_1_when_realigned_keys_do_not_match(tokenizer, tmp_path,
 def test_eval_on_the_vllm_backend_without_kl(tiny_llama, tmp_path, capsys):
     """``eval --backend vllm --no-kl`` runs vLLM in process with the kvcomm connector and
     writes results whose reuse numbers come from vLLM's side."""
-    pytest.importorskip("vllm")
     out = tmp_path / "eval"
     argv = ["eval", "--workload", "mmlu", "--limit", "3", "--agents", "1", "--modes", "exact,kvcomm", "--gammas", "1",
             "--max-new-tokens", "2", "--out", str(out), "--backend", "vllm", "--no-kl", "--no-progress", "--model", tiny_llama]

@@ -36,7 +36,6 @@ BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4
 
 @pytest.fixture(scope="module")
 def keyless_server(tmp_path_factory):
-    pytest.importorskip("vllm")
     from serve_client import start_server
 
     log = tmp_path_factory.mktemp("kvcomm-serve-caps") / "server.log"

@@ -26,7 +26,7 @@ from kvcomm.pipeline import load_demo_pipeline
 from kvcomm.runner import _content, build_prompt
 from kvcomm.segments import Segment
 from kvcomm.tenants import tenant_label
-from test_serve_http import SOURCES, annotations, executor, provenance  # noqa: F401 (fixture)
+from test_serve_http import annotations, executor, provenance  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.slow
 
