@@ -90,10 +90,12 @@ class PlannerState:
     def start(self) -> None:
         """Save every ``interval_s`` seconds (when something changed) and at exit.
 
-        "At exit" covers both kinds of process the planner runs in: a main process (``atexit``)
-        and vLLM's engine-core process, a ``multiprocessing`` child that leaves through
-        ``os._exit``, which skips ``atexit`` but runs multiprocessing's exit finalizers.
-        ``stop`` is idempotent, so where both fire the second finds nothing to save."""
+        "At exit" covers the processes the planner runs in: a main process or vLLM's
+        engine-core process started by "spawn" (``atexit``), and one started by "fork", which
+        leaves through ``os._exit``, skipping ``atexit`` but running multiprocessing's exit
+        finalizers. ``stop`` is idempotent, so where both fire the second finds nothing to
+        save. The process must be allowed to exit: `kvcomm serve` gives vLLM a shutdown
+        timeout for that (``cli.STATE_SHUTDOWN_TIMEOUT_S``)."""
         self._thread = threading.Thread(target=self._run, name="kvcomm-state", daemon=True)
         self._thread.start()
         atexit.register(self.stop)
