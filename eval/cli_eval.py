@@ -15,6 +15,7 @@ from kvcomm.anchors.pool import PoolConfig
 from kvcomm.engine import BASE_SOURCES, ReuseConfig
 from kvcomm.eval.evaluate import ALL_MODES, EvalSettings
 from kvcomm.eval.outputs import check_out_dir
+from kvcomm.integrations.embedded import DTYPES
 
 BACKENDS = ("transformers", "vllm")
 AVAILABLE_BACKENDS = ("transformers", "vllm")
@@ -138,6 +139,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--backend", choices=BACKENDS, default="transformers",
                         help="model runtime (default transformers; vllm needs --no-kl and no cacheblend mode)")
     parser.add_argument("--model", help="local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                        help="model dtype: weights, activations and KV cache (default float32)")
     parser.set_defaults(eval_command=run_eval_command)
     return parser
 
@@ -150,11 +153,11 @@ def settings_from_args(args) -> EvalSettings:
     )
 
 
-def load_executor(model: str | None, backend: str = "transformers"):
-    """(executor, model path) for ``model`` or the embedded model on ``backend``."""
+def load_executor(model: str | None, backend: str = "transformers", dtype: str = "float32"):
+    """(executor, model path) for ``model`` or the embedded model on ``backend`` in ``dtype``."""
     from kvcomm.integrations.cli import load_executor as load
 
-    return load(model, backend)
+    return load(model, backend, dtype)
 
 
 def run_eval_command(args, executor=None) -> int:
@@ -182,8 +185,8 @@ def run_eval_command(args, executor=None) -> int:
                                  max_new_tokens=args.max_new_tokens)
         model_path = getattr(args, "model", None)
         if executor is None:
-            executor, model_path = load_executor(args.model, args.backend)
-        meta = {"model": model_path, "backend": args.backend, "limit": args.limit, "workload_arg": args.workload,
+            executor, model_path = load_executor(args.model, args.backend, getattr(args, "dtype", "float32"))
+        meta = {"model": model_path, "backend": args.backend, "dtype": getattr(args, "dtype", "float32"), "limit": args.limit, "workload_arg": args.workload,
                 "workload_seed": 0, "n_agents": args.agents,
                 "max_new_tokens": workload.pipeline.max_new_tokens, "kl": not args.no_kl,
                 "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
