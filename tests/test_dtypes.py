@@ -399,3 +399,41 @@ def test_bf16_executor_casts_a_prefix_in_another_dtype_once():
     same = executor.generate(ids, head.computed, 4, None, keep_logprobs=True)
     assert cast.computed.keys.dtype == torch.bfloat16 and cast.reply_ids == same.reply_ids
     assert torch.equal(cast.prompt_logprobs, same.prompt_logprobs) and torch.equal(cast.computed.keys, same.computed.keys)
+
+
+def _tiny_in(executor, dtype: torch.dtype):
+    """``executor``'s tiny model, copied and cast to ``dtype``, with the same tokenizer."""
+    from kvcomm.integrations.transformers_executor import TransformersExecutor
+
+    return TransformersExecutor(copy.deepcopy(executor.model).to(dtype), executor.tokenizer)
+
+
+def test_dtype_noise_floor_of_the_eval_command(tiny_executor):
+    """``kvcomm eval --noise-floor``'s measurement: the same (tiny) model against itself is
+    exactly 0 KL and all top-1 equal; in bf16 against fp32 it is above 0, over every position of
+    every dense prompt of the workload."""
+    from kvcomm.eval.cli_eval import dtype_noise_floor, format_noise_floor
+    from kvcomm.eval.workloads import load_workload
+
+    workload = load_workload("retrieval", limit=2, n_agents=1, max_new_tokens=3)
+    same = dtype_noise_floor(workload, tiny_executor, tiny_executor)
+    assert same["kl_mean"] == same["kl_max"] == 0.0 and same["same_top1"] == 1.0
+    assert same["prompts"] == 2 * 2
+    floor = dtype_noise_floor(workload, tiny_executor, _tiny_in(tiny_executor, torch.bfloat16))
+    assert floor["prompts"] == same["prompts"] and floor["positions"] == same["positions"] > 100
+    assert 0 < floor["kl_median"] <= floor["kl_max"] and 0 < floor["kl_mean"] < 0.1
+    assert 0.5 < floor["same_top1"] <= 1.0
+    line = format_noise_floor({**floor, "dtype": "bfloat16", "reference_dtype": "float32"})
+    assert line.startswith("noise floor, dense bfloat16 vs dense float32 on the same 4 prompts")
+
+
+@pytest.mark.slow
+def test_demo_command_in_bf16(capsys):
+    from kvcomm.integrations.cli import main
+
+    assert main(["demo", "--limit", "2", "--gamma", "1.0", "--dtype", "bfloat16", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["dtype"] == "bfloat16" and report["summary"]["calls"] == 2 * 4
+    assert report["summary"]["token_reuse_rate"] > 0
+    first_row = [c for c in report["calls"] if c["input_index"] == 0]
+    assert all(c["fallback"] and c["reply_equal"] for c in first_row)
