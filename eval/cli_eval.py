@@ -237,6 +237,9 @@ def run_eval_command(args, executor=None) -> int:
         if floor_dtype is not None:
             if args.backend != "transformers":
                 raise ValueError("--noise-floor runs the model on the transformers backend; use --backend transformers")
+            if floor_dtype == meta["dtype"]:
+                raise ValueError(f"--noise-floor {floor_dtype} is the --dtype itself; name another dtype, "
+                                 "e.g. --noise-floor bfloat16 with the default --dtype float32")
             other, _ = load_executor(args.model, "transformers", floor_dtype)
             floor = dtype_noise_floor(workload, executor, other, settings.top_k, progress=not args.no_progress)
             del other

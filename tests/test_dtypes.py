@@ -437,3 +437,18 @@ def test_demo_command_in_bf16(capsys):
     assert report["summary"]["token_reuse_rate"] > 0
     first_row = [c for c in report["calls"] if c["input_index"] == 0]
     assert all(c["fallback"] and c["reply_equal"] for c in first_row)
+
+
+def test_noise_floor_needs_another_dtype_and_the_transformers_backend(tiny_executor, tmp_path, capsys):
+    import argparse
+
+    from kvcomm.eval.cli_eval import add_eval_parser, run_eval_command
+
+    parser = argparse.ArgumentParser(prog="kvcomm")
+    add_eval_parser(parser.add_subparsers(dest="command", required=True))
+    base = ["eval", "--workload", "retrieval", "--limit", "1", "--agents", "1", "--out", str(tmp_path / "o"), "--no-progress"]
+    assert run_eval_command(parser.parse_args(base + ["--noise-floor", "float32"]), executor=tiny_executor) == 2
+    assert "--noise-floor float32 is the --dtype itself" in capsys.readouterr().err
+    assert run_eval_command(parser.parse_args(base + ["--noise-floor", "bfloat16", "--backend", "vllm", "--no-kl",
+                                                      "--modes", "kvcomm"]), executor=tiny_executor) == 2
+    assert "transformers backend" in capsys.readouterr().err
