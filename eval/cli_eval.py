@@ -11,10 +11,14 @@ import math
 import sys
 import time
 
+import torch
+from tqdm import tqdm
+
 from kvcomm.anchors.pool import PoolConfig
 from kvcomm.engine import BASE_SOURCES, ReuseConfig
 from kvcomm.eval.evaluate import ALL_MODES, EvalSettings
 from kvcomm.eval.outputs import check_out_dir
+from kvcomm.integrations.embedded import DTYPES
 
 BACKENDS = ("transformers", "vllm")
 AVAILABLE_BACKENDS = ("transformers", "vllm")
@@ -138,6 +142,12 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--backend", choices=BACKENDS, default="transformers",
                         help="model runtime (default transformers; vllm needs --no-kl and no cacheblend mode)")
     parser.add_argument("--model", help="local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                        help="model dtype: weights, activations and KV cache (default float32)")
+    parser.add_argument("--noise-floor", choices=tuple(DTYPES), metavar="DTYPE",
+                        help="also measure the precision noise floor: every dense prompt of the workload prefilled "
+                             "by the same model in --dtype and in DTYPE, KL(--dtype || DTYPE) and same top-1 over "
+                             "all prompt positions (e.g. --noise-floor bfloat16: what bf16 costs against fp32)")
     parser.set_defaults(eval_command=run_eval_command)
     return parser
 
@@ -150,11 +160,47 @@ def settings_from_args(args) -> EvalSettings:
     )
 
 
-def load_executor(model: str | None, backend: str = "transformers"):
-    """(executor, model path) for ``model`` or the embedded model on ``backend``."""
+def load_executor(model: str | None, backend: str = "transformers", dtype: str = "float32"):
+    """(executor, model path) for ``model`` or the embedded model on ``backend`` in ``dtype``."""
     from kvcomm.integrations.cli import load_executor as load
 
-    return load(model, backend)
+    return load(model, backend, dtype)
+
+
+def dtype_noise_floor(workload, executor, other, top_k: int = 20, progress: bool = False) -> dict:
+    """How far the same model in another precision is from ``executor`` on the workload's prompts.
+
+    Every row runs densely on ``executor`` (the reference: its prompts and replies); each agent's
+    prompt is then prefilled by ``other`` (the same checkpoint in another dtype) on exactly those
+    token ids. Returns the KL(reference || other) bound on the reference's ``top_k`` tokens plus
+    an "other" bucket (``kvcomm.divergence.kl_topk_other``) over every prompt position: its mean,
+    median and max, the share of positions with the same most likely token, and the counts
+    (``prompts``, ``positions``). No reuse is involved: this is the floor a reuse mode's KL
+    (also measured against ``executor``) is read against.
+    """
+    from kvcomm.divergence import kl_topk_other, top1_matches, topk_reference
+    from kvcomm.runner import run_row
+
+    spec = workload.pipeline
+    kls, tops, prompts = [], [], 0
+    for row in tqdm(range(len(spec.inputs)), desc="noise floor", unit="row", disable=not progress, file=sys.stderr):
+        for call in run_row(spec, row, executor, None, keep_logprobs=True):
+            reference = topk_reference(call.prompt_logprobs, top_k)
+            logprobs = other.generate(list(call.prompt_ids), None, 0, None, keep_logprobs=True).prompt_logprobs
+            kls.append(kl_topk_other(reference, logprobs))
+            tops.append(top1_matches(reference, logprobs))
+            prompts += 1
+    if not prompts:
+        raise ValueError("the workload has no rows to measure a noise floor on")
+    kl, top = torch.cat(kls), torch.cat(tops)
+    return {"prompts": prompts, "positions": int(kl.numel()), "kl_mean": float(kl.mean()),
+            "kl_median": float(kl.median()), "kl_max": float(kl.max()), "same_top1": float(top.double().mean())}
+
+
+def format_noise_floor(floor: dict) -> str:
+    return (f"noise floor, dense {floor['dtype']} vs dense {floor['reference_dtype']} on the same {floor['prompts']} "
+            f"prompts ({floor['positions']} positions): KL mean {floor['kl_mean']:.3g}, median "
+            f"{floor['kl_median']:.3g}, max {floor['kl_max']:.3g}; same top-1 {100 * floor['same_top1']:.1f}%")
 
 
 def run_eval_command(args, executor=None) -> int:
@@ -182,11 +228,23 @@ def run_eval_command(args, executor=None) -> int:
                                  max_new_tokens=args.max_new_tokens)
         model_path = getattr(args, "model", None)
         if executor is None:
-            executor, model_path = load_executor(args.model, args.backend)
-        meta = {"model": model_path, "backend": args.backend, "limit": args.limit, "workload_arg": args.workload,
+            executor, model_path = load_executor(args.model, args.backend, getattr(args, "dtype", "float32"))
+        meta = {"model": model_path, "backend": args.backend, "dtype": getattr(args, "dtype", "float32"), "limit": args.limit, "workload_arg": args.workload,
                 "workload_seed": 0, "n_agents": args.agents,
                 "max_new_tokens": workload.pipeline.max_new_tokens, "kl": not args.no_kl,
                 "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        floor_dtype = getattr(args, "noise_floor", None)
+        if floor_dtype is not None:
+            if args.backend != "transformers":
+                raise ValueError("--noise-floor runs the model on the transformers backend; use --backend transformers")
+            if floor_dtype == meta["dtype"]:
+                raise ValueError(f"--noise-floor {floor_dtype} is the --dtype itself; name another dtype, "
+                                 "e.g. --noise-floor bfloat16 with the default --dtype float32")
+            other, _ = load_executor(args.model, "transformers", floor_dtype)
+            floor = dtype_noise_floor(workload, executor, other, settings.top_k, progress=not args.no_progress)
+            del other
+            meta["dtype_noise_floor"] = {"dtype": floor_dtype, "reference_dtype": meta["dtype"], **floor}
+            print(format_noise_floor(meta["dtype_noise_floor"]))
         result = run_evaluation(workload, executor, out, settings, progress=not args.no_progress, kl=not args.no_kl,
                                 meta=meta)
     except (PipelineError, RopeError, FileNotFoundError, ValueError, KeyError) as error:

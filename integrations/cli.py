@@ -19,21 +19,25 @@ from kvcomm.runner import run_row
 BACKENDS = ("transformers", "vllm")
 
 
-def load_executor(model: str | None, backend: str = "transformers"):
+def load_executor(model: str | None, backend: str = "transformers", dtype: str = "float32"):
     """(executor, model path) for ``model`` or the embedded model: the transformers
-    reference, or vLLM in-process with the kvcomm connector (``backend="vllm"``)."""
-    from kvcomm.integrations.embedded import load_model_and_tokenizer, resolve_model_dir
+    reference, or vLLM in-process with the kvcomm connector (``backend="vllm"``).
+
+    dtype: the model dtype (``embedded.DTYPES``). With vLLM, the engine runs in it and the
+    transformers copy that only checks RoPE and renders prompts stays float32."""
+    from kvcomm.integrations.embedded import load_model_and_tokenizer, parse_dtype, resolve_model_dir
     from kvcomm.integrations.transformers_executor import TransformersExecutor
 
+    parse_dtype(dtype)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     path = resolve_model_dir(model)
-    hf_model, tokenizer = load_model_and_tokenizer(str(path))
+    hf_model, tokenizer = load_model_and_tokenizer(str(path), "float32" if backend == "vllm" else dtype)
     if backend == "vllm":
         from kvcomm.integrations.vllm_engine import make_llm
         from kvcomm.integrations.vllm_executor import VllmExecutor
 
-        return VllmExecutor(make_llm(str(path)), hf_model, tokenizer), str(path)
-    if backend != "transformers":
-        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        return VllmExecutor(make_llm(str(path), dtype=dtype), hf_model, tokenizer), str(path)
     return TransformersExecutor(hf_model, tokenizer), str(path)
 
 
@@ -54,12 +58,12 @@ def run_side_by_side(spec: PipelineSpec, executor, config: ReuseConfig, progress
 def _cmd_run(args, spec: PipelineSpec) -> int:
     from kvcomm.eval.report import compare, format_table, to_json
 
-    executor, model_path = load_executor(args.model, args.backend)
+    executor, model_path = load_executor(args.model, args.backend, args.dtype)
     config = ReuseConfig(pool=PoolConfig(gamma=args.gamma, max_anchors=args.max_anchors), base_source=args.base_source)
     dense, reuse, engine = run_side_by_side(spec, executor, config, progress=not args.json)
     calls = compare(dense, reuse)
     if args.json:
-        meta = {"model": model_path, "backend": args.backend, "gamma": args.gamma, "max_anchors": args.max_anchors,
+        meta = {"model": model_path, "backend": args.backend, "dtype": args.dtype, "gamma": args.gamma, "max_anchors": args.max_anchors,
                 "base_source": args.base_source,
                 "anchors": {slot: len(pool) for slot, pool in engine.pools.items()}}
         print(json.dumps(to_json(calls, meta), indent=2))
@@ -155,31 +159,41 @@ def _cmd_selfcheck(args) -> int:
     from kvcomm.integrations.hf_rotary import rotary_from_model
 
     path = resolve_model_dir(args.model)
-    model, _ = load_model_and_tokenizer(str(path))
+    model, _ = load_model_and_tokenizer(str(path), args.dtype)
     try:
         rotary, check = rotary_from_model(model)
     except RopeError as error:
-        result = {"model": str(path), "passed": False, "error": str(error)}
+        result = {"model": str(path), "dtype": args.dtype, "passed": False, "error": str(error)}
     else:
-        result = {"model": str(path), "passed": True, "max_abs_error": check.max_abs_error,
+        result = {"model": str(path), "dtype": args.dtype, "passed": True, "max_abs_error": check.max_abs_error,
                   "layer0_abs_error": check.layer0_abs_error, "key_scale": check.key_scale,
+                  "tolerance": check.tolerance * max(1.0, check.key_scale),
                   "rotary_dim": rotary.rotary_dim, "head_dim": rotary.head_dim,
                   "pairing": "interleaved" if rotary.interleaved else "half-split",
                   "attention_scaling": rotary.attention_scaling}
     if args.json:
         print(json.dumps(result, indent=2))
     elif result["passed"]:
-        print(f"RoPE self-check passed for {path}: max abs realignment error {result['max_abs_error']:.3g} "
-              f"over all layers (layer 0: {result['layer0_abs_error']:.3g}; keys up to {result['key_scale']:.3g}), "
+        print(f"RoPE self-check passed for {path} in {args.dtype}: max abs realignment error "
+              f"{result['max_abs_error']:.3g} over all layers (tolerance {result['tolerance']:.3g}; layer 0: "
+              f"{result['layer0_abs_error']:.3g}; keys up to {result['key_scale']:.3g}), "
               f"{result['pairing']} pairing, rotary dim {result['rotary_dim']}/{result['head_dim']}")
     else:
         print(f"RoPE self-check FAILED: {result['error']}", file=sys.stderr)
     return 0 if result["passed"] else 1
 
 
+def _add_dtype_option(parser: argparse.ArgumentParser) -> None:
+    from kvcomm.integrations.embedded import DTYPES
+
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                        help="model dtype: weights, activations and KV cache (default float32)")
+
+
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--backend", choices=BACKENDS, default="transformers")
+    _add_dtype_option(parser)
     parser.add_argument("--gamma", type=float, default=PoolConfig.gamma, help="admission entropy threshold factor")
     parser.add_argument("--max-anchors", type=int, default=PoolConfig.max_anchors, help="V, anchors per pool")
     parser.add_argument("--base-source", choices=BASE_SOURCES, default=ReuseConfig.base_source,
@@ -213,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with vLLM's --api-key: one tenant for all keys (default: each key its own tenant)")
     check = sub.add_parser("selfcheck", help="RoPE realignment self-check on a model")
     check.add_argument("--model", help="local transformers model folder (default: the embedded model)")
+    _add_dtype_option(check)
     check.add_argument("--json", action="store_true")
     from kvcomm.eval.cli_eval import add_eval_parser
 

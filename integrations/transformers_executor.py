@@ -30,9 +30,11 @@ def _mark(name: str) -> str:
 
 
 class TransformersExecutor:
-    """Runs one agent call at a time on ``model`` (eval mode, fp32 recommended on CPU).
+    """Runs one agent call at a time on ``model`` (eval mode; fp32, bf16 or fp16).
 
-    Raises ``RopeError`` at construction if the model's RoPE cannot be realigned exactly;
+    The KV it returns and accepts is in the model's dtype (``kv_dtype``); a prefix in another
+    float dtype is cast to it once on injection. Raises ``RopeError`` at construction if the
+    model's RoPE cannot be realigned to within its dtype's rounding (``hf_rotary.self_check``);
     use ``dense_only=True`` to run such a model without reuse.
     """
 
@@ -40,6 +42,7 @@ class TransformersExecutor:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.rotary, self.self_check = (None, None) if dense_only else rotary_from_model(model)
+        self.kv_dtype = model.dtype if model.dtype.is_floating_point else torch.float32
         eos = {tokenizer.eos_token_id, *(_as_list(getattr(model.generation_config, "eos_token_id", None)))}
         self.stop_ids = {t for t in eos if t is not None}
         lead_in = tokenizer.bos_token or "\n"
@@ -96,9 +99,11 @@ class TransformersExecutor:
         return to_position_free(self._span(cache, lead, lead + len(segment)), self.rotary, lead)
 
     def _cache(self, prefix: KV | None) -> DynamicCache:
-        """A cache holding ``prefix`` (the tensors are copied as soon as a forward appends)."""
+        """A cache holding ``prefix`` in ``kv_dtype`` (the tensors are copied as soon as a forward appends)."""
         if prefix is None:
             return DynamicCache(config=self.model.config)
+        if prefix.keys.dtype != self.kv_dtype or prefix.values.dtype != self.kv_dtype:
+            prefix = prefix.to(self.kv_dtype)
         layers = [(prefix.keys[i][None], prefix.values[i][None]) for i in range(prefix.keys.shape[0])]
         return DynamicCache(ddp_cache_data=layers, config=self.model.config)
 
@@ -192,7 +197,7 @@ class TransformersExecutor:
         """One forward of the ``selected`` tokens (sorted positions < ``end`` == cache length)
         through every layer, then their KV replaces the injected KV at their positions."""
         k = selected.numel()
-        dtype = self.model.dtype if self.model.dtype.is_floating_point else torch.float32
+        dtype = self.kv_dtype
         cached = torch.arange(end)
         stale = torch.zeros(end, dtype=torch.bool)
         stale[selected] = True

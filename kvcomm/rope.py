@@ -13,7 +13,10 @@ Values carry no position and are never touched here. The numbers (``inv_freq``,
 scaling, pairing, rotary width) come from the loaded model itself; this module knows no
 model library. Tensors are ``[..., T, head_dim]`` with positions ``[T]`` (or
 broadcastable to the leading dims + ``[T]``), in any float dtype; angles are computed in
-fp32 the same way transformers does, so a rotate here equals the model's own to rounding.
+fp32 the same way transformers does, and the rotation itself is done in fp32 (fp64 for fp64
+inputs) with one rounding to the output dtype at the end, so for bf16/fp16 keys a rotate here
+is within half an ulp of the exact rotation, closer than the model's own RoPE (which rounds
+cos, sin and each product to the model dtype).
 """
 
 from __future__ import annotations
@@ -88,16 +91,28 @@ class Rotary:
 
     def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)`` per pair, written into ``out``
-        (fresh if None; must not alias ``x``). Pass-through channels are copied."""
+        (fresh, like ``x``, if None; must not alias ``x``). Pass-through channels are copied.
+
+        The arithmetic runs in fp32 (fp64 for fp64 inputs) whatever the dtypes of ``x`` and
+        ``out``: bf16/fp16 keys and fp32 cos/sin are multiplied and summed in fp32 and each
+        output element is rounded to ``out.dtype`` once, at the end. When ``x`` and ``out``
+        are both already fp32 (or both fp64) the pairs are written in place, without a temporary.
+        """
         if x.shape[-1] != self.head_dim:
             raise RopeError(f"expected head_dim {self.head_dim} in the last axis, got shape {tuple(x.shape)}")
         out = torch.empty_like(x) if out is None else out
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        (x1, x2), (o1, o2) = self._pairs(x), self._pairs(out)
+        work = torch.promote_types(x.dtype, torch.float32)
+        cos, sin = cos.to(work), sin.to(work)
+        direct = x.dtype == work and out.dtype == work
+        d = self.rotary_dim
+        rotated = out if direct else torch.empty((*out.shape[:-1], d), dtype=work, device=out.device)
+        (x1, x2), (o1, o2) = self._pairs(x), self._pairs(rotated)
         torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)
         torch.mul(x2, cos, out=o2).addcmul_(x1, sin)
-        if self.rotary_dim < self.head_dim:
-            out[..., self.rotary_dim :] = x[..., self.rotary_dim :]
+        if not direct:
+            out[..., :d].copy_(rotated)
+        if d < self.head_dim:
+            out[..., d:] = x[..., d:]
         return out
 
     def rotate(
