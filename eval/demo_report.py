@@ -142,6 +142,7 @@ def write_chart(report: dict, path: str | Path, dense_name: str, reuse_name: str
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     path = Path(path)
     if not path.parent.is_dir():
@@ -169,16 +170,22 @@ def write_chart(report: dict, path: str | Path, dense_name: str, reuse_name: str
         if c["estimated_tokens"] > 0:
             right.plot([i], [c["ttft_reuse_s"]], "o", color="#ff7f0e", zorder=3)
     right.plot([], [], "o", color="#ff7f0e", label=f"{reuse_name} call with estimated KV")
-    right.set_xlabel("agent call, in run order")
+    rows = [c["input_index"] for c in calls]
+    for i in range(1, len(rows)):
+        if rows[i] != rows[i - 1]:
+            right.axvline(i + 0.5, color="#dddddd", linewidth=1, zorder=0)
+    right.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    right.set_xlabel("agent call, in run order (grey lines: next input row)")
     right.set_ylabel("TTFT, seconds")
     right.set_title("TTFT per call")
     right.set_ylim(bottom=0)
     right.legend()
     speedup = s["total_ttft_speedup"]
     fig.suptitle(
-        f"{reuse_name} vs {dense_name}: total TTFT {s['total_ttft_dense_s']:.1f} s -> {s['total_ttft_reuse_s']:.1f} s"
-        + ("" if speedup is None else f" ({speedup:.2f}x)")
-        + f"; prompt tokens {s['exact_tokens']} exact / {s['estimated_tokens']} estimated / {s['computed_tokens']} computed"
+        f"TTFT summed over all {s['calls']} calls: {dense_name} {s['total_ttft_dense_s']:.1f} s, "
+        f"{reuse_name} {s['total_ttft_reuse_s']:.1f} s" + ("" if speedup is None else f" ({speedup:.2f}x)")
+        + f"\n{reuse_name} prompt tokens: {s['exact_tokens']} exact, {s['estimated_tokens']} estimated, "
+        f"{s['computed_tokens']} computed"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -251,7 +251,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+DEMO_THREADS = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+"""Environment of `kvcomm demo` on vLLM unless the caller set these: vLLM's CPU worker binds one
+OpenMP thread per core by default, and on a small machine shared with other work those threads
+stall at barriers; one unbound thread does not. OpenMP reads them when torch is first
+imported, so the command re-executes itself with them (``_demo_environment``)."""
+
+
+def _demo_environment(argv: list[str]) -> None:
+    """Re-execute `kvcomm demo` with :data:`DEMO_THREADS` set when they are not (vLLM backend
+    only, command-line entry point only); returns without doing anything otherwise."""
+    import os
+
+    if os.environ.get("KVCOMM_DEMO_REEXEC") or all(k in os.environ for k in DEMO_THREADS):
+        return
+    if "--backend" in argv and argv[argv.index("--backend") + 1:][:1] == ["transformers"] or "--backend=transformers" in argv:
+        return
+    env = {**DEMO_THREADS, **os.environ, "KVCOMM_DEMO_REEXEC": "1"}
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "kvcomm.integrations.cli", *argv], env)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] == ["demo"]:
+        _demo_environment(sys.argv[1:])
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
         args, vllm_args = build_parser().parse_known_args(argv)
