@@ -70,6 +70,7 @@ def _cmd_run(args, spec: PipelineSpec) -> int:
 
 
 DEMO_PIPELINE = "review"
+DEMO_GAMMA = 1.0
 DEMO_CHART = "kvcomm-demo.png"
 
 
@@ -98,6 +99,8 @@ def _cmd_demo(args, spec: PipelineSpec) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(spec.description, "\n")
+        print(f"model {model_path}, backend {args.backend}, baseline {baseline.name}, gamma {args.gamma}, "
+              f"max anchors {args.max_anchors}, base source {args.base_source}\n")
         print(format_demo(report, baseline.name))
         print(f"anchors per slot: {', '.join(f'{s}={n}' for s, n in meta['anchors'].items()) or 'none'}")
         print(f"chart: {meta['chart']}")
@@ -227,7 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the bundled document-review pipeline through kvcomm and through stock vLLM "
                           "(prefix caching on) side by side, with a chart")
     _add_run_options(demo)
-    demo.set_defaults(backend="vllm")
+    # The demo's own settings, whatever the library defaults: the vLLM server's base source
+    # (first_use), and gamma 1 (reuse whenever two compatible anchors exist), since the five
+    # bundled documents differ in content and a lower gamma may compute them all.
+    demo.set_defaults(backend="vllm", gamma=DEMO_GAMMA, base_source="first_use")
     demo.add_argument("--chart", default=DEMO_CHART, help=f"where to write the PNG chart (default: {DEMO_CHART})")
     serve = sub.add_parser("serve", help="vLLM's OpenAI-compatible server with the kvcomm plugin (other args go to vLLM)")
     serve.add_argument("--model", help="local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
