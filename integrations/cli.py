@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from kvcomm.anchors.pool import PoolConfig
 from kvcomm.engine import BASE_SOURCES, ReuseConfig, ReuseEngine
-from kvcomm.pipeline import PipelineError, PipelineSpec, load_demo_pipeline, load_pipeline
+from kvcomm.pipeline import PipelineError, PipelineSpec, load_bundled_pipeline, load_pipeline
 from kvcomm.rope import RopeError
 from kvcomm.runner import run_row
 
@@ -70,6 +70,44 @@ def _cmd_run(args, spec: PipelineSpec) -> int:
     else:
         print(format_table(calls))
         print(f"anchors per slot: {', '.join(f'{s}={len(p)}' for s, p in engine.pools.items())}")
+    return 0
+
+
+DEMO_PIPELINE = "review"
+DEMO_GAMMA = 1.0
+DEMO_CHART = "kvcomm-demo.png"
+
+
+def _cmd_demo(args, spec: PipelineSpec) -> int:
+    """The demo: ``spec`` through the baseline and through kvcomm (``integrations/demo.py``);
+    prints the per-agent table and headline figures (or ``--json``) and writes the chart."""
+    import os
+
+    from kvcomm.eval.demo_report import demo_json, format_demo, write_chart
+    from kvcomm.integrations.demo import DenseTransformers, StockVllm, run_demo
+
+    chart = Path(args.chart)
+    if not chart.resolve().parent.is_dir():
+        raise ValueError(f"--chart {args.chart}: folder {chart.resolve().parent} does not exist; create it or pick another path")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported: keep the demo's output readable
+    executor, model_path = load_executor(args.model, args.backend)
+    baseline = StockVllm(executor.llm, executor.stop_ids) if args.backend == "vllm" else DenseTransformers(executor)
+    config = ReuseConfig(pool=PoolConfig(gamma=args.gamma, max_anchors=args.max_anchors), base_source=args.base_source)
+    calls, engine = run_demo(spec, executor, baseline, config)
+    meta = {"model": model_path, "backend": args.backend, "baseline": baseline.name, "gamma": args.gamma,
+            "max_anchors": args.max_anchors, "base_source": args.base_source,
+            "anchors": {slot: len(pool) for slot, pool in engine.pools.items()}, "chart": str(chart.resolve())}
+    report = demo_json(calls, meta)
+    write_chart(report, chart, baseline.name)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(spec.description, "\n")
+        print(f"model {model_path}, backend {args.backend}, baseline {baseline.name}, gamma {args.gamma}, "
+              f"max anchors {args.max_anchors}, base source {args.base_source}\n")
+        print(format_demo(report, baseline.name))
+        print(f"anchors per slot: {', '.join(f'{s}={n}' for s, n in meta['anchors'].items()) or 'none'}")
+        print(f"chart: {meta['chart']}")
     return 0
 
 
@@ -200,7 +238,7 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="new shared content's base KV: a standalone prefill, or its KV in the first prompt "
                         "that computes it (no extra forward pass)")
     parser.add_argument("--limit", type=int, help="run only the first N input rows")
-    parser.add_argument("--json", action="store_true", help="print one JSON object (schema in the README)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (schema: docs/reference.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -209,8 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a pipeline JSON dense and with reuse, side by side")
     run.add_argument("pipeline", help="pipeline JSON file")
     _add_run_options(run)
-    demo = sub.add_parser("demo", help="`run` on the bundled 4-agent pipeline")
+    demo = sub.add_parser("demo", help="the bundled document-review pipeline through kvcomm and through stock vLLM "
+                          "(prefix caching on) side by side, with a chart")
     _add_run_options(demo)
+    # The demo's own settings, whatever the library defaults: the vLLM server's base source
+    # (first_use), and gamma 1 (reuse whenever two compatible anchors exist), since the five
+    # bundled documents differ in content and a lower gamma may compute them all.
+    demo.set_defaults(backend="vllm", gamma=DEMO_GAMMA, base_source="first_use")
+    demo.add_argument("--chart", default=DEMO_CHART, help=f"where to write the PNG chart (default: {DEMO_CHART})")
     serve = sub.add_parser("serve", help="vLLM's OpenAI-compatible server with the kvcomm plugin (other args go to vLLM)")
     serve.add_argument("--model", help="local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
     serve.add_argument("--no-plan", action="store_true", help="no server-side planning of annotated requests")
@@ -235,7 +279,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+DEMO_THREADS = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+"""Environment of `kvcomm demo` on vLLM unless the caller set these: vLLM's CPU worker binds one
+OpenMP thread per core by default, and on a small machine shared with other work those threads
+stall at barriers; one unbound thread does not. OpenMP reads them when torch is first
+imported, so the command re-executes itself with them (``_demo_environment``)."""
+
+
+def _demo_environment(argv: list[str]) -> None:
+    """Re-execute `kvcomm demo` with :data:`DEMO_THREADS` set when they are not (vLLM backend
+    only, command-line entry point only); returns without doing anything otherwise."""
+    import os
+
+    if os.environ.get("KVCOMM_DEMO_REEXEC") or all(k in os.environ for k in DEMO_THREADS):
+        return
+    if "--backend" in argv and argv[argv.index("--backend") + 1:][:1] == ["transformers"] or "--backend=transformers" in argv:
+        return
+    env = {**DEMO_THREADS, **os.environ, "KVCOMM_DEMO_REEXEC": "1"}
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "kvcomm.integrations.cli", *argv], env)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] == ["demo"]:
+        _demo_environment(sys.argv[1:])
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
         args, vllm_args = build_parser().parse_known_args(argv)
@@ -248,11 +315,13 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_selfcheck(args)
         if args.command == "eval":
             return args.eval_command(args)
-        spec = load_demo_pipeline() if args.command == "demo" else load_pipeline(args.pipeline)
+        spec = load_bundled_pipeline(DEMO_PIPELINE) if args.command == "demo" else load_pipeline(args.pipeline)
         if args.limit is not None:
             if args.limit < 1:
                 raise ValueError(f"--limit must be >= 1, got {args.limit}")
             spec = dataclasses.replace(spec, inputs=spec.inputs[: args.limit])
+        if args.command == "demo":
+            return _cmd_demo(args, spec)
         return _cmd_run(args, spec)
     except (PipelineError, RopeError, FileNotFoundError, ValueError) as error:
         print(f"kvcomm: error: {error}", file=sys.stderr)

@@ -16,7 +16,8 @@ from types import MappingProxyType
 from kvcomm.textfile import parse_json, read_utf8
 
 __all__ = ["PipelineError", "Slot", "TemplatePart", "parse_template", "AgentSpec", "PipelineSpec",
-           "parse_pipeline", "loads_pipeline", "load_pipeline", "load_demo_pipeline"]
+           "parse_pipeline", "loads_pipeline", "load_pipeline", "BUNDLED_PIPELINES", "load_bundled_pipeline",
+           "load_demo_pipeline"]
 
 TOP_KEYS = ("agents", "inputs", "max_new_tokens", "description")
 AGENT_KEYS = ("name", "system", "template")
@@ -215,7 +216,22 @@ def load_pipeline(path: str | os.PathLike) -> PipelineSpec:
     return loads_pipeline(text, source)
 
 
+BUNDLED_PIPELINES = {"review": "review_pipeline.json", "chain": "demo_pipeline.json"}
+"""Pipelines shipped in ``kvcomm/data``: ``review`` (what `kvcomm demo` runs: four agents read
+one ~1,000-token technical document per row behind their own prompts, plus the earlier
+agents' replies) and ``chain`` (four agents on one-sentence tasks; short prompts for tests)."""
+
+
+def load_bundled_pipeline(name: str) -> PipelineSpec:
+    """One of :data:`BUNDLED_PIPELINES` by name; PipelineError for an unknown name."""
+    if name not in BUNDLED_PIPELINES:
+        raise PipelineError(f"no bundled pipeline named {name!r}; choose one of {', '.join(BUNDLED_PIPELINES)}")
+    file = BUNDLED_PIPELINES[name]
+    resource = importlib.resources.files("kvcomm").joinpath("data").joinpath(file)
+    return loads_pipeline(resource.read_text(encoding="utf-8"), f"kvcomm/data/{file}")
+
+
 def load_demo_pipeline() -> PipelineSpec:
-    """The bundled ``kvcomm/data/demo_pipeline.json``."""
-    resource = importlib.resources.files("kvcomm").joinpath("data").joinpath("demo_pipeline.json")
-    return loads_pipeline(resource.read_text(encoding="utf-8"), "kvcomm/data/demo_pipeline.json")
+    """The bundled ``chain`` pipeline (``kvcomm/data/demo_pipeline.json``): four agents,
+    short prompts (under 200 tokens). `kvcomm demo` runs ``load_bundled_pipeline("review")``."""
+    return load_bundled_pipeline("chain")

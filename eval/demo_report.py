@@ -1,0 +1,193 @@
+"""The figures, text and chart of `kvcomm demo`, computed from its per-call records.
+
+Every figure is a function of the list of :class:`DemoCall` records alone, so a test can
+recompute it by hand. "Dense" is the baseline system (stock vLLM with its prefix cache, or the
+transformers executor without reuse), "reuse" is kvcomm; the names match `kvcomm run --json`.
+
+Headline figures, all over every call (calls that reused nothing included):
+
+- ``total_ttft_{dense,reuse}_s``: sums of TTFT, seconds; ``total_ttft_speedup``: their ratio
+  (dense over reuse). Not a mean of per-call ratios, which would let a few fast calls hide
+  the slow ones.
+- per agent: TTFT p50 / p95 / total for both systems (linear-interpolation percentiles).
+- prompt tokens of the reuse run split exact / estimated / computed (they add up to
+  ``prompt_tokens``), ``token_reuse_rate`` rho = (exact + estimated) / prompt tokens and the
+  ceiling 1 / (1 - rho) on the prefill speedup that reuse alone can give.
+- ``reply_agreement_rate``: calls whose greedy reply equals the baseline's, token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+from kvcomm.eval.metrics import percentile
+from kvcomm.eval.report import CallReport, summarize
+
+
+@dataclass(frozen=True)
+class DemoCall(CallReport):
+    """One agent call run by both systems (fields of ``CallReport``, TTFT in seconds).
+
+    dense_prompt_tokens: the baseline's prompt length (it differs from ``prompt_tokens`` once an
+    earlier agent's reply differs). dense_cached_tokens: how many of them the baseline served
+    from its own prefix cache (vLLM's ``num_cached_tokens``; 0 for the transformers baseline).
+    """
+
+    dense_prompt_tokens: int
+    dense_cached_tokens: int
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator > 0 else None
+
+
+def demo_summary(calls: Sequence[DemoCall]) -> dict:
+    """``kvcomm.eval.report.summarize`` plus the totals above and the baseline's cache hits."""
+    if not calls:
+        raise ValueError("the demo ran no agent calls; give it at least one input row")
+    dense = sum(c.ttft_dense_s for c in calls)
+    reuse = sum(c.ttft_reuse_s for c in calls)
+    return {
+        **summarize(calls),
+        "rows": len({c.input_index for c in calls}),
+        "total_ttft_dense_s": dense,
+        "total_ttft_reuse_s": reuse,
+        "total_ttft_speedup": _ratio(dense, reuse),
+        "dense_prompt_tokens": sum(c.dense_prompt_tokens for c in calls),
+        "dense_cached_tokens": sum(c.dense_cached_tokens for c in calls),
+    }
+
+
+def demo_agents(calls: Sequence[DemoCall]) -> list[dict]:
+    """One row per agent name, in first-seen order: calls, TTFT p50/p95/total of both
+    systems, the reuse run's token split and reply agreement."""
+    rows = []
+    for name in dict.fromkeys(c.agent for c in calls):
+        mine = [c for c in calls if c.agent == name]
+        dense = [c.ttft_dense_s for c in mine]
+        reuse = [c.ttft_reuse_s for c in mine]
+        prompt = sum(c.prompt_tokens for c in mine)
+        rows.append({
+            "agent": name,
+            "calls": len(mine),
+            "ttft_dense_p50_s": percentile(dense, 50),
+            "ttft_dense_p95_s": percentile(dense, 95),
+            "ttft_reuse_p50_s": percentile(reuse, 50),
+            "ttft_reuse_p95_s": percentile(reuse, 95),
+            "total_ttft_dense_s": sum(dense),
+            "total_ttft_reuse_s": sum(reuse),
+            "total_ttft_speedup": _ratio(sum(dense), sum(reuse)),
+            "prompt_tokens": prompt,
+            "exact_tokens": sum(c.exact_tokens for c in mine),
+            "estimated_tokens": sum(c.estimated_tokens for c in mine),
+            "computed_tokens": sum(c.computed_tokens for c in mine),
+            "token_reuse_rate": sum(c.exact_tokens + c.estimated_tokens for c in mine) / prompt if prompt else 0.0,
+            "reply_agreement_rate": sum(c.reply_equal for c in mine) / len(mine),
+        })
+    return rows
+
+
+def demo_json(calls: Sequence[DemoCall], meta: dict) -> dict:
+    """The `kvcomm demo --json` object: ``meta`` keys, ``summary``, ``agents``, ``calls``."""
+    return {**meta, "summary": demo_summary(calls), "agents": demo_agents(calls), "calls": [asdict(c) for c in calls]}
+
+
+def _seconds(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f} s"
+
+
+def format_demo(report: dict, dense_name: str, reuse_name: str = "kvcomm") -> str:
+    """The demo's text output from a :func:`demo_json` object: a per-agent TTFT table, then the
+    headline lines. ``dense_name``/``reuse_name`` label the two systems."""
+    s = report["summary"]
+    header = ("agent", "calls", f"{dense_name} p50", "p95", f"{reuse_name} p50", "p95",
+              "exact", "estimated", "computed", "same reply")
+    rows = [header] + [(
+        a["agent"], str(a["calls"]), _seconds(a["ttft_dense_p50_s"]), _seconds(a["ttft_dense_p95_s"]),
+        _seconds(a["ttft_reuse_p50_s"]), _seconds(a["ttft_reuse_p95_s"]), str(a["exact_tokens"]),
+        str(a["estimated_tokens"]), str(a["computed_tokens"]),
+        f"{round(a['reply_agreement_rate'] * a['calls'])}/{a['calls']}",
+    ) for a in report["agents"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    speedup = s["total_ttft_speedup"]
+    ceiling = s["ttft_speedup_ceiling"]
+    agree = round(s["reply_agreement_rate"] * s["calls"])
+    lines += [
+        "",
+        f"TTFT summed over all {s['calls']} calls ({s['rows']} rows, misses included): "
+        f"{dense_name} {s['total_ttft_dense_s']:.1f} s, {reuse_name} {s['total_ttft_reuse_s']:.1f} s"
+        + ("" if speedup is None else f"  ->  {speedup:.2f}x"),
+        f"{reuse_name} prompt tokens: {s['exact_tokens']} exact + {s['estimated_tokens']} estimated + "
+        f"{s['computed_tokens']} computed = {s['prompt_tokens']} (reuse rho {s['token_reuse_rate']:.1%}; "
+        f"ceiling 1/(1-rho) = {'n/a' if ceiling is None else f'{ceiling:.2f}x'})",
+        f"{dense_name} served {s['dense_cached_tokens']} of its {s['dense_prompt_tokens']} prompt tokens "
+        f"from its prefix cache",
+        f"replies equal to {dense_name}'s, token for token: {agree}/{s['calls']} calls",
+    ]
+    return "\n".join(lines)
+
+
+def write_chart(report: dict, path: str | Path, dense_name: str, reuse_name: str = "kvcomm") -> Path:
+    """Write a PNG of a :func:`demo_json` object: per agent, median TTFT of both systems (bars,
+    whiskers up to p95) and, per call in run order, both systems' TTFT. Returns the path.
+
+    Raises ValueError naming the path if its folder does not exist.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise ValueError(f"cannot write the chart to {path}: folder {path.parent} does not exist; "
+                         f"create it or pass another --chart path")
+    agents = report["agents"]
+    s = report["summary"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1, 1.4]})
+    x = range(len(agents))
+    width = 0.38
+    for offset, key, name, color in ((-width / 2, "dense", dense_name, "#9e9e9e"), (width / 2, "reuse", reuse_name, "#1f77b4")):
+        p50 = [a[f"ttft_{key}_p50_s"] for a in agents]
+        p95 = [a[f"ttft_{key}_p95_s"] for a in agents]
+        left.bar([i + offset for i in x], p50, width, label=name, color=color,
+                 yerr=[[0] * len(p50), [hi - lo for lo, hi in zip(p50, p95)]], capsize=4)
+    left.set_xticks(list(x), [a["agent"] for a in agents])
+    left.set_ylabel("TTFT, seconds (bar: median, whisker: p95)")
+    left.set_title("TTFT per agent")
+    left.legend()
+    calls = report["calls"]
+    index = range(1, len(calls) + 1)
+    right.plot(index, [c["ttft_dense_s"] for c in calls], "o-", color="#9e9e9e", label=dense_name)
+    right.plot(index, [c["ttft_reuse_s"] for c in calls], "o-", color="#1f77b4", label=reuse_name)
+    for i, c in enumerate(calls, start=1):
+        if c["estimated_tokens"] > 0:
+            right.plot([i], [c["ttft_reuse_s"]], "o", color="#ff7f0e", zorder=3)
+    right.plot([], [], "o", color="#ff7f0e", label=f"{reuse_name} call with estimated KV")
+    rows = [c["input_index"] for c in calls]
+    for i in range(1, len(rows)):
+        if rows[i] != rows[i - 1]:
+            right.axvline(i + 0.5, color="#dddddd", linewidth=1, zorder=0)
+    right.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    right.set_xlabel("agent call, in run order (grey lines: next input row)")
+    right.set_ylabel("TTFT, seconds")
+    right.set_title("TTFT per call")
+    right.set_ylim(bottom=0)
+    right.legend()
+    speedup = s["total_ttft_speedup"]
+    fig.suptitle(
+        f"TTFT summed over all {s['calls']} calls: {dense_name} {s['total_ttft_dense_s']:.1f} s, "
+        f"{reuse_name} {s['total_ttft_reuse_s']:.1f} s" + ("" if speedup is None else f" ({speedup:.2f}x)")
+        + f"\n{reuse_name} prompt tokens: {s['exact_tokens']} exact, {s['estimated_tokens']} estimated, "
+        f"{s['computed_tokens']} computed"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
