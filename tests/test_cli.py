@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 
 import pytest
@@ -20,9 +21,10 @@ SUMMARY_FIELDS = {
 
 
 @pytest.mark.slow
-def test_demo_reuses_tokens_and_reports_every_field(capsys):
+def test_run_on_the_short_pipeline_reuses_tokens_and_reports_every_field(capsys):
     # gamma 1 reuses whenever two anchors are compatible, so the third row estimates.
-    assert main(["demo", "--limit", "3", "--gamma", "1.0", "--json"]) == 0
+    short = str(importlib.resources.files("kvcomm") / "data" / "demo_pipeline.json")
+    assert main(["run", short, "--limit", "3", "--gamma", "1.0", "--base-source", "standalone", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert SUMMARY_FIELDS <= set(report["summary"])
     summary = report["summary"]
