@@ -76,7 +76,7 @@ def vllm_llm():
     """One in-process ``vllm.LLM`` with the kvcomm connector on the embedded model, fp32,
     prefix caching on with 32-token blocks, chunked prefill with 64-token chunks (so real
     prompts span several blocks and chunks), server-side planning of annotated requests on.
-    Tests that send annotated requests name their own tenant (``test_tenant``)."""
+    Tests that send annotated requests name their own tenant (``own_tenant``)."""
     pytest.importorskip("vllm")
     from kvcomm.integrations.vllm_engine import make_llm, transfer_config
 
@@ -91,7 +91,7 @@ def vllm_executor(vllm_llm, smol):
 
 
 @pytest.fixture
-def test_tenant(request) -> str:
+def own_tenant(request) -> str:
     """A tenant key of this test alone (its node id), so that nothing an earlier test taught
     a shared engine reaches it."""
     return "test:" + request.node.nodeid[-200:]

@@ -37,14 +37,14 @@ def _reply(executor, output) -> Segment | None:
     return Segment(tuple(reply), slot="_") if reply else None
 
 
-def test_annotated_pipeline_is_planned_and_learned_server_side(vllm_llm, vllm_executor, test_tenant):
+def test_annotated_pipeline_is_planned_and_learned_server_side(vllm_llm, vllm_executor, own_tenant):
     spec = load_demo_pipeline()
     summaries = []
     for row in range(3):
         shared = {name: _content(vllm_executor, spec.inputs[row][name]) for name in spec.input_slots}
         for agent in spec.agents:
             prompt = build_prompt(vllm_executor, agent, shared)
-            output = _serve(vllm_llm, prompt, 12, salt=test_tenant, tenant=test_tenant)
+            output = _serve(vllm_llm, prompt, 12, salt=own_tenant, tenant=own_tenant)
             summary = output.kv_transfer_params["kvcomm"]
             assert "error" not in summary, summary
             assert summary["exact_tokens"] + summary["estimated_tokens"] + summary["computed_tokens"] == len(prompt)
@@ -57,19 +57,19 @@ def test_annotated_pipeline_is_planned_and_learned_server_side(vllm_llm, vllm_ex
           f"computed {sum(s['computed_tokens'] for s in summaries)}; notes {[s['note'] for s in summaries]}")
     assert exact > 0 and estimated > 0
     # The same prompt without annotations: shared runs are detected, and reused again.
-    detected = _serve(vllm_llm, prompt, 4, salt=test_tenant, tenant=test_tenant, detect=True).kv_transfer_params["kvcomm"]
+    detected = _serve(vllm_llm, prompt, 4, salt=own_tenant, tenant=own_tenant, detect=True).kv_transfer_params["kvcomm"]
     print(f"unannotated repeat of the last prompt: {detected}")
     assert "error" not in detected and detected["exact_tokens"] + detected["estimated_tokens"] > 0
 
 
-def test_annotated_request_without_salt_gets_exact_reuse_only(vllm_llm, vllm_executor, test_tenant):
+def test_annotated_request_without_salt_gets_exact_reuse_only(vllm_llm, vllm_executor, own_tenant):
     """Two tenants learn the same thing (the same salted requests, in the same order); then
     both send a prompt they have not seen, whose shared segments the anchors can estimate.
     With a salt it is estimated (the control: estimation was possible); without one the
     other tenant gets exact reuse only, for the same prompt in the same state."""
     spec = load_demo_pipeline()
     analyst, planner = spec.agents[0], spec.agents[1]
-    tenants = {"salted": test_tenant + ":salted", "unsalted": test_tenant + ":unsalted"}
+    tenants = {"salted": own_tenant + ":salted", "unsalted": own_tenant + ":unsalted"}
 
     def teach(tenant: str, row: int) -> dict:
         """The analyst on ``row`` (its task becomes known content), salted; then the planner's
