@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -289,7 +290,6 @@ def test_seeds_shuffle_the_order_and_pool(tiny_executor, tmp_path):
 
 
 def test_eval_command_on_the_retrieval_workload(tiny_executor, tmp_path, capsys):
-    pytest.importorskip("kvcomm.eval.workloads", reason="the workloads module is not there yet")
     parser = _parser()
     args = parser.parse_args(["eval", "--workload", "retrieval", "--limit", "2", "--agents", "1", "--out", str(tmp_path / "out"),
                               "--gammas", "0.3,0.6", "--max-new-tokens", "4", "--no-kl", "--no-progress"])
@@ -301,6 +301,65 @@ def test_eval_command_on_the_retrieval_workload(tiny_executor, tmp_path, capsys)
     assert data["workload"] == "retrieval" and data["settings"]["rows"] == 2
     assert data["settings"]["agents"] == ["agent1", "decider"]
     assert len(data["calls"]) == (1 + 3 + 2) * 2 * 2
+
+
+def _tensor_bytes(engine) -> int:
+    """Bytes of every tensor storage the engine's anchor pools hold (bases and deviations),
+    counted by walking the anchors' fields, each storage once (a view counts as its storage)."""
+    storages: dict[int, int] = {}
+
+    def walk(value) -> None:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for f in dataclasses.fields(value):
+                walk(getattr(value, f.name))
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+
+    for pool in engine.pools.values():
+        for anchor in pool.anchors:
+            walk(anchor)
+    return sum(storages.values())
+
+
+@pytest.mark.slow
+def test_end_to_end_on_smollm2_has_checks_that_can_fail(smol_executor):
+    """The embedded model answers some rows right, so accuracy, KL and pool size carry
+    information (the tiny random model scores 0 everywhere): dense is right on some rows,
+    kvcomm reuses and is still right on some of them, its KL is far above the dense-vs-dense
+    noise floor, and the reported pool bytes are the bytes of the tensors the pools hold."""
+    from kvcomm.engine import ReuseEngine
+
+    engines: list[ReuseEngine] = []
+
+    def factory(rotary, config):
+        engines.append(ReuseEngine(rotary, config))
+        return engines[-1]
+
+    workload = _inline_workload(rows=3, max_new_tokens=8)
+    settings = EvalSettings(modes=("dense", "kvcomm"), gammas=(1.0,), seeds=(0,), timing_pass=False, warm_up=False)
+    result = evaluate(workload, smol_executor, settings, progress=False, engine_factory=factory)
+    calls = [c for run in result.runs for c in run.calls]
+    scores = {(c.mode, c.input_index): c.score for c in calls if c.score is not None}
+    right = {row for (mode, row), score in scores.items() if mode == "dense" and score == 1.0}
+    print(f"\nSmolLM2 eval: decider scores {scores}; " + format_table(result).splitlines()[2])
+    assert right, "dense SmolLM2 named no subject right"
+    assert any(scores[("kvcomm", row)] == 1.0 for row in right), "kvcomm was right on no row dense got right"
+    pooled = {a["mode"]: a for a in result.aggregates() if a["seed"] == POOLED}
+    assert pooled["kvcomm"]["estimated_tokens"] > 0 and 0 < pooled["dense"]["accuracy"]
+    # the reported numbers: the approximation's KL is visible far above the noise floor
+    kl, noise = pooled["kvcomm"]["kl_mean"], pooled["kvcomm"]["noise_kl_mean"]
+    assert 0 <= noise < kl / 100, (noise, kl)
+    (run,) = [r for r in result.runs if r.run.mode == "kvcomm"]
+    (engine,) = engines
+    assert run.pool_bytes == pooled["kvcomm"]["pool_bytes"] == _tensor_bytes(engine) > 0
+    assert run.anchors == {slot: len(pool) for slot, pool in engine.pools.items()}
 
 
 def test_json_has_no_nan_or_infinity_and_rows_without_reference_score_none():

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 
 import pytest
-from chat_streaming import assert_concurrent_calls_equal_sequential, collect_stream
+from chat_streaming import collect_stream
 
 pytestmark = pytest.mark.slow
 
@@ -20,10 +21,11 @@ TASKS = ["Name a fruit.", "Name a capital city in Europe.", "Name a color."]
 BUDGET = 12
 
 
-@pytest.fixture(scope="module")
-def server(kvcomm_server) -> dict:
-    """Connection options of the session's `kvcomm serve` (its first API key = one tenant)."""
-    return {"base_url": kvcomm_server.base_url, "api_key": kvcomm_server.keys[0]}
+@pytest.fixture
+def server(kvcomm_server, fresh_key) -> dict:
+    """Connection options of the session's `kvcomm serve`, with an API key of this test alone
+    (its own tenant: nothing an earlier test taught the server reaches it)."""
+    return {"base_url": kvcomm_server.base_url, "api_key": fresh_key()}
 
 
 def _team(client):
@@ -188,12 +190,51 @@ def test_server_model_checks_and_refusals(server):
     assert len(backend.calls) == 0
 
 
-def test_concurrent_remote_calls_run_together_and_equal_sequential_ones(server):
-    """Remote calls are not serialized by the client: the server batches them."""
+def test_concurrent_remote_calls_run_together_and_equal_sequential_ones(server, monkeypatch):
+    """Remote calls are not serialized by the client: the server batches them. Measured on
+    the wire: the real HTTP exchanges (``httpx.AsyncClient.send``, timed, passed through) of
+    calls made at once overlap pairwise in time, so the client sent each before the others
+    were answered; and all of them together take far less than the same calls one after
+    another, which a server working on one request at a time could not do. The replies equal
+    the sequential ones."""
+    import httpx
     from autogen_core.models import SystemMessage, UserMessage
 
     from kvcomm.integrations.autogen_client import KvcommChatCompletionClient
 
-    client = KvcommChatCompletionClient.remote(**server, reuse=False, max_new_tokens=6)
-    conversations = [[SystemMessage(content=s), UserMessage(content=t, source="user")] for s, t in zip((WRITER, REVIEWER), TASKS)]
-    assert_concurrent_calls_equal_sequential(client, conversations)
+    exchanges: list[tuple[float, float]] = []
+    send = httpx.AsyncClient.send
+
+    async def timed_send(self, request, **kwargs):
+        started = time.perf_counter()
+        try:
+            return await send(self, request, **kwargs)
+        finally:
+            if request.url.path.endswith("/v1/completions"):
+                exchanges.append((started, time.perf_counter()))
+
+    monkeypatch.setattr(httpx.AsyncClient, "send", timed_send)
+    client = KvcommChatCompletionClient.remote(**server, reuse=False, max_new_tokens=24)
+    conversations = [[SystemMessage(content=s), UserMessage(content=t, source="user")] for s, t in zip((WRITER, REVIEWER, WRITER), TASKS)]
+    asyncio.run(client.create(conversations[0]))  # first-call costs (connection, caches) out of the timings
+    exchanges.clear()
+    started = time.perf_counter()
+    sequential = [asyncio.run(client.create(c)).content for c in conversations]
+    one_by_one = time.perf_counter() - started
+    assert len(exchanges) == len(conversations) and all(a[1] <= b[0] for a, b in zip(exchanges, exchanges[1:]))
+    exchanges.clear()
+
+    async def together():
+        return await asyncio.gather(*(client.create(c) for c in conversations))
+
+    started = time.perf_counter()
+    results = asyncio.run(together())
+    at_once = time.perf_counter() - started
+    first = min(a for a, _ in exchanges)
+    print(f"\nconcurrent remote calls: {at_once:.2f} s at once vs {one_by_one:.2f} s one by one; exchanges "
+          f"{[(round(a - first, 2), round(b - first, 2)) for a, b in exchanges]}")
+    assert [r.content for r in results] == sequential
+    assert len(client.call_log) == 2 * len(conversations) + 1
+    assert len(exchanges) == len(conversations)
+    assert all(a[0] < b[1] and b[0] < a[1] for a in exchanges for b in exchanges), exchanges
+    assert at_once < 0.85 * one_by_one, f"{at_once:.2f} s at once vs {one_by_one:.2f} s one by one: not batched"

@@ -501,15 +501,19 @@ def test_hybrid_linear_attention_is_refused(no_model_runs):
         rotary_from_model(transformers.Qwen3NextForCausalLM(config))
 
 
-@pytest.mark.parametrize("config", [
-    lambda: transformers.Gemma2Config(**{**TINY, "head_dim": HEAD_DIM}),  # explicit sliding/full layer_types
-    lambda: transformers.MistralConfig(**TINY, sliding_window=16),  # no layer_types, sliding_window
-    lambda: transformers.MistralConfig(**{k: v for k, v in TINY.items() if k != "max_position_embeddings"}),
-    lambda: transformers.Qwen3Config(**TINY, use_sliding_window=True, sliding_window=16, max_window_layers=1),
+@pytest.mark.parametrize("model", [
+    lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**{**TINY, "head_dim": HEAD_DIM})),  # sliding/full layer_types
+    lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**TINY, sliding_window=16)),  # no layer_types, sliding_window
+    lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**{k: v for k, v in TINY.items() if k != "max_position_embeddings"})),
+    lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY, use_sliding_window=True, sliding_window=16, max_window_layers=1)),
 ], ids=["gemma2", "mistral-window16", "mistral-default-window", "qwen3-sliding"])
-def test_sliding_window_is_refused(config, no_model_runs):
+def test_sliding_window_is_refused(model, no_model_runs):
+    """Real tiny models (random weights) of each architecture, refused before anything runs."""
+    torch.manual_seed(0)
+    built = model().eval()
+    assert hf_rotary._rotary_module(built) is not None  # they do have RoPE: the layer types refuse them
     with pytest.raises(RopeError, match="sliding_attention"):
-        rotary_from_model(_stub(config()))
+        rotary_from_model(built)
 
 
 def test_full_attention_configs_pass_the_layer_check():

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from conftest import SERVER_KEYS, SPARE_KEYS
 from kvcomm.integrations.serve_middleware import salt_of, tenant_of
 from kvcomm.pipeline import load_demo_pipeline
 from kvcomm.runner import _content, build_prompt
@@ -83,11 +84,11 @@ def test_models_and_authentication(kvcomm_server):
     assert status == 200 and models["data"][0]["id"] == kvcomm_server.model
     status, _ = kvcomm_server.request("GET", "/v1/models", key="not-a-key")
     assert status == 401
-    assert all(key not in kvcomm_server.log.read_text() for key in kvcomm_server.keys), "an API key reached the log"
+    assert all(key not in kvcomm_server.log.read_text() for key in SERVER_KEYS + SPARE_KEYS), "an API key reached the log"
 
 
-def test_annotated_requests_learn_reuse_and_metrics_match(kvcomm_server, executor):
-    key = kvcomm_server.keys[0]
+def test_annotated_requests_learn_reuse_and_metrics_match(kvcomm_server, executor, fresh_key):
+    key = fresh_key()  # a tenant of this test alone
     before = metrics(kvcomm_server)
     calls = [call for row in range(3) for call in run_pipeline_row(kvcomm_server, executor, key, row)]
     first_prompt = calls[0][0]
@@ -112,11 +113,11 @@ def test_annotated_requests_learn_reuse_and_metrics_match(kvcomm_server, executo
     assert "kvcomm_evictions" in after and any(k.startswith("kvcomm_tenant_bytes{") for k in after)
 
 
-def test_tenants_per_api_key_are_isolated(kvcomm_server, executor):
-    key_a, key_b = kvcomm_server.keys
+def test_tenants_per_api_key_are_isolated(kvcomm_server, executor, fresh_key):
+    key_a, key_b = fresh_key(), fresh_key()  # two tenants of this test alone
     spec = load_demo_pipeline()
-    # A system message no earlier test sent: B's own history (other tests use both keys) must
-    # not explain any reuse B gets here.
+    # A system message no earlier test sent: nothing in vLLM's own prefix cache (shared by all
+    # tenants' unsalted requests) explains any reuse B gets here.
     agent = dataclasses.replace(spec.agents[1], system=f"{spec.agents[1].system} Session {uuid.uuid4().hex}.")
     prompt = build_prompt(executor, agent, {
         "task": _content(executor, "Tenant A's secret: the launch code is 7-4-1-9. " + spec.inputs[1]["task"]),
@@ -139,8 +140,8 @@ def test_tenants_per_api_key_are_isolated(kvcomm_server, executor):
     assert provenance(again)["exact_tokens"] == len(prompt) - 1  # B's own content is reused for B
     assert again["choices"][0]["text"] == b["choices"][0]["text"]
 
-def test_bad_params_get_a_clear_error_while_good_requests_succeed(kvcomm_server, executor):
-    key = kvcomm_server.keys[0]
+def test_bad_params_get_a_clear_error_while_good_requests_succeed(kvcomm_server, executor, fresh_key):
+    key = fresh_key()
     spec = load_demo_pipeline()
     prompt = build_prompt(executor, spec.agents[0], {"task": _content(executor, spec.inputs[2]["task"])})
     good = annotations(prompt)

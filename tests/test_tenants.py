@@ -190,17 +190,29 @@ def test_bad_tenant_keys_and_caps_are_refused():
 
 PROBE = {"agents": [{"name": "keeper", "system": "Be brief.", "template": "Note: {secret}\nOK?"}],
          "inputs": [{"secret": "-"}], "max_new_tokens": 1}
+CHANNELS = {
+    # the exact prefix store: the channel a plain prefix cache opens
+    "exact": ReuseConfig(mode="exact"),
+    # anchors and bases only: the secret's base exists once someone prefilled it ("first_use"),
+    # and then it is estimated (gamma 1: reuse as soon as two anchors are compatible)
+    "estimated": ReuseConfig(mode="kvcomm", exact_prefix=False, base_source="first_use", pool=PoolConfig(gamma=1.0)),
+}
+ALPHA = 1e-6
+"""The isolated probe fails when the attacker's success count has a two-sided binomial p-value
+below ALPHA. Without a leak the count is Binomial(trials, 1/2) exactly (each held-out coin flip
+is independent of B's timing), so the test fails spuriously with probability <= ALPHA: it does
+not flake. At 200 trials it still catches any attacker right 67.5% of the time or more; the
+shared-cache controls are caught at 90-100%."""
 
 
-def _probe(executor, isolated: bool, trials: int, seed: int) -> list[tuple[bool, float, int]]:
+def _probe(executor, config: ReuseConfig, isolated: bool, trials: int, seed: int,
+           sent_always: bool | None = None) -> list[tuple[bool, float, int, tuple]]:
     """Per trial: tenant A sends the secret prompt or (coin flip) a decoy of the same shape,
-    then tenant B sends the secret prompt. Returns (A sent it, B's TTFT, B's reused tokens).
-
-    Mode "exact" (the exact prefix store, the channel a plain prefix cache opens) keeps each
-    call at two forward passes; anchors and bases are kept apart by the same per-tenant
-    engines (``test_sharing_works_within_a_tenant_and_never_across``)."""
+    then tenant B sends the secret prompt. Returns (A sent it, B's TTFT, B's reused tokens,
+    B's plan and reply). ``sent_always``: A always sends the secret (True) or always the decoy
+    (False), with the same secrets, decoys and coin draws as the seed gives otherwise."""
     agent = parse_pipeline(PROBE).agents[0]
-    registry = TenantRegistry(executor.rotary, ReuseConfig(mode="exact"))
+    registry = TenantRegistry(executor.rotary, config)
     alice = registry.engine("alice")
     bob = registry.engine("bob") if isolated else alice
     rng = random.Random(seed)
@@ -208,21 +220,24 @@ def _probe(executor, isolated: bool, trials: int, seed: int) -> list[tuple[bool,
     for trial in range(trials):
         secret = f"Vault {trial} code {rng.randrange(10**5):05d}."
         decoy = f"Vault {trial} code {rng.randrange(10**5):05d}."
-        sent = rng.random() < 0.5
+        sent = rng.random() < 0.5 if sent_always is None else (rng.random() < 2) == sent_always
         run_agent(executor, alice, agent_prompt(executor, agent, {"secret": secret if sent else decoy}), 1)
-        _, seen = run_agent(executor, bob, agent_prompt(executor, agent, {"secret": secret}), 1)
-        out.append((sent, seen.ttft_s, seen.exact_tokens + seen.estimated_tokens))
+        generation, seen = run_agent(executor, bob, agent_prompt(executor, agent, {"secret": secret}), 1)
+        plan = (seen.exact_tokens, seen.estimated_tokens, seen.computed_tokens, seen.fallback, tuple(generation.reply_ids))
+        out.append((sent, seen.ttft_s, seen.exact_tokens + seen.estimated_tokens, plan))
     return out
 
 
-def _attack(trials: list[tuple[bool, float, int]]) -> int:
+def _attack(trials: list[tuple[bool, float, int, tuple]], features: tuple[int, ...] = (2, 1)) -> int:
     """Correct guesses of an attacker who, for each half of the trials, picks the best
-    single threshold rule (on TTFT or on reused tokens, either direction) on the other half."""
+    single threshold rule (``features``: 2 = reused tokens, 1 = TTFT; either direction,
+    thresholds halfway between observed values) on the other half."""
 
     def fit(train):
         best = (-1, None)
-        for feature in (1, 2):
-            for threshold in sorted({t[feature] for t in train}):
+        for feature in features:
+            values = sorted({t[feature] for t in train})
+            for threshold in [(a + b) / 2 for a, b in zip(values, values[1:])] or values:  # midpoints
                 for above in (True, False):
                     hits = sum(((t[feature] >= threshold) == above) == t[0] for t in train)
                     best = max(best, (hits, (feature, threshold, above)), key=lambda b: b[0])
@@ -236,17 +251,31 @@ def _attack(trials: list[tuple[bool, float, int]]) -> int:
     return correct
 
 
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_tenant_b_gets_the_same_plan_whatever_tenant_a_sent(tiny_executor, channel):
+    """Deterministic, no timing: B's plan (exact / estimated / computed tokens, fallback) and
+    reply are the same in a world where A always sent B's secret first and in one where A
+    always sent a decoy. With one shared engine (the control) they differ: the probe sees it."""
+    config = CHANNELS[channel]
+    worlds = {sent: _probe(tiny_executor, config, True, 30, 3, sent_always=sent) for sent in (True, False)}
+    assert [t[3] for t in worlds[True]] == [t[3] for t in worlds[False]]
+    shared = {sent: _probe(tiny_executor, config, False, 30, 3, sent_always=sent) for sent in (True, False)}
+    differ = sum(a[3][:3] != b[3][:3] for a, b in zip(shared[True], shared[False]))
+    assert differ >= 25, f"the control should leak in (almost) every trial, leaked in {differ}/30"
+
+
 @pytest.mark.slow
-def test_cross_tenant_timing_probe_is_at_chance_level(smol_executor):
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_cross_tenant_timing_probe_is_at_chance_level(smol_executor, channel):
     started, cpu = time.perf_counter(), time.process_time()
-    control = _probe(smol_executor, isolated=False, trials=20, seed=1)
-    leaked = _attack(control)
-    assert binomtest(leaked, len(control), 0.5, alternative="greater").pvalue < 0.01, (
-        f"the harness must catch a shared cache: only {leaked}/{len(control)} guessed")
-    isolated = _probe(smol_executor, isolated=True, trials=200, seed=2)
+    config = CHANNELS[channel]
+    control = _probe(smol_executor, config, isolated=False, trials=20, seed=1)
+    leaked = _attack(control, features=(2,))  # reused tokens only: deterministic, timing cannot flake it
+    assert leaked >= 17, f"the harness must catch a shared cache: only {leaked}/{len(control)} guessed"
+    isolated = _probe(smol_executor, config, isolated=True, trials=200, seed=2)
     guessed = _attack(isolated)
     p = binomtest(guessed, len(isolated), 0.5).pvalue
-    print(f"probe: shared cache {leaked}/20 guessed; isolated {guessed}/{len(isolated)} "
-          f"(rate {guessed / len(isolated):.3f}, two-sided p {p:.3f}); {time.perf_counter() - started:.0f} s, "
+    print(f"probe ({channel}): shared cache {leaked}/20 guessed; isolated {guessed}/{len(isolated)} "
+          f"(rate {guessed / len(isolated):.3f}, two-sided p {p:.3g}); {time.perf_counter() - started:.0f} s, "
           f"{time.process_time() - cpu:.0f} s CPU")
-    assert p > 0.01, f"attacker guessed {guessed}/{len(isolated)} across tenants (p = {p:.4f})"
+    assert p >= ALPHA, f"attacker guessed {guessed}/{len(isolated)} across tenants (p = {p:.3g} < {ALPHA})"

@@ -100,7 +100,11 @@ def test_demo_pipeline_conformance(vllm_executor, smol_executor):
           f"same reuse prompts {sum(same_prompt)}/{len(same_prompt)}, same plans {sum(same_plan)}/{len(same_plan)}, "
           f"reuse replies agree {sum(reply_agree)}/{len(reply_agree)}, estimated tokens {estimated}, "
           f"exact-only calls equal to dense {sum(c.reply_ids == d.reply_ids for c, d in exact_calls)}/{len(exact_calls)}")
-    assert all(dense_equal)
-    assert estimated > 0 and all(same_plan)
-    assert all(c.reply_ids == d.reply_ids for c, d in exact_calls)
+    calls = len(spec.inputs) * len(spec.agents)
+    assert len(dense_equal) == len(reply_agree) == calls and all(dense_equal)
+    # Each row's first agent sees only the task, so its prompt is the same on both backends:
+    # at least one compared plan per row; the first call has nothing to estimate from.
+    assert len(same_plan) >= len(spec.inputs) and all(same_plan)
+    assert estimated > 0
+    assert len(exact_calls) >= 1 and all(c.reply_ids == d.reply_ids for c, d in exact_calls)
     assert sum(reply_agree) >= 0.8 * len(reply_agree)
