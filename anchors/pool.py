@@ -317,6 +317,10 @@ class AnchorPool:
     def record(self, slot: SlotKey, segment_id: str, base: KV, embedding: np.ndarray, deviation: Deviation) -> list[Anchor]:
         """Store the deviation ``slot`` showed for a densely prefilled segment; admit it if new.
 
+        ``deviation`` must be real KV minus ``base``; a held anchor keeps its base, so for a
+        held anchor ``base`` must be that base (the same tensors or equal values), else
+        ValueError: one anchor never mixes deviations measured against different bases.
+
         Returns the anchors evicted to make room (least-accessed among the W earliest).
         An anchor too large for the byte budget on its own is not admitted, and a held anchor
         that this deviation would make too large on its own does not store it.
@@ -324,6 +328,11 @@ class AnchorPool:
         with self._lock:
             anchor = self._anchors.get(segment_id)
             evicted: list[Anchor] = []
+            if anchor is not None and not _same_kv(anchor.base, base):
+                raise ValueError(
+                    f"segment {segment_id!r}: the deviation was measured against another base than the one "
+                    "its anchor holds; measure it as real KV minus anchor.base (one base per content)"
+                )
             if anchor is not None and self.config.max_bytes is not None:
                 replaced = anchor.deviations.get(slot)
                 grown = anchor.nbytes - (replaced.nbytes if replaced is not None else 0) + deviation.nbytes
@@ -410,3 +419,11 @@ class AnchorPool:
                 found.append(f"access counts do not add up: held {accesses} + evicted {self.evicted_accesses} "
                              f"!= granted {self.accesses_granted}")
             return found
+
+
+def _same_kv(a: KV, b: KV) -> bool:
+    """Whether ``a`` and ``b`` are the same KV: the very tensors, or equal shapes, dtypes and values."""
+    if a.keys is b.keys and a.values is b.values:
+        return True
+    return (a.keys.shape == b.keys.shape and a.keys.dtype == b.keys.dtype and a.values.dtype == b.values.dtype
+            and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values))

@@ -64,7 +64,8 @@ MODES = ("kvcomm", "exact", "realign", "cacheblend")
 class ReuseConfig:
     """pool: admission and estimation settings (per slot family). exact_prefix: serve exact
     prefix hits. prefix_store_bytes: budget of the exact prefix store. anchor_dtype: dtype
-    anchors are stored in (None: the KV's own; bfloat16/float16 halve pool memory).
+    anchor deviations are stored in (None: the KV's own; bfloat16/float16 halve their
+    memory); an anchor's base is its content's one base, held with the engine's, in the KV's dtype.
     mode: one of ``MODES``. recompute_ratio, check_layer: CacheBlend's share of estimated
     tokens to recompute, in (0, 1], and the decoder layer (0-based) whose key deviation
     selects them (mode "cacheblend" only). base_source: one of ``BASE_SOURCES``, read by
@@ -127,24 +128,48 @@ class ReuseEngine:
                 self.pools[slot] = AnchorPool(self.config.pool)
             return self.pools[slot]
 
-    def register_base(self, segment: Segment, base: KV) -> None:
-        """Keep ``base`` (position-free) as the base KV of shared content ``segment.shared_id``."""
+    def register_base(self, segment: Segment, base: KV) -> KV:
+        """Keep ``base`` (position-free, ``[layers, kv_heads, len(segment), head_dim]``) as the
+        base KV of shared content ``segment.shared_id`` and return the base now held for it.
+
+        One base per content: if the engine or an anchor (in any pool) already holds one, that
+        base stays and ``base`` is ignored, so every deviation recorded against the content's
+        base keeps being applied to that very base."""
         if base.length != len(segment):
             raise ValueError(f"base KV has {base.length} tokens, segment has {len(segment)}")
         with self._lock:
-            self._bases[segment.shared_id] = (base, self.embedder(segment.token_ids, base))
+            held = self._held_base(segment.shared_id)
+            if held is None:
+                held = (base, self.embedder(segment.token_ids, base))
+            self._bases[segment.shared_id] = held
+            return held[0]
+
+    def _held_base(self, shared_id: str) -> tuple[KV, object] | None:
+        """(base, embedding) held for ``shared_id``: the engine's, else an anchor's; None if neither."""
+        held = self._bases.get(shared_id)
+        if held is not None:
+            return held
+        for pool in self.pools.values():
+            anchor = pool.get(shared_id)
+            if anchor is not None:
+                return anchor.base, anchor.embedding
+        return None
 
     def has_base(self, shared_id: str) -> bool:
-        return shared_id in self._bases
+        """Whether a base is held for ``shared_id`` (by the engine or by an anchor of it)."""
+        with self._lock:
+            return self._held_base(shared_id) is not None
 
     def stored_base(self, shared_id: str) -> KV | None:
         """The position-free base KV held for shared content ``shared_id``, or None."""
-        held = self._bases.get(shared_id)
-        return None if held is None else held[0]
+        with self._lock:
+            held = self._held_base(shared_id)
+            return None if held is None else held[0]
 
     def drop_base(self, shared_id: str) -> bool:
-        """Forget the base KV of ``shared_id``; a later plan recomputes it from its tokens
-        (anchors keep their own copies). Returns whether one was held."""
+        """Forget the engine's reference to the base KV of ``shared_id``. An anchor of that
+        content keeps its base, and plans go on using it (one base per content); without
+        one, a later plan recomputes the base from its tokens. Returns whether one was held."""
         with self._lock:
             return self._bases.pop(shared_id, None) is not None
 
@@ -156,11 +181,13 @@ class ReuseEngine:
 
     def _base(self, segment: Segment, provide: BaseProvider | None) -> tuple[KV, object] | None:
         """The content's (base, embedding); computed by ``provide`` if new; None if new and no provider."""
-        if segment.shared_id not in self._bases:
+        held = self._held_base(segment.shared_id)
+        if held is None:
             if provide is None:
                 return None
             self.register_base(segment, provide(segment))
-        return self._bases[segment.shared_id]
+            held = self._bases[segment.shared_id]
+        return held
 
     # -- plan --------------------------------------------------------------------------------
 
@@ -196,7 +223,7 @@ class ReuseEngine:
             plan.note = f"no estimation: {error}"
         if provide_base is None:
             plan.new_bases = [i for i, s in enumerate(prompt.segments)
-                              if s.is_shared and s.shared_id not in self._bases and prompt.starts[i] >= plan.reuse_end]
+                              if s.is_shared and self._held_base(s.shared_id) is None and prompt.starts[i] >= plan.reuse_end]
         if mode == "cacheblend" and plan.estimated_tokens > 0:
             plan.blend = BlendRequest(plan.exact_length, plan.reuse_end, self.config.recompute_ratio, self.config.check_layer)
         return plan
@@ -267,6 +294,8 @@ class ReuseEngine:
                 index += 1
                 continue
             covered = min(match.covered, last - start)
+            if match.identical:  # its deviation is applied to the very base it was measured against
+                base = match.anchors[0].base
             piece = EstimatedPiece(index, start, base.span(0, covered), match, pool)
             if covered < len(segment):
                 plan.pieces.append(piece)
@@ -335,7 +364,7 @@ class ReuseEngine:
         with self._lock:
             for index in plan.new_bases:
                 segment = prompt.segments[index]
-                if segment.shared_id not in self._bases:
+                if self._held_base(segment.shared_id) is None:
                     self.register_base(segment, real(index).clone())
             if self.config.exact_prefix and plan.estimated_tokens == 0:
                 full = computed if plan.exact_kv is None else KV.cat([plan.exact_kv, computed.to(plan.exact_kv.keys.dtype)])
@@ -350,17 +379,22 @@ class ReuseEngine:
                 self._record(prompt, index, real)
 
     def _record(self, prompt: Prompt, index: int, real: Callable[[int], KV]) -> None:
+        """Record segment ``index``'s deviation against the base its anchor holds (a new
+        anchor takes the content's held base itself, no copy)."""
         segment = prompt.segments[index]
-        base, embedding = self._bases[segment.shared_id]
+        pool = self.pool(segment.slot)
+        anchor = pool.get(segment.shared_id)
+        base, embedding = (anchor.base, anchor.embedding) if anchor is not None else self._held_base(segment.shared_id)
         following = None
         nxt = index + 1
         if nxt < len(prompt.segments) and not prompt.segments[nxt].is_shared:
             following = self._stored(real(nxt) - self._fixed_bases[_fixed_key(prompt, nxt)])
         deviation = Deviation(self._stored(real(index) - base), following)
-        self.pool(segment.slot).record((prompt.template_id, segment.slot), segment.shared_id, self._stored(base), embedding, deviation)
+        pool.record((prompt.template_id, segment.slot), segment.shared_id, base, embedding, deviation)
 
     def _stored(self, kv: KV) -> KV:
-        return kv.to(self.config.anchor_dtype) if self.config.anchor_dtype is not None else kv.clone()
+        """A freshly computed deviation in the anchors' storage dtype."""
+        return kv.to(self.config.anchor_dtype) if self.config.anchor_dtype is not None else kv
 
 
 

@@ -266,7 +266,7 @@ def _build(manifest: dict, tensors: dict[str, torch.Tensor], engine: ReuseEngine
         for a, item in enumerate(_field(entry, "anchors", list, where)):
             name = f"pool{p}.anchor{a}"
             base = read.kv(name + ".base")
-            anchor = Anchor(_field(item, "segment_id", str, where), base.to(dtype) if dtype else base,
+            anchor = Anchor(_field(item, "segment_id", str, where), base,  # a base keeps the KV's dtype
                             read.embedding(name + ".embedding"), _field(item, "serial", int, where))
             anchor.accesses = _field(item, "accesses", int, where)
             for d, dev in enumerate(_field(item, "deviations", list, where)):

@@ -89,7 +89,9 @@ def test_segment_longer_than_every_anchor_reuses_covered_head(tiny_executor):
 
 
 @pytest.mark.slow
-def test_bfloat16_anchors_halve_pool_bytes_and_still_estimate(tiny_executor):
+def test_bfloat16_anchors_halve_deviation_bytes_and_still_estimate(tiny_executor):
+    """Deviations are stored in anchor_dtype; an anchor's base is its content's one base,
+    shared with the engine in the KV's dtype (no second copy)."""
     spec = parse_pipeline(PIPELINE)
     pools = {}
     for dtype in (None, torch.bfloat16):
@@ -101,7 +103,9 @@ def test_bfloat16_anchors_halve_pool_bytes_and_still_estimate(tiny_executor):
         assert kv.keys.dtype == torch.float32  # served in the model's KV dtype
         pools[dtype] = engine.pool("doc")
     assert [a.segment_id for a in pools[None].anchors] == [a.segment_id for a in pools[torch.bfloat16].anchors]
-    assert pools[torch.bfloat16].nbytes * 2 == pools[None].nbytes
+    deviation_bytes = {d: sum(dev.nbytes for a in p.anchors for dev in a.deviations.values()) for d, p in pools.items()}
+    assert deviation_bytes[torch.bfloat16] * 2 == deviation_bytes[None]
+    assert all(a.base.keys.dtype == torch.float32 for p in pools.values() for a in p.anchors)
 
 
 def _synthetic_engine(tau: float = 0.7, key_distances: bool = False, anchors: int = 3):
