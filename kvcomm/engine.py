@@ -11,6 +11,7 @@ request on).
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from kvcomm.anchors.anchor import Deviation
+from kvcomm.anchors.anchor import Deviation, kv_digest
 from kvcomm.anchors.index import Embedder, kv_embedding
 from kvcomm.anchors.pool import AnchorPool, PoolConfig
 from kvcomm.assemble import assemble, reuse_layout
@@ -118,6 +119,7 @@ class ReuseEngine:
         self.workspace = workspace if workspace is not None else KVWorkspace(self.config.workspace_bytes)
         self._bases: dict[str, tuple[KV, object]] = {}  # shared_id -> (position-free KV, embedding)
         self._fixed_bases: dict[tuple[str, str], KV] = {}  # (template id, content id) -> position-free KV
+        self._fixed_digests: dict[tuple[str, str], tuple[weakref.ref, str]] = {}  # key -> (its base's keys, kv_digest)
         self._lock = threading.RLock()
 
     # -- state -------------------------------------------------------------------------------
@@ -315,15 +317,28 @@ class ReuseEngine:
         nxt = piece.segment_index + 1
         if nxt >= len(prompt.segments) or prompt.segments[nxt].is_shared:
             return piece
-        fixed_base = self._fixed_bases.get(_fixed_key(prompt, nxt))
-        deviations = [a.deviations[piece.match.slot].following for a in piece.match.anchors]
-        if fixed_base is None or any(d is None or d.length != fixed_base.length for d in deviations):
+        key = _fixed_key(prompt, nxt)
+        fixed_base = self._fixed_bases.get(key)
+        if fixed_base is None:
             return piece
+        digest = self._fixed_digest(key)
+        deviations = [a.deviations[piece.match.slot] for a in piece.match.anchors]
+        if any(d.following is None or d.following_base != digest for d in deviations):
+            return piece  # measured against another base of this fixed segment (dropped, relearned)
         start = prompt.starts[nxt]
         length = min(fixed_base.length, last - start)
         if length <= 0:
             return piece
         return EstimatedPiece(piece.segment_index, piece.start, piece.base, piece.match, piece.pool, start, fixed_base.span(0, length))
+
+    def _fixed_digest(self, key: tuple[str, str]) -> str:
+        """``kv_digest`` of the fixed base held under ``key`` (computed once per base)."""
+        base = self._fixed_bases[key]
+        known = self._fixed_digests.get(key)
+        if known is None or known[0]() is not base.keys:
+            known = (weakref.ref(base.keys), kv_digest(base))
+            self._fixed_digests[key] = known
+        return known[1]
 
     # -- materialize -------------------------------------------------------------------------
 
@@ -385,11 +400,12 @@ class ReuseEngine:
         pool = self.pool(segment.slot)
         anchor = pool.get(segment.shared_id)
         base, embedding = (anchor.base, anchor.embedding) if anchor is not None else self._held_base(segment.shared_id)
-        following = None
+        following, following_base = None, None
         nxt = index + 1
         if nxt < len(prompt.segments) and not prompt.segments[nxt].is_shared:
-            following = self._stored(real(nxt) - self._fixed_bases[_fixed_key(prompt, nxt)])
-        deviation = Deviation(self._stored(real(index) - base), following)
+            key = _fixed_key(prompt, nxt)
+            following, following_base = self._stored(real(nxt) - self._fixed_bases[key]), self._fixed_digest(key)
+        deviation = Deviation(self._stored(real(index) - base), following, following_base)
         pool.record((prompt.template_id, segment.slot), segment.shared_id, base, embedding, deviation)
 
     def _stored(self, kv: KV) -> KV:

@@ -113,3 +113,36 @@ def test_record_refuses_a_deviation_measured_against_another_base():
     with pytest.raises(ValueError, match="another base"):
         pool.record(("t3", "doc"), "doc-1", _rand(gen, 6), embedding, Deviation(_rand(gen, 6), None))
     assert set(pool.get("doc-1").deviations) == {("t", "doc"), ("t2", "doc")}
+
+
+# -- defect 4: a following deviation is applied only to the fixed base it was measured against
+
+
+def test_following_deviation_is_not_applied_to_a_relearned_fixed_base():
+    """A tenant shrink drops fixed bases before anchors; the next dense prefill relearns them
+    from another context. The anchor's following deviation was measured against the old
+    base, so the following segment is no longer estimated from it (only lengths agreed)."""
+    from kvcomm.tenants import TenantEngine
+
+    gen = torch.Generator().manual_seed(4)
+    rotary = _rotary()
+    engine = TenantEngine(rotary, ReuseConfig(exact_prefix=False))
+    first = _prompt(tuple(range(200, 212)), "doc-1")
+    plan = engine.plan(first, lambda s: _rand(gen, len(s)))
+    real = place(_rand(gen, len(first)), rotary, 0)
+    engine.learn(plan, real)
+    assert engine.plan(first).reuse_end == len(first) - 1  # the following segment is estimated
+    memory = engine.memory()
+    engine.shrink(memory.total - memory.fixed_bases)
+    assert not engine._fixed_bases and len(engine.pool("doc")) == 1
+    other = _prompt(tuple(range(300, 312)), "doc-2")
+    plan = engine.plan(other, lambda s: _rand(gen, len(s)))
+    assert plan.reuse_end == 0
+    lead = first.starts[1]  # the lead has no preceding context: its KV is the same in both prompts
+    engine.learn(plan, KV.cat([real.span(0, lead), place(_rand(gen, len(other) - lead), rotary, lead)]))
+    again = engine.plan(first)
+    assert again.pieces[0].match.identical and again.pieces[0].following_base is None
+    assert again.reuse_end == first.end(1)
+    served = engine.materialize(again)
+    assert _max_error(served.keys, real.keys[:, :, : again.reuse_end]) < 1e-5
+    assert _max_error(served.values, real.values[:, :, : again.reuse_end]) < 1e-6
