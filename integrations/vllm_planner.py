@@ -130,7 +130,7 @@ class ServerPlanner:
             if segment.is_shared:
                 runs.add(segment.token_ids, segment.slot)
         n, r = len(prompt), len(reply_ids)
-        if r and n + r <= capture.filled.numel() and bool(capture.filled[n : n + r].all()):
+        if r and n + r <= capture.filled.numel() and bool(capture.filled[n : n + r].all()) and planned.engine.learns_at(n + r):
             reply = Segment(tuple(reply_ids), slot="_")
             if not planned.engine.has_base(reply.shared_id):
                 planned.engine.register_base(reply, to_position_free(capture.span(n, n + r), self.rotary, n))

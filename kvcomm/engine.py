@@ -175,6 +175,16 @@ class ReuseEngine:
         with self._lock:
             return self._bases.pop(shared_id, None) is not None
 
+    def learns_at(self, length: int) -> bool:
+        """Whether KV of a ``length``-token sequence may be learned from: its keys use the
+        frequencies every realignment assumes (``Rotary.check_length``; dynamic NTK and
+        longrope change them past ``max_exact_length``)."""
+        try:
+            self.rotary.check_length(length)
+        except RopeError:
+            return False
+        return True
+
     @property
     def uses_bases(self) -> bool:
         """Whether plans reuse shared content from base KV (every mode but "exact"), so
@@ -201,6 +211,13 @@ class ReuseEngine:
         this request (``plan.new_bases``)."""
         plan = ReusePlan(prompt)
         last = len(prompt) - 1
+        try:
+            self.rotary.check_length(len(prompt))
+        except RopeError as error:
+            # Past the exact length every key of the prompt is computed with other frequencies:
+            # no stored KV (exact prefix, template lead, base) matches what dense computes.
+            plan.note = f"no reuse: {error}"
+            return plan
         if self.config.exact_prefix:
             length, kv = self.prefix_store.longest(prompt)
             if length > last:
@@ -215,14 +232,10 @@ class ReuseEngine:
         if mode == "exact":
             plan.note = "mode exact: exact prefix only"
             return plan
-        try:
-            self.rotary.check_length(len(prompt))
-            if mode == "kvcomm":
-                self._plan_estimates(plan, provide_base)
-            else:
-                self._plan_realigned(plan, provide_base)
-        except RopeError as error:
-            plan.note = f"no estimation: {error}"
+        if mode == "kvcomm":
+            self._plan_estimates(plan, provide_base)
+        else:
+            self._plan_realigned(plan, provide_base)
         if provide_base is None:
             plan.new_bases = [i for i, s in enumerate(prompt.segments)
                               if s.is_shared and self._held_base(s.shared_id) is None and prompt.starts[i] >= plan.reuse_end]
@@ -370,6 +383,8 @@ class ReuseEngine:
         prompt, begin = plan.prompt, plan.reuse_end
         if computed.length != len(prompt) - begin:
             raise ValueError(f"learn needs KV of {len(prompt) - begin} computed tokens, got {computed.length}")
+        if not self.learns_at(len(prompt)):
+            return  # keys computed with other RoPE frequencies: de-rotating them would corrupt every base
 
         def real(index: int) -> KV:
             start = prompt.starts[index]

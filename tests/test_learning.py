@@ -146,3 +146,56 @@ def test_following_deviation_is_not_applied_to_a_relearned_fixed_base():
     served = engine.materialize(again)
     assert _max_error(served.keys, real.keys[:, :, : again.reuse_end]) < 1e-5
     assert _max_error(served.values, real.values[:, :, : again.reuse_end]) < 1e-6
+
+
+# -- defect 3: nothing is learned from, or served to, prompts past the exact RoPE length -----
+
+
+@pytest.fixture(scope="module")
+def dynamic_executor(smol):
+    """A 2-layer random Llama with dynamic NTK RoPE whose frequencies grow past 64 tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcomm.integrations.transformers_executor import TransformersExecutor
+
+    _, tokenizer = smol
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        eos_token_id=tokenizer.eos_token_id, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    )
+    return TransformersExecutor(LlamaForCausalLM(config).eval(), tokenizer)
+
+
+def _token_prompt(doc_tokens: int, doc_start: int = 1000, shared_id: str | None = None) -> Prompt:
+    doc = tuple(range(doc_start, doc_start + doc_tokens))
+    return Prompt("agent", (Segment(tuple(range(500, 510))), Segment(doc, slot="doc", shared_id=shared_id),
+                            Segment(tuple(range(600, 605))), Segment((700,))))
+
+
+def test_dynamic_ntk_prompt_past_the_exact_length_teaches_nothing(dynamic_executor):
+    from kvcomm.runner import run_agent
+
+    limit = dynamic_executor.rotary.max_exact_length
+    assert limit is not None and limit < 80
+    engine = ReuseEngine(dynamic_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
+    long_prompt = _token_prompt(80)
+    assert len(long_prompt) > limit
+    for _ in range(2):
+        _, provenance = run_agent(dynamic_executor, engine, long_prompt, 3)
+        assert provenance.computed_tokens == len(long_prompt)  # nothing served, not even the lead
+    assert not engine._bases and not engine._fixed_bases and not engine.pools and engine.prefix_store.nbytes == 0
+
+
+def test_dynamic_ntk_prompt_past_the_exact_length_gets_no_stored_kv(dynamic_executor):
+    """KV learned from short prompts (short frequencies) is not served to a long prompt, whose
+    every key dense computes with the grown frequencies: not even the template's lead."""
+    from kvcomm.runner import run_agent
+
+    engine = ReuseEngine(dynamic_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
+    for start in (1000, 2000, 3000):
+        run_agent(dynamic_executor, engine, _token_prompt(20, start), 1)
+    assert engine._fixed_bases and len(engine.pool("doc")) >= 2
+    plan = engine.plan(_token_prompt(80, 1000), dynamic_executor.base_kv)
+    assert plan.reuse_end == 0 and plan.exact_length == 0 and "no reuse" in plan.note
