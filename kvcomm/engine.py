@@ -72,7 +72,9 @@ class ReuseConfig:
     selects them (mode "cacheblend" only). base_source: one of ``BASE_SOURCES``, read by
     callers that drive an executor (``runner.run_agent``) to decide whether to hand ``plan``
     a ``BaseProvider``. workspace_bytes: most memory ``materialized`` keeps between requests
-    for reuse (``KVWorkspace``; 0 keeps none)."""
+    for reuse (``KVWorkspace``; 0 keeps none). learn_after_estimates: also learn bases,
+    fixed bases, anchors and reply bases from KV computed behind estimated pieces (default
+    False: only from KV whose whole preceding context was exact or computed)."""
 
     pool: PoolConfig = field(default_factory=PoolConfig)
     exact_prefix: bool = True
@@ -83,6 +85,7 @@ class ReuseConfig:
     check_layer: int = 1
     base_source: str = "standalone"
     workspace_bytes: int = 512 << 20
+    learn_after_estimates: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -184,6 +187,12 @@ class ReuseEngine:
         except RopeError:
             return False
         return True
+
+    def learns_from(self, plan: ReusePlan) -> bool:
+        """Whether the KV a request computes under ``plan`` may become bases, fixed bases or
+        anchors: only when everything before it was exact or computed (nothing estimated),
+        unless ``config.learn_after_estimates``."""
+        return plan.estimated_tokens == 0 or self.config.learn_after_estimates
 
     @property
     def uses_bases(self) -> bool:
@@ -391,6 +400,8 @@ class ReuseEngine:
             kv = computed.span(start - begin, prompt.end(index) - begin)
             return to_position_free(kv, self.rotary, start)
 
+        if not self.learns_from(plan):
+            return  # computed behind estimated KV: its errors would become every later estimate's
         with self._lock:
             for index in plan.new_bases:
                 segment = prompt.segments[index]

@@ -199,3 +199,44 @@ def test_dynamic_ntk_prompt_past_the_exact_length_gets_no_stored_kv(dynamic_exec
     assert engine._fixed_bases and len(engine.pool("doc")) >= 2
     plan = engine.plan(_token_prompt(80, 1000), dynamic_executor.base_kv)
     assert plan.reuse_end == 0 and plan.exact_length == 0 and "no reuse" in plan.note
+
+
+# -- defect 5: learning only from KV computed behind exact or computed context ---------------
+
+
+def _two_slot_prompt(doc: tuple[int, ...], doc_id: str, note: tuple[int, ...], note_id: str, tail: tuple[int, ...]) -> Prompt:
+    return Prompt("agent", (
+        Segment(tuple(range(1, 6))), Segment(doc, slot="doc", shared_id=doc_id), Segment(tuple(range(40, 44))),
+        Segment(note, slot="note", shared_id=note_id), Segment(tail), Segment((99,)),
+    ))
+
+
+@pytest.mark.parametrize("provider", [True, False], ids=["standalone", "first_use"])
+def test_nothing_is_learned_from_kv_computed_behind_estimates(provider):
+    gen = torch.Generator().manual_seed(5)
+    rotary = _rotary()
+    provide = (lambda s: _rand(gen, len(s))) if provider else None
+    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), exact_prefix=False))
+    doc = tuple(range(200, 212))
+    first = _two_slot_prompt(doc, "doc-1", tuple(range(300, 306)), "note-1", (50, 51))
+    engine.register_base(first.segments[1], _rand(gen, len(doc)))
+    plan = engine.plan(first, provide)
+    engine.learn(plan, place(_rand(gen, len(first)), rotary, 0))
+    assert len(engine.pool("doc")) == 1
+    # the same doc (an identical match: estimated), then new content and a new fixed segment
+    second = _two_slot_prompt(doc, "doc-1", tuple(range(400, 406)), "note-2", (60, 61, 62))
+    plan = engine.plan(second, provide)
+    assert plan.estimated_tokens > 0 and plan.reuse_end == second.starts[3]
+    fixed_before = set(engine._fixed_bases)
+    engine.learn(plan, place(_rand(gen, len(second) - plan.reuse_end), rotary, plan.reuse_end))
+    assert set(engine._fixed_bases) == fixed_before  # the new tail is not learned
+    assert engine.pool("note").get("note-2") is None
+    if not provider:
+        assert not engine.has_base("note-2")  # no first-use base either
+    # opting in learns as before
+    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), exact_prefix=False, learn_after_estimates=True))
+    engine.register_base(first.segments[1], _rand(gen, len(doc)))
+    engine.learn(engine.plan(first, provide), place(_rand(gen, len(first)), rotary, 0))
+    plan = engine.plan(second, provide)
+    engine.learn(plan, place(_rand(gen, len(second) - plan.reuse_end), rotary, plan.reuse_end))
+    assert set(engine._fixed_bases) > fixed_before and engine.has_base("note-2")
