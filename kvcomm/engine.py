@@ -430,14 +430,22 @@ class ReuseEngine:
         nxt = index + 1
         if nxt < len(prompt.segments) and not prompt.segments[nxt].is_shared:
             key = _fixed_key(prompt, nxt)
-            following, following_base = self._stored(real(nxt) - self._fixed_bases[key]), self._fixed_digest(key)
-        deviation = Deviation(self._stored(real(index) - base), following, following_base)
+            following, following_base = self._stored(_beyond_layer0(real(nxt) - self._fixed_bases[key])), self._fixed_digest(key)
+        deviation = Deviation(self._stored(_beyond_layer0(real(index) - base)), following, following_base)
         pool.record((prompt.template_id, segment.slot), segment.shared_id, base, embedding, deviation)
 
     def _stored(self, kv: KV) -> KV:
         """A freshly computed deviation in the anchors' storage dtype."""
         return kv.to(self.config.anchor_dtype) if self.config.anchor_dtype is not None else kv
 
+
+
+def _beyond_layer0(deviation: KV) -> KV:
+    """``deviation`` with layer 0 zeroed, in place: layer 0's K/V depend only on each token and
+    its position, so the realigned base is exact there and any difference is rounding."""
+    deviation.keys[0].zero_()
+    deviation.values[0].zero_()
+    return deviation
 
 
 def _new_content_note(segment: Segment) -> str:

@@ -71,8 +71,9 @@ def test_estimation_kicks_in_after_two_anchors_and_learns(tiny_executor):
 
 @pytest.mark.slow
 def test_segment_longer_than_every_anchor_reuses_covered_head(tiny_executor):
+    """With min_coverage 0 (the mechanism alone; the default sends a mostly uncovered segment dense)."""
     spec = parse_pipeline(PIPELINE)
-    engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
+    engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, min_coverage=0.0)))
     for row in spec.inputs[:2]:
         run_agent(tiny_executor, engine, _prompt(tiny_executor, spec, 0, row), 4)
     longest = max(a.length for a in engine.pool("doc").anchors)
@@ -167,8 +168,9 @@ def test_materialize_equals_realigned_base_plus_plainly_weighted_deviations(bloc
     per_token = layers * heads * dim
     wk = torch.softmax(-torch.stack([d.abs().sum((0, 1, 3)) / per_token for d in dk]) / tau, 0)  # [A, t]
     wv = torch.softmax(-torch.stack([d.abs().sum((0, 1, 3)) / per_token for d in dv]) / tau, 0)
-    fk = torch.softmax(-torch.stack([d.square().sum(2).sqrt() for d in dk]) / tau, 0)  # [A, L, H, D]
-    fv = torch.softmax(-torch.stack([d.square().sum(2).sqrt() for d in dv]) / tau, 0)
+    # following: per-token RMS of the base difference (L2 over the t tokens / sqrt(t))
+    fk = torch.softmax(-torch.stack([d.square().mean(2).sqrt() for d in dk]) / tau, 0)  # [A, L, H, D]
+    fv = torch.softmax(-torch.stack([d.square().mean(2).sqrt() for d in dv]) / tau, 0)
     shared = KV(base.keys + sum(w[None, None, :, None] * d.shared.keys for w, d in zip(wk, devs)),
                 base.values + sum(w[None, None, :, None] * d.shared.values for w, d in zip(wv, devs)))
     fixed = piece.following_base

@@ -62,6 +62,7 @@ def test_identical_match_reproduces_the_recorded_real_kv(seed, length, rebases, 
     plan = engine.plan(prompt, lambda s: _rand(gen, len(s)))
     assert plan.learn == [1] and plan.reuse_end == 0
     real = place(_rand(gen, len(prompt)), rotary, 0)
+    _layer0_from_base(real, engine.stored_base("doc-1"), prompt.starts[1], rotary)
     engine.learn(plan, real)
     for _ in range(rebases):
         if drop:
@@ -73,6 +74,13 @@ def test_identical_match_reproduces_the_recorded_real_kv(seed, length, rebases, 
     served = engine.materialize(again)
     assert _max_error(served.keys, real.keys[:, :, : again.reuse_end]) < 1e-5
     assert _max_error(served.values, real.values[:, :, : again.reuse_end]) < 1e-6
+
+
+def _layer0_from_base(real: KV, base: KV, start: int, rotary: Rotary) -> None:
+    """As in a model: layer 0 of a segment's real KV is its realigned base (no context mixed in yet)."""
+    placed = place(base, rotary, start)
+    real.keys[0, :, start : start + base.length] = placed.keys[0]
+    real.values[0, :, start : start + base.length] = placed.values[0]
 
 
 def test_a_second_base_for_held_content_is_ignored():
@@ -130,6 +138,7 @@ def test_following_deviation_is_not_applied_to_a_relearned_fixed_base():
     first = _prompt(tuple(range(200, 212)), "doc-1")
     plan = engine.plan(first, lambda s: _rand(gen, len(s)))
     real = place(_rand(gen, len(first)), rotary, 0)
+    _layer0_from_base(real, engine.stored_base("doc-1"), first.starts[1], rotary)
     engine.learn(plan, real)
     assert engine.plan(first).reuse_end == len(first) - 1  # the following segment is estimated
     memory = engine.memory()
@@ -240,3 +249,82 @@ def test_nothing_is_learned_from_kv_computed_behind_estimates(provider):
     plan = engine.plan(second, provide)
     engine.learn(plan, place(_rand(gen, len(second) - plan.reuse_end), rotary, plan.reuse_end))
     assert set(engine._fixed_bases) > fixed_before and engine.has_base("note-2")
+
+
+# -- defect 2: a mostly uncovered segment goes dense and is admitted --------------------------
+
+
+def test_mostly_uncovered_segments_go_dense_and_become_anchors():
+    """Two short anchors must not starve admission: longer segments they barely cover are
+    computed and admitted, until anchors cover them."""
+    gen = torch.Generator().manual_seed(6)
+    rotary = _rotary()
+    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), exact_prefix=False))
+    provide = lambda s: _rand(gen, len(s))  # noqa: E731
+    for i in range(2):
+        prompt = _prompt(tuple(range(200 + 20 * i, 210 + 20 * i)), f"short-{i}")
+        plan = engine.plan(prompt, provide)
+        engine.learn(plan, place(_rand(gen, len(prompt) - plan.reuse_end), rotary, plan.reuse_end))
+    assert [a.length for a in engine.pool("doc").anchors] == [10, 10]
+    for i in range(5):
+        prompt = _prompt(tuple(range(1000 + 200 * i, 1100 + 200 * i)), f"long-{i}")
+        plan = engine.plan(prompt, provide)
+        if i == 0:  # 10 of 100 tokens covered: dense and learned
+            assert plan.estimated_tokens == 0 and plan.learn == [1], plan.note
+        else:  # the 100-token anchor now covers it all
+            assert plan.estimated_tokens >= 100, plan.note
+        engine.learn(plan, place(_rand(gen, len(prompt) - plan.reuse_end), rotary, plan.reuse_end))
+    assert sorted(a.length for a in engine.pool("doc").anchors) == [10, 10, 100]
+
+
+@pytest.mark.parametrize("share, dense", [(0.09, False), (0.11, True)])
+def test_min_coverage_is_the_share_of_tokens_anchors_must_cover(share, dense):
+    """10 of 100 tokens covered: reuse if min_coverage <= 0.1, dense above."""
+    gen = torch.Generator().manual_seed(7)
+    rotary = _rotary()
+    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, min_coverage=share), exact_prefix=False))
+    provide = lambda s: _rand(gen, len(s))  # noqa: E731
+    for i in range(2):
+        prompt = _prompt(tuple(range(200 + 20 * i, 210 + 20 * i)), f"short-{i}")
+        plan = engine.plan(prompt, provide)
+        engine.learn(plan, place(_rand(gen, len(prompt) - plan.reuse_end), rotary, plan.reuse_end))
+    plan = engine.plan(_prompt(tuple(range(1000, 1100)), "long"), provide)
+    assert (plan.learn == [1]) is dense and (plan.estimated_tokens == 10) is not dense
+
+
+# -- defect 6: following-segment weights normalized by length; layer 0 exact -----------------
+
+
+def test_following_weights_do_not_turn_one_hot_on_long_segments():
+    """Two anchors whose bases differ from the new one's by 0.1 and 0.2 per element: the
+    per-channel following weights depend on that per-token RMS, not on the segment's length."""
+    from kvcomm.anchors.pool import Match
+
+    pool = AnchorPool(PoolConfig())
+    weights = {}
+    for length in (4, 400):
+        new = KV(torch.zeros(LAYERS, HEADS, length, DIM), torch.zeros(LAYERS, HEADS, length, DIM))
+        anchors = []
+        for i, offset in enumerate((0.1, 0.2)):
+            base = KV(new.keys + offset, new.values + offset)
+            pool.record(("t", "doc"), f"a{i}-{length}", base, np.ones(4, dtype=np.float32),
+                        Deviation(KV(torch.zeros_like(base.keys), torch.zeros_like(base.values)),
+                                  KV(torch.zeros(LAYERS, HEADS, 3, DIM), torch.zeros(LAYERS, HEADS, 3, DIM)), "f"))
+            anchors.append(pool.get(f"a{i}-{length}"))
+        _, following = pool.estimate_terms(Match(("t", "doc"), tuple(anchors), length), new)
+        weights[length] = float(following.value_weights[0].flatten()[0])
+    expected = 1 / (1 + np.exp(-0.1))  # softmax(-[0.1, 0.2]) of the first anchor
+    assert abs(weights[4] - expected) < 1e-5 and abs(weights[400] - expected) < 1e-5
+
+
+def test_layer0_deviation_is_zero_so_layer0_is_the_realigned_base():
+    gen = torch.Generator().manual_seed(8)
+    rotary = _rotary()
+    engine = ReuseEngine(rotary, ReuseConfig(exact_prefix=False))
+    prompt = _prompt(tuple(range(200, 210)))
+    plan = engine.plan(prompt, lambda s: _rand(gen, len(s)))
+    engine.learn(plan, place(_rand(gen, len(prompt)), rotary, 0))
+    deviation = engine.pool("doc").get("doc-1").deviations[("agent", "doc")]
+    for kv in (deviation.shared, deviation.following):
+        assert not kv.keys[0].any() and not kv.values[0].any()
+    assert deviation.shared.keys[1:].abs().sum() > 0 and deviation.shared.values[1:].abs().sum() > 0
