@@ -91,9 +91,10 @@ class TenantEngine(ReuseEngine):
             plan.learn = [i for i in plan.learn if self.has_base(plan.prompt.segments[i].shared_id)]
             super().learn(plan, computed)
 
-    def register_base(self, segment: Segment, base: KV) -> None:
-        super().register_base(segment, base)
+    def register_base(self, segment: Segment, base: KV) -> KV:
+        held = super().register_base(segment, base)
         self._grew()
+        return held
 
     def memory(self) -> EngineBytes:
         with self._lock:
