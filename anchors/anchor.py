@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from kvcomm.kv import KV
 
@@ -19,10 +21,14 @@ class Deviation:
     shared: ``[layers, kv_heads, T_anchor, head_dim]``, position-free (key deltas de-rotated).
     following: the same for the fixed segment right after the slot (``F`` tokens, fixed per
         slot), or ``None`` when nothing follows before the next slot or prompt end.
+    following_base: digest (``kv_digest``) of the fixed segment's base KV that ``following``
+        was measured against; a following deviation is only applied to that very base
+        (None: unknown, never applied).
     """
 
     shared: KV
     following: KV | None
+    following_base: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -54,3 +60,12 @@ class Anchor:
     @property
     def nbytes(self) -> int:
         return self.base.nbytes + sum(d.nbytes for d in self.deviations.values())
+
+
+def kv_digest(kv: KV) -> str:
+    """Hex digest of a KV's shape, dtype and bytes: equal digests, identical tensors."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr((tuple(kv.keys.shape), str(kv.keys.dtype), str(kv.values.dtype))).encode())
+    for t in (kv.keys, kv.values):
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

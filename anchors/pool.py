@@ -30,55 +30,41 @@ from kvcomm.kv import KV
 
 @dataclass(frozen=True)
 class PoolConfig:
-    """Settings of one anchor pool.
-
-    gamma: admission threshold factor: a sample reuses only if the entropy of the admission
-        distribution p over the compatible anchors is <= gamma * log(#compatible). 0 reuses
-        only when p is one-hot; 1 always reuses (given >= 2 compatible anchors).
-    admission_distance: how p is made from the base-value distances (``admission_logits``).
-        "relative" (default): p = softmax(-(r / r_min) / admission_temperature), r the
-        per-element RMS value difference, r_min the nearest anchor's: length-normalized and
-        scale-free, so gamma matters on long segments. "l2": the reference,
-        p = softmax(-d) with d the raw value L2 over the first min(T, length) tokens: one-hot
-        on segments longer than a few tokens (d in the thousands at 1K tokens on SmolLM2),
-        so gamma is inert there; admission_temperature is not used.
-    admission_temperature: relative distance scale of "relative". Chosen from the distances
-        measured on SmolLM2 (demo pipeline, retrieval workload): compatible anchors lie within
-        0.3-15% of each other in RMS (r ~1.0-1.3; ~1% for 400-token segments of similar text);
-        at 0.0075 an anchor 0.75% farther than the nearest gets 1/e of its weight, and gamma
-        0.3 vs 0.7 gives visibly different reuse rates on both (README, "Anchor pool").
-    max_anchors: V, the most anchors a pool holds. eviction_window: W, how many of the
-    earliest-inserted anchors eviction chooses among. top_p: mass of p whose anchors get an
-    access. temperature: tau in the delta weights softmax(-d / tau). max_candidates: narrow the
-    compatible anchors to this many nearest by embedding (0 keeps all). partial_coverage:
-    a segment longer than every anchor reuses the covered head instead of going dense.
-    max_bytes: byte budget for the pool's tensors (None: unbounded). min_estimate_anchors: with
-    partial coverage, estimate only the head that at least this many compatible anchors cover
-    (0: all of them), so that more deviations are averaged; 1 (default) estimates as far as the
-    longest anchor reaches. On MMLU items (diverse 40-130-token questions, 2 agents + decider,
-    12 items, gamma 0.7) the default's estimated deviations were farther from the real KV than
-    no deviation at all (error ratio keys 1.02, values 1.18, often from 1-2 anchors); 0 gave
-    0.80 / 0.95 over a third of the tokens (README, "Anchor pool"). key_distances: weight key
-    deviations by distances of base keys (True, the reference) or by those of base values, as
-    value deviations are (False, default): the first agent to see new content then compares
-    only values, half the work. Measured on SmolLM2 (``benchmarks/bench_fidelity.py``: 8
-    anchors, 4 new 1,000-token segments), error of the estimate relative to realignment alone,
-    True vs False: shared keys 0.676 vs 0.684, following fixed segment's keys 0.924 vs 0.851,
-    values unchanged (0.828, 0.897); first agent's work at 8 anchors 114 vs 93 ms (back to back).
-    """
+    """Settings of one anchor pool (admission, estimation, eviction); measurements behind the
+    defaults are in docs/measurements/."""
 
     gamma: float = 0.3
+    """Admission threshold: reuse only if the entropy of p over the compatible anchors is
+    <= gamma * log(#compatible); 0 reuses only a one-hot p, 1 always reuses."""
     admission_distance: str = "relative"
+    """How p is made from base-value distances (``admission_logits``): "relative" (per-element
+    RMS, length-normalized and scale-free) or "l2" (the reference's raw L2)."""
     admission_temperature: float = 0.0075
+    """Relative distance scale of "relative": an anchor this fraction farther than the nearest
+    gets 1/e of its weight."""
     max_anchors: int = 20
+    """V, the most anchors a pool holds."""
     eviction_window: int = 5
+    """W: eviction takes the least-accessed among the W earliest-inserted anchors."""
     top_p: float = 0.9
+    """Mass of p whose anchors get an access on a reuse decision."""
     temperature: float = 1.0
+    """tau in the deviation weights softmax(-d / tau)."""
     max_candidates: int = 8
+    """Narrow the compatible anchors to this many nearest by embedding (0 keeps all)."""
     partial_coverage: bool = True
+    """A segment longer than every anchor may reuse the covered head (see ``min_coverage``)."""
     max_bytes: int | None = None
+    """Byte budget for the pool's tensors (None: unbounded)."""
     min_estimate_anchors: int = 1
+    """With partial coverage, estimate only the head at least this many compatible anchors
+    cover (0: all of them)."""
     key_distances: bool = False
+    """Weight key deviations by base-key distances (True, the reference) or by base-value
+    distances as value deviations are (False: half the distance work)."""
+    min_coverage: float = 0.5
+    """A segment whose anchors would cover fewer than this share of its tokens goes dense and
+    becomes an anchor instead of reusing its head."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -103,6 +89,8 @@ class PoolConfig:
         if isinstance(self.min_estimate_anchors, bool) or not isinstance(self.min_estimate_anchors, int) \
                 or self.min_estimate_anchors < 0:
             problems.append(f"min_estimate_anchors must be an integer >= 0 (got {self.min_estimate_anchors!r})")
+        if not 0 <= self.min_coverage <= 1:
+            problems.append(f"min_coverage must be in [0, 1] (got {self.min_coverage})")
         if self.max_bytes is not None and self.max_bytes <= 0:
             problems.append(f"max_bytes must be positive or None (got {self.max_bytes})")
         if problems:
@@ -172,7 +160,8 @@ class AnchorPool:
 
         Returns None when the sample must be densely prefilled and become an anchor: the
         pool holds <= 1 anchor, <= 1 anchor is compatible (has a deviation for ``slot`` and,
-        without partial coverage, >= T tokens), or the entropy of the admission distribution
+        without partial coverage, >= T tokens), the anchors would cover fewer than
+        ``min_coverage * T`` tokens, or the entropy of the admission distribution
         p (``config.admission_distance``) over the compatible anchors exceeds
         gamma * log(#compatible). Otherwise the anchors carrying the top-p mass of p get an
         access (only when ``commit``: a decision asked for learning alone leaves access
@@ -193,6 +182,8 @@ class AnchorPool:
                 return None
             compatible = self._narrow(compatible, embedding)
             covered = self._coverage(compatible, length)
+            if covered < self.config.min_coverage * length:
+                return None  # mostly uncovered: computing it densely makes it an anchor
             distances = self._distances(segment_id, base, compatible, covered, commit)
             p = self._admission(compatible, base, [d if isinstance(d, torch.Tensor) else d.value_l2 for d in distances])
             entropy = float(-(p * torch.log(p.clamp_min(1e-300))).sum())
@@ -279,12 +270,10 @@ class AnchorPool:
 
         Shared tokens are weighted per token by softmax(-d/tau) of the mean absolute base
         difference; the following fixed segment per (layer, head, channel) by softmax(-d/tau)
-        of the L2 base difference over the same ``covered`` tokens. Keys and values each use
-        their own distances. All position-free; the caller realigns. An ``identical`` match
-        uses its anchor's deviations with weight 1. Weights are over all matched anchors: on
-        SmolLM2 (8 anchors, 400-token segments) the weighted mean of every anchor's deviation
-        had 25-35% less error against the real KV than the nearest anchor's or the top-p
-        anchors' alone (README, "Anchor pool").
+        of the per-token RMS base difference (L2 over the compared tokens / sqrt(their count)).
+        Keys and values each use their own distances. All position-free; the caller realigns.
+        An ``identical`` match uses its anchor's deviations with weight 1. Weights are over
+        all matched anchors.
         """
         n = min(match.covered, base.length)  # a plan cuts a segment that ends the prompt short
         deviations = [a.deviations[match.slot] for a in match.anchors]
@@ -305,8 +294,11 @@ class AnchorPool:
         )
         following = None
         if all(d.following is not None for d in deviations) and len({d.following.length for d in deviations}) == 1:
-            fk = torch.softmax(-torch.stack([d.channel_keys for d in dist]) / tau, dim=0)  # [A, L, H, D]
-            fv = torch.softmax(-torch.stack([d.channel_values for d in dist]) / tau, dim=0)
+            # per-token RMS (L2 / sqrt(tokens compared)): a raw L2 grows with the segment's length
+            # and makes the weights one-hot on long segments
+            rms = [math.sqrt(d.token_keys.shape[0]) for d in dist]
+            fk = torch.softmax(-torch.stack([d.channel_keys / r for d, r in zip(dist, rms)]) / tau, dim=0)  # [A, L, H, D]
+            fv = torch.softmax(-torch.stack([d.channel_values / r for d, r in zip(dist, rms)]) / tau, dim=0)
             following = WeightedDeviations(
                 tuple(d.following for d in deviations), tuple(fk[:, :, :, None, :]), tuple(fv[:, :, :, None, :])
             )
@@ -317,6 +309,10 @@ class AnchorPool:
     def record(self, slot: SlotKey, segment_id: str, base: KV, embedding: np.ndarray, deviation: Deviation) -> list[Anchor]:
         """Store the deviation ``slot`` showed for a densely prefilled segment; admit it if new.
 
+        ``deviation`` must be real KV minus ``base``; a held anchor keeps its base, so for a
+        held anchor ``base`` must be that base (the same tensors or equal values), else
+        ValueError: one anchor never mixes deviations measured against different bases.
+
         Returns the anchors evicted to make room (least-accessed among the W earliest).
         An anchor too large for the byte budget on its own is not admitted, and a held anchor
         that this deviation would make too large on its own does not store it.
@@ -324,6 +320,11 @@ class AnchorPool:
         with self._lock:
             anchor = self._anchors.get(segment_id)
             evicted: list[Anchor] = []
+            if anchor is not None and not _same_kv(anchor.base, base):
+                raise ValueError(
+                    f"segment {segment_id!r}: the deviation was measured against another base than the one "
+                    "its anchor holds; measure it as real KV minus anchor.base (one base per content)"
+                )
             if anchor is not None and self.config.max_bytes is not None:
                 replaced = anchor.deviations.get(slot)
                 grown = anchor.nbytes - (replaced.nbytes if replaced is not None else 0) + deviation.nbytes
@@ -410,3 +411,11 @@ class AnchorPool:
                 found.append(f"access counts do not add up: held {accesses} + evicted {self.evicted_accesses} "
                              f"!= granted {self.accesses_granted}")
             return found
+
+
+def _same_kv(a: KV, b: KV) -> bool:
+    """Whether ``a`` and ``b`` are the same KV: the very tensors, or equal shapes, dtypes and values."""
+    if a.keys is b.keys and a.values is b.values:
+        return True
+    return (a.keys.shape == b.keys.shape and a.keys.dtype == b.keys.dtype and a.values.dtype == b.values.dtype
+            and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values))

@@ -11,6 +11,7 @@ request on).
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from kvcomm.anchors.anchor import Deviation
+from kvcomm.anchors.anchor import Deviation, kv_digest
 from kvcomm.anchors.index import Embedder, kv_embedding
 from kvcomm.anchors.pool import AnchorPool, PoolConfig
 from kvcomm.assemble import assemble, reuse_layout
@@ -64,13 +65,16 @@ MODES = ("kvcomm", "exact", "realign", "cacheblend")
 class ReuseConfig:
     """pool: admission and estimation settings (per slot family). exact_prefix: serve exact
     prefix hits. prefix_store_bytes: budget of the exact prefix store. anchor_dtype: dtype
-    anchors are stored in (None: the KV's own; bfloat16/float16 halve pool memory).
+    anchor deviations are stored in (None: the KV's own; bfloat16/float16 halve their
+    memory); an anchor's base is its content's one base, held with the engine's, in the KV's dtype.
     mode: one of ``MODES``. recompute_ratio, check_layer: CacheBlend's share of estimated
     tokens to recompute, in (0, 1], and the decoder layer (0-based) whose key deviation
     selects them (mode "cacheblend" only). base_source: one of ``BASE_SOURCES``, read by
     callers that drive an executor (``runner.run_agent``) to decide whether to hand ``plan``
     a ``BaseProvider``. workspace_bytes: most memory ``materialized`` keeps between requests
-    for reuse (``KVWorkspace``; 0 keeps none)."""
+    for reuse (``KVWorkspace``; 0 keeps none). learn_after_estimates: also learn bases,
+    fixed bases, anchors and reply bases from KV computed behind estimated pieces (default
+    False: only from KV whose whole preceding context was exact or computed)."""
 
     pool: PoolConfig = field(default_factory=PoolConfig)
     exact_prefix: bool = True
@@ -81,6 +85,7 @@ class ReuseConfig:
     check_layer: int = 1
     base_source: str = "standalone"
     workspace_bytes: int = 512 << 20
+    learn_after_estimates: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -117,6 +122,7 @@ class ReuseEngine:
         self.workspace = workspace if workspace is not None else KVWorkspace(self.config.workspace_bytes)
         self._bases: dict[str, tuple[KV, object]] = {}  # shared_id -> (position-free KV, embedding)
         self._fixed_bases: dict[tuple[str, str], KV] = {}  # (template id, content id) -> position-free KV
+        self._fixed_digests: dict[tuple[str, str], tuple[weakref.ref, str]] = {}  # key -> (its base's keys, kv_digest)
         self._lock = threading.RLock()
 
     # -- state -------------------------------------------------------------------------------
@@ -127,26 +133,66 @@ class ReuseEngine:
                 self.pools[slot] = AnchorPool(self.config.pool)
             return self.pools[slot]
 
-    def register_base(self, segment: Segment, base: KV) -> None:
-        """Keep ``base`` (position-free) as the base KV of shared content ``segment.shared_id``."""
+    def register_base(self, segment: Segment, base: KV) -> KV:
+        """Keep ``base`` (position-free, ``[layers, kv_heads, len(segment), head_dim]``) as the
+        base KV of shared content ``segment.shared_id`` and return the base now held for it.
+
+        One base per content: if the engine or an anchor (in any pool) already holds one, that
+        base stays and ``base`` is ignored, so every deviation recorded against the content's
+        base keeps being applied to that very base."""
         if base.length != len(segment):
             raise ValueError(f"base KV has {base.length} tokens, segment has {len(segment)}")
         with self._lock:
-            self._bases[segment.shared_id] = (base, self.embedder(segment.token_ids, base))
+            held = self._held_base(segment.shared_id)
+            if held is None:
+                held = (base, self.embedder(segment.token_ids, base))
+            self._bases[segment.shared_id] = held
+            return held[0]
+
+    def _held_base(self, shared_id: str) -> tuple[KV, object] | None:
+        """(base, embedding) held for ``shared_id``: the engine's, else an anchor's; None if neither."""
+        held = self._bases.get(shared_id)
+        if held is not None:
+            return held
+        for pool in self.pools.values():
+            anchor = pool.get(shared_id)
+            if anchor is not None:
+                return anchor.base, anchor.embedding
+        return None
 
     def has_base(self, shared_id: str) -> bool:
-        return shared_id in self._bases
+        """Whether a base is held for ``shared_id`` (by the engine or by an anchor of it)."""
+        with self._lock:
+            return self._held_base(shared_id) is not None
 
     def stored_base(self, shared_id: str) -> KV | None:
         """The position-free base KV held for shared content ``shared_id``, or None."""
-        held = self._bases.get(shared_id)
-        return None if held is None else held[0]
+        with self._lock:
+            held = self._held_base(shared_id)
+            return None if held is None else held[0]
 
     def drop_base(self, shared_id: str) -> bool:
-        """Forget the base KV of ``shared_id``; a later plan recomputes it from its tokens
-        (anchors keep their own copies). Returns whether one was held."""
+        """Forget the engine's reference to the base KV of ``shared_id``. An anchor of that
+        content keeps its base, and plans go on using it (one base per content); without
+        one, a later plan recomputes the base from its tokens. Returns whether one was held."""
         with self._lock:
             return self._bases.pop(shared_id, None) is not None
+
+    def learns_at(self, length: int) -> bool:
+        """Whether KV of a ``length``-token sequence may be learned from: its keys use the
+        frequencies every realignment assumes (``Rotary.check_length``; dynamic NTK and
+        longrope change them past ``max_exact_length``)."""
+        try:
+            self.rotary.check_length(length)
+        except RopeError:
+            return False
+        return True
+
+    def learns_from(self, plan: ReusePlan) -> bool:
+        """Whether the KV a request computes under ``plan`` may become bases, fixed bases or
+        anchors: only when everything before it was exact or computed (nothing estimated),
+        unless ``config.learn_after_estimates``."""
+        return plan.estimated_tokens == 0 or self.config.learn_after_estimates
 
     @property
     def uses_bases(self) -> bool:
@@ -156,11 +202,13 @@ class ReuseEngine:
 
     def _base(self, segment: Segment, provide: BaseProvider | None) -> tuple[KV, object] | None:
         """The content's (base, embedding); computed by ``provide`` if new; None if new and no provider."""
-        if segment.shared_id not in self._bases:
+        held = self._held_base(segment.shared_id)
+        if held is None:
             if provide is None:
                 return None
             self.register_base(segment, provide(segment))
-        return self._bases[segment.shared_id]
+            held = self._bases[segment.shared_id]
+        return held
 
     # -- plan --------------------------------------------------------------------------------
 
@@ -172,6 +220,13 @@ class ReuseEngine:
         this request (``plan.new_bases``)."""
         plan = ReusePlan(prompt)
         last = len(prompt) - 1
+        try:
+            self.rotary.check_length(len(prompt))
+        except RopeError as error:
+            # Past the exact length every key of the prompt is computed with other frequencies:
+            # no stored KV (exact prefix, template lead, base) matches what dense computes.
+            plan.note = f"no reuse: {error}"
+            return plan
         if self.config.exact_prefix:
             length, kv = self.prefix_store.longest(prompt)
             if length > last:
@@ -186,17 +241,13 @@ class ReuseEngine:
         if mode == "exact":
             plan.note = "mode exact: exact prefix only"
             return plan
-        try:
-            self.rotary.check_length(len(prompt))
-            if mode == "kvcomm":
-                self._plan_estimates(plan, provide_base)
-            else:
-                self._plan_realigned(plan, provide_base)
-        except RopeError as error:
-            plan.note = f"no estimation: {error}"
+        if mode == "kvcomm":
+            self._plan_estimates(plan, provide_base)
+        else:
+            self._plan_realigned(plan, provide_base)
         if provide_base is None:
             plan.new_bases = [i for i, s in enumerate(prompt.segments)
-                              if s.is_shared and s.shared_id not in self._bases and prompt.starts[i] >= plan.reuse_end]
+                              if s.is_shared and self._held_base(s.shared_id) is None and prompt.starts[i] >= plan.reuse_end]
         if mode == "cacheblend" and plan.estimated_tokens > 0:
             plan.blend = BlendRequest(plan.exact_length, plan.reuse_end, self.config.recompute_ratio, self.config.check_layer)
         return plan
@@ -267,6 +318,8 @@ class ReuseEngine:
                 index += 1
                 continue
             covered = min(match.covered, last - start)
+            if match.identical:  # its deviation is applied to the very base it was measured against
+                base = match.anchors[0].base
             piece = EstimatedPiece(index, start, base.span(0, covered), match, pool)
             if covered < len(segment):
                 plan.pieces.append(piece)
@@ -286,15 +339,28 @@ class ReuseEngine:
         nxt = piece.segment_index + 1
         if nxt >= len(prompt.segments) or prompt.segments[nxt].is_shared:
             return piece
-        fixed_base = self._fixed_bases.get(_fixed_key(prompt, nxt))
-        deviations = [a.deviations[piece.match.slot].following for a in piece.match.anchors]
-        if fixed_base is None or any(d is None or d.length != fixed_base.length for d in deviations):
+        key = _fixed_key(prompt, nxt)
+        fixed_base = self._fixed_bases.get(key)
+        if fixed_base is None:
             return piece
+        digest = self._fixed_digest(key)
+        deviations = [a.deviations[piece.match.slot] for a in piece.match.anchors]
+        if any(d.following is None or d.following_base != digest for d in deviations):
+            return piece  # measured against another base of this fixed segment (dropped, relearned)
         start = prompt.starts[nxt]
         length = min(fixed_base.length, last - start)
         if length <= 0:
             return piece
         return EstimatedPiece(piece.segment_index, piece.start, piece.base, piece.match, piece.pool, start, fixed_base.span(0, length))
+
+    def _fixed_digest(self, key: tuple[str, str]) -> str:
+        """``kv_digest`` of the fixed base held under ``key`` (computed once per base)."""
+        base = self._fixed_bases[key]
+        known = self._fixed_digests.get(key)
+        if known is None or known[0]() is not base.keys:
+            known = (weakref.ref(base.keys), kv_digest(base))
+            self._fixed_digests[key] = known
+        return known[1]
 
     # -- materialize -------------------------------------------------------------------------
 
@@ -326,16 +392,20 @@ class ReuseEngine:
         prompt, begin = plan.prompt, plan.reuse_end
         if computed.length != len(prompt) - begin:
             raise ValueError(f"learn needs KV of {len(prompt) - begin} computed tokens, got {computed.length}")
+        if not self.learns_at(len(prompt)):
+            return  # keys computed with other RoPE frequencies: de-rotating them would corrupt every base
 
         def real(index: int) -> KV:
             start = prompt.starts[index]
             kv = computed.span(start - begin, prompt.end(index) - begin)
             return to_position_free(kv, self.rotary, start)
 
+        if not self.learns_from(plan):
+            return  # computed behind estimated KV: its errors would become every later estimate's
         with self._lock:
             for index in plan.new_bases:
                 segment = prompt.segments[index]
-                if segment.shared_id not in self._bases:
+                if self._held_base(segment.shared_id) is None:
                     self.register_base(segment, real(index).clone())
             if self.config.exact_prefix and plan.estimated_tokens == 0:
                 full = computed if plan.exact_kv is None else KV.cat([plan.exact_kv, computed.to(plan.exact_kv.keys.dtype)])
@@ -350,18 +420,32 @@ class ReuseEngine:
                 self._record(prompt, index, real)
 
     def _record(self, prompt: Prompt, index: int, real: Callable[[int], KV]) -> None:
+        """Record segment ``index``'s deviation against the base its anchor holds (a new
+        anchor takes the content's held base itself, no copy)."""
         segment = prompt.segments[index]
-        base, embedding = self._bases[segment.shared_id]
-        following = None
+        pool = self.pool(segment.slot)
+        anchor = pool.get(segment.shared_id)
+        base, embedding = (anchor.base, anchor.embedding) if anchor is not None else self._held_base(segment.shared_id)
+        following, following_base = None, None
         nxt = index + 1
         if nxt < len(prompt.segments) and not prompt.segments[nxt].is_shared:
-            following = self._stored(real(nxt) - self._fixed_bases[_fixed_key(prompt, nxt)])
-        deviation = Deviation(self._stored(real(index) - base), following)
-        self.pool(segment.slot).record((prompt.template_id, segment.slot), segment.shared_id, self._stored(base), embedding, deviation)
+            key = _fixed_key(prompt, nxt)
+            following, following_base = self._stored(_beyond_layer0(real(nxt) - self._fixed_bases[key])), self._fixed_digest(key)
+        deviation = Deviation(self._stored(_beyond_layer0(real(index) - base)), following, following_base)
+        pool.record((prompt.template_id, segment.slot), segment.shared_id, base, embedding, deviation)
 
     def _stored(self, kv: KV) -> KV:
-        return kv.to(self.config.anchor_dtype) if self.config.anchor_dtype is not None else kv.clone()
+        """A freshly computed deviation in the anchors' storage dtype."""
+        return kv.to(self.config.anchor_dtype) if self.config.anchor_dtype is not None else kv
 
+
+
+def _beyond_layer0(deviation: KV) -> KV:
+    """``deviation`` with layer 0 zeroed, in place: layer 0's K/V depend only on each token and
+    its position, so the realigned base is exact there and any difference is rounding."""
+    deviation.keys[0].zero_()
+    deviation.values[0].zero_()
+    return deviation
 
 
 def _new_content_note(segment: Segment) -> str:

@@ -114,7 +114,8 @@ def _snapshot(engine: ReuseEngine) -> tuple[dict, dict[str, torch.Tensor]]:
                     _put(tensors, f"{name}.dev{d}.shared", deviation.shared)
                     if deviation.following is not None:
                         _put(tensors, f"{name}.dev{d}.following", deviation.following)
-                    deviations.append({"template": template, "slot": slot_name, "following": deviation.following is not None})
+                    deviations.append({"template": template, "slot": slot_name, "following": deviation.following is not None,
+                                       "following_base": deviation.following_base})
                 anchors.append({"segment_id": anchor.segment_id, "serial": anchor.serial, "accesses": anchor.accesses,
                                 "deviations": deviations})
             pools.append({"slot": slot, "next_serial": pool.next_serial, "evictions": pool.evictions, "anchors": anchors})
@@ -266,14 +267,16 @@ def _build(manifest: dict, tensors: dict[str, torch.Tensor], engine: ReuseEngine
         for a, item in enumerate(_field(entry, "anchors", list, where)):
             name = f"pool{p}.anchor{a}"
             base = read.kv(name + ".base")
-            anchor = Anchor(_field(item, "segment_id", str, where), base.to(dtype) if dtype else base,
+            anchor = Anchor(_field(item, "segment_id", str, where), base,  # a base keeps the KV's dtype
                             read.embedding(name + ".embedding"), _field(item, "serial", int, where))
             anchor.accesses = _field(item, "accesses", int, where)
             for d, dev in enumerate(_field(item, "deviations", list, where)):
                 shared = read.kv(f"{name}.dev{d}.shared", base.length)
                 following = read.kv(f"{name}.dev{d}.following") if _field(dev, "following", bool, where) else None
+                following_base = dev.get("following_base") if isinstance(dev, dict) else None
                 deviation = Deviation(shared.to(dtype) if dtype else shared,
-                                      following.to(dtype) if dtype and following is not None else following)
+                                      following.to(dtype) if dtype and following is not None else following,
+                                      following_base if isinstance(following_base, str) else None)
                 anchor.deviations[(_field(dev, "template", str, where), _field(dev, "slot", str, where))] = deviation
             anchors.append(anchor)
         if slot in pools:

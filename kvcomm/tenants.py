@@ -91,18 +91,25 @@ class TenantEngine(ReuseEngine):
             plan.learn = [i for i in plan.learn if self.has_base(plan.prompt.segments[i].shared_id)]
             super().learn(plan, computed)
 
-    def register_base(self, segment: Segment, base: KV) -> None:
-        super().register_base(segment, base)
+    def register_base(self, segment: Segment, base: KV) -> KV:
+        held = super().register_base(segment, base)
         self._grew()
+        return held
 
     def memory(self) -> EngineBytes:
         with self._lock:
             return EngineBytes(
                 {slot: pool.nbytes for slot, pool in self.pools.items()},
                 self.prefix_store.nbytes,
-                sum(kv.nbytes + getattr(emb, "nbytes", 0) for kv, emb in self._bases.values()),
+                sum(kv.nbytes + getattr(emb, "nbytes", 0) for kv, emb in self._bases.values()
+                    if id(kv.values) not in self._anchor_bases()),
                 sum(kv.nbytes for kv in self._fixed_bases.values()),
             )
+
+    def _anchor_bases(self) -> set[int]:
+        """Ids of the base value tensors anchors hold: a content's base held by the engine and
+        by its anchor is one tensor, counted once (with the anchor's pool)."""
+        return {id(a.base.values) for pool in self.pools.values() for a in pool.anchors}
 
     @property
     def nbytes(self) -> int:
@@ -111,7 +118,7 @@ class TenantEngine(ReuseEngine):
     def shrink(self, target: int) -> int:
         """Evict until this engine holds <= ``target`` bytes (or nothing is left); returns
         the bytes freed. Cheapest to rebuild goes first: exact prefixes (LRU), base KV of
-        shared content (oldest first; recomputed on demand), fixed-segment bases (oldest
+        shared content that no anchor holds (oldest first; recomputed on demand), fixed-segment bases (oldest
         first; relearned by the next dense prefill), then anchors, from the largest pool
         by its own eviction rule."""
         with self._lock:
@@ -120,8 +127,11 @@ class TenantEngine(ReuseEngine):
             while held > target and self.prefix_store.nbytes:
                 held -= self.prefix_store.drop_oldest()
                 self.evicted["prefix_store"] += 1
-            while held > target and self._bases:
-                kv, embedding = self._bases.pop(next(iter(self._bases)))
+            shared = self._anchor_bases()
+            for shared_id in [s for s, (kv, _) in self._bases.items() if id(kv.values) not in shared]:
+                if held <= target:
+                    break
+                kv, embedding = self._bases.pop(shared_id)  # an anchor's base frees nothing: kept
                 held -= kv.nbytes + getattr(embedding, "nbytes", 0)
                 self.evicted["bases"] += 1
             while held > target and self._fixed_bases:
@@ -132,10 +142,9 @@ class TenantEngine(ReuseEngine):
                 if not pools:
                     break
                 pool = max(pools, key=lambda p: p.nbytes)
-                before = pool.nbytes
                 if pool.evict() is None:
                     break
-                held -= before - pool.nbytes
+                held = self.nbytes  # an evicted anchor's base may stay, as the engine's base of its content
                 self.evicted["anchors"] += 1
             return start - held
 

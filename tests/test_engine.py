@@ -71,8 +71,9 @@ def test_estimation_kicks_in_after_two_anchors_and_learns(tiny_executor):
 
 @pytest.mark.slow
 def test_segment_longer_than_every_anchor_reuses_covered_head(tiny_executor):
+    """With min_coverage 0 (the mechanism alone; the default sends a mostly uncovered segment dense)."""
     spec = parse_pipeline(PIPELINE)
-    engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
+    engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, min_coverage=0.0)))
     for row in spec.inputs[:2]:
         run_agent(tiny_executor, engine, _prompt(tiny_executor, spec, 0, row), 4)
     longest = max(a.length for a in engine.pool("doc").anchors)
@@ -89,7 +90,9 @@ def test_segment_longer_than_every_anchor_reuses_covered_head(tiny_executor):
 
 
 @pytest.mark.slow
-def test_bfloat16_anchors_halve_pool_bytes_and_still_estimate(tiny_executor):
+def test_bfloat16_anchors_halve_deviation_bytes_and_still_estimate(tiny_executor):
+    """Deviations are stored in anchor_dtype; an anchor's base is its content's one base,
+    shared with the engine in the KV's dtype (no second copy)."""
     spec = parse_pipeline(PIPELINE)
     pools = {}
     for dtype in (None, torch.bfloat16):
@@ -101,7 +104,9 @@ def test_bfloat16_anchors_halve_pool_bytes_and_still_estimate(tiny_executor):
         assert kv.keys.dtype == torch.float32  # served in the model's KV dtype
         pools[dtype] = engine.pool("doc")
     assert [a.segment_id for a in pools[None].anchors] == [a.segment_id for a in pools[torch.bfloat16].anchors]
-    assert pools[torch.bfloat16].nbytes * 2 == pools[None].nbytes
+    deviation_bytes = {d: sum(dev.nbytes for a in p.anchors for dev in a.deviations.values()) for d, p in pools.items()}
+    assert deviation_bytes[torch.bfloat16] * 2 == deviation_bytes[None]
+    assert all(a.base.keys.dtype == torch.float32 for p in pools.values() for a in p.anchors)
 
 
 def _synthetic_engine(tau: float = 0.7, key_distances: bool = False, anchors: int = 3):
@@ -163,8 +168,9 @@ def test_materialize_equals_realigned_base_plus_plainly_weighted_deviations(bloc
     per_token = layers * heads * dim
     wk = torch.softmax(-torch.stack([d.abs().sum((0, 1, 3)) / per_token for d in dk]) / tau, 0)  # [A, t]
     wv = torch.softmax(-torch.stack([d.abs().sum((0, 1, 3)) / per_token for d in dv]) / tau, 0)
-    fk = torch.softmax(-torch.stack([d.square().sum(2).sqrt() for d in dk]) / tau, 0)  # [A, L, H, D]
-    fv = torch.softmax(-torch.stack([d.square().sum(2).sqrt() for d in dv]) / tau, 0)
+    # following: per-token RMS of the base difference (L2 over the t tokens / sqrt(t))
+    fk = torch.softmax(-torch.stack([d.square().mean(2).sqrt() for d in dk]) / tau, 0)  # [A, L, H, D]
+    fv = torch.softmax(-torch.stack([d.square().mean(2).sqrt() for d in dv]) / tau, 0)
     shared = KV(base.keys + sum(w[None, None, :, None] * d.shared.keys for w, d in zip(wk, devs)),
                 base.values + sum(w[None, None, :, None] * d.shared.values for w, d in zip(wv, devs)))
     fixed = piece.following_base

@@ -249,7 +249,7 @@ def test_admission_laws_in_gamma(kind, tau, offsets, lengths, new_length):
     new = KV(torch.zeros(L, H, new_length, D), center[:, :, :new_length])
     decisions = []
     for gamma in _GAMMAS:
-        pool = AnchorPool(PoolConfig(gamma=gamma, admission_distance=kind, admission_temperature=tau))
+        pool = AnchorPool(PoolConfig(gamma=gamma, admission_distance=kind, admission_temperature=tau, min_coverage=0.0))
         for i, (offset, t) in enumerate(zip(offsets, lengths)):
             add(pool, f"a{i}", KV(torch.zeros(L, H, t, D), center[:, :, :t] + offset * rand_kv(t, i).values))
         decisions.append(pool.decide(SLOT, "new", new, DEFAULT_EMB, commit=False) is not None)
@@ -320,7 +320,7 @@ def test_partial_coverage_with_an_anchor_long_enough_covers_everything():
                                                  (3, 3, {"eight", "five", "three"}), (0, 3, {"eight", "five", "three"}),
                                                  (9, 3, {"eight", "five", "three"})])
 def test_min_estimate_anchors_shortens_the_head_to_what_enough_anchors_cover(need, covered, used):
-    pool = AnchorPool(PoolConfig(gamma=1.0, min_estimate_anchors=need))
+    pool = AnchorPool(PoolConfig(gamma=1.0, min_estimate_anchors=need, min_coverage=0.0))
     for sid, length in (("three", 3), ("eight", 8), ("five", 5)):
         add(pool, sid, value_offset(length, 1.0))
     match = pool.decide(SLOT, "new", const_kv(10), DEFAULT_EMB)
@@ -658,7 +658,8 @@ def test_following_estimate_exact_weights_and_head_alignment():
     b = _anchor("B", b_base, Deviation(const_kv(2), fb), 1)
     # Only base keys differ: with key_distances they weight the key deviations, per channel.
     _, following = AnchorPool(PoolConfig(temperature=tau, key_distances=True)).estimate(Match(SLOT, (a, b), 2), new)
-    wa = math.exp(-5 / tau) / (math.exp(-5 / tau) + math.exp(-1 / tau))
+    ra, rb = 5 / math.sqrt(2), 1 / math.sqrt(2)  # per-token RMS: L2 over the 2 compared tokens / sqrt(2)
+    wa = math.exp(-ra / tau) / (math.exp(-ra / tau) + math.exp(-rb / tau))
     expected_keys = torch.full((L, H, 1, D), 2.0)  # equal distances elsewhere -> mean of 1 and 3
     expected_keys[0, 0, 0, 1] = wa * 1.0 + (1 - wa) * 3.0
     close(following.keys, expected_keys)

@@ -1,0 +1,330 @@
+"""What the engine learns and what it serves from it (issue 14): one base per content,
+deviations applied to the base they were measured against, fixed bases keyed to their
+deviations, no learning from prompts past the exact RoPE length or from approximate context,
+admission of mostly uncovered segments, following-segment weights and layer 0.
+
+Synthetic KV (no model) unless a test needs a forward pass; then a tiny random model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcomm.anchors.anchor import Deviation
+from kvcomm.anchors.pool import AnchorPool, PoolConfig
+from kvcomm.engine import ReuseConfig, ReuseEngine
+from kvcomm.kv import KV, place
+from kvcomm.rope import Rotary
+from kvcomm.segments import Prompt, Segment
+
+LAYERS, HEADS, DIM = 3, 2, 8
+
+
+def _rotary() -> Rotary:
+    return Rotary(1.0 / (1e4 ** (torch.arange(0, DIM, 2).float() / DIM)), head_dim=DIM)
+
+
+def _rand(gen: torch.Generator, n: int) -> KV:
+    return KV(torch.randn(LAYERS, HEADS, n, DIM, generator=gen), torch.randn(LAYERS, HEADS, n, DIM, generator=gen))
+
+
+def _prompt(shared: tuple[int, ...], shared_id: str = "doc-1", lead: int = 5, tail: int = 4, template: str = "agent") -> Prompt:
+    """lead fixed segment, the shared segment in slot "doc", a fixed segment after it, one last token."""
+    return Prompt(template, (
+        Segment(tuple(range(1, 1 + lead))), Segment(shared, slot="doc", shared_id=shared_id),
+        Segment(tuple(range(40, 40 + tail))), Segment((99,)),
+    ))
+
+
+def _max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+# -- defect 1: one base per content; an identical match reproduces the recorded real KV -----
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), length=st.integers(1, 24), rebases=st.integers(0, 3),
+       drop=st.booleans(), gamma=st.sampled_from([0.0, 0.3, 1.0]))
+def test_identical_match_reproduces_the_recorded_real_kv(seed, length, rebases, drop, gamma):
+    """Law: once a segment was densely prefilled in a slot and recorded, serving the same
+    prompt again gives back the real KV of everything it reuses (up to fp32 rounding), however
+    often the content's base was registered again (a reply regenerated, a base dropped and
+    recomputed) in between."""
+    gen = torch.Generator().manual_seed(seed)
+    rotary = _rotary()
+    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=gamma), exact_prefix=False))
+    prompt = _prompt(tuple(range(200, 200 + length)))
+    plan = engine.plan(prompt, lambda s: _rand(gen, len(s)))
+    assert plan.learn == [1] and plan.reuse_end == 0
+    real = place(_rand(gen, len(prompt)), rotary, 0)
+    _layer0_from_base(real, engine.stored_base("doc-1"), prompt.starts[1], rotary)
+    engine.learn(plan, real)
+    for _ in range(rebases):
+        if drop:
+            engine.drop_base("doc-1")
+        engine.register_base(prompt.segments[1], _rand(gen, length))
+    again = engine.plan(prompt, lambda s: _rand(gen, len(s)))
+    assert again.pieces and again.pieces[0].match.identical
+    assert again.reuse_end == len(prompt) - 1  # lead exact, doc and the fixed segment after it estimated
+    served = engine.materialize(again)
+    assert _max_error(served.keys, real.keys[:, :, : again.reuse_end]) < 1e-5
+    assert _max_error(served.values, real.values[:, :, : again.reuse_end]) < 1e-6
+
+
+def _layer0_from_base(real: KV, base: KV, start: int, rotary: Rotary) -> None:
+    """As in a model: layer 0 of a segment's real KV is its realigned base (no context mixed in yet)."""
+    placed = place(base, rotary, start)
+    real.keys[0, :, start : start + base.length] = placed.keys[0]
+    real.values[0, :, start : start + base.length] = placed.values[0]
+
+
+def test_a_second_base_for_held_content_is_ignored():
+    gen = torch.Generator().manual_seed(0)
+    engine = ReuseEngine(_rotary())
+    segment = Segment(tuple(range(10)), slot="doc", shared_id="doc-1")
+    first, second = _rand(gen, 10), _rand(gen, 10)
+    assert engine.register_base(segment, first) is first
+    assert engine.register_base(segment, second) is first
+    assert engine.stored_base("doc-1") is first
+
+
+def test_an_anchor_keeps_its_base_when_the_engine_drops_it():
+    """The content's base lives on with its anchor; plans use it rather than computing another."""
+    gen = torch.Generator().manual_seed(1)
+    engine = ReuseEngine(_rotary(), ReuseConfig(exact_prefix=False))
+    prompt = _prompt(tuple(range(200, 212)))
+    plan = engine.plan(prompt, lambda s: _rand(gen, len(s)))
+    engine.learn(plan, place(_rand(gen, len(prompt)), engine.rotary, 0))
+    anchor = engine.pool("doc").get("doc-1")
+    assert engine.stored_base("doc-1") is anchor.base  # the anchor took the engine's base, no copy
+    assert engine.drop_base("doc-1")
+    assert engine.has_base("doc-1") and engine.stored_base("doc-1") is anchor.base
+
+    def provider(_segment):
+        raise AssertionError("the anchor's base is held: nothing to compute")
+
+    engine.plan(prompt, provider)
+
+
+def test_record_refuses_a_deviation_measured_against_another_base():
+    gen = torch.Generator().manual_seed(2)
+    pool = AnchorPool(PoolConfig())
+    base = _rand(gen, 6)
+    embedding = np.ones(4, dtype=np.float32)
+    pool.record(("t", "doc"), "doc-1", base, embedding, Deviation(_rand(gen, 6), None))
+    pool.record(("t2", "doc"), "doc-1", base.clone(), embedding, Deviation(_rand(gen, 6), None))  # equal values: fine
+    with pytest.raises(ValueError, match="another base"):
+        pool.record(("t3", "doc"), "doc-1", _rand(gen, 6), embedding, Deviation(_rand(gen, 6), None))
+    assert set(pool.get("doc-1").deviations) == {("t", "doc"), ("t2", "doc")}
+
+
+# -- defect 4: a following deviation is applied only to the fixed base it was measured against
+
+
+def test_following_deviation_is_not_applied_to_a_relearned_fixed_base():
+    """A tenant shrink drops fixed bases before anchors; the next dense prefill relearns them
+    from another context. The anchor's following deviation was measured against the old
+    base, so the following segment is no longer estimated from it (only lengths agreed)."""
+    from kvcomm.tenants import TenantEngine
+
+    gen = torch.Generator().manual_seed(4)
+    rotary = _rotary()
+    engine = TenantEngine(rotary, ReuseConfig(exact_prefix=False))
+    first = _prompt(tuple(range(200, 212)), "doc-1")
+    plan = engine.plan(first, lambda s: _rand(gen, len(s)))
+    real = place(_rand(gen, len(first)), rotary, 0)
+    _layer0_from_base(real, engine.stored_base("doc-1"), first.starts[1], rotary)
+    engine.learn(plan, real)
+    assert engine.plan(first).reuse_end == len(first) - 1  # the following segment is estimated
+    memory = engine.memory()
+    engine.shrink(memory.total - memory.fixed_bases)
+    assert not engine._fixed_bases and len(engine.pool("doc")) == 1
+    other = _prompt(tuple(range(300, 312)), "doc-2")
+    plan = engine.plan(other, lambda s: _rand(gen, len(s)))
+    assert plan.reuse_end == 0
+    lead = first.starts[1]  # the lead has no preceding context: its KV is the same in both prompts
+    engine.learn(plan, KV.cat([real.span(0, lead), place(_rand(gen, len(other) - lead), rotary, lead)]))
+    again = engine.plan(first)
+    assert again.pieces[0].match.identical and again.pieces[0].following_base is None
+    assert again.reuse_end == first.end(1)
+    served = engine.materialize(again)
+    assert _max_error(served.keys, real.keys[:, :, : again.reuse_end]) < 1e-5
+    assert _max_error(served.values, real.values[:, :, : again.reuse_end]) < 1e-6
+
+
+# -- defect 3: nothing is learned from, or served to, prompts past the exact RoPE length -----
+
+
+@pytest.fixture(scope="module")
+def dynamic_executor(smol):
+    """A 2-layer random Llama with dynamic NTK RoPE whose frequencies grow past 64 tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcomm.integrations.transformers_executor import TransformersExecutor
+
+    _, tokenizer = smol
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        eos_token_id=tokenizer.eos_token_id, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    )
+    return TransformersExecutor(LlamaForCausalLM(config).eval(), tokenizer)
+
+
+def _token_prompt(doc_tokens: int, doc_start: int = 1000, shared_id: str | None = None) -> Prompt:
+    doc = tuple(range(doc_start, doc_start + doc_tokens))
+    return Prompt("agent", (Segment(tuple(range(500, 510))), Segment(doc, slot="doc", shared_id=shared_id),
+                            Segment(tuple(range(600, 605))), Segment((700,))))
+
+
+def test_dynamic_ntk_prompt_past_the_exact_length_teaches_nothing(dynamic_executor):
+    from kvcomm.runner import run_agent
+
+    limit = dynamic_executor.rotary.max_exact_length
+    assert limit is not None and limit < 80
+    engine = ReuseEngine(dynamic_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
+    long_prompt = _token_prompt(80)
+    assert len(long_prompt) > limit
+    for _ in range(2):
+        _, provenance = run_agent(dynamic_executor, engine, long_prompt, 3)
+        assert provenance.computed_tokens == len(long_prompt)  # nothing served, not even the lead
+    assert not engine._bases and not engine._fixed_bases and not engine.pools and engine.prefix_store.nbytes == 0
+
+
+def test_dynamic_ntk_prompt_past_the_exact_length_gets_no_stored_kv(dynamic_executor):
+    """KV learned from short prompts (short frequencies) is not served to a long prompt, whose
+    every key dense computes with the grown frequencies: not even the template's lead."""
+    from kvcomm.runner import run_agent
+
+    engine = ReuseEngine(dynamic_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
+    for start in (1000, 2000, 3000):
+        run_agent(dynamic_executor, engine, _token_prompt(20, start), 1)
+    assert engine._fixed_bases and len(engine.pool("doc")) >= 2
+    plan = engine.plan(_token_prompt(80, 1000), dynamic_executor.base_kv)
+    assert plan.reuse_end == 0 and plan.exact_length == 0 and "no reuse" in plan.note
+
+
+# -- defect 5: learning only from KV computed behind exact or computed context ---------------
+
+
+def _two_slot_prompt(doc: tuple[int, ...], doc_id: str, note: tuple[int, ...], note_id: str, tail: tuple[int, ...]) -> Prompt:
+    return Prompt("agent", (
+        Segment(tuple(range(1, 6))), Segment(doc, slot="doc", shared_id=doc_id), Segment(tuple(range(40, 44))),
+        Segment(note, slot="note", shared_id=note_id), Segment(tail), Segment((99,)),
+    ))
+
+
+@pytest.mark.parametrize("provider", [True, False], ids=["standalone", "first_use"])
+def test_nothing_is_learned_from_kv_computed_behind_estimates(provider):
+    gen = torch.Generator().manual_seed(5)
+    rotary = _rotary()
+    provide = (lambda s: _rand(gen, len(s))) if provider else None
+    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), exact_prefix=False))
+    doc = tuple(range(200, 212))
+    first = _two_slot_prompt(doc, "doc-1", tuple(range(300, 306)), "note-1", (50, 51))
+    engine.register_base(first.segments[1], _rand(gen, len(doc)))
+    plan = engine.plan(first, provide)
+    engine.learn(plan, place(_rand(gen, len(first)), rotary, 0))
+    assert len(engine.pool("doc")) == 1
+    # the same doc (an identical match: estimated), then new content and a new fixed segment
+    second = _two_slot_prompt(doc, "doc-1", tuple(range(400, 406)), "note-2", (60, 61, 62))
+    plan = engine.plan(second, provide)
+    assert plan.estimated_tokens > 0 and plan.reuse_end == second.starts[3]
+    fixed_before = set(engine._fixed_bases)
+    engine.learn(plan, place(_rand(gen, len(second) - plan.reuse_end), rotary, plan.reuse_end))
+    assert set(engine._fixed_bases) == fixed_before  # the new tail is not learned
+    assert engine.pool("note").get("note-2") is None
+    if not provider:
+        assert not engine.has_base("note-2")  # no first-use base either
+    # opting in learns as before
+    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), exact_prefix=False, learn_after_estimates=True))
+    engine.register_base(first.segments[1], _rand(gen, len(doc)))
+    engine.learn(engine.plan(first, provide), place(_rand(gen, len(first)), rotary, 0))
+    plan = engine.plan(second, provide)
+    engine.learn(plan, place(_rand(gen, len(second) - plan.reuse_end), rotary, plan.reuse_end))
+    assert set(engine._fixed_bases) > fixed_before and engine.has_base("note-2")
+
+
+# -- defect 2: a mostly uncovered segment goes dense and is admitted --------------------------
+
+
+def test_mostly_uncovered_segments_go_dense_and_become_anchors():
+    """Two short anchors must not starve admission: longer segments they barely cover are
+    computed and admitted, until anchors cover them."""
+    gen = torch.Generator().manual_seed(6)
+    rotary = _rotary()
+    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), exact_prefix=False))
+    provide = lambda s: _rand(gen, len(s))  # noqa: E731
+    for i in range(2):
+        prompt = _prompt(tuple(range(200 + 20 * i, 210 + 20 * i)), f"short-{i}")
+        plan = engine.plan(prompt, provide)
+        engine.learn(plan, place(_rand(gen, len(prompt) - plan.reuse_end), rotary, plan.reuse_end))
+    assert [a.length for a in engine.pool("doc").anchors] == [10, 10]
+    for i in range(5):
+        prompt = _prompt(tuple(range(1000 + 200 * i, 1100 + 200 * i)), f"long-{i}")
+        plan = engine.plan(prompt, provide)
+        if i == 0:  # 10 of 100 tokens covered: dense and learned
+            assert plan.estimated_tokens == 0 and plan.learn == [1], plan.note
+        else:  # the 100-token anchor now covers it all
+            assert plan.estimated_tokens >= 100, plan.note
+        engine.learn(plan, place(_rand(gen, len(prompt) - plan.reuse_end), rotary, plan.reuse_end))
+    assert sorted(a.length for a in engine.pool("doc").anchors) == [10, 10, 100]
+
+
+@pytest.mark.parametrize("share, dense", [(0.09, False), (0.11, True)])
+def test_min_coverage_is_the_share_of_tokens_anchors_must_cover(share, dense):
+    """10 of 100 tokens covered: reuse if min_coverage <= 0.1, dense above."""
+    gen = torch.Generator().manual_seed(7)
+    rotary = _rotary()
+    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, min_coverage=share), exact_prefix=False))
+    provide = lambda s: _rand(gen, len(s))  # noqa: E731
+    for i in range(2):
+        prompt = _prompt(tuple(range(200 + 20 * i, 210 + 20 * i)), f"short-{i}")
+        plan = engine.plan(prompt, provide)
+        engine.learn(plan, place(_rand(gen, len(prompt) - plan.reuse_end), rotary, plan.reuse_end))
+    plan = engine.plan(_prompt(tuple(range(1000, 1100)), "long"), provide)
+    assert (plan.learn == [1]) is dense and (plan.estimated_tokens == 10) is not dense
+
+
+# -- defect 6: following-segment weights normalized by length; layer 0 exact -----------------
+
+
+def test_following_weights_do_not_turn_one_hot_on_long_segments():
+    """Two anchors whose bases differ from the new one's by 0.1 and 0.2 per element: the
+    per-channel following weights depend on that per-token RMS, not on the segment's length."""
+    from kvcomm.anchors.pool import Match
+
+    pool = AnchorPool(PoolConfig())
+    weights = {}
+    for length in (4, 400):
+        new = KV(torch.zeros(LAYERS, HEADS, length, DIM), torch.zeros(LAYERS, HEADS, length, DIM))
+        anchors = []
+        for i, offset in enumerate((0.1, 0.2)):
+            base = KV(new.keys + offset, new.values + offset)
+            pool.record(("t", "doc"), f"a{i}-{length}", base, np.ones(4, dtype=np.float32),
+                        Deviation(KV(torch.zeros_like(base.keys), torch.zeros_like(base.values)),
+                                  KV(torch.zeros(LAYERS, HEADS, 3, DIM), torch.zeros(LAYERS, HEADS, 3, DIM)), "f"))
+            anchors.append(pool.get(f"a{i}-{length}"))
+        _, following = pool.estimate_terms(Match(("t", "doc"), tuple(anchors), length), new)
+        weights[length] = float(following.value_weights[0].flatten()[0])
+    expected = 1 / (1 + np.exp(-0.1))  # softmax(-[0.1, 0.2]) of the first anchor
+    assert abs(weights[4] - expected) < 1e-5 and abs(weights[400] - expected) < 1e-5
+
+
+def test_layer0_deviation_is_zero_so_layer0_is_the_realigned_base():
+    gen = torch.Generator().manual_seed(8)
+    rotary = _rotary()
+    engine = ReuseEngine(rotary, ReuseConfig(exact_prefix=False))
+    prompt = _prompt(tuple(range(200, 210)))
+    plan = engine.plan(prompt, lambda s: _rand(gen, len(s)))
+    engine.learn(plan, place(_rand(gen, len(prompt)), rotary, 0))
+    deviation = engine.pool("doc").get("doc-1").deviations[("agent", "doc")]
+    for kv in (deviation.shared, deviation.following):
+        assert not kv.keys[0].any() and not kv.values[0].any()
+    assert deviation.shared.keys[1:].abs().sum() > 0 and deviation.shared.values[1:].abs().sum() > 0
