@@ -49,7 +49,7 @@ def vllm_llm():
 
     import os
 
-    block_size = int(os.environ.get("KVCOMM_TEST_BLOCK_SIZE", "32"))  # 16 also runs: see docs/vllm-plugin.md
+    block_size = int(os.environ.get("KVCOMM_TEST_BLOCK_SIZE", "32"))  # CPU_ATTN: multiples of 32; see docs/vllm-plugin.md
     return make_llm(max_num_batched_tokens=64, max_num_seqs=8, block_size=block_size, kv_transfer_config=transfer_config(extra={"plan": True, "gamma": 1.0}))
 
 
