@@ -183,12 +183,20 @@ def _same_logprobs(a: list[dict], b: list[dict], exact: bool) -> bool:
 
 
 def check(name: str, python: str = sys.executable) -> list[tuple[str, str, str]]:
-    """Run every check of configuration ``name``; returns (check, PASS|FAIL|N/A, detail) rows."""
-    config = CONFIGS[name]
-    on_gpu = config["device"] == "gpu"
+    """Run every check of configuration ``name``; returns (check, PASS|FAIL|N/A|INFO, detail) rows."""
+    on_gpu = CONFIGS[name]["device"] == "gpu"
     started = time.perf_counter()
     stock = _spawn(python, name, "stock")
     ours = _spawn(python, name, "eager")
+    graphs = _spawn(python, name, "graphs") if on_gpu else None
+    rows = verdicts(name, stock, ours, graphs)
+    rows.append(("time", "INFO", f"{time.perf_counter() - started:.0f} s"))
+    return rows
+
+
+def verdicts(name: str, stock: dict, ours: dict, graphs: dict | None) -> list[tuple[str, str, str]]:
+    """The check rows from the workers' results (``graphs`` None: not run, CPU)."""
+    on_gpu = CONFIGS[name]["device"] == "gpu"
     rows = []
     for prompt, reference in stock.items():
         got = ours["plain"][prompt]
@@ -199,8 +207,7 @@ def check(name: str, python: str = sys.executable) -> list[tuple[str, str, str]]
         rows.append((f"exact[cut={cut}]", "PASS" if same else "FAIL", f"reply {reply[:6]}... vs dense {ours['dense'][:6]}..."))
     delta = ours["garbage_delta"]
     rows.append(("garbage", "PASS" if delta > 0.1 else "FAIL", f"max |value change| {delta:.3f} (> 0.1 needed)"))
-    if on_gpu:
-        graphs = _spawn(python, name, "graphs")
+    if graphs is not None:
         same = graphs["injected"] == ours["injected"] and graphs["dense"] == ours["dense"]
         rows.append(("graphs", "PASS" if same else "FAIL", "CUDA graphs (piecewise) vs eager, dense and every cut"))
     else:
@@ -208,7 +215,6 @@ def check(name: str, python: str = sys.executable) -> list[tuple[str, str, str]]
     ttft = ours["ttft"]
     rows.append(("ttft", "INFO", f"{ttft['tokens']}-token prompt: dense {1000 * ttft['dense_s']:.1f} ms, "
                                  f"{ttft['tokens'] - 1} tokens injected {1000 * ttft['reuse_s']:.1f} ms"))
-    rows.append(("time", "INFO", f"{time.perf_counter() - started:.0f} s"))
     return rows
 
 
