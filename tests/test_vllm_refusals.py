@@ -91,7 +91,7 @@ from vllm.inputs import TokensPrompt
 from kvcomm.integrations.vllm_engine import make_llm, transfer_config
 strict = sys.argv[1] == "strict"
 try:
-    llm = make_llm(kv_cache_dtype="fp8", block_size=16, max_num_batched_tokens=64,
+    llm = make_llm(kv_cache_dtype="fp8", block_size=32, max_num_batched_tokens=64,
                    kv_transfer_config=transfer_config(extra={"strict": strict}))
 except Exception as error:
     print(json.dumps({"started": False, "error": str(error)}))
