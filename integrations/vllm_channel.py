@@ -4,7 +4,9 @@ With tensor parallelism 1, vLLM's scheduler and its worker live in one process (
 EngineCore; with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` that is also the caller's process),
 so one process-level ``Channel`` per engine (keyed by ``KVTransferConfig.engine_id``)
 carries state between the scheduler-side and worker-side connector instances and the
-caller: KV to inject per request handle, and the real KV captured for it.
+caller: KV to inject per request handle, the real KV captured for it (kept on the KV
+cache's device until taken), and why the connector is off if it refused the engine's
+configuration at start-up.
 """
 
 from __future__ import annotations
@@ -30,9 +32,20 @@ class Capture:
     filled: torch.Tensor
 
     @staticmethod
-    def empty(layers: int, heads: int, capacity: int, head_dim: int, dtype: torch.dtype) -> "Capture":
+    def empty(layers: int, heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
+              device: torch.device | str = "cpu") -> "Capture":
+        """Zeroed buffers on ``device`` (the KV cache's: the connector fills them there, one
+        gather per layer and step, with no host round trip); ``filled`` stays on the host."""
         shape = (layers, heads, capacity, head_dim)
-        return Capture(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), torch.zeros(capacity, dtype=torch.bool))
+        return Capture(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                       torch.zeros(capacity, dtype=torch.bool))
+
+    def to_host(self) -> "Capture":
+        """This capture with keys and values on the CPU (itself if they already are): one copy
+        per tensor, which waits for the device work that filled them."""
+        if self.keys.device.type == "cpu":
+            return self
+        return Capture(self.keys.cpu(), self.values.cpu(), self.filled)
 
     def span(self, start: int, end: int) -> KV:
         """Captured KV of positions ``[start, end)``; raises if any was not captured."""
@@ -65,6 +78,8 @@ class Channel:
     captures: dict[str, Capture] = field(default_factory=dict)
     prompt_done_at: dict[str, float] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    refusal: str | None = None
+    """Why this engine's connector is off (set once at start-up; None: it is on)."""
 
     def place(self, handle: str, order: Order) -> None:
         with self.lock:
@@ -77,10 +92,12 @@ class Channel:
             return self.orders.get(handle)
 
     def take(self, handle: str) -> tuple[Capture | None, float | None]:
-        """Remove the handle's state; return its capture and prompt completion time (None if absent)."""
+        """Remove the handle's state; return its capture (on the host) and prompt completion
+        time (None if absent)."""
         with self.lock:
             self.orders.pop(handle, None)
-            return self.captures.pop(handle, None), self.prompt_done_at.pop(handle, None)
+            capture, done_at = self.captures.pop(handle, None), self.prompt_done_at.pop(handle, None)
+        return (None if capture is None else capture.to_host()), done_at
 
 
 _CHANNELS: dict[str, Channel] = {}

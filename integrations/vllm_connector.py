@@ -1,4 +1,4 @@
-"""kvcomm's vLLM V1 KV connector: inject reused KV, capture real KV.
+"""kvcomm's vLLM V1 KV connector: inject reused KV, capture real KV, on any standard backend.
 
 Load it with ``KVTransferConfig(kv_connector="KvcommConnector", kv_role="kv_both",
 kv_connector_module_path="kvcomm.integrations.vllm_connector")`` (``vllm_engine.make_llm``
@@ -11,15 +11,31 @@ positions' real KV to capture.
 - Scheduler side: ``get_num_new_matched_tokens`` claims ``P - h`` tokens beyond vLLM's own
   prefix hit ``h`` (0 when ``h >= P``); ``build_connector_meta`` turns each scheduled
   request's loads and captures into slot lists from its current block table.
-- Worker side: ``wait_for_layer_load`` writes a layer's injected KV with the attention
-  backend's own op before the layer runs; ``save_kv_layer`` reads back the layer's KV at the
-  capture slots after it ran (the tokens computed this step, or read from vLLM's prefix cache
-  on the request's first step); ``wait_for_save`` stamps when a prompt's last token was
-  computed (the first token's logits follow; the TTFT end point).
+- Worker side: the first hook of a step moves the step's injected KV and slot lists to the
+  KV cache's device (one copy per tensor per step); ``wait_for_layer_load`` writes a layer's
+  injected KV with the layer's own ``impl.do_kv_cache_update`` before the layer runs;
+  ``save_kv_layer`` gathers the layer's KV at the capture slots after it ran into a capture
+  buffer on the same device (``vllm_layout``: no layout is hand-coded, nothing goes
+  through the host per layer); ``wait_for_save`` stamps when a prompt's last token was
+  computed, after waiting for the device (the TTFT end point).
+
+CUDA graphs: full-graph replay would skip the per-layer hooks, so
+``requires_piecewise_for_cudagraph`` is True and vLLM runs piecewise graphs (or eager).
+
+Refusals happen at start-up, never inside a forward (``config_refusal``, ``layer_refusal``,
+the layout self-check): unsupported attention backends (MLA and any backend without
+``do_kv_cache_update``), sliding-window, chunked-local or hybrid layers, more than one KV
+cache group, KV sharing between layers, quantized (fp8) KV caches, tensor or pipeline
+parallelism > 1, workers outside the engine-core process. A refused connector stays
+loaded but inert: requests that do not opt in are served exactly as by stock vLLM, and
+requests that opt in are served without reuse, their ``kv_transfer_params["kvcomm"]["error"]``
+saying why. With ``kv_connector_extra_config={"strict": true}`` the engine fails to start
+instead, with the same message.
 
 Requests without ``kv_transfer_params["kvcomm"]`` are not touched: nothing claimed, nothing
-loaded, nothing captured. Only tensor parallelism 1 is supported (scheduler and worker share
-one process); only vLLM's CPU attention backend is supported and tested (GPU is untested).
+loaded, nothing captured. Backends read against vLLM 0.32's source and covered by
+``benchmarks/gpu_check.py``: CPU_ATTN (tested in CI), FLASH_ATTN, TRITON_ATTN, FLASHINFER
+(GPU untested unless that check was run).
 """
 
 from __future__ import annotations
@@ -34,7 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.logger import init_logger
 
 from kvcomm.integrations.vllm_channel import Capture, Channel, channel
-from kvcomm.integrations.vllm_layout import read_slots, write_slots
+from kvcomm.integrations.vllm_layout import KvIO, LayoutError
 from kvcomm.integrations.vllm_metrics import record_rejected
 from kvcomm.integrations.vllm_params import KvcommParamsError, parse_params
 from kvcomm.integrations.vllm_planner import PlannedRequest, ServerPlanner
@@ -50,6 +66,9 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
+SUPPORTED_BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")
+"""Attention backends whose KV the connector reads and writes (by ``get_name()``)."""
+
 
 @dataclass
 class StepRequest:
@@ -57,7 +76,8 @@ class StepRequest:
 
     load_positions/load_slots: prompt positions to inject (``[N]`` int64) and their cache
     slots. capture_positions/capture_slots: positions whose KV to read after each layer.
-    prompt_done: this step computes the request's last prompt token.
+    prompt_done: this step computes the request's last prompt token. All on the host, as the
+    scheduler builds them; the worker moves what it needs to the cache's device.
     """
 
     handle: str
@@ -88,35 +108,142 @@ class _Tracked:
     first_step: bool = True
 
 
+@dataclass
+class _DeviceStep:
+    """A step's work for one request, on the KV cache's device.
+
+    keys/values: injected KV ``[layers, N, kv_heads, head_dim]`` (cache dtype, contiguous
+    per layer) for ``load_slots`` (``[N]``), or None; capture_slots ``[M]`` and
+    capture_positions ``[M]`` (positions index the capture buffer, also on the device).
+    """
+
+    step: StepRequest
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
+    load_slots: torch.Tensor
+    capture_slots: torch.Tensor
+    capture_positions: torch.Tensor
+
+
 _EMPTY = torch.zeros(0, dtype=torch.int64)
+
+
+def config_refusal(tensor_parallel_size: int, pipeline_parallel_size: int, executor_backend: Any,
+                   cache_dtype: str, kv_cache_groups: list | None) -> str | None:
+    """Why the connector cannot run on this engine configuration, or None if it can.
+
+    kv_cache_groups: ``KVCacheConfig.kv_cache_groups`` (None when not known yet, as in the
+    scheduler-less worker roles). Each reason says what to change.
+    """
+    if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
+        return (f"kvcomm supports tensor_parallel_size 1 and pipeline_parallel_size 1 only (this engine has "
+                f"{tensor_parallel_size} and {pipeline_parallel_size}); start vLLM with both set to 1")
+    if executor_backend not in (None, "uni"):
+        # Scheduler and worker sides exchange orders and captured KV in memory (vllm_channel).
+        return (f"kvcomm needs vLLM's worker in the engine-core process, but the executor backend is "
+                f"{executor_backend!r}; pass distributed_executor_backend='uni' (on CPU set "
+                "VLLM_ENABLE_V1_MULTIPROCESSING=0 before vLLM builds its config, as `kvcomm serve` and make_llm do)")
+    if str(cache_dtype) != "auto":
+        return (f"kvcomm reads and writes unquantized KV caches only, this engine has kv_cache_dtype={cache_dtype!r} "
+                "(captured fp8 KV would need its scales); start vLLM with kv_cache_dtype='auto'")
+    if kv_cache_groups is None:
+        return None
+    if len(kv_cache_groups) != 1:
+        kinds = sorted({type(g.kv_cache_spec).__name__ for g in kv_cache_groups})
+        return (f"kvcomm supports models with one KV cache group, this one has {len(kv_cache_groups)} ({', '.join(kinds)}: "
+                "hybrid, sliding-window or mixed layers); serve a model whose layers all use full attention")
+    return _spec_refusal(kv_cache_groups[0].kv_cache_spec)
+
+
+def _spec_refusal(spec: Any) -> str | None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    name = type(spec).__name__
+    if type(spec) is not FullAttentionSpec:
+        hint = "MLA attention" if "MLA" in name else "this kind of attention"
+        return (f"kvcomm supports full (causal, unwindowed) attention KV caches only, this model's cache is {name} "
+                f"({hint} is not supported); serve a model with standard multi-head or grouped-query attention")
+    if spec.sliding_window is not None or spec.attention_chunk_size is not None:
+        return ("kvcomm does not support sliding-window or chunked-local attention layers; serve a model whose "
+                "layers all use full attention")
+    if getattr(spec, "non_causal", False):
+        return "kvcomm supports causal attention only; this model's attention is non-causal"
+    if int(getattr(spec, "kv_quant_mode", 0)) != 0:
+        return "kvcomm reads and writes unquantized KV caches only; start vLLM with kv_cache_dtype='auto'"
+    if spec.head_size_v != spec.head_size:
+        return (f"kvcomm needs equal key and value head sizes, this model has {spec.head_size} and "
+                f"{spec.head_size_v}")
+    return None
+
+
+def layer_refusal(name: str, layer: Any) -> str | None:
+    """Why the connector cannot read and write attention layer ``name`` (a vLLM attention
+    module), or None if it can."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    if isinstance(layer, MLAAttention):
+        return f"attention layer {name} is MLA, which kvcomm does not support; serve a model without MLA"
+    backend = layer.get_attn_backend() if hasattr(layer, "get_attn_backend") else None
+    backend_name = backend.get_name() if backend is not None else type(layer).__name__
+    if backend_name not in SUPPORTED_BACKENDS:
+        return (f"attention layer {name} runs on backend {backend_name}, which kvcomm does not support; start vLLM with "
+                f"attention_backend set to one of {', '.join(SUPPORTED_BACKENDS)}")
+    if getattr(backend, "forward_includes_kv_cache_update", False):
+        return f"attention backend {backend_name} writes its KV cache inside its forward; kvcomm needs do_kv_cache_update"
+    if getattr(layer, "sliding_window", None) is not None:
+        return f"attention layer {name} uses a sliding window, which kvcomm does not support"
+    if getattr(layer, "kv_sharing_target_layer_name", None) is not None:
+        return f"attention layer {name} shares another layer's KV cache, which kvcomm does not support"
+    return None
 
 
 class KvcommConnector(KVConnectorBase_V1):
     """Both roles of kvcomm's connector; see the module docstring."""
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Always True: the connector writes and reads KV in per-layer hooks, which full CUDA
+        graph replay would skip (the injected KV would never be written)."""
+        return True
+
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        if vllm_config.parallel_config.tensor_parallel_size != 1 or vllm_config.parallel_config.pipeline_parallel_size != 1:
-            raise ValueError("the kvcomm connector supports tensor and pipeline parallel size 1 only")
-        backend = vllm_config.parallel_config.distributed_executor_backend
-        if backend not in (None, "uni"):
-            # Scheduler and worker sides exchange orders and captured KV in memory (vllm_channel).
-            raise ValueError(
-                f"the kvcomm connector needs vLLM's worker in the engine-core process, but the executor backend is "
-                f"{backend!r}; on CPU set VLLM_ENABLE_V1_MULTIPROCESSING=0 before vLLM builds its config "
-                "(`kvcomm serve` and make_llm do), elsewhere pass distributed_executor_backend='uni'"
-            )
         self.engine_id = str(self._kv_transfer_config.engine_id)
         self.channel: Channel = channel(self.engine_id)
+        self._strict = bool(self._kv_transfer_config.get_from_extra_config("strict", False))
+        parallel = vllm_config.parallel_config
+        groups = None if kv_cache_config is None else kv_cache_config.kv_cache_groups
+        self._refused = config_refusal(parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+                                       parallel.distributed_executor_backend, vllm_config.cache_config.cache_dtype, groups)
+        if self._refused is None and role == KVConnectorRole.SCHEDULER:
+            self._refused = self.channel.refusal  # the worker side (same process) registered its layers first
+        self._refuse_if_needed()
         self._tracked: dict[str, _Tracked] = {}
         self._rejected: dict[str, str] = {}
-        self._caches: dict[str, torch.Tensor] = {}
+        self._io: dict[str, KvIO] = {}
         self._layer_index: dict[str, int] = {}
-        self._isa: dict[str, str] = {}
+        self._device_steps: list[_DeviceStep] = []
+        self._work_meta: KvcommMetadata | None = None
+        self._device: torch.device | None = None
         self._plan = bool(self._kv_transfer_config.get_from_extra_config("plan", False))
         self._planner: ServerPlanner | None = None
         slots = self._kv_transfer_config.get_from_extra_config("slots", None)
         self._known_slots = None if slots is None else frozenset(slots)
+
+    def _refuse_if_needed(self) -> None:
+        if self._refused is None:
+            return
+        self.channel.refusal = self._refused
+        if self._strict:
+            raise ValueError(f"kvcomm connector: {self._refused}")
+        logger.warning("kvcomm connector is off for this engine: %s. Requests without kvcomm options are served as "
+                       "usual; requests with them are served without reuse and get this message as their error.",
+                       self._refused)
+
+    @property
+    def refused(self) -> str | None:
+        """Why this connector is off (None: it is on)."""
+        return self._refused
 
     # -- scheduler side ----------------------------------------------------------------------
 
@@ -133,6 +260,11 @@ class KvcommConnector(KVConnectorBase_V1):
         if request.request_id in self._tracked:
             return self._tracked[request.request_id]
         if request.request_id in self._rejected:
+            return None
+        if self._refused is not None:
+            if isinstance(request.kv_transfer_params, dict) and "kvcomm" in request.kv_transfer_params:
+                self._rejected[request.request_id] = f"kvcomm is off in this engine: {self._refused}"
+                record_rejected()
             return None
         try:
             params = parse_params(request.kv_transfer_params, request.num_prompt_tokens, self._known_slots)
@@ -185,10 +317,12 @@ class KvcommConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = KvcommMetadata()
+        if not self._tracked:
+            return meta
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-        block_size = self._block_size()
+        block_size = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         for req_id, count in scheduler_output.num_scheduled_tokens.items():
             tracked = self._tracked.get(req_id)
             if tracked is None:
@@ -212,12 +346,6 @@ class KvcommConnector(KVConnectorBase_V1):
             ))
         return meta
 
-    def _block_size(self) -> int:
-        groups = self._kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise ValueError(f"the kvcomm connector supports one KV cache group, this model has {len(groups)}")
-        return groups[0].kv_cache_spec.block_size
-
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tracked = self._tracked.pop(request.request_id, None)
         error = self._rejected.pop(request.request_id, None)
@@ -236,61 +364,101 @@ class KvcommConnector(KVConnectorBase_V1):
     # -- worker side -------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Check every attention layer and learn its cache layout (start-up, once); on any
+        refusal the connector goes inert (see the module docstring)."""
+        self.channel.refusal = self._refused
+        if self._refused is not None:
+            return
+        try:
+            self._register(kv_caches)
+        except LayoutError as error:
+            self._refused = str(error)
+        self._refuse_if_needed()
+
+    def _register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layers = self._vllm_config.compilation_config.static_forward_context
         for name, cache in kv_caches.items():
             found = _LAYER_INDEX.search(name)
             if found is None:
-                raise ValueError(f"cannot tell the decoder layer index of attention layer {name!r}")
+                raise LayoutError(f"cannot tell the decoder layer index of attention layer {name!r}")
+            layer = layers.get(name)
+            if layer is None:
+                raise LayoutError(f"attention layer {name!r} has a KV cache but no module in vLLM's forward context")
+            reason = layer_refusal(name, layer)
+            if reason is not None:
+                raise LayoutError(reason)
             self._layer_index[name] = int(found.group(1))
-            self._caches[name] = cache
+            self._io[name] = KvIO(layer, cache)
         if sorted(self._layer_index.values()) != list(range(len(kv_caches))):
-            raise ValueError(f"attention layers are not numbered 0..{len(kv_caches) - 1}: {sorted(self._layer_index)}")
-
-    def _layer_isa(self, layer_name: str, forward_context: "ForwardContext | None" = None) -> str:
-        if layer_name not in self._isa:
-            from vllm.forward_context import get_forward_context
-
-            context = forward_context or get_forward_context()
-            isa = getattr(context.no_compile_layers[layer_name], "isa", None)
-            if isa is None:
-                raise RuntimeError(f"attention layer {layer_name} has no CPU attention ISA; the kvcomm connector supports vLLM's CPU backend only")
-            self._isa[layer_name] = isa
-        return self._isa[layer_name]
+            raise LayoutError(f"attention layers are not numbered 0..{len(kv_caches) - 1}: {sorted(self._layer_index)}")
+        devices = {io.device for io in self._io.values()}
+        if len(devices) != 1:
+            raise LayoutError(f"attention layers' KV caches are on several devices ({sorted(map(str, devices))})")
+        self._device = devices.pop()
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        return  # loads are written layer by layer in wait_for_layer_load, before each layer runs
+        """Nothing to start: vLLM calls this after the forward on steps without synchronous
+        loads, so the step's work is prepared by whichever hook runs first (``_work``)."""
+        return
+
+    def _work(self) -> list[_DeviceStep]:
+        """This step's work on the cache's device, prepared once per bound metadata: the
+        injected KV and slot lists moved there (one copy per tensor; pinned and asynchronous
+        on accelerators). Empty when the connector is off."""
+        meta = self._get_connector_metadata()
+        if self._work_meta is meta:
+            return self._device_steps
+        assert isinstance(meta, KvcommMetadata)
+        self._work_meta, self._device_steps = meta, []
+        if self._refused is not None:
+            return self._device_steps
+        device = self._device
+        dtype = next(iter(self._io.values())).dtype
+        for step in meta.requests:
+            keys = values = None
+            if step.load_positions.numel():
+                order = self.channel.order(step.handle)
+                if order is None or order.inject is None:
+                    raise RuntimeError(f"kvcomm: the order for {step.handle!r} vanished before its KV was loaded")
+                # [layers, heads, P, dim] -> [layers, N, heads, dim], one copy to the device per tensor
+                keys = _to_device(order.inject.keys[:, :, step.load_positions].transpose(1, 2), device, dtype)
+                values = _to_device(order.inject.values[:, :, step.load_positions].transpose(1, 2), device, dtype)
+            self._device_steps.append(_DeviceStep(
+                step, keys, values, _to_device(step.load_slots, device), _to_device(step.capture_slots, device),
+                _to_device(step.capture_positions, device),
+            ))
+        return self._device_steps
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KvcommMetadata)
-        for step in meta.requests:
-            if step.load_positions.numel() == 0:
-                continue
-            order = self.channel.order(step.handle)
-            if order is None or order.inject is None:
-                raise RuntimeError(f"kvcomm: the order for {step.handle!r} vanished before its KV was loaded")
-            layer = self._layer_index[layer_name]
-            keys = order.inject.keys[layer][:, step.load_positions].transpose(0, 1)
-            values = order.inject.values[layer][:, step.load_positions].transpose(0, 1)
-            write_slots(self._caches[layer_name], keys, values, step.load_slots, self._layer_isa(layer_name))
+        work = self._work()
+        if not work:
+            return
+        io = self._io[layer_name]
+        layer = self._layer_index[layer_name]
+        for item in work:
+            if item.keys is not None:
+                io.write(item.keys[layer], item.values[layer], item.load_slots)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KvcommMetadata)
-        for step in meta.requests:
-            if step.capture_positions.numel() == 0:
+        work = self._work()
+        if not work:
+            return
+        io = self._io[layer_name]
+        layer = self._layer_index[layer_name]
+        for item in work:
+            if item.capture_slots.numel() == 0:
                 continue
-            keys, values = read_slots(kv_layer, step.capture_slots, self._layer_isa(layer_name))
-            capture = self._capture(step, keys)
-            layer = self._layer_index[layer_name]
-            capture.keys[layer][:, step.capture_positions] = keys.transpose(0, 1).to(capture.keys.dtype)
-            capture.values[layer][:, step.capture_positions] = values.transpose(0, 1).to(capture.values.dtype)
+            keys, values = io.read(item.capture_slots)
+            capture = self._capture(item.step, keys)
+            capture.keys[layer].index_copy_(1, item.capture_positions, keys.transpose(0, 1).to(capture.keys.dtype))
+            capture.values[layer].index_copy_(1, item.capture_positions, values.transpose(0, 1).to(capture.values.dtype))
 
     def _capture(self, step: StepRequest, like: torch.Tensor) -> Capture:
         with self.channel.lock:
             capture = self.channel.captures.get(step.handle)
             if capture is None:
                 _, heads, dim = like.shape
-                capture = Capture.empty(len(self._caches), heads, step.capture_capacity, dim, like.dtype)
+                capture = Capture.empty(len(self._io), heads, step.capture_capacity, dim, like.dtype, like.device)
                 self.channel.captures[step.handle] = capture
             return capture
 
@@ -299,6 +467,11 @@ class KvcommConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvcommMetadata)
+        self._work_meta, self._device_steps = None, []
+        if not meta.requests:
+            return
+        if any(step.prompt_done for step in meta.requests) and self._device is not None and self._device.type != "cpu":
+            torch.accelerator.synchronize(self._device)  # the prompt's last token is computed, not just queued
         now = time.perf_counter()
         with self.channel.lock:
             for step in meta.requests:
@@ -307,6 +480,16 @@ class KvcommConnector(KVConnectorBase_V1):
                     capture.filled[step.capture_positions] = True
                 if step.prompt_done:
                     self.channel.prompt_done_at[step.handle] = now
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``tensor`` on ``device`` (and ``dtype``), contiguous; from pinned memory and without
+    blocking the host when the device is an accelerator."""
+    if dtype is not None and tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
+    if device is None or device.type == "cpu":
+        return tensor.contiguous()
+    return tensor.contiguous().pin_memory().to(device, non_blocking=True)
 
 
 def _make_planner(vllm_config: "VllmConfig") -> ServerPlanner:

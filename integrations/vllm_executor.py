@@ -53,6 +53,8 @@ class VllmExecutor:
         self.llm = llm
         self.tokenizer = tokenizer
         self.channel: Channel = channel(str(transfer.engine_id))
+        if self.channel.refusal is not None:
+            raise RuntimeError(f"the kvcomm connector refused this engine at start-up: {self.channel.refusal}")
         self.rotary, self.self_check = rotary_from_model(hf_model)
         eos = {tokenizer.eos_token_id, *_as_list(getattr(hf_model.generation_config, "eos_token_id", None))}
         self.stop_ids = {t for t in eos if t is not None}

@@ -1,123 +1,216 @@
-"""Reading and writing token KV in vLLM's paged KV cache (CPU attention backend).
+"""Reading and writing token KV in one vLLM attention layer's paged cache, on any backend.
 
-The CPU backend keeps one tensor per attention layer, ``[num_blocks, kv_heads, block_size,
-2 * head_dim]``, whose block interiors are laid out by ISA-specific kernels (keys are stored
-transposed per block on some ISAs). We never hand-write that layout: writes go through the
-backend's own op (``cpu_attn_reshape_and_cache``), and reads use a gather index learned once
-per (cache shape, dtype, ISA) by writing known values through the same op and finding where
-each element landed. A slot is ``block_id * block_size + offset``, the same flat numbering
-vLLM's slot mappings use.
+Every standard vLLM attention backend (CPU, FlashAttention, FlashInfer, Triton) keeps one
+tensor per layer whose *logical* shape is ``[num_blocks, kv_heads, block_size, 2 * head_dim]``
+but whose element order inside a block is the backend's own (strided views, keys stored
+transposed per block on some CPU ISAs). We never hand-code any of those layouts:
+
+- **Writes** go through the layer's own op, ``layer.impl.do_kv_cache_update(layer, key,
+  value, kv_cache, slot_mapping)``: the very call vLLM's forward uses to store computed KV.
+- **Reads** use a gather index learned once per cache geometry (backend implementation,
+  block shape, strides, dtype, device, KV cache dtype) by writing known values through the
+  same op into a one-block probe cache with the real cache's strides and finding where each
+  element landed. A round trip of random KV through the op and the learned gather must be
+  exact before the index is used (``LayoutError`` otherwise).
+
+A slot is ``block * block_size + offset`` with ``block_size = kv_cache.shape[2]`` (the
+kernel block size), the flat numbering of vLLM's slot mappings. Quantized (fp8) caches are
+not readable this way: ``KvIO`` refuses them (the connector refuses them at start-up).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 _DIGIT = 128
 """Probe digit base: every integer below it is exact in fp16 and bf16 (8-bit mantissa)."""
 
-
-def _check(kv_cache: torch.Tensor) -> None:
-    if kv_cache.ndim != 4 or kv_cache.shape[-1] % 2:
-        raise ValueError(
-            f"expected a CPU attention KV cache [num_blocks, kv_heads, block_size, 2 * head_dim], "
-            f"got shape {tuple(kv_cache.shape)}; only vLLM's CPU attention backend is supported (GPU is untested)"
-        )
+READABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def split_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The key and value views of one layer's cache, as the CPU backend makes them."""
-    _check(kv_cache)
-    blocks, heads, block_size, _ = kv_cache.shape
-    return kv_cache.view(blocks, heads, block_size * 2, -1).chunk(2, dim=2)
-
-
-def write_slots(kv_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, isa: str) -> None:
-    """Write ``keys``/``values`` (``[N, kv_heads, head_dim]``) into ``slots`` (``[N]`` int64)."""
-    from vllm import _custom_ops as ops
-
-    key_cache, value_cache = split_cache(kv_cache)
-    dtype = kv_cache.dtype
-    ops.cpu_attn_reshape_and_cache(
-        keys.to(dtype).contiguous(), values.to(dtype).contiguous(), key_cache, value_cache,
-        slots.to(torch.int64).contiguous(), isa,
-    )
+class LayoutError(RuntimeError):
+    """The layer's cache layout could not be learned or failed its round-trip check."""
 
 
 @dataclass(frozen=True)
 class _Gather:
-    """Flat offsets inside one block (``[block_size, kv_heads, head_dim]`` each) of every key
-    and value element, for one cache geometry."""
+    """Logical coordinates (head, row, column) inside one block of every key and value element.
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    Each tensor is ``[block_size, kv_heads, head_dim]`` int64 (on the cache's device): the
+    key (value) of token offset ``o``, head ``h``, channel ``d`` is stored at
+    ``kv_cache[block, heads[o, h, d], rows[o, h, d], columns[o, h, d]]``.
+    """
+
+    key_heads: torch.Tensor
+    key_rows: torch.Tensor
+    key_columns: torch.Tensor
+    value_heads: torch.Tensor
+    value_rows: torch.Tensor
+    value_columns: torch.Tensor
 
 
 _GATHERS: dict[tuple, _Gather] = {}
 
 
-def _gather(kv_cache: torch.Tensor, isa: str) -> _Gather:
-    _check(kv_cache)
+def _check_cache(kv_cache: torch.Tensor) -> None:
+    if kv_cache.ndim != 4 or kv_cache.shape[-1] % 2:
+        raise LayoutError(
+            f"expected an attention KV cache with logical shape [num_blocks, kv_heads, block_size, 2 * head_dim], "
+            f"got shape {tuple(kv_cache.shape)}; this attention backend's cache is not supported by kvcomm"
+        )
+    if kv_cache.dtype not in READABLE_DTYPES:
+        raise LayoutError(
+            f"KV cache dtype {kv_cache.dtype} is not readable by kvcomm (supported: fp32, fp16, bf16); "
+            "start vLLM with kv_cache_dtype='auto'"
+        )
+
+
+class KvIO:
+    """Writes and reads token KV of one attention layer.
+
+    layer: the vLLM attention module (``Attention``) that owns ``kv_cache``; its
+    ``impl.do_kv_cache_update`` is the only thing that ever writes the cache here.
+    kv_cache: the layer's cache tensor (logical ``[num_blocks, kv_heads, block_size,
+    2 * head_dim]``). Building a ``KvIO`` learns (or reuses) the gather index for this
+    geometry; raises ``LayoutError`` with what to change when that fails.
+    """
+
+    def __init__(self, layer: Any, kv_cache: torch.Tensor):
+        _check_cache(kv_cache)
+        impl = getattr(layer, "impl", None)
+        if not callable(getattr(impl, "do_kv_cache_update", None)):
+            raise LayoutError(
+                f"attention implementation {type(impl).__name__} has no do_kv_cache_update; kvcomm needs a backend "
+                "that writes the KV cache with it (CPU_ATTN, FLASH_ATTN, TRITON_ATTN, FLASHINFER)"
+            )
+        self.layer = layer
+        self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        self.dtype = kv_cache.dtype
+        self.block_size = int(kv_cache.shape[2])
+        self.heads = int(kv_cache.shape[1])
+        self.head_dim = int(kv_cache.shape[3]) // 2
+        key = (type(impl).__module__, type(impl).__qualname__, str(getattr(impl, "kv_cache_dtype", "auto")),
+               tuple(kv_cache.shape[1:]), tuple(kv_cache.stride()[1:]), kv_cache.dtype, str(kv_cache.device))
+        if key not in _GATHERS:
+            _GATHERS[key] = _learn(layer, kv_cache)
+        self._gather = _GATHERS[key]
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write ``keys``/``values`` (``[N, kv_heads, head_dim]``, the cache's dtype and
+        device, contiguous) into ``slots`` (``[N]`` int64, same device)."""
+        _write(self.layer, self.kv_cache, keys, values, slots)
+
+    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values stored at ``slots`` (``[N]`` int64 on the cache's device): two
+        ``[N, kv_heads, head_dim]`` tensors (copies, cache dtype and device), one gather each."""
+        return read_with(self._gather, self.kv_cache, slots)
+
+
+def read_with(gather: _Gather, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    block_size = kv_cache.shape[2]
+    block, offset = (slots // block_size)[:, None, None], slots % block_size
+    g = gather
+    keys = kv_cache[block, g.key_heads[offset], g.key_rows[offset], g.key_columns[offset]]
+    values = kv_cache[block, g.value_heads[offset], g.value_rows[offset], g.value_columns[offset]]
+    return keys, values
+
+
+def _write(layer: Any, kv_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+    layer.impl.do_kv_cache_update(layer, keys, values, kv_cache, slots)
+
+
+def _probe_cache(kv_cache: torch.Tensor, fill: float) -> torch.Tensor:
+    """A one-block cache with the real cache's block shape and strides (so the op lays it out
+    the same way), every logical element set to ``fill``."""
+    shape = (1, *kv_cache.shape[1:])
+    probe = torch.empty_strided(shape, kv_cache.stride(), dtype=kv_cache.dtype, device=kv_cache.device)
+    return probe.fill_(fill)
+
+
+def _learn(layer: Any, kv_cache: torch.Tensor) -> _Gather:
     _, heads, block_size, twice_dim = kv_cache.shape
-    key = (heads, block_size, twice_dim, kv_cache.dtype, isa)
-    if key not in _GATHERS:
-        _GATHERS[key] = _probe(heads, block_size, twice_dim // 2, kv_cache.dtype, isa)
-    return _GATHERS[key]
+    dim = twice_dim // 2
+    block_shape = (heads, block_size, twice_dim)
+    keys = _locate(layer, kv_cache, dim, for_keys=True)
+    values = _locate(layer, kv_cache, dim, for_keys=False)
+    if bool(torch.isin(keys, values).any()):
+        raise LayoutError("KV layout probe: keys and values landed on the same cache elements")
+    coords = []
+    for flat in (keys, values):
+        h, rest = flat // (block_size * twice_dim), flat % (block_size * twice_dim)
+        coords += [h, rest // twice_dim, rest % twice_dim]
+    device = kv_cache.device
+    gather = _Gather(*(c.to(device) for c in coords))
+    _round_trip(layer, kv_cache, gather, block_shape)
+    return gather
 
 
-def _probe(heads: int, block_size: int, head_dim: int, dtype: torch.dtype, isa: str) -> _Gather:
-    """Locate every key and value element of one block by writing it through the op."""
-    return _Gather(_locate(heads, block_size, head_dim, dtype, isa, keys=True),
-                   _locate(heads, block_size, head_dim, dtype, isa, keys=False))
-
-
-def _locate(heads: int, block_size: int, head_dim: int, dtype: torch.dtype, isa: str, keys: bool) -> torch.Tensor:
-    """Flat in-block offset of each key (or value) element, ``[block_size, kv_heads, head_dim]``.
+def _locate(layer: Any, kv_cache: torch.Tensor, dim: int, for_keys: bool) -> torch.Tensor:
+    """Logical flat index inside ``[kv_heads, block_size, 2 * head_dim]`` of each key (or
+    value) element of one block, ``[block_size, kv_heads, head_dim]``.
 
     Element indices are written in base-128 digits, one pass per digit (exact in any float
-    dtype), the other half of the KV filled with a sentinel; the positions holding
-    non-negative values are ours, and their digits spell which element each holds.
+    dtype), the other half of the KV set to a negative sentinel and the cache prefilled with
+    another; the elements holding non-negative values are ours, their digits spell which
+    element each holds.
     """
-    count = block_size * heads * head_dim
-    index = torch.arange(count, dtype=torch.int64).view(block_size, heads, head_dim)
-    slots = torch.arange(block_size, dtype=torch.int64)
-    sentinel = torch.full((block_size, heads, head_dim), -2.0, dtype=dtype)
-    element = torch.zeros(2 * count, dtype=torch.int64)
+    _, heads, block_size, _ = kv_cache.shape
+    device, dtype = kv_cache.device, kv_cache.dtype
+    count = block_size * heads * dim
+    index = torch.arange(count, dtype=torch.int64, device=device).view(block_size, heads, dim)
+    slots = torch.arange(block_size, dtype=torch.int64, device=device)
+    sentinel = torch.full((block_size, heads, dim), -2.0, dtype=dtype, device=device)
+    element = torch.zeros(heads * block_size * 2 * dim, dtype=torch.int64, device=device)
     where = None
-    scale, power = 1, 0
-    while scale < count or power == 0:
-        cache = torch.full((1, heads, block_size, 2 * head_dim), -1.0, dtype=dtype)
+    scale, passes = 1, 0
+    while scale < count or passes == 0:
+        probe = _probe_cache(kv_cache, -1.0)
         digit = ((index // scale) % _DIGIT).to(dtype)
-        write_slots(cache, digit, sentinel, slots, isa) if keys else write_slots(cache, sentinel, digit, slots, isa)
-        flat = cache.view(-1).to(torch.float32)
+        if for_keys:
+            _write(layer, probe, digit, sentinel, slots)
+        else:
+            _write(layer, probe, sentinel, digit, slots)
+        flat = probe[0].reshape(-1).to(torch.float32)
         held = flat >= 0
         if where is not None and not torch.equal(held, where):
-            raise RuntimeError("KV layout probe: the op wrote different positions on different passes")
+            raise LayoutError("KV layout probe: the backend op wrote different elements on different passes")
         where = held
         element += flat.clamp(min=0).to(torch.int64) * scale
         scale *= _DIGIT
-        power += 1
+        passes += 1
     positions = torch.nonzero(where).view(-1)
     found = element[positions]
-    if positions.numel() != count or not torch.equal(torch.sort(found).values, torch.arange(count)):
-        raise RuntimeError(
-            f"KV layout probe: expected {count} distinct {'key' if keys else 'value'} elements per block, "
-            f"found {positions.numel()}; this cache layout is not supported"
+    expected = torch.arange(count, device=device)
+    if positions.numel() != count or not torch.equal(torch.sort(found).values, expected):
+        raise LayoutError(
+            f"KV layout probe: expected {count} distinct {'key' if for_keys else 'value'} elements per block, "
+            f"found {positions.numel()}; this attention backend's cache layout is not supported by kvcomm"
         )
-    offsets = torch.empty(count, dtype=torch.int64)
+    offsets = torch.empty(count, dtype=torch.int64, device=device)
     offsets[found] = positions
-    return offsets.view(block_size, heads, head_dim)
+    return offsets.view(block_size, heads, dim).cpu()
 
 
-def read_slots(kv_cache: torch.Tensor, slots: torch.Tensor, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values stored at ``slots`` (``[N]``): two ``[N, kv_heads, head_dim]`` tensors
-    (copies, in the cache dtype)."""
-    gather = _gather(kv_cache, isa)
-    blocks = kv_cache.shape[0]
-    block_size = kv_cache.shape[2]
-    flat = kv_cache.view(blocks, -1)
-    slots = slots.to(torch.int64)
-    block, offset = (slots // block_size)[:, None, None], slots % block_size
-    return flat[block, gather.keys[offset]], flat[block, gather.values[offset]]
+def _round_trip(layer: Any, kv_cache: torch.Tensor, gather: _Gather, block_shape: tuple[int, int, int]) -> None:
+    """Random KV written through the op into two probe blocks (in shuffled slot order) must
+    read back bit for bit through ``gather``."""
+    heads, block_size, twice_dim = block_shape
+    device, dtype = kv_cache.device, kv_cache.dtype
+    generator = torch.Generator().manual_seed(0)
+    shape = (2, *kv_cache.shape[1:])
+    probe = torch.empty_strided(shape, kv_cache.stride(), dtype=dtype, device=device).fill_(0.0)
+    count = 2 * block_size
+    slots = torch.randperm(count, generator=generator).to(device)
+    keys = torch.randn(count, heads, twice_dim // 2, generator=generator).to(dtype).to(device)
+    values = torch.randn(count, heads, twice_dim // 2, generator=generator).to(dtype).to(device)
+    _write(layer, probe, keys, values, slots)
+    got_keys, got_values = read_with(gather, probe, slots)
+    if not (torch.equal(got_keys, keys) and torch.equal(got_values, values)):
+        raise LayoutError(
+            "KV layout self-check failed: KV written through the backend's do_kv_cache_update did not read back "
+            "exactly; this attention backend is not supported by kvcomm"
+        )

@@ -80,7 +80,10 @@ def vllm_llm():
     pytest.importorskip("vllm")
     from kvcomm.integrations.vllm_engine import make_llm, transfer_config
 
-    return make_llm(max_num_batched_tokens=64, max_num_seqs=8, block_size=32, kv_transfer_config=transfer_config(extra={"plan": True, "gamma": 1.0}))
+    import os
+
+    block_size = int(os.environ.get("KVCOMM_TEST_BLOCK_SIZE", "32"))  # CPU_ATTN: multiples of 32; see docs/vllm-plugin.md
+    return make_llm(max_num_batched_tokens=64, max_num_seqs=8, block_size=block_size, kv_transfer_config=transfer_config(extra={"plan": True, "gamma": 1.0}))
 
 
 @pytest.fixture(scope="session")

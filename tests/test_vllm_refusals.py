@@ -1,0 +1,132 @@
+"""The connector refuses unsupported configurations at start-up, with a message that says
+what to change, and a refused engine keeps serving requests that did not opt in."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from kvcomm.integrations.vllm_connector import KvcommConnector, config_refusal  # noqa: E402
+
+
+def _group(spec):
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    return KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)
+
+
+def _full(**extra):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.bfloat16, **extra)
+
+
+def test_a_supported_configuration_is_accepted():
+    assert config_refusal(1, 1, "uni", "auto", [_group(_full())]) is None
+    assert config_refusal(1, 1, None, "auto", None) is None
+
+
+def test_mla_is_refused():
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    reason = config_refusal(1, 1, "uni", "auto", [_group(spec)])
+    assert reason is not None and "MLA" in reason and "serve a model" in reason
+
+
+def test_sliding_window_is_refused():
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    spec = SlidingWindowSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.bfloat16, sliding_window=128)
+    assert "full (causal, unwindowed) attention" in config_refusal(1, 1, "uni", "auto", [_group(spec)])
+    assert "sliding-window" in config_refusal(1, 1, "uni", "auto", [_group(_full(sliding_window=128))])
+
+
+def test_hybrid_models_with_several_groups_are_refused():
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.bfloat16, sliding_window=128)
+    reason = config_refusal(1, 1, "uni", "auto", [_group(_full()), _group(window)])
+    assert "one KV cache group" in reason and "2" in reason and "SlidingWindowSpec" in reason
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_parallelism_above_one_is_refused(tp, pp):
+    reason = config_refusal(tp, pp, "mp", "auto", [_group(_full())])
+    assert reason is not None and "set to 1" in reason
+
+
+def test_workers_outside_the_engine_process_are_refused():
+    reason = config_refusal(1, 1, "mp", "auto", [_group(_full())])
+    assert "distributed_executor_backend='uni'" in reason
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_a_quantized_kv_cache_is_refused(dtype):
+    assert "kv_cache_dtype='auto'" in config_refusal(1, 1, "uni", dtype, [_group(_full())])
+
+
+def test_the_connector_asks_vllm_for_piecewise_cuda_graphs():
+    """vLLM turns FULL_AND_PIECEWISE into PIECEWISE when the connector class says so."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvcomm.integrations.vllm_engine import transfer_config
+
+    assert KVConnectorFactory.get_connector_class(transfer_config()) is KvcommConnector
+    assert KvcommConnector.requires_piecewise_for_cudagraph({}) is True
+
+
+_REFUSED_ENGINE = r"""
+import json, sys
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from kvcomm.integrations.vllm_engine import make_llm, transfer_config
+strict = sys.argv[1] == "strict"
+try:
+    llm = make_llm(kv_cache_dtype="fp8", block_size=32, max_num_batched_tokens=64,
+                   kv_transfer_config=transfer_config(extra={"strict": strict}))
+except Exception as error:
+    print(json.dumps({"started": False, "error": str(error)}))
+    raise SystemExit(0)
+ids = list(range(100, 180))
+params = [SamplingParams(temperature=0.0, max_tokens=8, extra_args=extra)
+          for extra in (None, {"kv_transfer_params": {"kvcomm": {}}})]
+out = llm.generate([TokensPrompt(prompt_token_ids=ids)] * 2, params, use_tqdm=False)
+print(json.dumps({"started": True, "plain": list(out[0].outputs[0].token_ids),
+                  "plain_params": out[0].kv_transfer_params, "opted": list(out[1].outputs[0].token_ids),
+                  "opted_params": out[1].kv_transfer_params}))
+"""
+
+
+def _refused_engine(mode: str) -> dict:
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    done = subprocess.run([sys.executable, "-c", _REFUSED_ENGINE, mode], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=Path(__file__).parent)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_refused_engine_serves_plain_requests_and_tells_opted_in_ones_why():
+    """fp8 KV cache (vllm-cpu supports it; kvcomm refuses it): the engine starts, a plain
+    request is served untouched, an opted-in one is served without reuse and gets the reason."""
+    result = _refused_engine("lenient")
+    assert result["started"]
+    assert len(result["plain"]) == 8 and result["plain_params"] is None
+    assert result["opted"] == result["plain"]
+    error = result["opted_params"]["kvcomm"]["error"]
+    assert "kvcomm is off in this engine" in error and "kv_cache_dtype='auto'" in error
+
+
+@pytest.mark.slow
+def test_strict_mode_fails_the_start_with_the_reason():
+    result = _refused_engine("strict")
+    assert not result["started"] and "kv_cache_dtype='auto'" in result["error"]
