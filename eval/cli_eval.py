@@ -115,7 +115,10 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         help="mmlu, gsm, humaneval, retrieval, or the path of a workload file")
     parser.add_argument("--out", required=True, help="output folder (created if missing)")
     parser.add_argument("--limit", type=positive_int, help="use only the first N items of the workload")
-    parser.add_argument("--agents", type=positive_int, default=3, help="agents before the decider in the built-in topology (default 3; a pipeline .json defines its own)")
+    parser.add_argument(
+        "--agents", type=positive_int, default=3,
+        help="agents before the decider in the built-in topology (default 3; a pipeline .json defines its own)",
+    )
     parser.add_argument("--modes", type=parse_modes, default=ALL_MODES,
                         help=f"comma-separated subset of {','.join(ALL_MODES)} (default: all); dense always runs as the reference")
     parser.add_argument("--gammas", type=parse_gammas, default=(PoolConfig.gamma,),
@@ -155,7 +158,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
 def settings_from_args(args) -> EvalSettings:
     return EvalSettings(
         modes=args.modes, gammas=args.gammas, max_anchors=args.max_anchors, seeds=args.seeds,
-        min_estimate_anchors=args.min_estimate_anchors, base_source=args.base_source, recompute_ratio=args.recompute_ratio, check_layer=args.check_layer, top_k=args.top_k,
+        min_estimate_anchors=args.min_estimate_anchors, base_source=args.base_source,
+        recompute_ratio=args.recompute_ratio, check_layer=args.check_layer, top_k=args.top_k,
         timing_pass=not args.single_pass,
     )
 

@@ -118,7 +118,8 @@ def main() -> None:
             print(f"  {name:8s} dense: {dense[:70]!r}\n  {'':8s} reuse: {reuse[:70]!r} ({same})")
     dense_calls = per_agent(clients["dense"].call_log, names)
     reuse_calls = per_agent(clients["reuse"].call_log, names)
-    header = f"{'agent':8s} {'calls':>5s} {'prompt':>6s} {'exact':>6s} {'estim':>6s} {'comp':>6s} {'tok-reuse':>9s} {'agent-reuse':>11s} {'ttft dense':>10s} {'ttft reuse':>10s} {'same reply':>10s}"
+    header = (f"{'agent':8s} {'calls':>5s} {'prompt':>6s} {'exact':>6s} {'estim':>6s} {'comp':>6s} {'tok-reuse':>9s} "
+              f"{'agent-reuse':>11s} {'ttft dense':>10s} {'ttft reuse':>10s} {'same reply':>10s}")
     print("\n" + header + "\n" + "-" * len(header))
     for name in AGENTS:
         dense, reuse = dense_calls[name], reuse_calls[name]
