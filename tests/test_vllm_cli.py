@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-import pytest
+import torch
 
 from kvcomm.integrations.cli import build_parser, main, serve_argv
 
@@ -51,30 +51,32 @@ def _connector(**parallel):
     (what vLLM's scheduler does at engine start); no engine runs."""
     from vllm.config import ParallelConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     from kvcomm.integrations.vllm_connector import KvcommConnector
     from kvcomm.integrations.vllm_engine import transfer_config
 
     config = VllmConfig(parallel_config=ParallelConfig(**parallel), kv_transfer_config=transfer_config())
-    return KvcommConnector(config, KVConnectorRole.SCHEDULER, KVCacheConfig(num_blocks=0, kv_cache_tensors=[], kv_cache_groups=[]))
+    full = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], full)]
+    return KvcommConnector(config, KVConnectorRole.SCHEDULER, KVCacheConfig(num_blocks=0, kv_cache_tensors=[], kv_cache_groups=groups))
 
 
 def test_the_connector_refuses_parallel_engines_and_workers_in_other_processes(monkeypatch):
     """Scheduler and worker sides exchange orders and captured KV in memory, so the connector
-    refuses tensor or pipeline parallelism and executors that run workers elsewhere. On CPU,
+    refuses tensor or pipeline parallelism and executors that run workers elsewhere: it turns
+    itself off with the reason (vLLM goes on serving requests that did not opt in). On CPU,
     vLLM itself turns the one-process executor into "mp" unless
     VLLM_ENABLE_V1_MULTIPROCESSING=0: the refusal says so."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     for parallel in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
-        with pytest.raises(ValueError, match="supports tensor and pipeline parallel size 1 only"):
-            _connector(**parallel)
-    with pytest.raises(ValueError, match=r"executor backend is 'mp'; on CPU set VLLM_ENABLE_V1_MULTIPROCESSING=0"):
-        _connector(distributed_executor_backend="mp")
-    assert _connector(distributed_executor_backend="uni").engine_id  # the supported setting is accepted
+        assert "tensor_parallel_size 1 and pipeline_parallel_size 1 only" in (_connector(**parallel).refused or "")
+    assert "executor backend is 'mp'" in (_connector(distributed_executor_backend="mp").refused or "")
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING=0" in _connector(distributed_executor_backend="mp").refused
+    accepted = _connector(distributed_executor_backend="uni")
+    assert accepted.engine_id and accepted.refused is None  # the supported setting is accepted
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # what a user who forgot it gets
-    with pytest.raises(ValueError, match=r"executor backend is 'mp'"):
-        _connector(distributed_executor_backend="uni")
+    assert "executor backend is 'mp'" in (_connector(distributed_executor_backend="uni").refused or "")
 
 
 def test_a_state_dir_gives_the_engine_time_to_save_at_exit():
