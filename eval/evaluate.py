@@ -342,8 +342,10 @@ def _pool_state(engine: ReuseEngine | None) -> tuple[int, dict[str, int], int]:
         return 0, {}, 0
     pools = engine.pools.items() if isinstance(engine.pools, dict) else enumerate(engine.pools)
     pools = list(pools)
+    bases = {id(a.base.keys): a.base.nbytes for _, pool in pools for a in pool.anchors}  # one base per content, counted once
+    deviations = sum(d.nbytes for _, pool in pools for a in pool.anchors for d in a.deviations.values())
     return (
-        int(sum(pool.nbytes for _, pool in pools)),
+        int(sum(bases.values()) + deviations),
         {str(slot): len(pool) for slot, pool in pools},
         int(engine.prefix_store.nbytes),
     )

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.resources
 import json
 import math
 
@@ -428,10 +429,12 @@ def test_dtype_noise_floor_of_the_eval_command(tiny_executor):
 
 
 @pytest.mark.slow
-def test_demo_command_in_bf16(capsys):
+def test_run_command_in_bf16(capsys):
     from kvcomm.integrations.cli import main
 
-    assert main(["demo", "--limit", "2", "--gamma", "1.0", "--dtype", "bfloat16", "--json"]) == 0
+    short = str(importlib.resources.files("kvcomm") / "data" / "demo_pipeline.json")
+    assert main(["run", short, "--limit", "2", "--gamma", "1.0", "--base-source", "standalone",
+                 "--dtype", "bfloat16", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["dtype"] == "bfloat16" and report["summary"]["calls"] == 2 * 4
     assert report["summary"]["token_reuse_rate"] > 0
