@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvcomm.kv import KV
+from kvcomm.core.kv import KV
 
 SlotKey = tuple[str, str]
 """(template id, slot name): one place in one agent's template where shared content goes."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcomm.anchors.distance import block_layers
-from kvcomm.kv import KV
+from kvcomm.core.kv import KV
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomm.kv import KV
+from kvcomm.core.kv import KV
 
 
 ADMISSION_DISTANCES = ("relative", "l2")

@@ -11,7 +11,7 @@ import weakref
 from collections import OrderedDict
 
 from kvcomm.anchors.distance import EstimateDistances
-from kvcomm.kv import KV
+from kvcomm.core.kv import KV
 
 
 class DistanceCache:

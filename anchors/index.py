@@ -7,7 +7,7 @@ from typing import Protocol, Sequence
 import faiss
 import numpy as np
 
-from kvcomm.kv import KV
+from kvcomm.core.kv import KV
 
 
 class Embedder(Protocol):

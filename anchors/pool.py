@@ -25,7 +25,7 @@ from kvcomm.anchors.distance import (
 from kvcomm.anchors.deviations import WeightedDeviations
 from kvcomm.anchors.distance_cache import DistanceCache
 from kvcomm.anchors.index import EmbeddingIndex
-from kvcomm.kv import KV
+from kvcomm.core.kv import KV
 
 
 @dataclass(frozen=True)
@@ -378,7 +378,7 @@ class AnchorPool:
 
     def evict(self) -> Anchor | None:
         """Evict one anchor by the eviction rule (least-accessed among the W earliest); None
-        if the pool is empty. For budgets shared with other pools (``kvcomm.tenants``)."""
+        if the pool is empty. For budgets shared with other pools (``kvcomm.services.tenants``)."""
         with self._lock:
             return self._evict_one() if self._anchors else None
 

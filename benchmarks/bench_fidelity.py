@@ -28,8 +28,8 @@ import torch
 from bench_reuse import add_anchor, alternate, bar, ms, reader_prompt, synthetic_ids, table  # this folder is on sys.path when the script runs
 from kvcomm.anchors.anchor import Deviation
 from kvcomm.anchors.pool import AnchorPool, PoolConfig
-from kvcomm.engine import ReuseConfig, ReuseEngine
-from kvcomm.kv import KV, place
+from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.core.kv import KV, place
 
 VARIANTS = {  # name -> (changes to the default PoolConfig, anchor dtype or None for the KV's own)
     "default": ({}, None),

@@ -31,14 +31,14 @@ from kvcomm.anchors.anchor import Deviation
 from kvcomm.anchors.distance import EstimateDistances, admission_logits, value_l2
 from kvcomm.anchors.index import kv_embedding
 from kvcomm.anchors.pool import AnchorPool, PoolConfig
-from kvcomm.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.engine import ReuseConfig, ReuseEngine
 from kvcomm.eval.report import compare, summarize
 from kvcomm.integrations.cli import run_side_by_side
-from kvcomm.kv import KV
-from kvcomm.pipeline import load_demo_pipeline, parse_pipeline
-from kvcomm.plan import ReusePlan
-from kvcomm.runner import build_prompt, run_agent
-from kvcomm.segments import Segment
+from kvcomm.core.kv import KV
+from kvcomm.engine.pipeline import load_demo_pipeline, parse_pipeline
+from kvcomm.engine.plan import ReusePlan
+from kvcomm.engine.runner import build_prompt, run_agent
+from kvcomm.core.segments import Segment
 
 med = statistics.median
 

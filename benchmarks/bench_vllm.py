@@ -27,7 +27,7 @@ import time
 from tqdm import tqdm
 
 from bench_reuse import synthetic_ids  # this folder is on sys.path when the script runs
-from kvcomm.engine import BASE_SOURCES, ReuseConfig
+from kvcomm.engine.engine import BASE_SOURCES, ReuseConfig
 
 
 def _prefill_seconds(llm, ids: list[int], extra_args: dict | None) -> float:
@@ -126,7 +126,7 @@ def main() -> None:
     from kvcomm.integrations.embedded import load_model_and_tokenizer
     from kvcomm.integrations.vllm_engine import make_llm
     from kvcomm.integrations.vllm_executor import VllmExecutor
-    from kvcomm.pipeline import load_demo_pipeline
+    from kvcomm.engine.pipeline import load_demo_pipeline
 
     spec = load_demo_pipeline()
     spec = dataclasses.replace(spec, inputs=spec.inputs[: args.rows], max_new_tokens=args.max_new_tokens)

@@ -112,7 +112,7 @@ def _worker(name: str, mode: str) -> dict:
 
     from kvcomm.integrations.embedded import load_model_and_tokenizer, resolve_model_dir
     from kvcomm.integrations.vllm_engine import make_llm
-    from kvcomm.kv import KV
+    from kvcomm.core.kv import KV
 
     config = CONFIGS[name]
     hf_model, tokenizer = load_model_and_tokenizer()

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine import BASE_SOURCES, ReuseConfig
+from kvcomm.engine.engine import BASE_SOURCES, ReuseConfig
 from kvcomm.eval.evaluate import ALL_MODES, EvalSettings
 from kvcomm.eval.outputs import check_out_dir
 from kvcomm.integrations.embedded import DTYPES
@@ -177,13 +177,13 @@ def dtype_noise_floor(workload, executor, other, top_k: int = 20, progress: bool
     Every row runs densely on ``executor`` (the reference: its prompts and replies); each agent's
     prompt is then prefilled by ``other`` (the same checkpoint in another dtype) on exactly those
     token ids. Returns the KL(reference || other) bound on the reference's ``top_k`` tokens plus
-    an "other" bucket (``kvcomm.divergence.kl_topk_other``) over every prompt position: its mean,
+    an "other" bucket (``kvcomm.core.divergence.kl_topk_other``) over every prompt position: its mean,
     median and max, the share of positions with the same most likely token, and the counts
     (``prompts``, ``positions``). No reuse is involved: this is the floor a reuse mode's KL
     (also measured against ``executor``) is read against.
     """
-    from kvcomm.divergence import kl_topk_other, top1_matches, topk_reference
-    from kvcomm.runner import run_row
+    from kvcomm.core.divergence import kl_topk_other, top1_matches, topk_reference
+    from kvcomm.engine.runner import run_row
 
     spec = workload.pipeline
     kls, tops, prompts = [], [], 0
@@ -211,8 +211,8 @@ def run_eval_command(args, executor=None) -> int:
     """The ``eval`` command. ``executor``: use this one instead of loading ``--model``
     (tests). Returns 0, or 2 with a message on stderr for a usage or input problem."""
     from kvcomm.eval.outputs import run_evaluation
-    from kvcomm.pipeline import PipelineError
-    from kvcomm.rope import RopeError
+    from kvcomm.engine.pipeline import PipelineError
+    from kvcomm.core.rope import RopeError
 
     def fail(message: str) -> int:
         print(f"kvcomm eval: error: {message}", file=sys.stderr)

@@ -35,9 +35,9 @@ import torch
 from tqdm import tqdm
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine import ReuseConfig, ReuseEngine
-from kvcomm.divergence import KL_TOP_K, TopK, kl_topk_other, top1_matches, topk_reference
-from kvcomm.runner import AgentCall, run_row
+from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.core.divergence import KL_TOP_K, TopK, kl_topk_other, top1_matches, topk_reference
+from kvcomm.engine.runner import AgentCall, run_row
 
 DENSE = "dense"
 REUSE_MODES = ("exact", "realign", "cacheblend", "kvcomm")

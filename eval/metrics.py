@@ -1,5 +1,5 @@
 """Statistics of the evaluation: Wilson intervals and percentiles (the KL bound lives in
-``kvcomm.divergence``, shared with the quality guard)."""
+``kvcomm.core.divergence``, shared with the quality guard)."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ import os
 from collections.abc import Sequence
 from types import MappingProxyType
 
-from kvcomm.textfile import parse_json, read_utf8
-from kvcomm.pipeline import PipelineError, parse_pipeline
+from kvcomm.core.textfile import parse_json, read_utf8
+from kvcomm.engine.pipeline import PipelineError, parse_pipeline
 
 from .scorers import SCORERS, _reference_number
 from .workloads import DEFAULT_MAX_NEW_TOKENS, Workload, WorkloadError, _finish, _order

@@ -26,7 +26,7 @@ from autogen_agentchat.agents import AssistantAgent
 from autogen_agentchat.teams import RoundRobinGroupChat
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.engine import ReuseConfig, ReuseEngine
 from kvcomm.integrations.autogen_client import KvcommChatCompletionClient
 from kvcomm.integrations.chat_backend import ChatBackend, ChatCall
 from kvcomm.integrations.chat_segments import ChatTurn, template_id

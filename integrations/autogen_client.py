@@ -27,8 +27,8 @@ from autogen_core.models import (
 from autogen_core.tools import Tool, ToolSchema
 from pydantic import BaseModel
 
-from kvcomm.engine import ReuseConfig
-from kvcomm.handles import ContextHandle
+from kvcomm.engine.engine import ReuseConfig
+from kvcomm.engine.handles import ContextHandle
 from kvcomm.integrations.chat_backend import Cancelled, ChatBackend, ChatCall, ChatReply
 from kvcomm.integrations.chat_segments import ChatTurn
 

@@ -15,13 +15,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from kvcomm.engine import ReuseConfig, ReuseEngine
-from kvcomm.executor import OnToken
-from kvcomm.handles import ContextHandle, ContextRegistry
-from kvcomm.plan import Provenance
-from kvcomm.quality_guard import QualityGuard
-from kvcomm.runner import run_agent
-from kvcomm.segments import Segment, content_id
+from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.executor import OnToken
+from kvcomm.engine.handles import ContextHandle, ContextRegistry
+from kvcomm.engine.plan import Provenance
+from kvcomm.services.quality_guard import QualityGuard
+from kvcomm.engine.runner import run_agent
+from kvcomm.core.segments import Segment, content_id
 from kvcomm.integrations.chat_segments import ChatPrompt, ChatTurn, parse_tool_calls, render_chat, supports_tools
 
 FinishReason = str  # "stop" | "length" | "function_calls" | "cancelled"

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from kvcomm.segments import Prompt, Segment, content_id
+from kvcomm.core.segments import Prompt, Segment, content_id
 
 _OPEN, _CLOSE = "\ue000", "\ue001"
 _MARK = re.compile(f"{_OPEN}([0-9]+){_CLOSE}")

@@ -11,10 +11,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine import BASE_SOURCES, ReuseConfig, ReuseEngine
-from kvcomm.pipeline import PipelineError, PipelineSpec, load_bundled_pipeline, load_pipeline
-from kvcomm.rope import RopeError
-from kvcomm.runner import run_row
+from kvcomm.engine.engine import BASE_SOURCES, ReuseConfig, ReuseEngine
+from kvcomm.engine.pipeline import PipelineError, PipelineSpec, load_bundled_pipeline, load_pipeline
+from kvcomm.core.rope import RopeError
+from kvcomm.engine.runner import run_row
 
 BACKENDS = ("transformers", "vllm")
 

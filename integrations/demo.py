@@ -26,11 +26,11 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from kvcomm.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.engine import ReuseConfig, ReuseEngine
 from kvcomm.eval.demo_report import DemoCall
-from kvcomm.pipeline import PipelineSpec
-from kvcomm.runner import build_prompt, run_agent
-from kvcomm.segments import Segment
+from kvcomm.engine.pipeline import PipelineSpec
+from kvcomm.engine.runner import build_prompt, run_agent
+from kvcomm.core.segments import Segment
 
 BASELINE_SALT = "kvcomm-demo-baseline"
 """``cache_salt`` of every baseline request: they share vLLM's prefix cache with each other

@@ -1,4 +1,4 @@
-"""Prometheus export of quality guards (``kvcomm.quality_guard``), read at scrape time.
+"""Prometheus export of quality guards (``kvcomm.services.quality_guard``), read at scrape time.
 
 ``export(guard, tenant)`` registers a collector (``prometheus_client``) that turns
 ``guard.metrics()`` into these series, labelled by tenant label (never a raw key) and slot:
@@ -20,8 +20,8 @@ from __future__ import annotations
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvcomm.quality_guard import QualityGuard
-from kvcomm.tenants import tenant_label
+from kvcomm.services.quality_guard import QualityGuard
+from kvcomm.services.tenants import tenant_label
 
 _PER_SLOT = {
     "kl_mean": "Rolling mean KL(dense || reuse) of the first reply token, nats (top-k + other: a lower bound)",

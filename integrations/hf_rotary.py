@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomm.rope import RopeError, Rotary
+from kvcomm.core.rope import RopeError, Rotary
 
 SELF_CHECK_TOLERANCE = 1e-4
 """Max absolute key error (relative to max(1, |k|max)) for the self-check of fp32 and fp64 keys."""

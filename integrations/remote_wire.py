@@ -18,7 +18,7 @@ import hashlib
 import re
 from typing import Any
 
-from kvcomm.plan import Provenance
+from kvcomm.engine.plan import Provenance
 from kvcomm.integrations.chat_segments import ChatPrompt
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")

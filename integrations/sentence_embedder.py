@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvcomm.anchors.index import normalize
-from kvcomm.kv import KV
+from kvcomm.core.kv import KV
 
 
 def default_sentence_model_path() -> str:

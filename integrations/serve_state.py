@@ -1,14 +1,14 @@
 """Reuse state of `kvcomm serve` kept across restarts (``--state-dir DIR``), so a restarted
 server does not start cold (issue 6, persistence).
 
-Layout: ``DIR/<tenant label>/`` holds one tenant's save (``kvcomm.persist``: anchor pools,
+Layout: ``DIR/<tenant label>/`` holds one tenant's save (``kvcomm.services.persist``: anchor pools,
 shared-content bases and fixed-segment bases as safetensors plus a JSON manifest carrying
 the model fingerprint; every file written atomically) and ``tenant.json`` its tenant key (an
 API key's tenant is already a digest of the key, never the key). Exact-prefix stores and the
 automatic-detection index are not saved: they refill from traffic.
 
 At start every tenant found is restored; a save for another model, or a corrupt one, is
-refused by ``kvcomm.persist`` with a clear error, which is logged, and that tenant starts
+refused by ``kvcomm.services.persist`` with a clear error, which is logged, and that tenant starts
 cold (the server still starts). While serving, a background thread saves the tenants every
 ``interval_s`` seconds when requests have finished since the last save, and once more at exit.
 """
@@ -23,9 +23,9 @@ import os
 import threading
 from pathlib import Path
 
-from kvcomm.fingerprint import ModelFingerprint
-from kvcomm.persist import PersistError, save_engine, write_text_atomically
-from kvcomm.tenants import tenant_label
+from kvcomm.core.fingerprint import ModelFingerprint
+from kvcomm.services.persist import PersistError, save_engine, write_text_atomically
+from kvcomm.services.tenants import tenant_label
 from kvcomm.integrations.vllm_planner import ServerPlanner
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class PlannerState:
         self._saved_at_requests = planner.totals["requests"]
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()  # one save at a time (kvcomm.persist: one writer per directory)
+        self._lock = threading.Lock()  # one save at a time (kvcomm.services.persist: one writer per directory)
 
     def restore(self) -> dict[str, str]:
         """Load every saved tenant; returns tenant label -> what happened ("restored ..." or the error)."""

@@ -15,11 +15,11 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from kvcomm.executor import Generation, OnToken
-from kvcomm.kv import KV, to_position_free
-from kvcomm.pipeline import Slot
-from kvcomm.plan import BlendRequest
-from kvcomm.segments import Segment
+from kvcomm.engine.executor import Generation, OnToken
+from kvcomm.core.kv import KV, to_position_free
+from kvcomm.engine.pipeline import Slot
+from kvcomm.engine.plan import BlendRequest
+from kvcomm.core.segments import Segment
 from kvcomm.integrations.hf_rotary import rotary_from_model
 
 _MARK = re.compile("\ue000([^\ue001]*)\ue001")

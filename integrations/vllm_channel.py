@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcomm.kv import KV
+from kvcomm.core.kv import KV
 
 
 @dataclass

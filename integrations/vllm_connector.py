@@ -499,7 +499,7 @@ def _make_planner(vllm_config: "VllmConfig") -> ServerPlanner:
     from kvcomm.integrations.hf_rotary import rotary_from_model
 
     from kvcomm.anchors.pool import PoolConfig
-    from kvcomm.engine import ReuseConfig
+    from kvcomm.engine.engine import ReuseConfig
 
     model, tokenizer = load_model_and_tokenizer(str(vllm_config.model_config.model))
     rotary, _ = rotary_from_model(model)
@@ -510,7 +510,7 @@ def _make_planner(vllm_config: "VllmConfig") -> ServerPlanner:
     planner = ServerPlanner(rotary, ReuseConfig(pool=pool), **caps)
     state_dir = extra.get_from_extra_config("state_dir", None)
     if state_dir:
-        from kvcomm.fingerprint import model_fingerprint
+        from kvcomm.core.fingerprint import model_fingerprint
         from kvcomm.integrations.serve_state import PlannerState
 
         fingerprint = model_fingerprint(model, tokenizer, rotary, kv_dtype=vllm_config.model_config.dtype)

@@ -18,10 +18,10 @@ from typing import Sequence
 
 import torch
 
-from kvcomm.executor import Generation, OnToken
-from kvcomm.kv import KV, to_position_free
-from kvcomm.plan import BlendRequest
-from kvcomm.segments import Segment
+from kvcomm.engine.executor import Generation, OnToken
+from kvcomm.core.kv import KV, to_position_free
+from kvcomm.engine.plan import BlendRequest
+from kvcomm.core.segments import Segment
 from kvcomm.integrations.hf_rotary import rotary_from_model
 from kvcomm.integrations.transformers_executor import TransformersExecutor, _as_list
 from kvcomm.integrations.vllm_channel import Channel, Order, channel

@@ -36,7 +36,7 @@ PROBLEMS = Gauge("kvcomm_pool_problems", "Broken pool invariants found by Tenant
 
 def record_planned(provenance, registry) -> None:
     """Count one finished planned request and refresh the pool gauges from ``registry``
-    (a ``kvcomm.tenants.TenantRegistry``; tenants are exported under their hash label)."""
+    (a ``kvcomm.services.tenants.TenantRegistry``; tenants are exported under their hash label)."""
     PROMPT_TOKENS.labels("exact").inc(provenance.exact_tokens)
     PROMPT_TOKENS.labels("estimated").inc(provenance.estimated_tokens)
     PROMPT_TOKENS.labels("computed").inc(provenance.computed_tokens)

@@ -24,12 +24,12 @@ import dataclasses
 import threading
 from dataclasses import dataclass
 
-from kvcomm.engine import ReuseConfig, ReuseEngine
-from kvcomm.kv import KV, to_position_free
-from kvcomm.plan import ReusePlan
-from kvcomm.rope import Rotary
-from kvcomm.segments import Prompt, Segment
-from kvcomm.tenants import TenantRegistry
+from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.core.kv import KV, to_position_free
+from kvcomm.engine.plan import ReusePlan
+from kvcomm.core.rope import Rotary
+from kvcomm.core.segments import Prompt, Segment
+from kvcomm.services.tenants import TenantRegistry
 from kvcomm.integrations.vllm_channel import Capture, Order
 from kvcomm.integrations.vllm_detect import RunIndex
 from kvcomm.integrations.vllm_metrics import record_planned

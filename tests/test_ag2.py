@@ -6,7 +6,7 @@ import pytest
 from autogen import ConversableAgent
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.engine import ReuseConfig, ReuseEngine
 from kvcomm.integrations.ag2_client import KvcommAG2Client
 from kvcomm.integrations.chat_backend import ChatBackend
 

@@ -11,7 +11,7 @@ from autogen_core import CancellationToken
 from autogen_core.models import AssistantMessage, SystemMessage, UserMessage
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.engine import ReuseConfig, ReuseEngine
 from kvcomm.integrations.autogen_client import KvcommChatCompletionClient
 from kvcomm.integrations.chat_backend import ChatBackend
 from chat_streaming import assert_concurrent_calls_equal_sequential, collect_stream
@@ -180,7 +180,7 @@ def test_a_guarded_team_is_shadowed_and_exported(tiny_executor):
     from prometheus_client import CollectorRegistry, generate_latest
 
     from kvcomm.integrations.guard_metrics import export
-    from kvcomm.quality_guard import GuardConfig, QualityGuard
+    from kvcomm.services.quality_guard import GuardConfig, QualityGuard
 
     guard = QualityGuard(GuardConfig(fraction=1.0, budget=1e9, min_samples=1))
     runs = {}

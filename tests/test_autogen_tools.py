@@ -21,7 +21,7 @@ from autogen_core import FunctionCall
 from autogen_core.models import RequestUsage, SystemMessage, UserMessage
 from autogen_core.tools import FunctionTool
 
-from kvcomm.engine import ReuseEngine
+from kvcomm.engine.engine import ReuseEngine
 from kvcomm.integrations.autogen_client import KvcommChatCompletionClient, to_turns, tool_schemas
 from kvcomm.integrations.chat_backend import ChatBackend
 from one_thread import one_thread  # noqa: F401 (autouse fixture)

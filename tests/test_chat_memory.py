@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.engine import ReuseConfig, ReuseEngine
 from kvcomm.integrations.chat_backend import ANCHOR_BYTES, ChatBackend
 from kvcomm.integrations.chat_segments import ChatTurn
 from one_thread import one_thread  # noqa: F401 (autouse fixture)

@@ -11,10 +11,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcomm.engine import ReuseEngine
+from kvcomm.engine.engine import ReuseEngine
 from kvcomm.integrations.chat_backend import ChatBackend
 from kvcomm.integrations.chat_segments import ChatTurn, parse_tool_calls, render_chat, supports_tools
-from kvcomm.segments import content_id
+from kvcomm.core.segments import content_id
 
 TOOL_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n{{ messages[0]['content'] if messages[0]['role'] == 'system' else 'You help.' }}"
@@ -142,7 +142,7 @@ def test_context_handles_retain_release_evict_fall_back_to_text(tiny_executor):
     assert handle == again and backend.contexts.retained() == {handle.context_id: 2}
     ids = tuple(tiny_executor.encode(document))
     assert handle.context_id == content_id(ids) and handle.token_count == len(ids)
-    from kvcomm.segments import Segment
+    from kvcomm.core.segments import Segment
 
     expected = tiny_executor.base_kv(Segment(ids, slot="_"))
     held = backend.engine._bases[handle.context_id][0]

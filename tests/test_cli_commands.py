@@ -88,8 +88,8 @@ def test_run_json_numbers_follow_from_the_calls(tiny_llama, pipeline_file, token
     # the reader's prompt holds no earlier reply: its length is the chat template's own
     from kvcomm.integrations.embedded import load_model_and_tokenizer
     from kvcomm.integrations.transformers_executor import TransformersExecutor
-    from kvcomm.pipeline import parse_pipeline
-    from kvcomm.runner import _content, build_prompt
+    from kvcomm.engine.pipeline import parse_pipeline
+    from kvcomm.engine.runner import _content, build_prompt
 
     executor = TransformersExecutor(*load_model_and_tokenizer(tiny_llama))
     spec = parse_pipeline(PIPELINE)

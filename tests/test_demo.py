@@ -11,7 +11,7 @@ import pytest
 
 from kvcomm.eval.demo_report import DemoCall, demo_agents, demo_json, demo_summary, format_demo, write_chart
 from kvcomm.integrations.demo import DenseTransformers, run_demo
-from kvcomm.pipeline import load_bundled_pipeline, parse_pipeline
+from kvcomm.engine.pipeline import load_bundled_pipeline, parse_pipeline
 
 
 def _call(agent, row, dense, reuse, exact, estimated, computed, equal=True, cached=0):

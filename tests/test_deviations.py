@@ -5,7 +5,7 @@ import torch
 
 import kvcomm.anchors.distance as distance
 from kvcomm.anchors.deviations import WeightedDeviations
-from kvcomm.kv import KV
+from kvcomm.core.kv import KV
 
 L, H, D = 4, 2, 8
 

@@ -18,7 +18,7 @@ from kvcomm.anchors.anchor import Deviation
 from kvcomm.anchors.distance import estimate_distances, estimate_distances_many, value_l2
 from kvcomm.anchors.distance_cache import DistanceCache
 from kvcomm.anchors.pool import AnchorPool, PoolConfig
-from kvcomm.kv import KV
+from kvcomm.core.kv import KV
 
 SLOT = ("tmpl", "slot")
 EMB = torch.tensor([1.0, 0.0, 0.0, 0.0]).numpy()

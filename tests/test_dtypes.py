@@ -23,17 +23,17 @@ import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcomm.divergence import kl_topk_other, top1_matches, topk_reference
-from kvcomm.engine import ReuseConfig, ReuseEngine
+from kvcomm.core.divergence import kl_topk_other, top1_matches, topk_reference
+from kvcomm.engine.engine import ReuseConfig, ReuseEngine
 from kvcomm.anchors.pool import PoolConfig
 from kvcomm.integrations import hf_rotary
 from kvcomm.integrations.embedded import DTYPES, parse_dtype
 from kvcomm.integrations.hf_rotary import (
     MODEL_ROPE_ROUNDING, SELF_CHECK_TOLERANCE, rotary_from_model, self_check, self_check_tolerance,
 )
-from kvcomm.pipeline import parse_pipeline
-from kvcomm.rope import RopeError, Rotary
-from kvcomm.runner import run_agent
+from kvcomm.engine.pipeline import parse_pipeline
+from kvcomm.core.rope import RopeError, Rotary
+from kvcomm.engine.runner import run_agent
 from test_rope import BY_NAME, HEAD_DIM, TINY, VARIANTS, build, reference_rotate, rotaries
 from two_agent_case import PIPELINE, agent_prompt
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kvcomm.anchors.index import EmbeddingIndex, kv_embedding
-from kvcomm.kv import KV
-from kvcomm.segments import Segment
+from kvcomm.core.kv import KV
+from kvcomm.core.segments import Segment
 
 
 def test_kv_embedding_is_unit_and_order_free():

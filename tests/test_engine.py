@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine import ReuseConfig, ReuseEngine
-from kvcomm.pipeline import parse_pipeline
-from kvcomm.plan import ReusePlan
-from kvcomm.runner import run_agent, run_row
-from kvcomm.segments import Prompt
+from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.pipeline import parse_pipeline
+from kvcomm.engine.plan import ReusePlan
+from kvcomm.engine.runner import run_agent, run_row
+from kvcomm.core.segments import Prompt
 from two_agent_case import PIPELINE, agent_prompt
 
 
@@ -112,10 +112,10 @@ def test_bfloat16_anchors_halve_deviation_bytes_and_still_estimate(tiny_executor
 def _synthetic_engine(tau: float = 0.7, key_distances: bool = False, anchors: int = 3):
     """A real engine on synthetic KV, no model: ``anchors`` anchors of a 40-token ``task`` segment
     between fixed segments. Returns (engine, rotary, prompt(i), rand(tokens) -> KV)."""
-    from kvcomm.kv import KV
-    from kvcomm.plan import ReusePlan
-    from kvcomm.rope import Rotary
-    from kvcomm.segments import Segment
+    from kvcomm.core.kv import KV
+    from kvcomm.engine.plan import ReusePlan
+    from kvcomm.core.rope import Rotary
+    from kvcomm.core.segments import Segment
 
     layers, heads, dim, t = 5, 2, 16, 40
     rotary = Rotary(1.0 / (1e4 ** (torch.arange(0, dim, 2).float() / dim)), head_dim=dim)
@@ -141,7 +141,7 @@ def test_materialize_equals_realigned_base_plus_plainly_weighted_deviations(bloc
     ``blocks``: one layer per block (one intra-op thread), else whole tensors.
     ``key_distances``: key deviations weighted by base-key distances, else by base-value ones."""
     import kvcomm.anchors.distance as distance
-    from kvcomm.kv import KV, place
+    from kvcomm.core.kv import KV, place
 
     tau = 0.7
     if blocks:
@@ -214,7 +214,7 @@ def test_first_use_bases_come_from_the_first_prefill_with_no_extra_forward(tiny_
     """base_source "first_use": new content is computed in the request that first sees it and
     its KV there, de-rotated, becomes its base; the executor is never asked for a standalone
     prefill; later requests reuse the content from that base."""
-    from kvcomm.kv import to_position_free
+    from kvcomm.core.kv import to_position_free
 
     def no_standalone_prefill(segment):
         raise AssertionError("base_source first_use must not run a standalone prefill")

@@ -14,10 +14,10 @@ import torch
 
 from kvcomm.eval.cli_eval import add_eval_parser, run_eval_command
 from kvcomm.eval.evaluate import ALL_MODES, POOLED, EvalSettings, evaluate
-from kvcomm.divergence import TopK, kl_topk_other, top1_matches, topk_reference
+from kvcomm.core.divergence import TopK, kl_topk_other, top1_matches, topk_reference
 from kvcomm.eval.metrics import percentile, wilson_interval
 from kvcomm.eval.outputs import check_out_dir, format_table, write_outputs
-from kvcomm.pipeline import parse_pipeline
+from kvcomm.engine.pipeline import parse_pipeline
 
 @pytest.fixture(autouse=True)
 def _one_thread():
@@ -334,7 +334,7 @@ def test_end_to_end_on_smollm2_has_checks_that_can_fail(smol_executor):
     information (the tiny random model scores 0 everywhere): dense is right on some rows,
     kvcomm reuses and is still right on some of them, its KL is far above the dense-vs-dense
     noise floor, and the reported pool bytes are the bytes of the tensors the pools hold."""
-    from kvcomm.engine import ReuseEngine
+    from kvcomm.engine.engine import ReuseEngine
 
     engines: list[ReuseEngine] = []
 

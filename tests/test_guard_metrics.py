@@ -6,12 +6,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.engine import ReuseConfig, ReuseEngine
 from kvcomm.integrations.guard_metrics import export
-from kvcomm.pipeline import parse_pipeline
-from kvcomm.quality_guard import GuardConfig, QualityGuard
-from kvcomm.runner import run_row
-from kvcomm.tenants import tenant_label
+from kvcomm.engine.pipeline import parse_pipeline
+from kvcomm.services.quality_guard import GuardConfig, QualityGuard
+from kvcomm.engine.runner import run_row
+from kvcomm.services.tenants import tenant_label
 from one_thread import one_thread  # noqa: F401 (autouse fixture)
 from two_agent_case import PIPELINE
 

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from kvcomm.anchors.anchor import Deviation
 from kvcomm.anchors.pool import AnchorPool, PoolConfig
-from kvcomm.engine import ReuseConfig, ReuseEngine
-from kvcomm.kv import KV, place
-from kvcomm.rope import Rotary
-from kvcomm.segments import Prompt, Segment
+from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.core.kv import KV, place
+from kvcomm.core.rope import Rotary
+from kvcomm.core.segments import Prompt, Segment
 
 LAYERS, HEADS, DIM = 3, 2, 8
 
@@ -130,7 +130,7 @@ def test_following_deviation_is_not_applied_to_a_relearned_fixed_base():
     """A tenant shrink drops fixed bases before anchors; the next dense prefill relearns them
     from another context. The anchor's following deviation was measured against the old
     base, so the following segment is no longer estimated from it (only lengths agreed)."""
-    from kvcomm.tenants import TenantEngine
+    from kvcomm.services.tenants import TenantEngine
 
     gen = torch.Generator().manual_seed(4)
     rotary = _rotary()
@@ -184,7 +184,7 @@ def _token_prompt(doc_tokens: int, doc_start: int = 1000, shared_id: str | None 
 
 
 def test_dynamic_ntk_prompt_past_the_exact_length_teaches_nothing(dynamic_executor):
-    from kvcomm.runner import run_agent
+    from kvcomm.engine.runner import run_agent
 
     limit = dynamic_executor.rotary.max_exact_length
     assert limit is not None and limit < 80
@@ -200,7 +200,7 @@ def test_dynamic_ntk_prompt_past_the_exact_length_teaches_nothing(dynamic_execut
 def test_dynamic_ntk_prompt_past_the_exact_length_gets_no_stored_kv(dynamic_executor):
     """KV learned from short prompts (short frequencies) is not served to a long prompt, whose
     every key dense computes with the grown frequencies: not even the template's lead."""
-    from kvcomm.runner import run_agent
+    from kvcomm.engine.runner import run_agent
 
     engine = ReuseEngine(dynamic_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
     for start in (1000, 2000, 3000):

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from kvcomm.engine import MODES, ReuseConfig, ReuseEngine
-from kvcomm.kv import KV, positions
-from kvcomm.pipeline import parse_pipeline
-from kvcomm.plan import BlendRequest
-from kvcomm.rope import Rotary
-from kvcomm.runner import run_agent, run_row
-from kvcomm.segments import Prompt, Segment, content_id
+from kvcomm.engine.engine import MODES, ReuseConfig, ReuseEngine
+from kvcomm.core.kv import KV, positions
+from kvcomm.engine.pipeline import parse_pipeline
+from kvcomm.engine.plan import BlendRequest
+from kvcomm.core.rope import Rotary
+from kvcomm.engine.runner import run_agent, run_row
+from kvcomm.core.segments import Prompt, Segment, content_id
 from two_agent_case import PIPELINE as TWO_AGENT_PIPELINE, agent_prompt
 
 PIPELINE = {**TWO_AGENT_PIPELINE, "max_new_tokens": 6}

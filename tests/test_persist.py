@@ -20,14 +20,14 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine import ReuseConfig, ReuseEngine
-from kvcomm.fingerprint import ModelFingerprint, model_fingerprint, rope_digest
-from kvcomm.kv import KV
-from kvcomm.persist import MANIFEST, PersistError, load_engine, save_engine
-from kvcomm.pipeline import parse_pipeline
-from kvcomm.rope import Rotary
-from kvcomm.runner import run_row
-from kvcomm.segments import Prompt, Segment
+from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.core.fingerprint import ModelFingerprint, model_fingerprint, rope_digest
+from kvcomm.core.kv import KV
+from kvcomm.services.persist import MANIFEST, PersistError, load_engine, save_engine
+from kvcomm.engine.pipeline import parse_pipeline
+from kvcomm.core.rope import Rotary
+from kvcomm.engine.runner import run_row
+from kvcomm.core.segments import Prompt, Segment
 
 sys.path.insert(0, str(Path(__file__).parent))
 from one_thread import one_thread  # noqa: E402,F401 (autouse fixture)
@@ -282,7 +282,7 @@ def test_pool_over_this_engines_limits_is_refused(saved):
 
 
 def test_a_tenant_restored_from_a_save_is_held_to_its_quota(saved):
-    from kvcomm.tenants import TenantRegistry
+    from kvcomm.services.tenants import TenantRegistry
 
     directory, target, _ = saved
     config = ReuseConfig(pool=PoolConfig(gamma=1.0))
@@ -309,7 +309,7 @@ def _half(path) -> None:
 
 @pytest.mark.parametrize("point", ["tensor write", "tensor commit", "manifest commit"])
 def test_a_crash_at_any_step_of_a_save_leaves_the_previous_save(tmp_path, monkeypatch, point):
-    import kvcomm.persist as persist
+    import kvcomm.services.persist as persist
 
     rotary = synthetic_rotary()
     engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))

@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvcomm.anchors.anchor import Anchor, Deviation
 from kvcomm.anchors.pool import AnchorPool, Match, PoolConfig
-from kvcomm.kv import KV
+from kvcomm.core.kv import KV
 
 L, H, D = 2, 1, 4
 SLOT = ("tmpl", "slot")

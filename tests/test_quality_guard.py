@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine import ReuseConfig, ReuseEngine
-from kvcomm.pipeline import parse_pipeline
-from kvcomm.plan import ReusePlan
-from kvcomm.quality_guard import GuardConfig, QualityGuard
-from kvcomm.rope import Rotary
-from kvcomm.runner import run_agent, run_row
-from kvcomm.segments import Prompt, Segment
+from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.pipeline import parse_pipeline
+from kvcomm.engine.plan import ReusePlan
+from kvcomm.services.quality_guard import GuardConfig, QualityGuard
+from kvcomm.core.rope import Rotary
+from kvcomm.engine.runner import run_agent, run_row
+from kvcomm.core.segments import Prompt, Segment
 from one_thread import one_thread  # noqa: F401 (autouse fixture)
 from two_agent_case import PIPELINE, agent_prompt
 
@@ -50,7 +50,7 @@ def test_tiny_budget_disables_the_slot_and_huge_budget_never_acts(smol_executor,
           f"{ {k: round(v['kl_mean'], 4) for k, v in metrics['slots'].items()} }")
 
     strict = QualityGuard(GuardConfig(fraction=1.0, budget=1e-9, min_samples=1, action="disable"))
-    with caplog.at_level(logging.WARNING, logger="kvcomm.quality_guard"):
+    with caplog.at_level(logging.WARNING, logger="kvcomm.services.quality_guard"):
         strict_engine, calls, _ = _run(smol_executor, strict)
     first = next(i for i, c in enumerate(calls) if c.provenance.estimated_tokens > 0)
     slot = next(iter(strict.metrics()["slots"]))

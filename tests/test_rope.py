@@ -1,4 +1,4 @@
-"""Tests for kvcomm.rope and kvcomm.integrations.hf_rotary.
+"""Tests for kvcomm.core.rope and kvcomm.integrations.hf_rotary.
 
 1. Every RoPE variant transformers implements (default, linear, dynamic NTK, llama3, yarn,
    longrope, partial rotary, interleaved pairing): keys realigned with the extracted ``Rotary``
@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from kvcomm.integrations import hf_rotary
 from kvcomm.integrations.hf_rotary import SELF_CHECK_TOLERANCE, rotary_from_model, self_check
-from kvcomm.rope import RopeError, Rotary
+from kvcomm.core.rope import RopeError, Rotary
 
 TOKENS = 12
 LAYER0_TOLERANCE = 1e-5

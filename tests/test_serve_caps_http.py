@@ -18,9 +18,9 @@ import uuid
 
 import pytest
 
-from kvcomm.pipeline import load_demo_pipeline
-from kvcomm.runner import _content, build_prompt
-from kvcomm.tenants import tenant_label
+from kvcomm.engine.pipeline import load_demo_pipeline
+from kvcomm.engine.runner import _content, build_prompt
+from kvcomm.services.tenants import tenant_label
 from test_serve_http import SOURCES, annotations, executor, metrics, provenance  # noqa: F401 (fixture)
 from test_serve_persistence_http import run_row
 

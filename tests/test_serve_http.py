@@ -12,8 +12,8 @@ import pytest
 
 from conftest import SERVER_KEYS, SPARE_KEYS
 from kvcomm.integrations.serve_middleware import salt_of, tenant_of
-from kvcomm.pipeline import load_demo_pipeline
-from kvcomm.runner import _content, build_prompt
+from kvcomm.engine.pipeline import load_demo_pipeline
+from kvcomm.engine.runner import _content, build_prompt
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def provenance(response: dict) -> dict:
 def run_pipeline_row(server, executor, key: str, row: int, max_tokens: int = 12) -> list[tuple[object, dict]]:
     """The demo pipeline's agents on input ``row`` through HTTP; each agent sees the earlier
     agents' replies (as returned token ids). Returns (prompt, response) per agent."""
-    from kvcomm.segments import Segment
+    from kvcomm.core.segments import Segment
 
     spec = load_demo_pipeline()
     shared = {name: _content(executor, spec.inputs[row][name]) for name in spec.input_slots}

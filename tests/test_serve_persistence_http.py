@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 
 from kvcomm.integrations.serve_state import TENANT_FILE
-from kvcomm.persist import MANIFEST
-from kvcomm.pipeline import load_demo_pipeline
-from kvcomm.runner import _content, build_prompt
-from kvcomm.segments import Segment
-from kvcomm.tenants import tenant_label
+from kvcomm.services.persist import MANIFEST
+from kvcomm.engine.pipeline import load_demo_pipeline
+from kvcomm.engine.runner import _content, build_prompt
+from kvcomm.core.segments import Segment
+from kvcomm.services.tenants import tenant_label
 from test_serve_http import annotations, executor, provenance  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.slow

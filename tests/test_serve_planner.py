@@ -9,8 +9,8 @@ import torch
 from prometheus_client import REGISTRY
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine import ReuseConfig
-from kvcomm.tenants import tenant_label
+from kvcomm.engine.engine import ReuseConfig
+from kvcomm.services.tenants import tenant_label
 from kvcomm.integrations.vllm_channel import Capture
 from kvcomm.integrations.vllm_params import parse_params
 from kvcomm.integrations.vllm_planner import ServerPlanner

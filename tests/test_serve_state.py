@@ -9,11 +9,11 @@ import json
 import logging
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine import ReuseConfig
-from kvcomm.fingerprint import model_fingerprint
+from kvcomm.engine.engine import ReuseConfig
+from kvcomm.core.fingerprint import model_fingerprint
 from kvcomm.integrations.serve_state import TENANT_FILE, PlannerState
 from kvcomm.integrations.vllm_planner import ServerPlanner
-from kvcomm.tenants import tenant_label
+from kvcomm.services.tenants import tenant_label
 from one_thread import one_thread  # noqa: F401 (autouse fixture)
 from test_serve_planner import request, serve
 

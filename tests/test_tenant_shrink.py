@@ -8,10 +8,10 @@ from __future__ import annotations
 import random
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine import ReuseConfig
-from kvcomm.pipeline import parse_pipeline
-from kvcomm.runner import run_agent
-from kvcomm.tenants import TenantRegistry
+from kvcomm.engine.engine import ReuseConfig
+from kvcomm.engine.pipeline import parse_pipeline
+from kvcomm.engine.runner import run_agent
+from kvcomm.services.tenants import TenantRegistry
 from one_thread import one_thread  # noqa: F401 (autouse fixture)
 from two_agent_case import PIPELINE, agent_prompt
 

@@ -11,11 +11,11 @@ import torch
 from scipy.stats import binomtest
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine import ReuseConfig
-from kvcomm.pipeline import parse_pipeline
-from kvcomm.rope import Rotary
-from kvcomm.runner import run_agent, run_row
-from kvcomm.tenants import TenantRegistry, tenant_label
+from kvcomm.engine.engine import ReuseConfig
+from kvcomm.engine.pipeline import parse_pipeline
+from kvcomm.core.rope import Rotary
+from kvcomm.engine.runner import run_agent, run_row
+from kvcomm.services.tenants import TenantRegistry, tenant_label
 from one_thread import one_thread  # noqa: F401 (autouse fixture)
 from two_agent_case import PIPELINE, agent_prompt
 

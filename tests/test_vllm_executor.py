@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine import ReuseConfig
-from kvcomm.kv import KV
-from kvcomm.pipeline import load_demo_pipeline
+from kvcomm.engine.engine import ReuseConfig
+from kvcomm.core.kv import KV
+from kvcomm.engine.pipeline import load_demo_pipeline
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,7 @@ def test_injected_kv_is_really_used(vllm_executor, smol_executor):
 
 
 def test_base_kv_matches_the_reference(vllm_executor, smol_executor):
-    from kvcomm.segments import Segment
+    from kvcomm.core.segments import Segment
 
     segment = Segment(tuple(vllm_executor.encode(" the ferry leaves at noon and costs nine dollars")), slot="task")
     ours, ref = vllm_executor.base_kv(segment), smol_executor.base_kv(segment)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcomm.kv import KV
+from kvcomm.core.kv import KV
 from kvcomm.integrations.vllm_channel import Order
 
 pytestmark = pytest.mark.slow

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvcomm.pipeline import load_demo_pipeline
-from kvcomm.runner import build_prompt, _content
-from kvcomm.segments import Segment
+from kvcomm.engine.pipeline import load_demo_pipeline
+from kvcomm.engine.runner import build_prompt, _content
+from kvcomm.core.segments import Segment
 
 pytestmark = pytest.mark.slow
 

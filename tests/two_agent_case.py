@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvcomm.pipeline import AgentSpec
-from kvcomm.runner import build_prompt
-from kvcomm.segments import Prompt, Segment
+from kvcomm.engine.pipeline import AgentSpec
+from kvcomm.engine.runner import build_prompt
+from kvcomm.core.segments import Prompt, Segment
 
 PIPELINE = {
     "agents": [

@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass, field
 
 from kvcomm.anchors.pool import AnchorPool, Match
-from kvcomm.kv import KV
-from kvcomm.segments import Prompt
+from kvcomm.core.kv import KV
+from kvcomm.core.segments import Prompt
 
 EXACT, ESTIMATED, COMPUTED = "exact", "estimated", "computed"
 """Where a prompt token's KV comes from: a stored dense prefill, an anchor estimate, this forward."""

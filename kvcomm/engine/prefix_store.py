@@ -8,8 +8,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from kvcomm.kv import KV
-from kvcomm.segments import Prompt
+from kvcomm.core.kv import KV
+from kvcomm.core.segments import Prompt
 
 
 def _boundary_keys(prompt: Prompt) -> list[tuple[int, bytes]]:

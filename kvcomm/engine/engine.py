@@ -22,13 +22,13 @@ import torch
 from kvcomm.anchors.anchor import Deviation, kv_digest
 from kvcomm.anchors.index import Embedder, kv_embedding
 from kvcomm.anchors.pool import AnchorPool, PoolConfig
-from kvcomm.assemble import assemble, reuse_layout
-from kvcomm.kv import KV, place, to_position_free
-from kvcomm.plan import BlendRequest, EstimatedPiece, ReusePlan
-from kvcomm.prefix_store import PrefixStore
-from kvcomm.rope import RopeError, Rotary
-from kvcomm.segments import Prompt, Segment, content_id
-from kvcomm.workspace import KVWorkspace
+from kvcomm.engine.assemble import assemble, reuse_layout
+from kvcomm.core.kv import KV, place, to_position_free
+from kvcomm.engine.plan import BlendRequest, EstimatedPiece, ReusePlan
+from kvcomm.engine.prefix_store import PrefixStore
+from kvcomm.core.rope import RopeError, Rotary
+from kvcomm.core.segments import Prompt, Segment, content_id
+from kvcomm.engine.workspace import KVWorkspace
 
 BaseProvider = Callable[[Segment], KV]
 """Computes a shared segment's position-free base KV, ``[layers, kv_heads, T, head_dim]``."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomm.rope import Rotary
+from kvcomm.core.rope import Rotary
 
 
 @dataclass(frozen=True)

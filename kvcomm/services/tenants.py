@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvcomm.anchors.index import Embedder, kv_embedding
-from kvcomm.engine import BaseProvider, ReuseConfig, ReuseEngine
-from kvcomm.kv import KV
-from kvcomm.plan import ReusePlan
-from kvcomm.rope import Rotary
-from kvcomm.segments import Prompt, Segment
-from kvcomm.workspace import KVWorkspace
+from kvcomm.engine.engine import BaseProvider, ReuseConfig, ReuseEngine
+from kvcomm.core.kv import KV
+from kvcomm.engine.plan import ReusePlan
+from kvcomm.core.rope import Rotary
+from kvcomm.core.segments import Prompt, Segment
+from kvcomm.engine.workspace import KVWorkspace
 
 MAX_TENANT_KEY_LENGTH = 256
 
@@ -212,8 +212,8 @@ class TenantRegistry:
             return sum(e.nbytes for e in self._engines.values())
 
     def load(self, tenant: str, directory, fingerprint) -> None:
-        """Restore ``tenant``'s pools from a save (``kvcomm.persist.load_engine``), then apply the caps."""
-        from kvcomm.persist import load_engine  # persistence is optional for a registry
+        """Restore ``tenant``'s pools from a save (``kvcomm.services.persist.load_engine``), then apply the caps."""
+        from kvcomm.services.persist import load_engine  # persistence is optional for a registry
 
         engine = self.engine(tenant)
         load_engine(directory, engine, fingerprint)

@@ -7,11 +7,11 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from kvcomm.kv import KV
-from kvcomm.pipeline import Slot
-from kvcomm.plan import BlendRequest
-from kvcomm.rope import Rotary
-from kvcomm.segments import Segment
+from kvcomm.core.kv import KV
+from kvcomm.engine.pipeline import Slot
+from kvcomm.engine.plan import BlendRequest
+from kvcomm.core.rope import Rotary
+from kvcomm.core.segments import Segment
 
 
 OnToken = Callable[[int], "bool | None"]

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-from kvcomm.kv import KV
+from kvcomm.core.kv import KV
 
 _ALIGN = 64
 """Values start on a 64-byte boundary (a cache line, a full AVX-512 vector)."""

@@ -29,9 +29,9 @@ from safetensors.torch import load_file, save_file
 
 from kvcomm.anchors.anchor import Anchor, Deviation
 from kvcomm.anchors.pool import AnchorPool
-from kvcomm.engine import ReuseEngine
-from kvcomm.fingerprint import ModelFingerprint, rope_digest
-from kvcomm.kv import KV
+from kvcomm.engine.engine import ReuseEngine
+from kvcomm.core.fingerprint import ModelFingerprint, rope_digest
+from kvcomm.core.kv import KV
 
 FORMAT = "kvcomm-anchors"
 VERSION = 1

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from kvcomm.rope import Rotary
+from kvcomm.core.rope import Rotary
 
 WEIGHT_SAMPLES = 4096
 """Values hashed per weight tensor (evenly spaced) unless ``full_weights``: any retraining

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcomm.engine import ReuseEngine
-from kvcomm.divergence import kl_topk_other, topk_reference
-from kvcomm.plan import BlendRequest, ReusePlan
+from kvcomm.engine.engine import ReuseEngine
+from kvcomm.core.divergence import kl_topk_other, topk_reference
+from kvcomm.engine.plan import BlendRequest, ReusePlan
 
-log = logging.getLogger("kvcomm.quality_guard")
+log = logging.getLogger("kvcomm.services.quality_guard")
 ACTIONS = ("tighten", "disable")
 
 

@@ -10,9 +10,9 @@ import torch
 
 from kvcomm.anchors.deviations import WeightedDeviations
 from kvcomm.anchors.distance import block_layers
-from kvcomm.kv import KV, positions
-from kvcomm.plan import ReusePlan
-from kvcomm.rope import Rotary
+from kvcomm.core.kv import KV, positions
+from kvcomm.engine.plan import ReusePlan
+from kvcomm.core.rope import Rotary
 
 
 def reuse_layout(plan: ReusePlan) -> tuple[tuple[int, int, int, int] | None, torch.dtype | None, torch.dtype | None]:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from kvcomm.textfile import parse_json, read_utf8
+from kvcomm.core.textfile import parse_json, read_utf8
 
 __all__ = ["PipelineError", "Slot", "TemplatePart", "parse_template", "AgentSpec", "PipelineSpec",
            "parse_pipeline", "loads_pipeline", "load_pipeline", "BUNDLED_PIPELINES", "load_bundled_pipeline",

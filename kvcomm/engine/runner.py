@@ -8,15 +8,15 @@ from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 
-from kvcomm.engine import ReuseEngine
-from kvcomm.executor import Executor, OnToken
-from kvcomm.kv import to_position_free
-from kvcomm.pipeline import AgentSpec, PipelineSpec, Slot
-from kvcomm.plan import Provenance
-from kvcomm.segments import Prompt, Segment
+from kvcomm.engine.engine import ReuseEngine
+from kvcomm.engine.executor import Executor, OnToken
+from kvcomm.core.kv import to_position_free
+from kvcomm.engine.pipeline import AgentSpec, PipelineSpec, Slot
+from kvcomm.engine.plan import Provenance
+from kvcomm.core.segments import Prompt, Segment
 
 if TYPE_CHECKING:
-    from kvcomm.quality_guard import QualityGuard
+    from kvcomm.services.quality_guard import QualityGuard
 
 
 @dataclass(frozen=True)

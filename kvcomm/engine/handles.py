@@ -18,9 +18,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
-from kvcomm.engine import BaseProvider, ReuseEngine
-from kvcomm.kv import KV
-from kvcomm.segments import Segment
+from kvcomm.engine.engine import BaseProvider, ReuseEngine
+from kvcomm.core.kv import KV
+from kvcomm.core.segments import Segment
 
 HandleState = Literal["live", "evicted", "released", "unknown"]
 
