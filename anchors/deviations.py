@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcomm.anchors.distance import block_layers
+from kvcomm.core.blocks import block_layers
 from kvcomm.core.kv import KV
 
 

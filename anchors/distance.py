@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcomm.core.blocks import block_layers
 from kvcomm.core.kv import KV
 
 
@@ -72,10 +73,6 @@ class EstimateDistances:
     value_l2: torch.Tensor
 
 
-BLOCK_BYTES = 1 << 21
-"""Difference block size: small enough (2 MiB) to stay in cache between the passes over it."""
-
-
 def estimate_distances(anchor: KV, new: KV, n: int) -> EstimateDistances:
     """``estimate_distances_many`` for one anchor."""
     return estimate_distances_many([anchor], new, [n])[0]
@@ -133,17 +130,6 @@ def estimate_distances_many(
         root = channel[j].sqrt_()
         out.append(EstimateDistances(mean_abs[0], mean_abs[1], root[0], root[1], l2))
     return out
-
-
-def block_layers(layers: int, per_layer_bytes: int) -> int:
-    """Layers per block: cache-sized (``BLOCK_BYTES``), at least one layer.
-
-    Measured on this 2-core machine, quiet, first agent to see a 1K-token segment (plan +
-    materialize): at 2 threads blocked 60 / 83 / 136 ms for 2 / 4 / 8 anchors vs 70 / 115 / 214 ms
-    on whole tensors; at 1 thread blocks were 2-3x faster than the plain formula. Under heavy
-    oversubscription (load ~10 on 2 cores) blocked ops at 2 threads stalled for seconds at joins
-    with a descheduled thread: give torch no more intra-op threads than free cores."""
-    return max(1, min(layers, BLOCK_BYTES // max(1, per_layer_bytes)))
 
 
 def _difference_blocks(a: torch.Tensor, b: torch.Tensor, n: int):

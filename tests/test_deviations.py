@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import kvcomm.anchors.distance as distance
+import kvcomm.core.blocks as blocks
 from kvcomm.anchors.deviations import WeightedDeviations
 from kvcomm.core.kv import KV
 
@@ -32,7 +32,7 @@ def plain(dev: WeightedDeviations, name: str, t: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_into_equals_the_plain_weighted_sum(one_layer_blocks, dtype, monkeypatch):
     if one_layer_blocks:
-        monkeypatch.setattr(distance, "BLOCK_BYTES", 1)
+        monkeypatch.setattr(blocks, "BLOCK_BYTES", 1)
     t = 5
     dev = deviations(t, dtype)
     onto = rand_kv(t, 11)

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvcomm.anchors.distance as distance
+import kvcomm.core.blocks as blocks
 from kvcomm.anchors.anchor import Deviation
 from kvcomm.anchors.distance import estimate_distances, estimate_distances_many, value_l2
 from kvcomm.anchors.distance_cache import DistanceCache
@@ -53,15 +53,15 @@ def test_blocked_distances_equal_the_plain_formula(layers, heads, dim, anchor_le
     anchors = [rand_kv(layers, heads, t, dim, seed + 10 * i, 3.0).to(dtype) for i, t in enumerate(anchor_lens)]
     new = rand_kv(layers, heads, new_len, dim, seed + 1)
     ns = [min(t, new_len) for t in anchor_lens]
-    old, threads = distance.BLOCK_BYTES, torch.get_num_threads()
-    distance.BLOCK_BYTES = block_bytes  # 1: one layer per block; 700/5000: uneven last block
+    old, threads = blocks.BLOCK_BYTES, torch.get_num_threads()
+    blocks.BLOCK_BYTES = block_bytes  # 1: one layer per block; 700/5000: uneven last block
     torch.set_num_threads(1)
     try:
         many = estimate_distances_many(anchors, new, ns)
         single = [estimate_distances(a, new, n) for a, n in zip(anchors, ns)]
         l2 = [value_l2(a, new, n) for a, n in zip(anchors, ns)]
     finally:
-        distance.BLOCK_BYTES = old
+        blocks.BLOCK_BYTES = old
         torch.set_num_threads(threads)
     for anchor, n, got, alone, own_l2 in zip(anchors, ns, many, single, l2):
         for actual, expected in zip((got.token_keys, got.token_values, got.channel_keys, got.channel_values), plain(anchor, new, n)):

@@ -140,12 +140,12 @@ def test_materialize_equals_realigned_base_plus_plainly_weighted_deviations(bloc
     softmax(-d / tau) weights, realigned sum. Synthetic KV on a real engine, no model.
     ``blocks``: one layer per block (one intra-op thread), else whole tensors.
     ``key_distances``: key deviations weighted by base-key distances, else by base-value ones."""
-    import kvcomm.anchors.distance as distance
+    import kvcomm.core.blocks as core_blocks
     from kvcomm.core.kv import KV, place
 
     tau = 0.7
     if blocks:
-        monkeypatch.setattr(distance, "BLOCK_BYTES", 1)
+        monkeypatch.setattr(core_blocks, "BLOCK_BYTES", 1)
     engine, rotary, prompt, rand = _synthetic_engine(tau, key_distances)
     p = prompt(9)
     base = rand(len(p.segments[1]))

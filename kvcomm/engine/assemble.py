@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from kvcomm.anchors.deviations import WeightedDeviations
-from kvcomm.anchors.distance import block_layers
+from kvcomm.core.blocks import block_layers
 from kvcomm.core.kv import KV, positions
 from kvcomm.engine.plan import ReusePlan
 from kvcomm.core.rope import Rotary
