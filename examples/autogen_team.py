@@ -27,11 +27,11 @@ from autogen_agentchat.teams import RoundRobinGroupChat
 
 from kvcomm.anchors.pool import PoolConfig
 from kvcomm.engine.engine import ReuseConfig, ReuseEngine
-from kvcomm.integrations.autogen_client import KvcommChatCompletionClient
-from kvcomm.integrations.chat_backend import ChatBackend, ChatCall
-from kvcomm.integrations.chat_segments import ChatTurn, template_id
-from kvcomm.integrations.embedded import load_model_and_tokenizer
-from kvcomm.integrations.transformers_executor import TransformersExecutor
+from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
+from kvcomm.integrations.chat.backend import ChatBackend, ChatCall
+from kvcomm.integrations.chat.segments import ChatTurn, template_id
+from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer
+from kvcomm.integrations.transformers.executor import TransformersExecutor
 
 AGENTS = {
     "planner": "You are a planner. Say in one or two sentences how to solve the task.",

@@ -25,8 +25,8 @@ def load_executor(model: str | None, backend: str = "transformers", dtype: str =
 
     dtype: the model dtype (``embedded.DTYPES``). With vLLM, the engine runs in it and the
     transformers copy that only checks RoPE and renders prompts stays float32."""
-    from kvcomm.integrations.embedded import load_model_and_tokenizer, parse_dtype, resolve_model_dir
-    from kvcomm.integrations.transformers_executor import TransformersExecutor
+    from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer, parse_dtype, resolve_model_dir
+    from kvcomm.integrations.transformers.executor import TransformersExecutor
 
     parse_dtype(dtype)
     if backend not in BACKENDS:
@@ -34,8 +34,8 @@ def load_executor(model: str | None, backend: str = "transformers", dtype: str =
     path = resolve_model_dir(model)
     hf_model, tokenizer = load_model_and_tokenizer(str(path), "float32" if backend == "vllm" else dtype)
     if backend == "vllm":
-        from kvcomm.integrations.vllm_engine import make_llm
-        from kvcomm.integrations.vllm_executor import VllmExecutor
+        from kvcomm.integrations.vllm.engine import make_llm
+        from kvcomm.integrations.vllm.executor import VllmExecutor
 
         return VllmExecutor(make_llm(str(path), dtype=dtype), hf_model, tokenizer), str(path)
     return TransformersExecutor(hf_model, tokenizer), str(path)
@@ -111,7 +111,7 @@ def _cmd_demo(args, spec: PipelineSpec) -> int:
     return 0
 
 
-MIDDLEWARE = "kvcomm.integrations.serve_middleware.KvcommTenantMiddleware"
+MIDDLEWARE = "kvcomm.integrations.serve.middleware.KvcommTenantMiddleware"
 STATE_SHUTDOWN_TIMEOUT_S = 30
 """With --state-dir: vLLM's --shutdown-timeout (seconds the engine may take to stop) unless given."""
 
@@ -122,8 +122,8 @@ def serve_argv(
     """vLLM OpenAI server arguments (``sys.argv`` of its API server entry point) for the model with the kvcomm connector (server-side planning
     of annotated requests on unless ``plan`` is False; ``engine``: more ``kv_connector_extra_config``
     such as gamma, max_anchors, byte caps) and kvcomm's tenant middleware; ``vllm_args`` pass through and win."""
-    from kvcomm.integrations.embedded import resolve_model_dir
-    from kvcomm.integrations.vllm_engine import CONNECTOR, CONNECTOR_MODULE
+    from kvcomm.integrations.transformers.embedded import resolve_model_dir
+    from kvcomm.integrations.vllm.engine import CONNECTOR, CONNECTOR_MODULE
 
     extra: dict = {"plan": plan, **(engine or {})}
     if slots:
@@ -161,14 +161,14 @@ def _cmd_serve(args, vllm_args: list[str]) -> int:
     import os
 
     # On CPU, vLLM runs its worker in a process of its own unless multiprocessing is off; the
-    # connector's scheduler and worker sides must share the engine-core process (vllm_channel).
+    # connector's scheduler and worker sides must share the engine-core process (vllm.channel).
     # The engine core still runs apart from the API server.
     for name in ("max_tenant_bytes", "max_total_bytes"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number of bytes, got {getattr(args, name)}")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from kvcomm.integrations.serve_middleware import KEY_DIGESTS_ENV, key_digest
+    from kvcomm.integrations.serve.middleware import KEY_DIGESTS_ENV, key_digest
 
     keys = api_keys(vllm_args)
     os.environ[KEY_DIGESTS_ENV] = ",".join(key_digest(k) for k in keys) if args.tenant_per_key else ""
@@ -193,8 +193,8 @@ def _cmd_serve(args, vllm_args: list[str]) -> int:
 
 
 def _cmd_selfcheck(args) -> int:
-    from kvcomm.integrations.embedded import load_model_and_tokenizer, resolve_model_dir
-    from kvcomm.integrations.hf_rotary import rotary_from_model
+    from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer, resolve_model_dir
+    from kvcomm.integrations.transformers.rotary import rotary_from_model
 
     path = resolve_model_dir(args.model)
     model, _ = load_model_and_tokenizer(str(path), args.dtype)
@@ -222,7 +222,7 @@ def _cmd_selfcheck(args) -> int:
 
 
 def _add_dtype_option(parser: argparse.ArgumentParser) -> None:
-    from kvcomm.integrations.embedded import DTYPES
+    from kvcomm.integrations.transformers.embedded import DTYPES
 
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                         help="model dtype: weights, activations and KV cache (default float32)")

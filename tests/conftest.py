@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def smol():
     """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, fp32, converted on first use."""
-    from kvcomm.integrations.embedded import load_model_and_tokenizer
+    from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer
 
     torch.manual_seed(0)
     return load_model_and_tokenizer()
@@ -49,7 +49,7 @@ def smol_tokenizer():
 
 @pytest.fixture(scope="session")
 def smol_executor(smol):
-    from kvcomm.integrations.transformers_executor import TransformersExecutor
+    from kvcomm.integrations.transformers.executor import TransformersExecutor
 
     return TransformersExecutor(*smol)
 
@@ -59,7 +59,7 @@ def tiny_executor(smol_tokenizer):
     """A 2-layer random Llama with SmolLM2's tokenizer (and chat template): fast engine tests."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvcomm.integrations.transformers_executor import TransformersExecutor
+    from kvcomm.integrations.transformers.executor import TransformersExecutor
 
     tokenizer = smol_tokenizer
     torch.manual_seed(0)
@@ -78,7 +78,7 @@ def vllm_llm():
     prompts span several blocks and chunks), server-side planning of annotated requests on.
     Tests that send annotated requests name their own tenant (``own_tenant``)."""
     pytest.importorskip("vllm")
-    from kvcomm.integrations.vllm_engine import make_llm, transfer_config
+    from kvcomm.integrations.vllm.engine import make_llm, transfer_config
 
     import os
 
@@ -88,7 +88,7 @@ def vllm_llm():
 
 @pytest.fixture(scope="session")
 def vllm_executor(vllm_llm, smol):
-    from kvcomm.integrations.vllm_executor import VllmExecutor
+    from kvcomm.integrations.vllm.executor import VllmExecutor
 
     return VllmExecutor(vllm_llm, *smol)
 

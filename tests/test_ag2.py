@@ -7,8 +7,8 @@ from autogen import ConversableAgent
 
 from kvcomm.anchors.pool import PoolConfig
 from kvcomm.engine.engine import ReuseConfig, ReuseEngine
-from kvcomm.integrations.ag2_client import KvcommAG2Client
-from kvcomm.integrations.chat_backend import ChatBackend
+from kvcomm.integrations.ag2.client import KvcommAG2Client
+from kvcomm.integrations.chat.backend import ChatBackend
 
 WRITER, REVIEWER = "You answer briefly.", "You review the answer in one sentence."
 TASKS = ["Name a fruit.", "Which planet is the largest one?", "Give me a short word for happy.", "Name a capital city in Europe."]

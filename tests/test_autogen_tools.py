@@ -22,8 +22,8 @@ from autogen_core.models import RequestUsage, SystemMessage, UserMessage
 from autogen_core.tools import FunctionTool
 
 from kvcomm.engine.engine import ReuseEngine
-from kvcomm.integrations.autogen_client import KvcommChatCompletionClient, to_turns, tool_schemas
-from kvcomm.integrations.chat_backend import ChatBackend
+from kvcomm.integrations.autogen.client import KvcommChatCompletionClient, to_turns, tool_schemas
+from kvcomm.integrations.chat.backend import ChatBackend
 from one_thread import one_thread  # noqa: F401 (autouse fixture)
 from test_chat_segments import TOOL_TEMPLATE
 
@@ -64,7 +64,7 @@ def _train_to_answer(executor, prompt: list[int], reply: list[int], steps: int =
 def tool_executor(smol):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvcomm.integrations.transformers_executor import TransformersExecutor
+    from kvcomm.integrations.transformers.executor import TransformersExecutor
 
     tokenizer = copy.deepcopy(smol[1])
     tokenizer.chat_template = TOOL_TEMPLATE

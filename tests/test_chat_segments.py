@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcomm.engine.engine import ReuseEngine
-from kvcomm.integrations.chat_backend import ChatBackend
-from kvcomm.integrations.chat_segments import ChatTurn, parse_tool_calls, render_chat, supports_tools
+from kvcomm.integrations.chat.backend import ChatBackend
+from kvcomm.integrations.chat.segments import ChatTurn, parse_tool_calls, render_chat, supports_tools
 from kvcomm.core.segments import content_id
 
 TOOL_TEMPLATE = (
@@ -89,8 +89,8 @@ def test_tool_template_renders_tools_calls_and_results(tiny_executor):
     from autogen_core.models import AssistantMessage, FunctionExecutionResult, FunctionExecutionResultMessage, UserMessage
     from autogen_core.tools import FunctionTool
 
-    from kvcomm.integrations.autogen_client import KvcommChatCompletionClient
-    from kvcomm.integrations.transformers_executor import TransformersExecutor
+    from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
+    from kvcomm.integrations.transformers.executor import TransformersExecutor
 
     tools_tokenizer = copy.deepcopy(tiny_executor.tokenizer)
     tools_tokenizer.chat_template = TOOL_TEMPLATE
@@ -112,7 +112,7 @@ def test_tool_template_renders_tools_calls_and_results(tiny_executor):
     ]
     result = asyncio.run(client.create(messages, tools=[tool]))
     assert result.usage.completion_tokens == 4 and result.finish_reason in ("length", "stop", "function_calls")
-    from kvcomm.integrations.autogen_client import to_turns, tool_schemas
+    from kvcomm.integrations.autogen.client import to_turns, tool_schemas
 
     rendered = render_chat(tools_tokenizer, executor.encode, to_turns(messages), tool_schemas([tool]))
     text = executor.decode(rendered.prompt.token_ids)
@@ -132,7 +132,7 @@ def test_parse_tool_calls():
 def test_context_handles_retain_release_evict_fall_back_to_text(tiny_executor):
     from autogen_core.models import SystemMessage, UserMessage
 
-    from kvcomm.integrations.autogen_client import KvcommChatCompletionClient
+    from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
 
     backend = ChatBackend(tiny_executor, ReuseEngine(tiny_executor.rotary), max_new_tokens=3, base_bytes=0)
     client = KvcommChatCompletionClient(backend)

@@ -38,7 +38,7 @@ ROWS = len(PIPELINE["inputs"])
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from kvcomm.integrations.embedded import embedded_model_dir
+    from kvcomm.integrations.transformers.embedded import embedded_model_dir
 
     return AutoTokenizer.from_pretrained(embedded_model_dir(), local_files_only=True)
 
@@ -86,8 +86,8 @@ def test_run_json_numbers_follow_from_the_calls(tiny_llama, pipeline_file, token
         assert call["exact_tokens"] + call["estimated_tokens"] + call["computed_tokens"] == call["prompt_tokens"]
         assert call["reply_equal"] == (call["dense_reply"] == call["reuse_reply"])
     # the reader's prompt holds no earlier reply: its length is the chat template's own
-    from kvcomm.integrations.embedded import load_model_and_tokenizer
-    from kvcomm.integrations.transformers_executor import TransformersExecutor
+    from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer
+    from kvcomm.integrations.transformers.executor import TransformersExecutor
     from kvcomm.engine.pipeline import parse_pipeline
     from kvcomm.engine.runner import _content, build_prompt
 

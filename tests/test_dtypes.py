@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 from kvcomm.core.divergence import kl_topk_other, top1_matches, topk_reference
 from kvcomm.engine.engine import ReuseConfig, ReuseEngine
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.integrations import hf_rotary
-from kvcomm.integrations.embedded import DTYPES, parse_dtype
-from kvcomm.integrations.hf_rotary import (
+from kvcomm.integrations.transformers import rotary as hf_rotary
+from kvcomm.integrations.transformers.embedded import DTYPES, parse_dtype
+from kvcomm.integrations.transformers.rotary import (
     MODEL_ROPE_ROUNDING, SELF_CHECK_TOLERANCE, rotary_from_model, self_check, self_check_tolerance,
 )
 from kvcomm.engine.pipeline import parse_pipeline
@@ -307,8 +307,8 @@ def test_selfcheck_command_refuses_an_unknown_dtype(capsys):
 
 @pytest.fixture(scope="module")
 def smol_by_dtype():
-    from kvcomm.integrations.embedded import load_model_and_tokenizer
-    from kvcomm.integrations.transformers_executor import TransformersExecutor
+    from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer
+    from kvcomm.integrations.transformers.executor import TransformersExecutor
 
     cache = {}
 
@@ -385,8 +385,8 @@ def test_bf16_executor_casts_a_prefix_in_another_dtype_once():
     is the one the same prefix, cast by the caller, gives (tiny random Llama, SmolLM2's tokenizer)."""
     from transformers import AutoTokenizer
 
-    from kvcomm.integrations.embedded import embedded_model_dir
-    from kvcomm.integrations.transformers_executor import TransformersExecutor
+    from kvcomm.integrations.transformers.embedded import embedded_model_dir
+    from kvcomm.integrations.transformers.executor import TransformersExecutor
 
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
     torch.manual_seed(0)
@@ -404,7 +404,7 @@ def test_bf16_executor_casts_a_prefix_in_another_dtype_once():
 
 def _tiny_in(executor, dtype: torch.dtype):
     """``executor``'s tiny model, copied and cast to ``dtype``, with the same tokenizer."""
-    from kvcomm.integrations.transformers_executor import TransformersExecutor
+    from kvcomm.integrations.transformers.executor import TransformersExecutor
 
     return TransformersExecutor(copy.deepcopy(executor.model).to(dtype), executor.tokenizer)
 

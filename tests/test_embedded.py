@@ -1,4 +1,4 @@
-"""Tests for kvcomm.integrations.embedded.
+"""Tests for kvcomm.integrations.transformers.embedded.
 
 The slow tests share one converted model via the session fixture, so a run converts at most
 once; they use ``$KVCOMM_CACHE_DIR`` if set, else the default user cache.
@@ -13,8 +13,8 @@ import platformdirs
 import pytest
 import torch
 
-from kvcomm.integrations import embedded
-from kvcomm.integrations.embedded import (
+from kvcomm.integrations.transformers import embedded
+from kvcomm.integrations.transformers.embedded import (
     DEFAULT_MODEL_NAME,
     cache_root,
     embedded_model_dir,

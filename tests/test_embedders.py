@@ -33,7 +33,7 @@ def test_index_returns_nearest_first_and_forgets_removed():
 
 @pytest.mark.slow
 def test_sentence_embedder_puts_paraphrases_together(smol_executor):
-    from kvcomm.integrations.sentence_embedder import SentenceEmbedder
+    from kvcomm.integrations.transformers.sentence_embedder import SentenceEmbedder
 
     embed = SentenceEmbedder(smol_executor.decode)
     texts = ["The cat sat on the warm mat.", "A cat was sitting on the mat.", "Stock markets fell sharply today."]

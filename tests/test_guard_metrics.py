@@ -7,7 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcomm.anchors.pool import PoolConfig
 from kvcomm.engine.engine import ReuseConfig, ReuseEngine
-from kvcomm.integrations.guard_metrics import export
+from kvcomm.integrations.chat.guard_metrics import export
 from kvcomm.engine.pipeline import parse_pipeline
 from kvcomm.services.quality_guard import GuardConfig, QualityGuard
 from kvcomm.engine.runner import run_row

@@ -165,7 +165,7 @@ def dynamic_executor(smol):
     """A 2-layer random Llama with dynamic NTK RoPE whose frequencies grow past 64 tokens."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvcomm.integrations.transformers_executor import TransformersExecutor
+    from kvcomm.integrations.transformers.executor import TransformersExecutor
 
     _, tokenizer = smol
     torch.manual_seed(0)

@@ -44,7 +44,7 @@ def _sums_add_up(calls) -> None:
 
 
 def test_autogen_reviewer_reuses_the_writers_reply_on_the_server(server):
-    from kvcomm.integrations.autogen_client import KvcommChatCompletionClient
+    from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
 
     client = KvcommChatCompletionClient.remote(**server, max_new_tokens=BUDGET)
     for task in TASKS:
@@ -71,8 +71,8 @@ def test_ag2_pair_reuses_the_other_agents_reply_on_the_server(server):
     that (call 2), reading the writer's reply, whose decode KV the server kept."""
     from autogen import ConversableAgent
 
-    from kvcomm.integrations.ag2_client import KvcommAG2Client
-    from kvcomm.integrations.remote_backend import RemoteChatBackend
+    from kvcomm.integrations.ag2.client import KvcommAG2Client
+    from kvcomm.integrations.remote.backend import RemoteChatBackend
 
     config = {"config_list": [{"model": "kvcomm", "model_client_cls": "KvcommAG2Client"}], "cache_seed": None}
     backend = RemoteChatBackend(**server, max_new_tokens=BUDGET)
@@ -91,8 +91,8 @@ def test_ag2_pair_reuses_the_other_agents_reply_on_the_server(server):
 
 
 def test_ag2_config_entry_with_base_url_selects_the_remote_backend(server):
-    from kvcomm.integrations.ag2_client import KvcommAG2Client
-    from kvcomm.integrations.remote_backend import RemoteChatBackend
+    from kvcomm.integrations.ag2.client import KvcommAG2Client
+    from kvcomm.integrations.remote.backend import RemoteChatBackend
 
     client = KvcommAG2Client({"model": "kvcomm", "base_url": server["base_url"] + "/v1", "api_key": server["api_key"],
                               "kvcomm_reuse": False, "max_tokens": 3})
@@ -110,7 +110,7 @@ def test_dense_remote_client_equals_the_servers_own_chat_completions(server):
     called with the openai package on the same messages."""
     import openai
 
-    from kvcomm.integrations.autogen_client import KvcommChatCompletionClient
+    from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
 
     client = KvcommChatCompletionClient.remote(**server, reuse=False, max_new_tokens=12)
     result = asyncio.run(_team(client).run(task=TASKS[1]))
@@ -130,7 +130,7 @@ def test_stream_and_cancellation_close_the_server_request(server):
     from autogen_core import CancellationToken
     from autogen_core.models import SystemMessage, UserMessage
 
-    from kvcomm.integrations.autogen_client import KvcommChatCompletionClient
+    from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
 
     client = KvcommChatCompletionClient.remote(**server, max_new_tokens=8)
     messages = [SystemMessage(content=REVIEWER), UserMessage(content="Which planet is the largest one?", source="user")]
@@ -160,9 +160,9 @@ def test_stream_and_cancellation_close_the_server_request(server):
 def test_server_model_checks_and_refusals(server):
     from autogen_core.models import UserMessage
 
-    from kvcomm.integrations.autogen_client import KvcommChatCompletionClient
-    from kvcomm.integrations.chat_segments import ChatTurn
-    from kvcomm.integrations.remote_backend import RemoteChatBackend, RemoteError
+    from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
+    from kvcomm.integrations.chat.segments import ChatTurn
+    from kvcomm.integrations.remote.backend import RemoteChatBackend, RemoteError
 
     backend = RemoteChatBackend(**server)
     other = copy.deepcopy(backend.tokenizer)
@@ -200,7 +200,7 @@ def test_concurrent_remote_calls_run_together_and_equal_sequential_ones(server, 
     import httpx
     from autogen_core.models import SystemMessage, UserMessage
 
-    from kvcomm.integrations.autogen_client import KvcommChatCompletionClient
+    from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
 
     exchanges: list[tuple[float, float]] = []
     send = httpx.AsyncClient.send

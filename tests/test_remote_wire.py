@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcomm.integrations.chat_segments import ChatTurn, render_chat
-from kvcomm.integrations.remote_wire import completion_body, provenance, wire_slot
-from kvcomm.integrations.vllm_params import _SLOT, parse_params
+from kvcomm.integrations.chat.segments import ChatTurn, render_chat
+from kvcomm.integrations.remote.wire import completion_body, provenance, wire_slot
+from kvcomm.integrations.vllm.params import _SLOT, parse_params
 
 _author = st.text(min_size=1, max_size=90)
 _index = st.integers(0, 10_000)
@@ -36,7 +36,7 @@ def test_plain_author_names_travel_unchanged():
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from kvcomm.integrations.embedded import embedded_model_dir
+    from kvcomm.integrations.transformers.embedded import embedded_model_dir
 
     return AutoTokenizer.from_pretrained(str(embedded_model_dir()), local_files_only=True)
 

@@ -1,4 +1,4 @@
-"""Tests for kvcomm.core.rope and kvcomm.integrations.hf_rotary.
+"""Tests for kvcomm.core.rope and kvcomm.integrations.transformers.rotary.
 
 1. Every RoPE variant transformers implements (default, linear, dynamic NTK, llama3, yarn,
    longrope, partial rotary, interleaved pairing): keys realigned with the extracted ``Rotary``
@@ -25,8 +25,8 @@ import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcomm.integrations import hf_rotary
-from kvcomm.integrations.hf_rotary import SELF_CHECK_TOLERANCE, rotary_from_model, self_check
+from kvcomm.integrations.transformers import rotary as hf_rotary
+from kvcomm.integrations.transformers.rotary import SELF_CHECK_TOLERANCE, rotary_from_model, self_check
 from kvcomm.core.rope import RopeError, Rotary
 
 TOKENS = 12

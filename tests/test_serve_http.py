@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import SERVER_KEYS, SPARE_KEYS
-from kvcomm.integrations.serve_middleware import salt_of, tenant_of
+from kvcomm.integrations.serve.middleware import salt_of, tenant_of
 from kvcomm.engine.pipeline import load_demo_pipeline
 from kvcomm.engine.runner import _content, build_prompt
 
@@ -74,7 +74,7 @@ def metrics(server) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def executor(smol):
     """Tokenizer and chat template of the served model (prompts are built exactly as in-process)."""
-    from kvcomm.integrations.transformers_executor import TransformersExecutor
+    from kvcomm.integrations.transformers.executor import TransformersExecutor
 
     return TransformersExecutor(*smol)
 

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
-from kvcomm.integrations.serve_middleware import (  # noqa: E402
+from kvcomm.integrations.serve.middleware import (  # noqa: E402
     KEY_DIGESTS_ENV, KvcommTenantMiddleware, key_digest, rewrite, salt_of, tenant_of,
 )
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcomm.integrations.serve_state import TENANT_FILE
+from kvcomm.integrations.serve.state import TENANT_FILE
 from kvcomm.services.persist import MANIFEST
 from kvcomm.engine.pipeline import load_demo_pipeline
 from kvcomm.engine.runner import _content, build_prompt

@@ -11,9 +11,9 @@ from prometheus_client import REGISTRY
 from kvcomm.anchors.pool import PoolConfig
 from kvcomm.engine.engine import ReuseConfig
 from kvcomm.services.tenants import tenant_label
-from kvcomm.integrations.vllm_channel import Capture
-from kvcomm.integrations.vllm_params import parse_params
-from kvcomm.integrations.vllm_planner import ServerPlanner
+from kvcomm.integrations.vllm.channel import Capture
+from kvcomm.integrations.vllm.params import parse_params
+from kvcomm.integrations.vllm.planner import ServerPlanner
 
 
 def serve(planner: ServerPlanner, executor, ids: list[int], spans: list[dict], tenant: str, max_tokens: int = 3) -> dict:

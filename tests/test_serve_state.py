@@ -11,8 +11,8 @@ import logging
 from kvcomm.anchors.pool import PoolConfig
 from kvcomm.engine.engine import ReuseConfig
 from kvcomm.core.fingerprint import model_fingerprint
-from kvcomm.integrations.serve_state import TENANT_FILE, PlannerState
-from kvcomm.integrations.vllm_planner import ServerPlanner
+from kvcomm.integrations.serve.state import TENANT_FILE, PlannerState
+from kvcomm.integrations.vllm.planner import ServerPlanner
 from kvcomm.services.tenants import tenant_label
 from one_thread import one_thread  # noqa: F401 (autouse fixture)
 from test_serve_planner import request, serve
@@ -50,7 +50,7 @@ def test_a_restarted_planner_restores_every_tenant_and_plans_the_same(tiny_execu
 
     other_model = dataclasses.replace(fingerprint, checkpoint="another checkpoint")
     elsewhere = _planner(tiny_executor)
-    with caplog.at_level(logging.ERROR, logger="kvcomm.integrations.serve_state"):
+    with caplog.at_level(logging.ERROR, logger="kvcomm.integrations.serve.state"):
         refused = PlannerState(elsewhere, tmp_path, other_model).restore()
     assert all(text.startswith("not restored") for text in refused.values()) and "starts cold" in caplog.text
     assert elsewhere.registry.tenants == () or all(not e.pools for e in elsewhere.engines.values())

@@ -15,7 +15,7 @@ def test_serve_loads_the_connector_and_passes_vllm_args_through():
     assert argv[:2] == ["kvcomm serve", "--model"]
     config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert config["kv_connector"] == "KvcommConnector" and config["kv_role"] == "kv_both"
-    assert config["kv_connector_module_path"] == "kvcomm.integrations.vllm_connector"
+    assert config["kv_connector_module_path"] == "kvcomm.integrations.vllm.connector"
     assert config["kv_connector_extra_config"] == {"plan": True, "slots": ["task", "planner"]}
     assert argv.count("--dtype") == 1 and argv[argv.index("--dtype") + 1] == "bfloat16"  # the user's value wins
     assert argv[-2:] == ["--dtype", "bfloat16"] and "--port" in argv
@@ -53,8 +53,8 @@ def _connector(**parallel):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    from kvcomm.integrations.vllm_connector import KvcommConnector
-    from kvcomm.integrations.vllm_engine import transfer_config
+    from kvcomm.integrations.vllm.connector import KvcommConnector
+    from kvcomm.integrations.vllm.engine import transfer_config
 
     config = VllmConfig(parallel_config=ParallelConfig(**parallel), kv_transfer_config=transfer_config())
     full = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.float32)

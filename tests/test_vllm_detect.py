@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcomm.integrations.vllm_detect import RunIndex
-from kvcomm.integrations.vllm_params import SpanAnnotation
+from kvcomm.integrations.vllm.detect import RunIndex
+from kvcomm.integrations.vllm.params import SpanAnnotation
 from kvcomm.engine.pipeline import Slot, load_demo_pipeline
 from kvcomm.engine.runner import run_row
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvcomm.core.kv import KV
-from kvcomm.integrations.vllm_channel import Order
+from kvcomm.integrations.vllm.channel import Order
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
-from kvcomm.integrations.vllm_layout import KvIO, LayoutError  # noqa: E402
+from kvcomm.integrations.vllm.layout import KvIO, LayoutError  # noqa: E402
 
 
 class _Layer(torch.nn.Module):
@@ -34,7 +34,7 @@ def _vllm_config():
     embedded model's)."""
     from vllm.config import ModelConfig, VllmConfig
 
-    from kvcomm.integrations.embedded import resolve_model_dir
+    from kvcomm.integrations.transformers.embedded import resolve_model_dir
 
     return VllmConfig(model_config=ModelConfig(model=str(resolve_model_dir(None)), dtype="float32"))
 

@@ -11,7 +11,7 @@ def embedded_tokenizer():
     ``tests/test_support_tokenizer.py`` checks that both routes give the tokenizer of the converted model."""
     from transformers import AutoTokenizer
 
-    from kvcomm.integrations import embedded
+    from kvcomm.integrations.transformers import embedded
 
     folder = embedded.cache_root() / "models" / embedded.DEFAULT_MODEL_NAME
     with embedded._offline():
@@ -25,7 +25,7 @@ def gguf_tokenizer():
     conversion applies (ChatML template if missing, ``<|im_end|>`` as eos)."""
     from transformers import AutoTokenizer
 
-    from kvcomm.integrations import embedded
+    from kvcomm.integrations.transformers import embedded
 
     gguf = embedded._gguf_path()
     with embedded._offline():

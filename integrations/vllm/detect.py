@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Sequence
 
-from kvcomm.integrations.vllm_params import SpanAnnotation
+from kvcomm.integrations.vllm.params import SpanAnnotation
 
 
 class RunIndex:

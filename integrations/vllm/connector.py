@@ -1,11 +1,11 @@
 """kvcomm's vLLM V1 KV connector: inject reused KV, capture real KV, on any standard backend.
 
 Load it with ``KVTransferConfig(kv_connector="KvcommConnector", kv_role="kv_both",
-kv_connector_module_path="kvcomm.integrations.vllm_connector")`` (``vllm_engine.make_llm``
+kv_connector_module_path="kvcomm.integrations.vllm.connector")`` (``vllm.engine.make_llm``
 does). No patching of vLLM.
 
 Per request, the caller's ``Order`` (found through ``kv_transfer_params["kvcomm"]``, see
-``vllm_params``) says which KV to inject for prompt positions ``[0, P)`` and which
+``vllm.params``) says which KV to inject for prompt positions ``[0, P)`` and which
 positions' real KV to capture.
 
 - Scheduler side: ``get_num_new_matched_tokens`` claims ``P - h`` tokens beyond vLLM's own
@@ -15,7 +15,7 @@ positions' real KV to capture.
   KV cache's device (one copy per tensor per step); ``wait_for_layer_load`` writes a layer's
   injected KV with the layer's own ``impl.do_kv_cache_update`` before the layer runs;
   ``save_kv_layer`` gathers the layer's KV at the capture slots after it ran into a capture
-  buffer on the same device (``vllm_layout``: no layout is hand-coded, nothing goes
+  buffer on the same device (``vllm.layout``: no layout is hand-coded, nothing goes
   through the host per layer); ``wait_for_save`` stamps when a prompt's last token was
   computed, after waiting for the device (the TTFT end point).
 
@@ -49,11 +49,11 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.logger import init_logger
 
-from kvcomm.integrations.vllm_channel import Capture, Channel, channel
-from kvcomm.integrations.vllm_layout import KvIO, LayoutError
-from kvcomm.integrations.vllm_metrics import record_rejected
-from kvcomm.integrations.vllm_params import KvcommParamsError, parse_params
-from kvcomm.integrations.vllm_planner import PlannedRequest, ServerPlanner
+from kvcomm.integrations.vllm.channel import Capture, Channel, channel
+from kvcomm.integrations.vllm.layout import KvIO, LayoutError
+from kvcomm.integrations.vllm.metrics import record_rejected
+from kvcomm.integrations.vllm.params import KvcommParamsError, parse_params
+from kvcomm.integrations.vllm.planner import PlannedRequest, ServerPlanner
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -139,7 +139,7 @@ def config_refusal(tensor_parallel_size: int, pipeline_parallel_size: int, execu
         return (f"kvcomm supports tensor_parallel_size 1 and pipeline_parallel_size 1 only (this engine has "
                 f"{tensor_parallel_size} and {pipeline_parallel_size}); start vLLM with both set to 1")
     if executor_backend not in (None, "uni"):
-        # Scheduler and worker sides exchange orders and captured KV in memory (vllm_channel).
+        # Scheduler and worker sides exchange orders and captured KV in memory (vllm.channel).
         return (f"kvcomm needs vLLM's worker in the engine-core process, but the executor backend is "
                 f"{executor_backend!r}; pass distributed_executor_backend='uni' (on CPU set "
                 "VLLM_ENABLE_V1_MULTIPROCESSING=0 before vLLM builds its config, as `kvcomm serve` and make_llm do)")
@@ -495,8 +495,8 @@ def _to_device(tensor: torch.Tensor, device: torch.device | None, dtype: torch.d
 def _make_planner(vllm_config: "VllmConfig") -> ServerPlanner:
     """A planner on the served model's own rotary embedding (self-checked on the checkpoint,
     loaded once with transformers, fp32)."""
-    from kvcomm.integrations.embedded import load_model_and_tokenizer
-    from kvcomm.integrations.hf_rotary import rotary_from_model
+    from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer
+    from kvcomm.integrations.transformers.rotary import rotary_from_model
 
     from kvcomm.anchors.pool import PoolConfig
     from kvcomm.engine.engine import ReuseConfig
@@ -511,7 +511,7 @@ def _make_planner(vllm_config: "VllmConfig") -> ServerPlanner:
     state_dir = extra.get_from_extra_config("state_dir", None)
     if state_dir:
         from kvcomm.core.fingerprint import model_fingerprint
-        from kvcomm.integrations.serve_state import PlannerState
+        from kvcomm.integrations.serve.state import PlannerState
 
         fingerprint = model_fingerprint(model, tokenizer, rotary, kv_dtype=vllm_config.model_config.dtype)
         state = PlannerState(planner, state_dir, fingerprint, float(extra.get_from_extra_config("save_interval_s", 60.0)))

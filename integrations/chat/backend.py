@@ -2,7 +2,7 @@
 
 Every agent of a team talks to the same backend, so one agent's reply KV (registered as a
 base when it is produced) and the anchors its context builds up serve the next agent. A
-call renders the conversation per message (``chat_segments``), runs ``run_agent`` (plan,
+call renders the conversation per message (``chat.segments``), runs ``run_agent`` (plan,
 materialize, generate, learn, register the reply as a base) and logs where the prompt's KV
 came from. Calls are serialized: the executor runs one request at a time.
 """
@@ -22,7 +22,7 @@ from kvcomm.engine.plan import Provenance
 from kvcomm.services.quality_guard import QualityGuard
 from kvcomm.engine.runner import run_agent
 from kvcomm.core.segments import Segment, content_id
-from kvcomm.integrations.chat_segments import ChatPrompt, ChatTurn, parse_tool_calls, render_chat, supports_tools
+from kvcomm.integrations.chat.segments import ChatPrompt, ChatTurn, parse_tool_calls, render_chat, supports_tools
 
 FinishReason = str  # "stop" | "length" | "function_calls" | "cancelled"
 
@@ -86,11 +86,11 @@ class ChatBackend:
     max_log: how many recent calls ``calls`` keeps (and ``summary`` totals). max_context:
     prompt + reply token limit (default: the model's, from its config or vLLM's). guard: a
     ``QualityGuard`` (shadow mode) for every call with reuse; export it with
-    ``kvcomm.integrations.guard_metrics.export``.
+    ``kvcomm.integrations.chat.guard_metrics.export``.
 
     anchor_bytes: cap on the bytes all anchor pools of ``engine`` hold together (default
     ``ANCHOR_BYTES``; None: unbounded). Chat slots are named per author and message index
-    (``chat_segments``), so every new message of a conversation opens a pool of its own and
+    (``chat.segments``), so every new message of a conversation opens a pool of its own and
     a per-pool V bound does not bound the total. After every call (and ``retain``) the
     largest pool gives up one anchor by its own eviction rule until the total fits, and
     pools left empty are dropped (unless ``guard`` tracks their slot), so the number of
@@ -124,8 +124,8 @@ class ChatBackend:
     @classmethod
     def embedded(cls, reuse: bool = True, config: ReuseConfig | None = None, **options) -> "ChatBackend":
         """The embedded SmolLM2-135M-Instruct; ``reuse=False`` runs it dense."""
-        from kvcomm.integrations.embedded import load_model_and_tokenizer
-        from kvcomm.integrations.transformers_executor import TransformersExecutor
+        from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer
+        from kvcomm.integrations.transformers.executor import TransformersExecutor
 
         executor = TransformersExecutor(*load_model_and_tokenizer(), dense_only=not reuse)
         engine = ReuseEngine(executor.rotary, config) if reuse else None

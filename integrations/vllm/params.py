@@ -9,7 +9,7 @@ Schema (JSON object; every key optional, unknown keys rejected)::
         "tenant":   "<str>",                 # tenant key (default: "default"); `kvcomm serve`
                                              # with API keys overwrites it with the key's tenant
         "segments": [                        # shared segments, sorted, non-overlapping;
-                                             # absent: detected automatically (vllm_detect)
+                                             # absent: detected automatically (vllm.detect)
             {"start": 12, "end": 40,         # prompt token span [start, end), end <= prompt length
              "slot": "task",                 # slot name (anchor pool); a known slot when the
                                              # server was started with a slot list

@@ -20,7 +20,7 @@ from kvcomm.core.kv import KV, to_position_free
 from kvcomm.engine.pipeline import Slot
 from kvcomm.engine.plan import BlendRequest
 from kvcomm.core.segments import Segment
-from kvcomm.integrations.hf_rotary import rotary_from_model
+from kvcomm.integrations.transformers.rotary import rotary_from_model
 
 _MARK = re.compile("\ue000([^\ue001]*)\ue001")
 
@@ -34,7 +34,7 @@ class TransformersExecutor:
 
     The KV it returns and accepts is in the model's dtype (``kv_dtype``); a prefix in another
     float dtype is cast to it once on injection. Raises ``RopeError`` at construction if the
-    model's RoPE cannot be realigned to within its dtype's rounding (``hf_rotary.self_check``);
+    model's RoPE cannot be realigned to within its dtype's rounding (``transformers.rotary.self_check``);
     use ``dense_only=True`` to run such a model without reuse.
     """
 

@@ -22,10 +22,10 @@ from kvcomm.engine.executor import Generation, OnToken
 from kvcomm.core.kv import KV, to_position_free
 from kvcomm.engine.plan import BlendRequest
 from kvcomm.core.segments import Segment
-from kvcomm.integrations.hf_rotary import rotary_from_model
-from kvcomm.integrations.transformers_executor import TransformersExecutor, _as_list
-from kvcomm.integrations.vllm_channel import Channel, Order, channel
-from kvcomm.integrations.vllm_engine import CONNECTOR
+from kvcomm.integrations.transformers.rotary import rotary_from_model
+from kvcomm.integrations.transformers.executor import TransformersExecutor, _as_list
+from kvcomm.integrations.vllm.channel import Channel, Order, channel
+from kvcomm.integrations.vllm.engine import CONNECTOR
 
 
 class VllmExecutor:
@@ -45,7 +45,7 @@ class VllmExecutor:
         config = llm.llm_engine.vllm_config
         transfer = config.kv_transfer_config
         if transfer is None or transfer.kv_connector != CONNECTOR:
-            raise ValueError("the vllm.LLM must load the kvcomm connector; build it with kvcomm.integrations.vllm_engine.make_llm")
+            raise ValueError("the vllm.LLM must load the kvcomm connector; build it with kvcomm.integrations.vllm.engine.make_llm")
         import vllm.envs as envs
 
         if envs.VLLM_ENABLE_V1_MULTIPROCESSING:

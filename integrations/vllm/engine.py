@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 CONNECTOR = "KvcommConnector"
-CONNECTOR_MODULE = "kvcomm.integrations.vllm_connector"
+CONNECTOR_MODULE = "kvcomm.integrations.vllm.connector"
 
 DEFAULTS: dict[str, Any] = {
     "dtype": "float32",
@@ -37,7 +37,7 @@ def make_llm(model: str | None = None, in_process: bool = True, **overrides: Any
     to 1 here, and vLLM logs to stderr unless ``VLLM_LOGGING_STREAM`` says otherwise (set
     before vLLM is first imported).
     """
-    from kvcomm.integrations.embedded import resolve_model_dir
+    from kvcomm.integrations.transformers.embedded import resolve_model_dir
 
     if in_process:
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":

@@ -1,7 +1,7 @@
 """An autogen-core ``ChatCompletionClient`` served by kvcomm in process (AutoGen 0.7).
 
 Give every agent of a team the same client: they then share one executor and one reuse
-engine, and each agent reuses the KV of what the others wrote (see ``chat_backend``).
+engine, and each agent reuses the KV of what the others wrote (see ``chat.backend``).
 
     client = KvcommChatCompletionClient()            # embedded SmolLM2, with reuse
     dense = KvcommChatCompletionClient(reuse=False)  # the same model, dense prefill
@@ -29,11 +29,11 @@ from pydantic import BaseModel
 
 from kvcomm.engine.engine import ReuseConfig
 from kvcomm.engine.handles import ContextHandle
-from kvcomm.integrations.chat_backend import Cancelled, ChatBackend, ChatCall, ChatReply
-from kvcomm.integrations.chat_segments import ChatTurn
+from kvcomm.integrations.chat.backend import Cancelled, ChatBackend, ChatCall, ChatReply
+from kvcomm.integrations.chat.segments import ChatTurn
 
 if TYPE_CHECKING:
-    from kvcomm.integrations.remote_backend import RemoteChatBackend
+    from kvcomm.integrations.remote.backend import RemoteChatBackend
 
 _KNOWN_ARGS = {"max_tokens", "max_new_tokens", "context_ids"}
 
@@ -63,7 +63,7 @@ class KvcommChatCompletionClient(ChatCompletionClient):
     def remote(cls, base_url: str, **options: Any) -> "KvcommChatCompletionClient":
         """A client of ``kvcomm serve`` at ``base_url``; ``options`` go to ``RemoteChatBackend``
         (``tokenizer``, ``model``, ``reuse``, ``tenant``, ``max_new_tokens``, ``api_key``, ...)."""
-        from kvcomm.integrations.remote_backend import RemoteChatBackend
+        from kvcomm.integrations.remote.backend import RemoteChatBackend
 
         return cls(RemoteChatBackend(base_url, **options))
 

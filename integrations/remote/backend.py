@@ -3,9 +3,9 @@
 Same contract as the in-process ``ChatBackend`` (``complete``, ``calls``, ``summary``,
 ``count_tokens``, ...), but the model, the reuse engine and the anchor pools live in the
 server. The conversation is rendered here, per message, with the model's tokenizer and chat
-template (``chat_segments``, the in-process rendering); the request is a greedy
+template (``chat.segments``, the in-process rendering); the request is a greedy
 ``/v1/completions`` call whose prompt is those token ids, with every shared message annotated
-as a span in ``kv_transfer_params["kvcomm"]`` (``remote_wire``). The server plans, reuses and
+as a span in ``kv_transfer_params["kvcomm"]`` (``remote.wire``). The server plans, reuses and
 learns; its response says where the prompt's KV came from, logged as a ``ChatCall``.
 
     backend = RemoteChatBackend("http://localhost:8000")    # checks the server's model
@@ -33,9 +33,9 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
-from kvcomm.integrations.chat_backend import ChatCall, ChatReply, slot_reuse, summarize
-from kvcomm.integrations.chat_segments import ChatPrompt, ChatTurn, parse_tool_calls, render_chat, supports_tools
-from kvcomm.integrations import remote_wire as wire
+from kvcomm.integrations.chat.backend import ChatCall, ChatReply, slot_reuse, summarize
+from kvcomm.integrations.chat.segments import ChatPrompt, ChatTurn, parse_tool_calls, render_chat, supports_tools
+from kvcomm.integrations.remote import wire
 
 log = logging.getLogger(__name__)
 
@@ -305,6 +305,6 @@ def _load_tokenizer(tokenizer: Any):
         return tokenizer
     from transformers import AutoTokenizer
 
-    from kvcomm.integrations.embedded import resolve_model_dir
+    from kvcomm.integrations.transformers.embedded import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(None if tokenizer is None else str(tokenizer))), local_files_only=True)

@@ -1,5 +1,5 @@
 """Server-side reuse planning for requests annotated with shared segments
-(``kv_transfer_params["kvcomm"]["segments"]``, see ``vllm_params``).
+(``kv_transfer_params["kvcomm"]["segments"]``, see ``vllm.params``).
 
 Runs inside vLLM's scheduler process (the connector's scheduler side), one ``ReuseEngine``
 per tenant key (``kv_transfer_params["kvcomm"]["tenant"]``; ``kvcomm serve`` with API keys
@@ -30,10 +30,10 @@ from kvcomm.engine.plan import ReusePlan
 from kvcomm.core.rope import Rotary
 from kvcomm.core.segments import Prompt, Segment
 from kvcomm.services.tenants import TenantRegistry
-from kvcomm.integrations.vllm_channel import Capture, Order
-from kvcomm.integrations.vllm_detect import RunIndex
-from kvcomm.integrations.vllm_metrics import record_planned
-from kvcomm.integrations.vllm_params import KvcommParams
+from kvcomm.integrations.vllm.channel import Capture, Order
+from kvcomm.integrations.vllm.detect import RunIndex
+from kvcomm.integrations.vllm.metrics import record_planned
+from kvcomm.integrations.vllm.params import KvcommParams
 
 
 @dataclass

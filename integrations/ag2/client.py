@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcomm.integrations.chat_backend import ChatBackend, ChatCall
-from kvcomm.integrations.chat_segments import ChatTurn
+from kvcomm.integrations.chat.backend import ChatBackend, ChatCall
+from kvcomm.integrations.chat.segments import ChatTurn
 
 _ids = itertools.count()
 
@@ -86,7 +86,7 @@ class KvcommAG2Client:
         self.config = dict(config)
         reuse = bool(self.config.get("kvcomm_reuse", True))
         if backend is None and self.config.get("base_url"):
-            from kvcomm.integrations.remote_backend import RemoteChatBackend
+            from kvcomm.integrations.remote.backend import RemoteChatBackend
 
             backend = RemoteChatBackend(
                 str(self.config["base_url"]), reuse=reuse, api_key=self.config.get("api_key"),
