@@ -115,7 +115,7 @@ def kvcomm_server(tmp_path_factory):
     keys = ``SERVER_KEYS``, model, log). Tests that must start from an empty tenant take
     keys from ``fresh_key``."""
     pytest.importorskip("vllm")
-    from serve_client import start_server
+    from support.serve_client import start_server
 
     server = start_server(tmp_path_factory.mktemp("kvcomm-serve") / "server.log", SERVER_KEYS + SPARE_KEYS)
     server.keys = SERVER_KEYS

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvcomm.integrations.cli import main
-from one_thread import one_thread  # noqa: F401 (autouse fixture)
+from support.one_thread import one_thread  # noqa: F401 (autouse fixture)
 
 PIPELINE = {
     "agents": [

@@ -8,7 +8,7 @@ import copy
 import time
 
 import pytest
-from chat_streaming import collect_stream
+from support.chat_streaming import collect_stream
 
 pytestmark = pytest.mark.slow
 

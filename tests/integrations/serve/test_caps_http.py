@@ -21,8 +21,8 @@ import pytest
 from kvcomm.engine.pipeline import load_demo_pipeline
 from kvcomm.engine.runner import _content, build_prompt
 from kvcomm.services.tenants import tenant_label
-from test_serve_http import SOURCES, annotations, executor, metrics, provenance  # noqa: F401 (fixture)
-from test_serve_persistence_http import run_row
+from .test_http import SOURCES, annotations, executor, metrics, provenance  # noqa: F401 (fixture)
+from .test_persistence_http import run_row
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4
 
 @pytest.fixture(scope="module")
 def keyless_server(tmp_path_factory):
-    from serve_client import start_server
+    from support.serve_client import start_server
 
     log = tmp_path_factory.mktemp("kvcomm-serve-caps") / "server.log"
     server = start_server(log, (), "--max-tenant-bytes", str(TENANT_CAP), "--max-total-bytes", str(TOTAL_CAP),

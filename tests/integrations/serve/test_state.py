@@ -14,8 +14,8 @@ from kvcomm.core.fingerprint import model_fingerprint
 from kvcomm.integrations.serve.state import TENANT_FILE, PlannerState
 from kvcomm.integrations.vllm.planner import ServerPlanner
 from kvcomm.services.tenants import tenant_label
-from one_thread import one_thread  # noqa: F401 (autouse fixture)
-from test_serve_planner import request, serve
+from support.one_thread import one_thread  # noqa: F401 (autouse fixture)
+from ..vllm.test_planner import request, serve
 
 
 def _planner(executor) -> ServerPlanner:

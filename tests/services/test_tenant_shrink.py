@@ -12,8 +12,8 @@ from kvcomm.engine.engine import ReuseConfig
 from kvcomm.engine.pipeline import parse_pipeline
 from kvcomm.engine.runner import run_agent
 from kvcomm.services.tenants import TenantRegistry
-from one_thread import one_thread  # noqa: F401 (autouse fixture)
-from two_agent_case import PIPELINE, agent_prompt
+from support.one_thread import one_thread  # noqa: F401 (autouse fixture)
+from support.two_agent_case import PIPELINE, agent_prompt
 
 WORDS = "river mountain city forest ocean desert island valley bridge castle garden market".split()
 

@@ -14,7 +14,7 @@ from kvcomm.engine.plan import BlendRequest
 from kvcomm.core.rope import Rotary
 from kvcomm.engine.runner import run_agent, run_row
 from kvcomm.core.segments import Prompt, Segment, content_id
-from two_agent_case import PIPELINE as TWO_AGENT_PIPELINE, agent_prompt
+from support.two_agent_case import PIPELINE as TWO_AGENT_PIPELINE, agent_prompt
 
 PIPELINE = {**TWO_AGENT_PIPELINE, "max_new_tokens": 6}
 

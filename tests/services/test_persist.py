@@ -29,9 +29,9 @@ from kvcomm.core.rope import Rotary
 from kvcomm.engine.runner import run_row
 from kvcomm.core.segments import Prompt, Segment
 
-sys.path.insert(0, str(Path(__file__).parent))
-from one_thread import one_thread  # noqa: E402,F401 (autouse fixture)
-from two_agent_case import PIPELINE, agent_prompt  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for support.* when run as a script
+from support.one_thread import one_thread  # noqa: E402,F401 (autouse fixture)
+from support.two_agent_case import PIPELINE, agent_prompt  # noqa: E402
 
 LAYERS, HEADS, DIM = 2, 2, 8
 

@@ -12,8 +12,8 @@ from kvcomm.engine.pipeline import parse_pipeline
 from kvcomm.services.quality_guard import GuardConfig, QualityGuard
 from kvcomm.engine.runner import run_row
 from kvcomm.services.tenants import tenant_label
-from one_thread import one_thread  # noqa: F401 (autouse fixture)
-from two_agent_case import PIPELINE
+from support.one_thread import one_thread  # noqa: F401 (autouse fixture)
+from support.two_agent_case import PIPELINE
 
 SPEC = parse_pipeline({**PIPELINE, "max_new_tokens": 2})
 

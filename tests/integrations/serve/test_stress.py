@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from test_serve_http import SOURCES, assert_counters_match, executor, metrics, provenance, run_pipeline_row  # noqa: F401 (fixture)
+from .test_http import SOURCES, assert_counters_match, executor, metrics, provenance, run_pipeline_row  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.slow
 

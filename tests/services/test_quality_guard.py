@@ -16,8 +16,8 @@ from kvcomm.services.quality_guard import GuardConfig, QualityGuard
 from kvcomm.core.rope import Rotary
 from kvcomm.engine.runner import run_agent, run_row
 from kvcomm.core.segments import Prompt, Segment
-from one_thread import one_thread  # noqa: F401 (autouse fixture)
-from two_agent_case import PIPELINE, agent_prompt
+from support.one_thread import one_thread  # noqa: F401 (autouse fixture)
+from support.two_agent_case import PIPELINE, agent_prompt
 
 SPEC = parse_pipeline({**PIPELINE, "max_new_tokens": 2})
 

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 
 
 @pytest.mark.parametrize("config", ["cpu-fp32", "cpu-bf16"])

@@ -16,8 +16,8 @@ from kvcomm.engine.pipeline import parse_pipeline
 from kvcomm.core.rope import Rotary
 from kvcomm.engine.runner import run_agent, run_row
 from kvcomm.services.tenants import TenantRegistry, tenant_label
-from one_thread import one_thread  # noqa: F401 (autouse fixture)
-from two_agent_case import PIPELINE, agent_prompt
+from support.one_thread import one_thread  # noqa: F401 (autouse fixture)
+from support.two_agent_case import PIPELINE, agent_prompt
 
 WORDS = "river mountain city forest ocean desert island valley bridge castle garden market".split()
 

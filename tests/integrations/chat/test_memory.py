@@ -10,7 +10,7 @@ from kvcomm.anchors.pool import PoolConfig
 from kvcomm.engine.engine import ReuseConfig, ReuseEngine
 from kvcomm.integrations.chat.backend import ANCHOR_BYTES, ChatBackend
 from kvcomm.integrations.chat.segments import ChatTurn
-from one_thread import one_thread  # noqa: F401 (autouse fixture)
+from support.one_thread import one_thread  # noqa: F401 (autouse fixture)
 
 AGENTS = {"writer": "You answer briefly.", "reviewer": "You review the answer in one sentence."}
 ROUNDS = 14

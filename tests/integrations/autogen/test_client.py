@@ -14,7 +14,7 @@ from kvcomm.anchors.pool import PoolConfig
 from kvcomm.engine.engine import ReuseConfig, ReuseEngine
 from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
 from kvcomm.integrations.chat.backend import ChatBackend
-from chat_streaming import assert_concurrent_calls_equal_sequential, collect_stream
+from support.chat_streaming import assert_concurrent_calls_equal_sequential, collect_stream
 
 WRITER, REVIEWER = "You answer briefly.", "You review the answer in one sentence."
 TASKS = ["Name a fruit.", "Which planet is the largest one?", "Give me a short word for happy.", "Name a capital city in Europe."]

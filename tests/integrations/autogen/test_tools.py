@@ -24,8 +24,8 @@ from autogen_core.tools import FunctionTool
 from kvcomm.engine.engine import ReuseEngine
 from kvcomm.integrations.autogen.client import KvcommChatCompletionClient, to_turns, tool_schemas
 from kvcomm.integrations.chat.backend import ChatBackend
-from one_thread import one_thread  # noqa: F401 (autouse fixture)
-from test_chat_segments import TOOL_TEMPLATE
+from support.one_thread import one_thread  # noqa: F401 (autouse fixture)
+from ..chat.test_segments import TOOL_TEMPLATE
 
 SYSTEM = "You are a calculator. Use the tools."
 TASK = "What is 2 + 3?"

@@ -26,7 +26,7 @@ from kvcomm.engine.pipeline import load_demo_pipeline
 from kvcomm.engine.runner import _content, build_prompt
 from kvcomm.core.segments import Segment
 from kvcomm.services.tenants import tenant_label
-from test_serve_http import annotations, executor, provenance  # noqa: F401 (fixture)
+from .test_http import annotations, executor, provenance  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +70,7 @@ def _wait_for(condition, timeout_s: float, what: str):
 
 
 def test_state_is_saved_restored_and_a_corrupt_save_starts_cold(executor, tmp_path_factory):  # noqa: F811
-    from serve_client import start_server
+    from support.serve_client import start_server
 
     state = tmp_path_factory.mktemp("kvcomm-state")
     logs = tmp_path_factory.mktemp("kvcomm-persist-logs")

@@ -11,7 +11,7 @@ from kvcomm.engine.pipeline import parse_pipeline
 from kvcomm.engine.plan import ReusePlan
 from kvcomm.engine.runner import run_agent, run_row
 from kvcomm.core.segments import Prompt
-from two_agent_case import PIPELINE, agent_prompt
+from support.two_agent_case import PIPELINE, agent_prompt
 
 
 def _prompt(executor, spec, agent_index: int, row: dict) -> Prompt:

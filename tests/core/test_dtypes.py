@@ -34,8 +34,8 @@ from kvcomm.integrations.transformers.rotary import (
 from kvcomm.engine.pipeline import parse_pipeline
 from kvcomm.core.rope import RopeError, Rotary
 from kvcomm.engine.runner import run_agent
-from test_rope import BY_NAME, HEAD_DIM, TINY, VARIANTS, build, reference_rotate, rotaries
-from two_agent_case import PIPELINE, agent_prompt
+from .test_rope import BY_NAME, HEAD_DIM, TINY, VARIANTS, build, reference_rotate, rotaries
+from support.two_agent_case import PIPELINE, agent_prompt
 
 LOW = [torch.bfloat16, torch.float16]
 LOW_IDS = ["bf16", "fp16"]
