@@ -1,0 +1,13 @@
+"""The anchor pool: which shared segments to estimate from which earlier ones (``pool``), the
+anchors and their deviations (``anchor``, ``deviations``), KV distances (``distance``,
+``distance_cache``) and the embedding index (``index``). Depends on ``kvcomm.core`` only."""
+
+from kvcomm.core.exports import lazy_exports, names
+
+_EXPORTS = {
+    "kvcomm.anchors.pool": ("AnchorPool", "PoolConfig", "Match"),
+    "kvcomm.anchors.anchor": ("Anchor", "Deviation"),
+    "kvcomm.anchors.index": ("Embedder", "EmbeddingIndex", "kv_embedding"),
+}
+__all__ = names(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,14 @@
+"""The vLLM plugin: the V1 KV connector (``connector``; loaded by module path,
+``engine.CONNECTOR_MODULE``), its pieces (``layout``, ``channel``, ``params``, ``planner``,
+``detect``, ``metrics``), an in-process ``vllm.LLM`` with it (``engine.make_llm``) and the executor on it."""
+
+from kvcomm.core.exports import lazy_exports, names
+
+_EXPORTS = {
+    "kvcomm.integrations.vllm.engine": ("make_llm", "transfer_config", "CONNECTOR", "CONNECTOR_MODULE"),
+    "kvcomm.integrations.vllm.executor": ("VllmExecutor",),
+    "kvcomm.integrations.vllm.connector": ("KvcommConnector",),
+    "kvcomm.integrations.vllm.params": ("KvcommParams", "KvcommParamsError", "parse_params"),
+}
+__all__ = names(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
