@@ -166,7 +166,7 @@ def settings_from_args(args) -> EvalSettings:
 
 def load_executor(model: str | None, backend: str = "transformers", dtype: str = "float32"):
     """(executor, model path) for ``model`` or the embedded model on ``backend`` in ``dtype``."""
-    from kvcomm.integrations.cli import load_executor as load
+    from kvcomm.integrations.executors import load_executor as load
 
     return load(model, backend, dtype)
 

@@ -15,30 +15,8 @@ from kvcomm.engine.engine import BASE_SOURCES, ReuseConfig, ReuseEngine
 from kvcomm.engine.pipeline import PipelineError, PipelineSpec, load_bundled_pipeline, load_pipeline
 from kvcomm.core.rope import RopeError
 from kvcomm.engine.runner import run_row
-
-BACKENDS = ("transformers", "vllm")
-
-
-def load_executor(model: str | None, backend: str = "transformers", dtype: str = "float32"):
-    """(executor, model path) for ``model`` or the embedded model: the transformers
-    reference, or vLLM in-process with the kvcomm connector (``backend="vllm"``).
-
-    dtype: the model dtype (``embedded.DTYPES``). With vLLM, the engine runs in it and the
-    transformers copy that only checks RoPE and renders prompts stays float32."""
-    from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer, parse_dtype, resolve_model_dir
-    from kvcomm.integrations.transformers.executor import TransformersExecutor
-
-    parse_dtype(dtype)
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    path = resolve_model_dir(model)
-    hf_model, tokenizer = load_model_and_tokenizer(str(path), "float32" if backend == "vllm" else dtype)
-    if backend == "vllm":
-        from kvcomm.integrations.vllm.engine import make_llm
-        from kvcomm.integrations.vllm.executor import VllmExecutor
-
-        return VllmExecutor(make_llm(str(path), dtype=dtype), hf_model, tokenizer), str(path)
-    return TransformersExecutor(hf_model, tokenizer), str(path)
+from kvcomm.integrations.executors import BACKENDS, load_executor
+from kvcomm.integrations.serve.command import STATE_SHUTDOWN_TIMEOUT_S, serve_command
 
 
 def run_side_by_side(spec: PipelineSpec, executor, config: ReuseConfig, progress: bool = True):
@@ -108,87 +86,6 @@ def _cmd_demo(args, spec: PipelineSpec) -> int:
         print(format_demo(report, baseline.name))
         print(f"anchors per slot: {', '.join(f'{s}={n}' for s, n in meta['anchors'].items()) or 'none'}")
         print(f"chart: {meta['chart']}")
-    return 0
-
-
-MIDDLEWARE = "kvcomm.integrations.serve.middleware.KvcommTenantMiddleware"
-STATE_SHUTDOWN_TIMEOUT_S = 30
-"""With --state-dir: vLLM's --shutdown-timeout (seconds the engine may take to stop) unless given."""
-
-
-def serve_argv(
-    model: str | None, plan: bool, slots: list[str] | None, vllm_args: list[str], engine: dict | None = None,
-) -> list[str]:
-    """vLLM OpenAI server arguments (``sys.argv`` of its API server entry point) for the model with the kvcomm connector (server-side planning
-    of annotated requests on unless ``plan`` is False; ``engine``: more ``kv_connector_extra_config``
-    such as gamma, max_anchors, byte caps) and kvcomm's tenant middleware; ``vllm_args`` pass through and win."""
-    from kvcomm.integrations.transformers.embedded import resolve_model_dir
-    from kvcomm.integrations.vllm.engine import CONNECTOR, CONNECTOR_MODULE
-
-    extra: dict = {"plan": plan, **(engine or {})}
-    if slots:
-        extra["slots"] = slots
-    config = {"kv_connector": CONNECTOR, "kv_role": "kv_both", "kv_connector_module_path": CONNECTOR_MODULE,
-              "kv_connector_extra_config": extra}
-    argv = ["kvcomm serve", "--model", str(resolve_model_dir(model)), "--kv-transfer-config", json.dumps(config)]
-    given = {a.split("=", 1)[0] for a in vllm_args if a.startswith("--")}
-    for flag, value in (("--dtype", "float32"), ("--max-model-len", "2048")):
-        if flag not in given:
-            argv += [flag, value]
-    for flag in ("--enforce-eager", "--enable-prompt-tokens-details"):
-        if flag not in given:
-            argv.append(flag)
-    if (engine or {}).get("state_dir") and "--shutdown-timeout" not in given:
-        # vLLM's default (0) force-kills the engine-core process at once on shutdown, before
-        # the planner there can write its save at exit.
-        argv += ["--shutdown-timeout", str(STATE_SHUTDOWN_TIMEOUT_S)]
-    if plan:
-        argv += ["--middleware", MIDDLEWARE]
-    return argv + vllm_args
-
-
-def api_keys(vllm_args: list[str]) -> list[str]:
-    """The API keys vLLM will accept: ``--api-key K [K ...]`` (repeatable) or ``$VLLM_API_KEY``."""
-    import os
-
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--api-key", nargs="+", action="extend", default=[])
-    keys = [k for k in parser.parse_known_args(vllm_args)[0].api_key if k]
-    return keys or [k for k in [os.environ.get("VLLM_API_KEY", "")] if k]
-
-
-def _cmd_serve(args, vllm_args: list[str]) -> int:
-    import os
-
-    # On CPU, vLLM runs its worker in a process of its own unless multiprocessing is off; the
-    # connector's scheduler and worker sides must share the engine-core process (vllm.channel).
-    # The engine core still runs apart from the API server.
-    for name in ("max_tenant_bytes", "max_total_bytes"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive number of bytes, got {getattr(args, name)}")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from kvcomm.integrations.serve.middleware import KEY_DIGESTS_ENV, key_digest
-
-    keys = api_keys(vllm_args)
-    os.environ[KEY_DIGESTS_ENV] = ",".join(key_digest(k) for k in keys) if args.tenant_per_key else ""
-    # vLLM's own `vllm` CLI looks up the version of a distribution named "vllm", which
-    # vllm-cpu is not; its API server entry point has no such lookup.
-    from vllm.entrypoints.launchers.api_server.entry import main as vllm_main
-    from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
-
-    setup_multiprocess_prometheus()  # the connector's metrics live in the engine process
-    if not args.save_interval > 0:
-        raise ValueError(f"--save-interval must be a positive number of seconds, got {args.save_interval}")
-    engine = {"gamma": args.gamma, "max_anchors": args.max_anchors,
-              "max_tenant_bytes": args.max_tenant_bytes, "max_total_bytes": args.max_total_bytes}
-    if args.state_dir:
-        engine |= {"state_dir": str(Path(args.state_dir).resolve()), "save_interval_s": args.save_interval}
-    sys.argv = serve_argv(args.model, not args.no_plan, args.slots, vllm_args, engine)
-    shown = [("<hidden>" if a in keys else a) for a in sys.argv]
-    tenants = f"{len(keys)} API keys, one tenant each" if keys and args.tenant_per_key else "one tenant"
-    print(f"kvcomm: {tenants}; " + " ".join(shown), file=sys.stderr)
-    vllm_main()
     return 0
 
 
@@ -310,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         args, vllm_args = build_parser().parse_args(argv), []
     try:
         if args.command == "serve":
-            return _cmd_serve(args, vllm_args)
+            return serve_command(args, vllm_args)
         if args.command == "selfcheck":
             return _cmd_selfcheck(args)
         if args.command == "eval":

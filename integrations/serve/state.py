@@ -95,7 +95,7 @@ class PlannerState:
         leaves through ``os._exit``, skipping ``atexit`` but running multiprocessing's exit
         finalizers. ``stop`` is idempotent, so where both fire the second finds nothing to
         save. The process must be allowed to exit: `kvcomm serve` gives vLLM a shutdown
-        timeout for that (``cli.STATE_SHUTDOWN_TIMEOUT_S``)."""
+        timeout for that (``serve.command.STATE_SHUTDOWN_TIMEOUT_S``)."""
         self._thread = threading.Thread(target=self._run, name="kvcomm-state", daemon=True)
         self._thread.start()
         atexit.register(self.stop)

@@ -6,7 +6,8 @@ import json
 
 import torch
 
-from kvcomm.integrations.cli import build_parser, main, serve_argv
+from kvcomm.integrations.cli import build_parser, main
+from kvcomm.integrations.serve.command import serve_argv
 
 
 def test_serve_loads_the_connector_and_passes_vllm_args_through():
@@ -27,7 +28,7 @@ def test_eval_on_vllm_refuses_kl_and_cacheblend_with_a_clear_error(tmp_path, cap
 
 
 def test_serve_adds_tenant_middleware_and_reads_api_keys(monkeypatch):
-    from kvcomm.integrations.cli import MIDDLEWARE, api_keys
+    from kvcomm.integrations.serve.command import MIDDLEWARE, api_keys
 
     argv = serve_argv(None, True, None, ["--api-key", "k1", "k2"], {"gamma": 1.0, "max_tenant_bytes": 1 << 20})
     assert argv[argv.index("--middleware") + 1] == MIDDLEWARE and "--enable-prompt-tokens-details" in argv
@@ -83,7 +84,7 @@ def test_a_state_dir_gives_the_engine_time_to_save_at_exit():
     """vLLM's default --shutdown-timeout 0 force-kills the engine-core process at once, before
     the save at exit: with --state-dir, `kvcomm serve` asks for a grace period; the user's own
     value wins."""
-    from kvcomm.integrations.cli import STATE_SHUTDOWN_TIMEOUT_S
+    from kvcomm.integrations.serve.command import STATE_SHUTDOWN_TIMEOUT_S
 
     state = {"state_dir": "/tmp/state", "save_interval_s": 60.0}
     argv = serve_argv(None, True, None, [], state)
