@@ -110,8 +110,7 @@ def estimate_distances_many(
         sources = [getattr(anchor, name) for anchor in anchors]
         for start in range(0, layers, block):
             end = min(start + block, layers)
-            # new's block and the scratch view, once per token count: at 8 anchors of 1K tokens
-            # the view ops alone were ~5 of the ~38 ms (each costs a dispatch)
+            # new's block and the scratch view, once per token count (each view op costs a dispatch)
             new_blocks, differences = {}, {}
             for j, (source, n) in enumerate(zip(sources, ns)):
                 if n not in new_blocks:

@@ -1,5 +1,5 @@
 """Reuse state of `kvcomm serve` kept across restarts (``--state-dir DIR``), so a restarted
-server does not start cold (issue 6, persistence).
+server does not start cold.
 
 Layout: ``DIR/<tenant label>/`` holds one tenant's save (``kvcomm.services.persist``: anchor pools,
 shared-content bases and fixed-segment bases as safetensors plus a JSON manifest carrying

@@ -9,9 +9,8 @@ BLOCK_BYTES = 1 << 21
 def block_layers(layers: int, per_layer_bytes: int) -> int:
     """Layers per block: cache-sized (``BLOCK_BYTES``), at least one layer.
 
-    Measured on this 2-core machine, quiet, first agent to see a 1K-token segment (plan +
-    materialize): at 2 threads blocked 60 / 83 / 136 ms for 2 / 4 / 8 anchors vs 70 / 115 / 214 ms
-    on whole tensors; at 1 thread blocks were 2-3x faster than the plain formula. Under heavy
-    oversubscription (load ~10 on 2 cores) blocked ops at 2 threads stalled for seconds at joins
-    with a descheduled thread: give torch no more intra-op threads than free cores."""
+    ``layers``: layers of the KV; ``per_layer_bytes``: bytes one layer of the block's working
+    tensor takes. Returns an int in ``[1, layers]``. Blocked ops join their intra-op threads
+    after every block: give torch no more intra-op threads than free cores (timings:
+    docs/measurements/2026-11-history.md)."""
     return max(1, min(layers, BLOCK_BYTES // max(1, per_layer_bytes)))

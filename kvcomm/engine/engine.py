@@ -43,9 +43,8 @@ BASE_SOURCES = ("standalone", "first_use")
 - ``first_use``: the first request that contains it computes it densely (reuse stops
   there) and its KV there, de-rotated, becomes the base; no extra forward pass.
 
-Replies get their base from the producer's decode either way. Measured on SmolLM2 (README,
-"Base KV of new content"): on MMLU first_use had a quarter of standalone's KL to dense at
-the same token reuse, and no extra prefill on a miss.
+Replies get their base from the producer's decode either way. How the two compare in
+quality and reuse: docs/measurements/2026-11-history.md ("Base KV source").
 """
 
 MODES = ("kvcomm", "exact", "realign", "cacheblend")

@@ -1,11 +1,10 @@
 """Reusable memory for the KV the engine assembles for one request at a time.
 
 A fresh tensor of many MiB is new memory to the operating system: every 4 KiB page costs a
-page fault on its first write. For a 1K-token segment on SmolLM2 (47 MB of fp32 KV) that was
-~20 ms of a ~65 ms materialize, and it recurs whenever the allocator returns the memory to the
-system between requests (glibc always does for blocks over 32 MiB, often for smaller ones: 0,
-5,800 or 11,500 faults per call were seen). A ``KVWorkspace`` lends the same memory to request
-after request instead.
+page fault on its first write, and that recurs whenever the allocator returns the memory to
+the system between requests (glibc always does for blocks over 32 MiB, often for smaller
+ones). A ``KVWorkspace`` lends the same memory to request after request instead (what the
+faults cost: docs/measurements/2026-11-history.md).
 
 Invariants: a buffer is lent to one holder at a time; what a lease yields is valid only until
 the lease ends (the next lease may overwrite it), so a holder copies what must outlive it; idle

@@ -1,4 +1,4 @@
-"""Tenant isolation and a byte cap across tenants (issue 6: isolation, bounded memory).
+"""Tenant isolation and a byte cap across tenants.
 
 Every tenant gets its own ``TenantEngine``: anchor pools, base KV, fixed-segment bases and
 exact prefix store are never shared, so one tenant's requests cannot make another's faster
