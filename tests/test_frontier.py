@@ -49,3 +49,10 @@ def test_frontier_command_writes_table_and_chart(tmp_path, capsys):
 def test_frontier_refuses_a_folder_without_results(tmp_path):
     with pytest.raises(FileNotFoundError, match="kvcomm eval --out"):
         load_results([tmp_path])
+
+
+def test_equal_reuse_at_higher_kl_is_dominated_and_workloads_never_mix(tmp_path):
+    a = _write(tmp_path / "a", "mmlu", [_row("realign", "", 0.9, 1e-3), _row("cacheblend", "r=0.15", 0.9, 2e-3)])
+    b = _write(tmp_path / "b", "gsm", [_row("realign", "", 0.95, 1e-4)])
+    points, _ = load_results([a, b])
+    assert [on_frontier(p, points) for p in points] == [True, False, True]
