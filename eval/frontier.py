@@ -27,7 +27,7 @@ matplotlib.use("Agg", force=True)
 import matplotlib.pyplot as plt  # noqa: E402
 
 POOLED = "pooled"
-DISTINGUISHING = ("base_source", "min_estimate_anchors", "recompute_ratio", "dtype")
+DISTINGUISHING = ("base_source", "min_estimate_anchors", "recompute_ratio", "dtype", "pool")
 """Run settings that make two results' points different configurations (shown in labels when
 they differ between the runs of one workload)."""
 
