@@ -83,7 +83,7 @@ class ReuseConfig:
     mode: str = "kvcomm"
     recompute_ratio: float = 0.15
     check_layer: int = 1
-    base_source: str = "standalone"
+    base_source: str = "first_use"
     workspace_bytes: int = 512 << 20
     learn_after_estimates: bool = False
 
