@@ -25,6 +25,7 @@ from kvcomm.anchors.distance import (
 from kvcomm.anchors.deviations import WeightedDeviations
 from kvcomm.anchors.distance_cache import DistanceCache
 from kvcomm.anchors.index import EmbeddingIndex
+from kvcomm.anchors.shrinkage import ShrinkageFit
 from kvcomm.core.kv import KV
 
 
@@ -65,6 +66,13 @@ class PoolConfig:
     min_coverage: float = 0.5
     """A segment whose anchors would cover fewer than this share of its tokens goes dense and
     becomes an anchor instead of reusing its head."""
+    shrinkage: bool = True
+    """Scale each layer's estimated deviation by the slot's fitted factor in [0, 1]
+    (``kvcomm.anchors.shrinkage``), fitted on the estimates the pool would have made for the
+    segments it then saw densely; False serves the weighted deviations as they are."""
+    shrinkage_min_pairs: int = 2
+    """Observed (estimate, real) pairs a slot needs before its factors are used; until then
+    its estimates are served unshrunk."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -89,6 +97,9 @@ class PoolConfig:
         if isinstance(self.min_estimate_anchors, bool) or not isinstance(self.min_estimate_anchors, int) \
                 or self.min_estimate_anchors < 0:
             problems.append(f"min_estimate_anchors must be an integer >= 0 (got {self.min_estimate_anchors!r})")
+        if isinstance(self.shrinkage_min_pairs, bool) or not isinstance(self.shrinkage_min_pairs, int) \
+                or self.shrinkage_min_pairs < 1:
+            problems.append(f"shrinkage_min_pairs must be an integer >= 1 (got {self.shrinkage_min_pairs!r})")
         if not 0 <= self.min_coverage <= 1:
             problems.append(f"min_coverage must be in [0, 1] (got {self.min_coverage})")
         if self.max_bytes is not None and self.max_bytes <= 0:
@@ -129,6 +140,8 @@ class AnchorPool:
         self.accesses_granted = 0
         self.evicted_accesses = 0
         self.distance_cache = DistanceCache()
+        self.fits: dict[tuple[SlotKey, str], ShrinkageFit] = {}
+        """Per (slot, "shared" or "following"): the prequential fit of its estimates (``observe``)."""
 
     def __len__(self) -> int:
         return len(self._anchors)
@@ -154,7 +167,8 @@ class AnchorPool:
     # -- admission -------------------------------------------------------------------------
 
     def decide(
-        self, slot: SlotKey, segment_id: str, base: KV, embedding: np.ndarray, commit: bool = True
+        self, slot: SlotKey, segment_id: str, base: KV, embedding: np.ndarray, commit: bool = True,
+        admission: bool = True,
     ) -> Match | None:
         """Reuse decision for a new segment (position-free ``base``, ``T`` tokens) in ``slot``.
 
@@ -165,7 +179,8 @@ class AnchorPool:
         p (``config.admission_distance``) over the compatible anchors exceeds
         gamma * log(#compatible). Otherwise the anchors carrying the top-p mass of p get an
         access (only when ``commit``: a decision asked for learning alone leaves access
-        counts untouched).
+        counts untouched). ``admission=False`` skips the entropy test: the match the pool
+        could estimate from, whether or not it would reuse (``observe`` measures it).
         """
         length = base.length
         with self._lock:
@@ -187,7 +202,7 @@ class AnchorPool:
             distances = self._distances(segment_id, base, compatible, covered, commit)
             p = self._admission(compatible, base, [d if isinstance(d, torch.Tensor) else d.value_l2 for d in distances])
             entropy = float(-(p * torch.log(p.clamp_min(1e-300))).sum())
-            if entropy > self.config.gamma * math.log(len(compatible)) + _ENTROPY_TOLERANCE:
+            if admission and entropy > self.config.gamma * math.log(len(compatible)) + _ENTROPY_TOLERANCE:
                 return None
             if commit:
                 self._count_access(compatible, p)
@@ -265,7 +280,9 @@ class AnchorPool:
             return shared_kv, following.parts[0] if following is not None else None
         return shared_kv, following.add_into(onto_following)
 
-    def estimate_terms(self, match: Match, base: KV) -> tuple[WeightedDeviations, WeightedDeviations | None]:
+    def estimate_terms(
+        self, match: Match, base: KV, shrink: bool = True
+    ) -> tuple[WeightedDeviations, WeightedDeviations | None]:
         """The weighted deviations that estimate a matched segment (shared, following or None).
 
         Shared tokens are weighted per token by softmax(-d/tau) of the mean absolute base
@@ -273,7 +290,8 @@ class AnchorPool:
         of the per-token RMS base difference (L2 over the compared tokens / sqrt(their count)).
         Keys and values each use their own distances. All position-free; the caller realigns.
         An ``identical`` match uses its anchor's deviations with weight 1. Weights are over
-        all matched anchors.
+        all matched anchors. With ``shrink`` and ``config.shrinkage``, each layer's weights are
+        scaled by the slot's fitted factor once it has ``shrinkage_min_pairs`` pairs (``observe``).
         """
         n = min(match.covered, base.length)  # a plan cuts a segment that ends the prompt short
         deviations = [a.deviations[match.slot] for a in match.anchors]
@@ -288,9 +306,10 @@ class AnchorPool:
         )
         wk = torch.softmax(-torch.stack([d.token_keys[:n] for d in dist]) / tau, dim=0)  # [A, n]
         wv = torch.softmax(-torch.stack([d.token_values[:n] for d in dist]) / tau, dim=0)
+        ak, av = self._factors(match.slot, "shared", shrink)
         shared = WeightedDeviations(
             tuple(d.shared.span(0, n) for d in deviations),
-            tuple(wk[:, None, None, :, None]), tuple(wv[:, None, None, :, None]),
+            tuple(wk[:, None, None, :, None] * ak), tuple(wv[:, None, None, :, None] * av),
         )
         following = None
         if all(d.following is not None for d in deviations) and len({d.following.length for d in deviations}) == 1:
@@ -299,10 +318,43 @@ class AnchorPool:
             rms = [math.sqrt(d.token_keys.shape[0]) for d in dist]
             fk = torch.softmax(-torch.stack([d.channel_keys / r for d, r in zip(dist, rms)]) / tau, dim=0)  # [A, L, H, D]
             fv = torch.softmax(-torch.stack([d.channel_values / r for d, r in zip(dist, rms)]) / tau, dim=0)
+            ak, av = self._factors(match.slot, "following", shrink)
             following = WeightedDeviations(
-                tuple(d.following for d in deviations), tuple(fk[:, :, :, None, :]), tuple(fv[:, :, :, None, :])
+                tuple(d.following for d in deviations), tuple(fk[:, :, :, None, :] * ak), tuple(fv[:, :, :, None, :] * av)
             )
         return shared, following
+
+    def _factors(self, slot: SlotKey, part: str, shrink: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-layer (key, value) factors broadcastable against per-anchor weights: fp32
+        ``[layers, 1, 1, 1]`` each, or scalar ones when not shrinking (yet)."""
+        fit = self.fits.get((slot, part)) if shrink and self.config.shrinkage else None
+        factors = fit.factors(self.config.shrinkage_min_pairs) if fit is not None else None
+        if factors is None:
+            one = torch.ones((), dtype=torch.float32)
+            return one, one
+        return factors[0][:, None, None, None], factors[1][:, None, None, None]
+
+    def observe(self, match: Match, base: KV, real_shared: KV, real_following: KV | None = None) -> None:
+        """Fit the slot's shrinkage on one segment seen densely: compare what ``match`` would have
+        estimated (unshrunk) with the real deviations the forward revealed.
+
+        real_shared: real KV minus ``base`` on the match's first ``covered`` tokens (or more);
+        real_following: the same for the following fixed segment, against the fixed base the
+        anchors' following deviations were measured against (None: not observed). Identical
+        matches are not observations (their deviation is the truth)."""
+        if match.identical:
+            return
+        shared, following = self.estimate_terms(match, base, shrink=False)
+        estimate = shared.add_into()
+        if real_shared.length < estimate.length:
+            raise ValueError(f"real deviation covers {real_shared.length} tokens, the estimate {estimate.length}")
+        with self._lock:
+            layers = base.keys.shape[0]
+            fit = self.fits.setdefault((match.slot, "shared"), ShrinkageFit.empty(layers))
+            fit.observe(estimate, real_shared.span(0, estimate.length))
+            if following is not None and real_following is not None and following.parts[0].length == real_following.length:
+                self.fits.setdefault((match.slot, "following"), ShrinkageFit.empty(layers)).observe(
+                    following.add_into(), real_following)
 
     # -- learning and eviction -------------------------------------------------------------
 

@@ -7,6 +7,7 @@ Wire it into the main parser with ``add_eval_parser(subparsers)`` and dispatch
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -133,6 +134,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--base-source", choices=BASE_SOURCES, default=ReuseConfig.base_source,
                         help="new shared content's base KV: a standalone prefill, or its KV in the first prompt that "
                              f"computes it (default {ReuseConfig.base_source})")
+    parser.add_argument("--pool", type=pool_setting, action="append", default=[], metavar="NAME=VALUE",
+                        help="a further PoolConfig field of the kvcomm runs, VALUE in JSON (e.g. --pool shrinkage=false "
+                             "--pool min_coverage=0.3); repeatable")
     parser.add_argument("--recompute-ratio", type=ratio, default=0.15, help="cacheblend recompute ratio (default 0.15)")
     parser.add_argument("--check-layer", type=nonnegative_int, default=1, help="cacheblend check layer (default 1)")
     parser.add_argument("--max-new-tokens", type=positive_int, help="override the workload's reply budget")
@@ -160,8 +164,19 @@ def settings_from_args(args) -> EvalSettings:
         modes=args.modes, gammas=args.gammas, max_anchors=args.max_anchors, seeds=args.seeds,
         min_estimate_anchors=args.min_estimate_anchors, base_source=args.base_source,
         recompute_ratio=args.recompute_ratio, check_layer=args.check_layer, top_k=args.top_k,
-        timing_pass=not args.single_pass,
+        timing_pass=not args.single_pass, pool=tuple(getattr(args, "pool", ())),
     )
+
+
+def pool_setting(text: str) -> tuple[str, object]:
+    """``NAME=VALUE`` with a JSON value (a bare word is taken as a string)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE (e.g. shrinkage=false), got {text!r}")
+    try:
+        return name.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return name.strip(), value
 
 
 def load_executor(model: str | None, backend: str = "transformers", dtype: str = "float32"):

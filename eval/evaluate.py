@@ -23,6 +23,7 @@ Aggregates per (mode, setting, seed) and pooled over seeds (``kvcomm.eval.summar
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import sys
@@ -71,9 +72,11 @@ class EvalSettings:
     noise: bool = True
     timing_pass: bool = True
     warm_up: bool = True
+    pool: tuple[tuple[str, object], ...] = ()
+    """Further ``PoolConfig`` fields of the kvcomm runs, as (name, value) pairs."""
 
     def __post_init__(self) -> None:
-        for name in ("modes", "gammas", "max_anchors", "seeds"):
+        for name in ("modes", "gammas", "max_anchors", "seeds", "pool"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         problems = []
         if not self.modes:
@@ -87,10 +90,16 @@ class EvalSettings:
             problems.append(f"gammas must be finite numbers >= 0, at least one (got {list(self.gammas)})")
         if not self.max_anchors or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in self.max_anchors):
             problems.append(f"max_anchors must be integers >= 1, at least one (got {list(self.max_anchors)})")
-        try:  # the pool and reuse configs own these rules
-            ReuseConfig(pool=PoolConfig(min_estimate_anchors=self.min_estimate_anchors), base_source=self.base_source)
-        except ValueError as error:
-            problems.append(str(error))
+        fields = {f.name for f in dataclasses.fields(PoolConfig)} - {"gamma", "max_anchors", "min_estimate_anchors"}
+        unknown_pool = [k for k, _ in self.pool if k not in fields]
+        if unknown_pool:
+            problems.append(f"unknown pool setting {unknown_pool[0]!r}; valid: {', '.join(sorted(fields))}")
+        else:
+            try:  # the pool and reuse configs own these rules
+                ReuseConfig(pool=PoolConfig(min_estimate_anchors=self.min_estimate_anchors, **dict(self.pool)),
+                            base_source=self.base_source)
+            except (ValueError, TypeError) as error:
+                problems.append(str(error))
         if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in self.seeds):
             problems.append(f"seeds must be integers, at least one (got {list(self.seeds)})")
         if len(set(self.seeds)) != len(self.seeds):
@@ -118,7 +127,7 @@ class EvalSettings:
         pool = PoolConfig(
             gamma=run.gamma if run.gamma is not None else self.gammas[0],
             max_anchors=run.max_anchors if run.max_anchors is not None else self.max_anchors[0],
-            min_estimate_anchors=self.min_estimate_anchors,
+            min_estimate_anchors=self.min_estimate_anchors, **dict(self.pool),
         )
         return ReuseConfig(pool=pool, mode=run.mode, recompute_ratio=self.recompute_ratio, check_layer=self.check_layer,
                            base_source=self.base_source)
@@ -256,6 +265,8 @@ class RunResult:
     anchors: dict[str, int]
     prefix_store_bytes: int
     wall_s: float
+    shrinkage: dict[str, dict] = field(default_factory=dict)
+    """Per "slot/part" of the engine's pools: the shrinkage fit after the run (``_shrinkage_state``)."""
 
 
 @dataclass
@@ -351,6 +362,23 @@ def _pool_state(engine: ReuseEngine | None) -> tuple[int, dict[str, int], int]:
     )
 
 
+def _shrinkage_state(engine: ReuseEngine | None) -> dict[str, dict]:
+    """Per pool slot, template slot and part: observed pairs, mean key/value factor and the
+    error ratio of the shrunk estimate to realignment's on those pairs."""
+    if engine is None:
+        return {}
+    pools = engine.pools.items() if isinstance(engine.pools, dict) else enumerate(engine.pools)
+    out = {}
+    for name, pool in pools:
+        for ((template, slot), part), fit in sorted(getattr(pool, "fits", {}).items()):
+            factors, ratio = fit.factors(1), fit.error_ratio()
+            out[f"{name}/{template}:{slot}/{part}"] = {
+                "pairs": fit.pairs, "key_factor_mean": float(factors[0].mean()), "value_factor_mean": float(factors[1].mean()),
+                "key_error_ratio": ratio[0], "value_error_ratio": ratio[1],
+            }
+    return out
+
+
 def _signature(call: AgentCall) -> tuple:
     """What a deterministic rerun must reproduce: token provenance and the reply."""
     p = call.provenance
@@ -429,7 +457,8 @@ def evaluate(
                         records.append(record)
                     del calls
                 pool_bytes, anchors, store_bytes = _pool_state(engine)
-                result.runs.append(RunResult(seed, run, records, pool_bytes, anchors, store_bytes, time.perf_counter() - run_started))
+                result.runs.append(RunResult(seed, run, records, pool_bytes, anchors, store_bytes, time.perf_counter() - run_started,
+                                             _shrinkage_state(engine)))
     finally:
         bar.close()
     result.elapsed_s = time.perf_counter() - started

@@ -50,7 +50,8 @@ def to_json(result: EvalResult) -> dict:
         "notes": NOTES,
         "aggregates": aggregate(result),
         "runs": [{"mode": r.run.mode, "setting": r.run.setting, "seed": r.seed, "pool_bytes": r.pool_bytes,
-                  "anchors": r.anchors, "prefix_store_bytes": r.prefix_store_bytes, "wall_s": r.wall_s} for r in result.runs],
+                  "anchors": r.anchors, "prefix_store_bytes": r.prefix_store_bytes, "wall_s": r.wall_s,
+                  "shrinkage": r.shrinkage} for r in result.runs],
         "calls": [dataclasses.asdict(c) for c in result.calls],
     }
 

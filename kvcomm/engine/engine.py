@@ -82,7 +82,7 @@ class ReuseConfig:
     mode: str = "kvcomm"
     recompute_ratio: float = 0.15
     check_layer: int = 1
-    base_source: str = "standalone"
+    base_source: str = "first_use"
     workspace_bytes: int = 512 << 20
     learn_after_estimates: bool = False
 
@@ -430,8 +430,25 @@ class ReuseEngine:
         if nxt < len(prompt.segments) and not prompt.segments[nxt].is_shared:
             key = _fixed_key(prompt, nxt)
             following, following_base = self._stored(_beyond_layer0(real(nxt) - self._fixed_bases[key])), self._fixed_digest(key)
-        deviation = Deviation(self._stored(_beyond_layer0(real(index) - base)), following, following_base)
-        pool.record((prompt.template_id, segment.slot), segment.shared_id, base, embedding, deviation)
+        shared = _beyond_layer0(real(index) - base)
+        slot = (prompt.template_id, segment.slot)
+        if pool.config.shrinkage:
+            self._observe(pool, slot, segment.shared_id, base, embedding, shared, following, following_base)
+        deviation = Deviation(self._stored(shared), following, following_base)
+        pool.record(slot, segment.shared_id, base, embedding, deviation)
+
+    @staticmethod
+    def _observe(pool: AnchorPool, slot, segment_id: str, base: KV, embedding, shared: KV,
+                 following: KV | None, following_base: str | None) -> None:
+        """Before a dense segment becomes an anchor: what would the pool have estimated for it?
+        Feeds the slot's shrinkage fit (``AnchorPool.observe``); the following segment only when
+        every matched anchor measured its deviation against the same fixed base."""
+        match = pool.decide(slot, segment_id, base, embedding, commit=False, admission=False)
+        if match is None or match.identical:
+            return
+        same_following = following is not None and all(
+            a.deviations[slot].following_base == following_base for a in match.anchors)
+        pool.observe(match, base, shared, following if same_following else None)
 
     def _stored(self, kv: KV) -> KV:
         """A freshly computed deviation in the anchors' storage dtype."""

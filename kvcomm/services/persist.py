@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from kvcomm.anchors.anchor import Anchor, Deviation
 from kvcomm.anchors.pool import AnchorPool
+from kvcomm.anchors.shrinkage import ShrinkageFit
 from kvcomm.engine.engine import ReuseEngine
 from kvcomm.core.fingerprint import ModelFingerprint, rope_digest
 from kvcomm.core.kv import KV
@@ -118,7 +119,13 @@ def _snapshot(engine: ReuseEngine) -> tuple[dict, dict[str, torch.Tensor]]:
                                        "following_base": deviation.following_base})
                 anchors.append({"segment_id": anchor.segment_id, "serial": anchor.serial, "accesses": anchor.accesses,
                                 "deviations": deviations})
-            pools.append({"slot": slot, "next_serial": pool.next_serial, "evictions": pool.evictions, "anchors": anchors})
+            fits = []
+            for f, (((template, slot_name), part), fit) in enumerate(sorted(pool.fits.items())):
+                for field_name in ("cross", "estimate_sq", "real_sq"):
+                    tensors[f"pool{p}.fit{f}.{field_name}"] = getattr(fit, field_name).clone()
+                fits.append({"template": template, "slot": slot_name, "part": part, "pairs": fit.pairs})
+            pools.append({"slot": slot, "next_serial": pool.next_serial, "evictions": pool.evictions, "anchors": anchors,
+                          "fits": fits})
         for f, ((template, content), kv) in enumerate(engine._fixed_bases.items()):
             _put(tensors, f"fixed{f}", kv)
             fixed.append({"template": template, "content": content})
@@ -287,6 +294,16 @@ def _build(manifest: dict, tensors: dict[str, torch.Tensor], engine: ReuseEngine
             pool.restore(anchors, next_serial, evictions)
         except ValueError as error:
             raise PersistError(f"{where}: slot {slot!r}: {error}; raise this engine's limits or prune the save") from None
+        for f, item in enumerate(entry.get("fits", []) if isinstance(entry, dict) else []):  # saves before fits had none
+            sums = [read.tensor(f"pool{p}.fit{f}.{n}") for n in ("cross", "estimate_sq", "real_sq")]
+            layers = read.shape[0] if read.shape is not None else sums[0].shape[-1]
+            if any(t.shape != (2, layers) or t.dtype != torch.float64 for t in sums):
+                read.fail(f"slot {slot!r}: shrinkage fit {f} has sums {[tuple(t.shape) for t in sums]}, expected float64 [2, {layers}]")
+            part = _field(item, "part", str, where)
+            if part not in ("shared", "following"):
+                read.fail(f"slot {slot!r}: shrinkage fit {f} is for part {part!r}, expected 'shared' or 'following'")
+            key = ((_field(item, "template", str, where), _field(item, "slot", str, where)), part)
+            pool.fits[key] = ShrinkageFit(*sums, pairs=_field(item, "pairs", int, where))
         pools[slot] = pool
     fixed = {}
     for f, entry in enumerate(_field(manifest, "fixed_bases", list, where)):

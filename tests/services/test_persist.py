@@ -392,3 +392,19 @@ def test_killing_a_save_midway_leaves_the_previous_save_loadable(tmp_path):
 
 if __name__ == "__main__":
     _saver(sys.argv[1])
+
+
+def test_shrinkage_fits_survive_a_restart(tmp_path):
+    """A restarted server keeps shrinking its slots' estimates as before, not raw until refitted."""
+    rotary = synthetic_rotary()
+    config = ReuseConfig(pool=PoolConfig(gamma=0.0), exact_prefix=False)
+    engine = ReuseEngine(rotary, config)
+    feed(engine, 7, 16)
+    fits = {(slot, key): fit for slot, pool in engine.pools.items() for key, fit in pool.fits.items()}
+    assert fits and any(fit.pairs >= 2 for fit in fits.values())
+    save_engine(engine, tmp_path / "s", synthetic_fingerprint(rotary))
+    restored = ReuseEngine(rotary, config)
+    load_engine(tmp_path / "s", restored, synthetic_fingerprint(rotary))
+    for (slot, key), fit in fits.items():
+        again = restored.pools[slot].fits[key]
+        assert again.pairs == fit.pairs and torch.equal(again.cross, fit.cross) and torch.equal(again.real_sq, fit.real_sq)

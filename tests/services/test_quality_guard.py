@@ -109,7 +109,7 @@ def test_bad_guard_config_is_refused_and_a_guard_serves_one_engine():
 def _estimated_plan(executor):
     """(engine, plan) of a prompt whose shared segment is estimated from an anchor: the same
     prompt seen once before (no exact prefix store, so only the anchor path can reuse it)."""
-    engine = ReuseEngine(executor.rotary, ReuseConfig(exact_prefix=False))
+    engine = ReuseEngine(executor.rotary, ReuseConfig(exact_prefix=False, base_source="standalone"))
     prompt = agent_prompt(executor, SPEC.agents[1], {"doc": SPEC.inputs[0]["doc"], "reader": "A river."})
     run_agent(executor, engine, prompt, 1)
     plan = engine.plan(prompt, executor.base_kv)

@@ -137,7 +137,7 @@ def test_concurrent_tenants_get_the_results_of_a_serial_run(tiny_executor):
     (replies, exact/estimated/computed tokens, fallbacks) under 4 concurrent threads equal the same
     calls run one tenant after another. A per-tenant quota of half what a tenant would hold
     makes eviction part of what must agree."""
-    config = ReuseConfig(pool=PoolConfig(gamma=1.0))
+    config = ReuseConfig(pool=PoolConfig(gamma=1.0), base_source="standalone")
 
     def calls(registry: TenantRegistry, t: int) -> list[tuple]:
         spec, rng, out = parse_pipeline(PIPELINE), random.Random(t), []

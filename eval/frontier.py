@@ -1,0 +1,220 @@
+"""The KL-vs-reuse frontier over several `kvcomm eval` results: one table and one chart.
+
+Every mode/setting of every result folder (pooled over seeds) is a point (token reuse rate,
+mean KL(dense || mode)); runs of the same workload that differ in flags such as
+``--base-source`` are told apart by those flags. A point is on the frontier when no other
+point of its workload reuses at least as many tokens at a KL at most as large (one of the two
+strictly). The noise floors drawn next to the points are the chunked-prefill floor each run
+measures and, where a run measured it (``--noise-floor``), the same model in another dtype.
+
+    python -m kvcomm.eval.frontier OUT1 OUT2 ... --out FOLDER   # or: kvcomm frontier ...
+
+writes ``FOLDER/frontier.md`` (a table per workload) and ``FOLDER/frontier.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg", force=True)
+import matplotlib.pyplot as plt  # noqa: E402
+
+POOLED = "pooled"
+DISTINGUISHING = ("base_source", "min_estimate_anchors", "recompute_ratio", "dtype", "pool")
+"""Run settings that make two results' points different configurations (shown in labels when
+they differ between the runs of one workload)."""
+
+
+@dataclass(frozen=True)
+class Point:
+    """One mode/setting of one run, pooled over seeds. Rates are in [0, 1]; KL in nats."""
+
+    workload: str
+    label: str
+    mode: str
+    token_reuse: float
+    exact_rate: float
+    estimated_rate: float
+    kl_mean: float | None
+    top1: float | None
+    reply_agreement: float | None
+    accuracy: float | None
+    accuracy_ci: tuple[float | None, float | None]
+    noise_kl_mean: float | None
+    calls: int
+    source: str
+
+
+@dataclass(frozen=True)
+class Floor:
+    """A dtype noise floor measured by ``kvcomm eval --noise-floor``: KL(reference || dtype)."""
+
+    workload: str
+    dtype: str
+    reference_dtype: str
+    kl_mean: float
+    kl_median: float | None
+    top1: float | None
+
+
+def load_results(folders: list[str | os.PathLike]) -> tuple[list[Point], list[Floor]]:
+    """Points and dtype floors of the ``results.json`` in each folder (or the file itself)."""
+    loaded = []
+    for folder in folders:
+        path = Path(folder)
+        path = path / "results.json" if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no results.json; pass folders written by `kvcomm eval --out`")
+        with open(path) as f:
+            loaded.append((str(path.parent), json.load(f)))
+    points, floors = [], []
+    for source, data in loaded:
+        settings = data.get("settings", {})
+        workload = data["workload"]
+        same = [s for _, d in loaded if d["workload"] == workload for s in [d.get("settings", {})]]
+        varying = [k for k in DISTINGUISHING if len({json.dumps(s.get(k)) for s in same}) > 1]
+        suffix = ", ".join(f"{k.replace('_', ' ')} {settings.get(k)}" for k in varying)
+        for row in data["aggregates"]:
+            if row["seed"] != POOLED:
+                continue
+            label = f"{row['mode']} {row['setting']}".strip()
+            if suffix and row["mode"] != "dense":
+                label += f" ({suffix})"
+            points.append(Point(
+                workload, label, row["mode"], row["token_reuse_rate"] or 0.0, row.get("exact_token_rate") or 0.0,
+                row.get("estimated_token_rate") or 0.0, row.get("kl_mean"), row.get("top1_agreement"),
+                row.get("reply_agreement"), row.get("accuracy"), (row.get("accuracy_ci_low"), row.get("accuracy_ci_high")),
+                row.get("noise_kl_mean"), row["calls"], source,
+            ))
+        floor = data.get("dtype_noise_floor") or settings.get("dtype_noise_floor")
+        if floor:
+            floors.append(Floor(workload, floor["dtype"], floor["reference_dtype"], floor["kl_mean"],
+                                floor.get("kl_median"), floor.get("same_top1")))
+    return _dedup_dense(points), floors
+
+
+def _dedup_dense(points: list[Point]) -> list[Point]:
+    """One dense point per workload (every run measures the same dense reference)."""
+    seen, out = set(), []
+    for p in points:
+        if p.mode == "dense":
+            if p.workload in seen:
+                continue
+            seen.add(p.workload)
+        out.append(p)
+    return out
+
+
+def on_frontier(point: Point, points: list[Point]) -> bool:
+    """No other point of the workload has reuse >= and KL <= this one's, one strictly."""
+    if point.kl_mean is None:
+        return False
+    for other in points:
+        if other is point or other.workload != point.workload or other.kl_mean is None:
+            continue
+        if other.token_reuse >= point.token_reuse and other.kl_mean <= point.kl_mean and \
+                (other.token_reuse > point.token_reuse or other.kl_mean < point.kl_mean):
+            return False
+    return True
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(points: list[Point], floors: list[Floor]) -> str:
+    """A table per workload, sorted by token reuse, frontier points marked."""
+    lines = []
+    for workload in dict.fromkeys(p.workload for p in points):
+        mine = sorted((p for p in points if p.workload == workload), key=lambda p: (p.token_reuse, -(p.kl_mean or 0)))
+        lines += [f"### {workload}", ""]
+        chunked = [p.noise_kl_mean for p in mine if p.noise_kl_mean is not None]
+        notes = []
+        if chunked:
+            notes.append(f"chunked-prefill floor KL {max(chunked):.1e} (largest over modes)")
+        for f in floors:
+            if f.workload == workload:
+                notes.append(f"{f.dtype} vs {f.reference_dtype} floor: KL mean {f.kl_mean:.1e}, median "
+                             f"{_fmt(f.kl_median, '.1e')}, same top-1 {_fmt(f.top1, '.1%')}")
+        if notes:
+            lines += ["Noise floors: " + "; ".join(notes) + ".", ""]
+        lines += ["| mode / setting | token reuse (exact + estimated) | KL mean | top-1 | reply eq | accuracy [95% CI] | frontier |",
+                  "|---|---|---|---|---|---|---|"]
+        for p in mine:
+            acc = "-" if p.accuracy is None else f"{p.accuracy:.2f} [{_fmt(p.accuracy_ci[0], '.2f')}, {_fmt(p.accuracy_ci[1], '.2f')}]"
+            lines.append(
+                f"| {p.label} | {p.token_reuse:.1%} ({p.exact_rate:.1%} + {p.estimated_rate:.1%}) | {_fmt(p.kl_mean, '.2e')} "
+                f"| {_fmt(p.top1, '.1%')} | {_fmt(p.reply_agreement, '.1%')} | {acc} | {'yes' if on_frontier(p, points) else ''} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(points: list[Point], floors: list[Floor], path: str | os.PathLike) -> Path:
+    """KL vs token reuse, one panel per workload, log KL axis; floors as dashed lines."""
+    workloads = list(dict.fromkeys(p.workload for p in points))
+    cols = min(2, len(workloads))
+    rows = math.ceil(len(workloads) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.3 * rows), squeeze=False)
+    markers = {"realign": "s", "cacheblend": "^", "kvcomm": "o", "exact": "D"}
+    for ax, workload in zip(axes.flat, workloads):
+        mine = [p for p in points if p.workload == workload and p.mode != "dense" and p.kl_mean is not None]
+        positive = [p.kl_mean for p in mine if p.kl_mean > 0]
+        clip = min(positive) / 3 if positive else 1e-12
+        chunked = [p.noise_kl_mean for p in points if p.workload == workload and p.noise_kl_mean is not None]
+        if chunked:
+            ax.axhline(max(max(chunked), clip), color="gray", linestyle=":", linewidth=1, label=f"chunked floor {max(chunked):.0e}")
+        for f in floors:
+            if f.workload == workload:
+                ax.axhline(f.kl_mean, color="black", linestyle="--", linewidth=1, label=f"{f.dtype} floor {f.kl_mean:.1e}")
+        for p in mine:
+            ax.plot([p.token_reuse], [max(p.kl_mean, clip)], markers.get(p.mode, "o"), markersize=8,
+                    markeredgecolor="black" if on_frontier(p, points) else "none", label=p.label)
+        ax.set_yscale("log")
+        ax.set_xlim(-0.02, 1.02)
+        ax.set_xlabel("token reuse rate")
+        ax.set_ylabel("mean KL(dense || mode)")
+        ax.set_title(f"{workload} (outlined: on the frontier)", fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7, loc="best")
+    for ax in list(axes.flat)[len(workloads):]:
+        ax.axis("off")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("results", nargs="+", help="folders written by `kvcomm eval --out` (or their results.json)")
+    parser.add_argument("--out", required=True, help="folder for frontier.md and frontier.png (created if missing)")
+
+
+def run_frontier_command(args: argparse.Namespace) -> int:
+    points, floors = load_results(args.results)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = markdown(points, floors)
+    (out / "frontier.md").write_text(text)
+    chart = plot(points, floors, out / "frontier.png")
+    print(text)
+    print(f"wrote {out / 'frontier.md'} and {chart}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvcomm.eval.frontier", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run_frontier_command(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,58 @@
+"""The KL-vs-reuse frontier report (kvcomm.eval.frontier) over result folders."""
+
+import json
+
+import pytest
+
+from kvcomm.eval.frontier import load_results, main, markdown, on_frontier
+
+
+def _row(mode, setting, reuse, kl, seed="pooled"):
+    return {"mode": mode, "setting": setting, "seed": seed, "token_reuse_rate": reuse, "exact_token_rate": 0.0,
+            "estimated_token_rate": reuse, "kl_mean": kl, "top1_agreement": 1.0 - kl, "reply_agreement": 0.5,
+            "accuracy": 0.5, "accuracy_ci_low": 0.3, "accuracy_ci_high": 0.7, "noise_kl_mean": 1e-12, "calls": 12}
+
+
+def _write(folder, workload, rows, **settings):
+    folder.mkdir()
+    (folder / "results.json").write_text(json.dumps({"workload": workload, "settings": settings, "aggregates": rows}))
+    return folder
+
+
+def test_frontier_marks_only_undominated_points_and_labels_differing_runs(tmp_path):
+    a = _write(tmp_path / "a", "mmlu", [
+        _row("dense", "", 0.0, 0.0), _row("realign", "", 0.9, 1e-3), _row("kvcomm", "gamma=0.3", 0.5, 2e-3),
+        _row("kvcomm", "gamma=0.3", 0.1, 9.0, seed=0),  # per-seed rows are not points
+    ], base_source="standalone", dtype_noise_floor={"dtype": "bfloat16", "reference_dtype": "float32",
+                                                    "kl_mean": 1e-3, "kl_median": 6e-4, "same_top1": 0.979})
+    b = _write(tmp_path / "b", "mmlu", [_row("dense", "", 0.0, 0.0), _row("kvcomm", "gamma=0.3", 0.95, 5e-4)],
+               base_source="first_use")
+    points, floors = load_results([a, b / "results.json"])
+    labels = [p.label for p in points]
+    assert labels == ["dense", "realign (base source standalone)", "kvcomm gamma=0.3 (base source standalone)", "kvcomm gamma=0.3 (base source first_use)"]
+    frontier = {p.label for p in points if on_frontier(p, points)}
+    # first_use kvcomm reuses more at a lower KL than realign and the standalone run: only it and dense remain
+    assert frontier == {"dense", "kvcomm gamma=0.3 (base source first_use)"}
+    assert floors[0].top1 == pytest.approx(0.979)
+    text = markdown(points, floors)
+    assert "bfloat16 vs float32 floor: KL mean 1.0e-03" in text
+    assert text.count("| yes |") == 2
+
+
+def test_frontier_command_writes_table_and_chart(tmp_path, capsys):
+    a = _write(tmp_path / "a", "gsm", [_row("dense", "", 0.0, 0.0), _row("realign", "", 0.8, 1e-2)])
+    assert main([str(a), "--out", str(tmp_path / "fr")]) == 0
+    assert (tmp_path / "fr" / "frontier.png").stat().st_size > 1000
+    assert "### gsm" in (tmp_path / "fr" / "frontier.md").read_text()
+
+
+def test_frontier_refuses_a_folder_without_results(tmp_path):
+    with pytest.raises(FileNotFoundError, match="kvcomm eval --out"):
+        load_results([tmp_path])
+
+
+def test_equal_reuse_at_higher_kl_is_dominated_and_workloads_never_mix(tmp_path):
+    a = _write(tmp_path / "a", "mmlu", [_row("realign", "", 0.9, 1e-3), _row("cacheblend", "r=0.15", 0.9, 2e-3)])
+    b = _write(tmp_path / "b", "gsm", [_row("realign", "", 0.95, 1e-4)])
+    points, _ = load_results([a, b])
+    assert [on_frontier(p, points) for p in points] == [True, False, True]
