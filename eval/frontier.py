@@ -7,7 +7,7 @@ point of its workload reuses at least as many tokens at a KL at most as large (o
 strictly). The noise floors drawn next to the points are the chunked-prefill floor each run
 measures and, where a run measured it (``--noise-floor``), the same model in another dtype.
 
-    python -m kvcomm.eval.frontier OUT1 OUT2 ... --out FOLDER   # or: kvcomm frontier ...
+    kvcomm frontier OUT1 OUT2 ... --out FOLDER   # or: python -m kvcomm.eval.frontier ...
 
 writes ``FOLDER/frontier.md`` (a table per workload) and ``FOLDER/frontier.png``.
 """
@@ -20,11 +20,6 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-
-import matplotlib
-
-matplotlib.use("Agg", force=True)
-import matplotlib.pyplot as plt  # noqa: E402
 
 POOLED = "pooled"
 DISTINGUISHING = ("base_source", "min_estimate_anchors", "recompute_ratio", "dtype", "pool")
@@ -159,6 +154,10 @@ def markdown(points: list[Point], floors: list[Floor]) -> str:
 
 def plot(points: list[Point], floors: list[Floor], path: str | os.PathLike) -> Path:
     """KL vs token reuse, one panel per workload, log KL axis; floors as dashed lines."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
     workloads = list(dict.fromkeys(p.workload for p in points))
     cols = min(2, len(workloads))
     rows = math.ceil(len(workloads) / cols)

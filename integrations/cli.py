@@ -171,8 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dtype_option(check)
     check.add_argument("--json", action="store_true")
     from kvcomm.eval.cli_eval import add_eval_parser
+    from kvcomm.eval.frontier import add_arguments as add_frontier_arguments
 
     add_eval_parser(sub)
+    add_frontier_arguments(sub.add_parser("frontier", help="KL-vs-reuse table and chart over several `kvcomm eval` result folders"))
     return parser
 
 
@@ -212,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_selfcheck(args)
         if args.command == "eval":
             return args.eval_command(args)
+        if args.command == "frontier":
+            from kvcomm.eval.frontier import run_frontier_command
+
+            return run_frontier_command(args)
         spec = load_bundled_pipeline(DEMO_PIPELINE) if args.command == "demo" else load_pipeline(args.pipeline)
         if args.limit is not None:
             if args.limit < 1:

@@ -37,14 +37,15 @@ BaseProvider = Callable[[Segment], KV]
 BASE_SOURCES = ("standalone", "first_use")
 """Where new shared content's base KV comes from (``ReuseConfig.base_source``).
 
-- ``standalone`` (default, KVCOMM's base): the executor prefills it alone behind a short
-  lead-in when the request that first sees it is planned; that request can estimate it
-  already, but pays one more forward pass over the content first.
-- ``first_use``: the first request that contains it computes it densely (reuse stops
-  there) and its KV there, de-rotated, becomes the base; no extra forward pass.
+- ``first_use`` (default): the first request that contains it computes it densely (reuse
+  stops there) and its KV there, de-rotated, becomes the base; no extra forward pass, so a
+  miss costs what dense costs.
+- ``standalone`` (KVCOMM's base): the executor prefills it alone behind a short lead-in when
+  the request that first sees it is planned; that request can estimate it already, but pays
+  one more forward pass over the content first.
 
 Replies get their base from the producer's decode either way. How the two compare in
-quality and reuse: docs/measurements/2026-11-history.md ("Base KV source").
+quality and reuse: docs/measurements/2026-12-02-frontier.md.
 """
 
 MODES = ("kvcomm", "exact", "realign", "cacheblend")

@@ -56,3 +56,11 @@ def test_equal_reuse_at_higher_kl_is_dominated_and_workloads_never_mix(tmp_path)
     b = _write(tmp_path / "b", "gsm", [_row("realign", "", 0.95, 1e-4)])
     points, _ = load_results([a, b])
     assert [on_frontier(p, points) for p in points] == [True, False, True]
+
+
+def test_kvcomm_frontier_command(tmp_path, capsys):
+    from kvcomm.integrations.cli import main as cli
+
+    a = _write(tmp_path / "a", "humaneval", [_row("dense", "", 0.0, 0.0), _row("kvcomm", "gamma=1,V=20", 0.6, 1e-3)])
+    assert cli(["frontier", str(a), "--out", str(tmp_path / "fr")]) == 0
+    assert "### humaneval" in capsys.readouterr().out and (tmp_path / "fr" / "frontier.png").exists()
