@@ -74,8 +74,8 @@ def load_results(folders: list[str | os.PathLike]) -> tuple[list[Point], list[Fl
         settings = data.get("settings", {})
         workload = data["workload"]
         same = [s for _, d in loaded if d["workload"] == workload for s in [d.get("settings", {})]]
-        varying = [k for k in DISTINGUISHING if len({json.dumps(s.get(k)) for s in same}) > 1]
-        suffix = ", ".join(f"{k.replace('_', ' ')} {settings.get(k)}" for k in varying)
+        varying = [k for k in DISTINGUISHING if len({json.dumps(s.get(k) or None) for s in same}) > 1]  # [] and absent alike
+        suffix = ", ".join(f"{k.replace('_', ' ')} {_setting(settings.get(k))}" for k in varying)
         for row in data["aggregates"]:
             if row["seed"] != POOLED:
                 continue
@@ -93,6 +93,15 @@ def load_results(folders: list[str | os.PathLike]) -> tuple[list[Point], list[Fl
             floors.append(Floor(workload, floor["dtype"], floor["reference_dtype"], floor["kl_mean"],
                                 floor.get("kl_median"), floor.get("same_top1")))
     return _dedup_dense(points), floors
+
+
+def _setting(value) -> str:
+    """A run setting as a label part: pool overrides as name=value, nothing as "default"."""
+    if not value:
+        return "default"
+    if isinstance(value, list):
+        return " ".join(f"{k}={v}" for k, v in value)
+    return str(value)
 
 
 def _dedup_dense(points: list[Point]) -> list[Point]:
