@@ -32,7 +32,7 @@ def _exchange(backend: ChatBackend, task: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_two_agent_exchange_reuses_the_other_agents_reply(tiny_executor):
-    engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
+    engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), base_source="standalone"))
     backend = ChatBackend(tiny_executor, engine, max_new_tokens=12)
     histories = [_exchange(backend, task) for task in TASKS]
     assert [m["name"] for m in histories[-1]] == ["writer", "reviewer", "writer", "reviewer"]

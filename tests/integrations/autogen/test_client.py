@@ -28,7 +28,7 @@ def _team(client: KvcommChatCompletionClient) -> RoundRobinGroupChat:
 
 def _reuse_backend(executor, max_new_tokens: int = 12) -> ChatBackend:
     # gamma 1: any two compatible anchors are close enough, so reuse starts after two samples
-    return ChatBackend(executor, ReuseEngine(executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0))), max_new_tokens)
+    return ChatBackend(executor, ReuseEngine(executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), base_source="standalone")), max_new_tokens)
 
 
 @pytest.mark.slow
