@@ -43,8 +43,7 @@ class ShrinkageFit:
 
     @classmethod
     def empty(cls, layers: int) -> "ShrinkageFit":
-        zeros = lambda: torch.zeros(2, layers, dtype=torch.float64)  # noqa: E731
-        return cls(zeros(), zeros(), zeros())
+        return cls(*(torch.zeros(2, layers, dtype=torch.float64) for _ in range(3)))
 
     def observe(self, estimate: KV, real: KV) -> None:
         """Add one pair: both ``[layers, kv_heads, T, head_dim]``, any float dtype, same shape."""

@@ -348,11 +348,15 @@ def _record(
     )
 
 
+def _named_pools(engine: ReuseEngine) -> list[tuple[object, object]]:
+    """(slot name or index, pool) of every pool the engine holds (a dict, or a list for test engines)."""
+    return list(engine.pools.items() if isinstance(engine.pools, dict) else enumerate(engine.pools))
+
+
 def _pool_state(engine: ReuseEngine | None) -> tuple[int, dict[str, int], int]:
     if engine is None:
         return 0, {}, 0
-    pools = engine.pools.items() if isinstance(engine.pools, dict) else enumerate(engine.pools)
-    pools = list(pools)
+    pools = _named_pools(engine)
     bases = {id(a.base.keys): a.base.nbytes for _, pool in pools for a in pool.anchors}  # one base per content, counted once
     deviations = sum(d.nbytes for _, pool in pools for a in pool.anchors for d in a.deviations.values())
     return (
@@ -367,10 +371,9 @@ def _shrinkage_state(engine: ReuseEngine | None) -> dict[str, dict]:
     error ratio of the shrunk estimate to realignment's on those pairs."""
     if engine is None:
         return {}
-    pools = engine.pools.items() if isinstance(engine.pools, dict) else enumerate(engine.pools)
     out = {}
-    for name, pool in pools:
-        for ((template, slot), part), fit in sorted(getattr(pool, "fits", {}).items()):
+    for name, pool in _named_pools(engine):
+        for ((template, slot), part), fit in sorted(pool.fits.items()):
             factors, ratio = fit.factors(1), fit.error_ratio()
             out[f"{name}/{template}:{slot}/{part}"] = {
                 "pairs": fit.pairs, "key_factor_mean": float(factors[0].mean()), "value_factor_mean": float(factors[1].mean()),

@@ -43,8 +43,6 @@ class Point:
     accuracy: float | None
     accuracy_ci: tuple[float | None, float | None]
     noise_kl_mean: float | None
-    calls: int
-    source: str
 
 
 @dataclass(frozen=True)
@@ -68,12 +66,12 @@ def load_results(folders: list[str | os.PathLike]) -> tuple[list[Point], list[Fl
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no results.json; pass folders written by `kvcomm eval --out`")
         with open(path) as f:
-            loaded.append((str(path.parent), json.load(f)))
+            loaded.append(json.load(f))
     points, floors = [], []
-    for source, data in loaded:
+    for data in loaded:
         settings = data.get("settings", {})
         workload = data["workload"]
-        same = [s for _, d in loaded if d["workload"] == workload for s in [d.get("settings", {})]]
+        same = [d.get("settings", {}) for d in loaded if d["workload"] == workload]
         varying = [k for k in DISTINGUISHING if len({json.dumps(s.get(k) or None) for s in same}) > 1]  # [] and absent alike
         suffix = ", ".join(f"{k.replace('_', ' ')} {_setting(settings.get(k))}" for k in varying)
         for row in data["aggregates"]:
@@ -86,7 +84,7 @@ def load_results(folders: list[str | os.PathLike]) -> tuple[list[Point], list[Fl
                 workload, label, row["mode"], row["token_reuse_rate"] or 0.0, row.get("exact_token_rate") or 0.0,
                 row.get("estimated_token_rate") or 0.0, row.get("kl_mean"), row.get("top1_agreement"),
                 row.get("reply_agreement"), row.get("accuracy"), (row.get("accuracy_ci_low"), row.get("accuracy_ci_high")),
-                row.get("noise_kl_mean"), row["calls"], source,
+                row.get("noise_kl_mean"),
             ))
         floor = data.get("dtype_noise_floor") or settings.get("dtype_noise_floor")
         if floor:
