@@ -369,3 +369,23 @@ def test_json_has_no_nan_or_infinity_and_rows_without_reference_score_none():
     assert _finite({"a": [math.inf, -math.inf, math.nan, 1.5], "b": (2,)}) == {"a": ["inf", "-inf", None, 1.5], "b": [2]}
     workload = InlineWorkload("inline", None, ("Seine", None))
     assert _score(workload, 0, "the seine") == 1.0 and _score(workload, 1, "anything") is None
+
+
+def test_pool_settings_reach_the_kvcomm_runs_and_bad_ones_are_refused():
+    """``--pool NAME=VALUE`` (JSON values) sets further PoolConfig fields of every kvcomm run."""
+    parser = _parser()
+    args = parser.parse_args(["eval", "--workload", "mmlu", "--out", "x", "--pool", "shrinkage=false",
+                              "--pool", "min_coverage=0.25", "--pool", "admission_distance=l2"])
+    from kvcomm.eval.cli_eval import settings_from_args
+
+    settings = settings_from_args(args)
+    pool = settings.config(settings.runs()[-1]).pool
+    assert (pool.shrinkage, pool.min_coverage, pool.admission_distance) == (False, 0.25, "l2")
+    with pytest.raises(ValueError, match="unknown pool setting 'shrink'"):
+        EvalSettings(pool=(("shrink", False),))
+    with pytest.raises(ValueError, match="min_coverage must be in"):
+        EvalSettings(pool=(("min_coverage", 2.0),))
+    with pytest.raises(ValueError, match="unknown pool setting 'gamma'"):  # gamma has its own grid (--gammas)
+        EvalSettings(pool=(("gamma", 0.5),))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["eval", "--workload", "mmlu", "--out", "x", "--pool", "shrinkage"])
