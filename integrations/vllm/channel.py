@@ -5,18 +5,21 @@ EngineCore; with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` that is also the caller's 
 so one process-level ``Channel`` per engine (keyed by ``KVTransferConfig.engine_id``)
 carries state between the scheduler-side and worker-side connector instances and the
 caller: KV to inject per request handle, the real KV captured for it (kept on the KV
-cache's device until taken), and why the connector is off if it refused the engine's
-configuration at start-up.
+cache's device until taken), the served model's ``Rotary`` (read from vLLM's rotary module
+and self-checked by the worker side at start-up), and why the connector is off if it refused
+the engine's configuration at start-up.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from kvcomm.core.kv import KV
+from kvcomm.core.rope import Rotary
 
 
 @dataclass
@@ -80,6 +83,10 @@ class Channel:
     lock: threading.Lock = field(default_factory=threading.Lock)
     refusal: str | None = None
     """Why this engine's connector is off (set once at start-up; None: it is on)."""
+    rotary: Rotary | None = None
+    """The served model's rotary numbers, from vLLM's own module (set at start-up when the connector is on)."""
+    rope_check: Any = None
+    """The ``SelfCheck`` that ``rotary`` passed against vLLM's keys."""
 
     def place(self, handle: str, order: Order) -> None:
         with self.lock:

@@ -23,8 +23,9 @@ CUDA graphs: full-graph replay would skip the per-layer hooks, so
 ``requires_piecewise_for_cudagraph`` is True and vLLM runs piecewise graphs (or eager).
 
 Refusals happen at start-up, never inside a forward (``config_refusal``, ``layer_refusal``,
-the layout self-check): unsupported attention backends (MLA and any backend without
-``do_kv_cache_update``), sliding-window, chunked-local or hybrid layers, more than one KV
+the layout self-check, ``vllm.rotary``'s RoPE self-check against vLLM's own rotary module):
+rotary embeddings kvcomm cannot realign exactly, unsupported attention backends (MLA and any
+backend without ``do_kv_cache_update``), sliding-window, chunked-local or hybrid layers, more than one KV
 cache group, KV sharing between layers, quantized (fp8) KV caches, tensor or pipeline
 parallelism > 1, workers outside the engine-core process. A refused connector stays
 loaded but inert: requests that do not opt in are served exactly as by stock vLLM, and
@@ -49,6 +50,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.logger import init_logger
 
+from kvcomm.core.rope import RopeError
 from kvcomm.integrations.vllm.channel import Capture, Channel, channel
 from kvcomm.integrations.vllm.layout import KvIO, LayoutError
 from kvcomm.integrations.vllm.metrics import record_rejected
@@ -300,7 +302,7 @@ class KvcommConnector(KVConnectorBase_V1):
                 'kv_connector_extra_config={"plan": true}'
             )
         if self._planner is None:
-            self._planner = _make_planner(self._vllm_config)
+            self._planner = _make_planner(self._vllm_config, self.channel)
         planned = self._planner.prepare(
             list(request.prompt_token_ids), params, salted=request.cache_salt is not None, max_tokens=request.max_tokens,
         )
@@ -371,7 +373,10 @@ class KvcommConnector(KVConnectorBase_V1):
             return
         try:
             self._register(kv_caches)
-        except LayoutError as error:
+            from kvcomm.integrations.vllm.rotary import served_rotary
+
+            self.channel.rotary, self.channel.rope_check = served_rotary(self._vllm_config)
+        except (LayoutError, RopeError) as error:
             self._refused = str(error)
         self._refuse_if_needed()
 
@@ -492,17 +497,16 @@ def _to_device(tensor: torch.Tensor, device: torch.device | None, dtype: torch.d
     return tensor.contiguous().pin_memory().to(device, non_blocking=True)
 
 
-def _make_planner(vllm_config: "VllmConfig") -> ServerPlanner:
-    """A planner on the served model's own rotary embedding (self-checked on the checkpoint,
-    loaded once with transformers, fp32)."""
-    from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer
-    from kvcomm.integrations.transformers.rotary import rotary_from_model
-
+def _make_planner(vllm_config: "VllmConfig", channel: Channel) -> ServerPlanner:
+    """A planner on the served model's own rotary embedding (vLLM's module, self-checked at
+    start-up). With ``state_dir`` the checkpoint is also loaded with transformers, once, for
+    the fingerprint of the saved state (its config and weights, under transformers' names)."""
     from kvcomm.anchors.pool import PoolConfig
     from kvcomm.engine.engine import ReuseConfig
 
-    model, tokenizer = load_model_and_tokenizer(str(vllm_config.model_config.model))
-    rotary, _ = rotary_from_model(model)
+    rotary = channel.rotary
+    if rotary is None:
+        raise RuntimeError("the kvcomm connector's worker side has not read the served model's rotary embedding")
     extra = vllm_config.kv_transfer_config
     pool = PoolConfig(gamma=float(extra.get_from_extra_config("gamma", PoolConfig.gamma)),
                       max_anchors=int(extra.get_from_extra_config("max_anchors", PoolConfig.max_anchors)))
@@ -512,12 +516,14 @@ def _make_planner(vllm_config: "VllmConfig") -> ServerPlanner:
     if state_dir:
         from kvcomm.core.fingerprint import model_fingerprint
         from kvcomm.integrations.serve.state import PlannerState
+        from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer
 
+        model, tokenizer = load_model_and_tokenizer(str(vllm_config.model_config.model))
         fingerprint = model_fingerprint(model, tokenizer, rotary, kv_dtype=vllm_config.model_config.dtype)
+        del model
         state = PlannerState(planner, state_dir, fingerprint, float(extra.get_from_extra_config("save_interval_s", 60.0)))
         state.restore()
         state.start()
-    del model
     return planner
 
 

@@ -22,7 +22,6 @@ from kvcomm.engine.executor import Generation, OnToken
 from kvcomm.core.kv import KV, to_position_free
 from kvcomm.engine.plan import BlendRequest
 from kvcomm.core.segments import Segment
-from kvcomm.integrations.transformers.rotary import rotary_from_model
 from kvcomm.integrations.transformers.executor import TransformersExecutor, _as_list
 from kvcomm.integrations.vllm.channel import Channel, Order, channel
 from kvcomm.integrations.vllm.engine import CONNECTOR
@@ -31,9 +30,9 @@ from kvcomm.integrations.vllm.engine import CONNECTOR
 class VllmExecutor:
     """Runs one agent call at a time on ``llm`` (a ``vllm.LLM`` from ``make_llm``, in-process).
 
-    hf_model, tokenizer: the same checkpoint loaded with transformers, used for the RoPE
-    self-check (raises ``RopeError`` if realignment is not exact), the chat template and the
-    stop tokens; the model's weights are not used for inference.
+    hf_model, tokenizer: the same checkpoint loaded with transformers, used for the chat
+    template and the stop tokens; the model's weights are not used. The rotary numbers are
+    vLLM's own (``vllm.rotary``), read and self-checked by the connector at start-up.
     """
 
     # Text handling is the reference executor's, token for token (same tokenizer).
@@ -55,7 +54,7 @@ class VllmExecutor:
         self.channel: Channel = channel(str(transfer.engine_id))
         if self.channel.refusal is not None:
             raise RuntimeError(f"the kvcomm connector refused this engine at start-up: {self.channel.refusal}")
-        self.rotary, self.self_check = rotary_from_model(hf_model)
+        self.rotary, self.self_check = self.channel.rotary, self.channel.rope_check  # vLLM's own, checked at start-up
         eos = {tokenizer.eos_token_id, *_as_list(getattr(hf_model.generation_config, "eos_token_id", None))}
         self.stop_ids = {t for t in eos if t is not None}
         self.lead_in_ids = tokenizer.encode(tokenizer.bos_token or "\n", add_special_tokens=False)
