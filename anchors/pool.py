@@ -34,7 +34,7 @@ class PoolConfig:
     """Settings of one anchor pool (admission, estimation, eviction); measurements behind the
     defaults are in docs/measurements/."""
 
-    gamma: float = 0.3
+    gamma: float = 1.0
     """Admission threshold: reuse only if the entropy of p over the compatible anchors is
     <= gamma * log(#compatible); 0 reuses only a one-hot p, 1 always reuses."""
     admission_distance: str = "relative"

@@ -37,10 +37,10 @@ BaseProvider = Callable[[Segment], KV]
 BASE_SOURCES = ("standalone", "first_use")
 """Where new shared content's base KV comes from (``ReuseConfig.base_source``).
 
-- ``first_use``: the first request that contains it computes it densely (reuse
+- ``first_use`` (default): the first request that contains it computes it densely (reuse
   stops there) and its KV there, de-rotated, becomes the base; no extra forward pass, so a
   miss costs what dense costs.
-- ``standalone`` (default, KVCOMM's base): the executor prefills it alone behind a short lead-in when
+- ``standalone`` (KVCOMM's base): the executor prefills it alone behind a short lead-in when
   the request that first sees it is planned; that request can estimate it already, but pays
   one more forward pass over the content first.
 
@@ -83,7 +83,7 @@ class ReuseConfig:
     mode: str = "kvcomm"
     recompute_ratio: float = 0.15
     check_layer: int = 1
-    base_source: str = "standalone"
+    base_source: str = "first_use"
     workspace_bytes: int = 512 << 20
     learn_after_estimates: bool = False
 

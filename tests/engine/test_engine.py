@@ -35,13 +35,15 @@ def test_first_call_falls_back_to_exactly_dense(smol_executor):
 @pytest.mark.parametrize("exact_prefix", [True, False])
 def test_same_context_reproduces_dense_kv_and_tokens(smol_executor, exact_prefix):
     """Behind the same preceding text it was recorded with, a reused segment is exact:
-    through the prefix store, or (store off) realigned base + its own recorded deviation."""
+    through the prefix store, or (store off) realigned base + its own recorded deviation.
+    With first_use bases the first run takes the bases and the second records the anchors."""
     spec = parse_pipeline(PIPELINE)
     executor = smol_executor
     engine = ReuseEngine(executor.rotary, ReuseConfig(exact_prefix=exact_prefix))
     prompt = _prompt(executor, spec, 1, {"doc": spec.inputs[0]["doc"], "reader": "A river flows through Paris."})
     dense, _ = run_agent(executor, None, prompt, 12)
-    run_agent(executor, engine, prompt, 12)  # records anchors, fixed bases, prefix
+    for _ in range(2):
+        run_agent(executor, engine, prompt, 12)  # records bases, then anchors, fixed bases, prefix
     plan = engine.plan(prompt, executor.base_kv)
     kv = engine.materialize(plan)
     assert plan.reuse_end == len(prompt) - 1  # everything but the last token is reused
@@ -60,9 +62,11 @@ def test_estimation_kicks_in_after_two_anchors_and_learns(tiny_executor):
     spec = parse_pipeline(PIPELINE)
     engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
     provenance = [[c.provenance for c in run_row(spec, row, tiny_executor, engine)] for row in range(4)]
-    first_reader = [p[0] for p in provenance]
-    assert first_reader[0].fallback and first_reader[1].fallback  # pools hold <= 1 anchor
-    assert first_reader[2].estimated_tokens > 0 and not first_reader[2].fallback
+    readers, askers = [p[0] for p in provenance], [p[1] for p in provenance]
+    # first_use: the reader is the first to see each row's doc, so it computes it and takes its base there
+    assert all(p.fallback and "new content" in p.note for p in readers[1:])
+    assert askers[0].fallback and askers[1].fallback  # the asker's pool holds <= 1 anchor
+    assert askers[2].estimated_tokens > 0 and not askers[2].fallback
     assert len(engine.pool("doc")) == 2  # the two dense samples became anchors, reused ones did not
     for p in (c for row in provenance for c in row):
         assert p.exact_tokens + p.estimated_tokens + p.computed_tokens == p.prompt_tokens
@@ -71,14 +75,16 @@ def test_estimation_kicks_in_after_two_anchors_and_learns(tiny_executor):
 
 @pytest.mark.slow
 def test_segment_longer_than_every_anchor_reuses_covered_head(tiny_executor):
-    """With min_coverage 0 (the mechanism alone; the default sends a mostly uncovered segment dense)."""
+    """With min_coverage 0 (the mechanism alone; the default sends a mostly uncovered segment dense).
+    The asker's anchors come from two rows; the reader's prefill gives the long doc its base."""
     spec = parse_pipeline(PIPELINE)
     engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, min_coverage=0.0)))
-    for row in spec.inputs[:2]:
-        run_agent(tiny_executor, engine, _prompt(tiny_executor, spec, 0, row), 4)
+    for row in range(2):
+        run_row(spec, row, tiny_executor, engine)
     longest = max(a.length for a in engine.pool("doc").anchors)
     long_doc = " ".join(r["doc"] for r in spec.inputs)
-    prompt = _prompt(tiny_executor, spec, 0, {"doc": long_doc})
+    run_agent(tiny_executor, engine, _prompt(tiny_executor, spec, 0, {"doc": long_doc}), 4)
+    prompt = _prompt(tiny_executor, spec, 1, {"doc": long_doc, "reader": "A summary."})
     plan = engine.plan(prompt, tiny_executor.base_kv)
     shared = next(i for i, s in enumerate(prompt.segments) if s.is_shared)
     assert len(prompt.segments[shared]) > longest

@@ -183,6 +183,7 @@ def test_cacheblend_full_ratio_reproduces_dense(tiny_executor):
     executor = tiny_executor
     engine = ReuseEngine(executor.rotary, ReuseConfig(mode="cacheblend", recompute_ratio=1.0))
     run_agent(executor, engine, _asker(executor, 0), 1)
+    run_agent(executor, engine, _reader(executor, 1), 1)  # first_use: row 1's doc takes its base here
     prompt = _asker(executor, 1)
     generation, p = run_agent(executor, engine, prompt, 4, keep_logprobs=True)
     estimated = p.prompt_tokens - p.exact_tokens - 1
@@ -272,6 +273,7 @@ def test_keep_logprobs(tiny_executor):
     spec = parse_pipeline(PIPELINE)
     engine = ReuseEngine(executor.rotary, ReuseConfig(mode="realign"))
     assert all(c.prompt_logprobs is None for c in run_row(spec, 0, executor, engine))
+    run_row(spec, 1, executor, engine)  # first_use: row 1's new content takes its bases here
     for call in run_row(spec, 1, executor, engine, keep_logprobs=True):
         p = call.provenance
         assert call.prompt_logprobs.shape == (len(call.prompt_ids) - p.reuse_end, vocab)

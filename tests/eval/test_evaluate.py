@@ -166,8 +166,8 @@ def test_settings_validation():
     assert EvalSettings(min_estimate_anchors=0).config(runs[-1]).pool.min_estimate_anchors == 0
     with pytest.raises(ValueError, match="min_estimate_anchors must be an integer >= 0"):
         EvalSettings(min_estimate_anchors=-1)
-    assert {settings.config(r).base_source for r in runs} == {"standalone"}
-    assert EvalSettings(base_source="first_use").config(runs[0]).base_source == "first_use"
+    assert {settings.config(r).base_source for r in runs} == {"first_use"}
+    assert EvalSettings(base_source="standalone").config(runs[0]).base_source == "standalone"
     with pytest.raises(ValueError, match="unknown base_source 'prefill'"):
         EvalSettings(base_source="prefill")
 

@@ -22,8 +22,8 @@ from support.two_agent_case import PIPELINE, agent_prompt
 SPEC = parse_pipeline({**PIPELINE, "max_new_tokens": 2})
 
 
-def _run(executor, guard: QualityGuard | None, gamma: float = 1.0):
-    engine = ReuseEngine(executor.rotary, ReuseConfig(pool=PoolConfig(gamma=gamma)))
+def _run(executor, guard: QualityGuard | None, gamma: float = 1.0, base_source: str = "first_use"):
+    engine = ReuseEngine(executor.rotary, ReuseConfig(pool=PoolConfig(gamma=gamma), base_source=base_source))
     started = time.perf_counter()
     calls = [c for row in range(len(SPEC.inputs)) for c in run_row(SPEC, row, executor, engine, guard=guard)]
     return engine, calls, time.perf_counter() - started
@@ -68,11 +68,13 @@ def test_tiny_budget_disables_the_slot_and_huge_budget_never_acts(smol_executor,
 @pytest.mark.slow
 def test_exact_reuse_measures_zero_kl(smol_executor):
     """Behind the context it was recorded in, a reused segment reproduces dense KV, so the
-    shadow KL must be ~0: the guard compares the right two distributions."""
+    shadow KL must be ~0: the guard compares the right two distributions. (first_use: the first
+    run takes the bases, the second records the anchors, the third reuses.)"""
     engine = ReuseEngine(smol_executor.rotary, ReuseConfig(exact_prefix=False))
     guard = QualityGuard(GuardConfig(fraction=1.0, budget=1e-3, min_samples=1))
     prompt = agent_prompt(smol_executor, SPEC.agents[1], {"doc": SPEC.inputs[0]["doc"], "reader": "A river."})
-    run_agent(smol_executor, engine, prompt, 2, guard=guard)
+    for _ in range(2):
+        run_agent(smol_executor, engine, prompt, 2, guard=guard)
     _, provenance = run_agent(smol_executor, engine, prompt, 2, guard=guard)
     assert provenance.estimated_tokens > 0
     metrics = guard.metrics()
@@ -83,8 +85,10 @@ def test_exact_reuse_measures_zero_kl(smol_executor):
 @pytest.mark.slow
 def test_tighten_lowers_gamma_then_disables(tiny_executor):
     guard = QualityGuard(GuardConfig(fraction=1.0, budget=1e-12, min_samples=1, max_tightenings=2))
-    engine, calls, _ = _run(tiny_executor, guard)
-    engine2, calls2, _ = _run(tiny_executor, None)
+    # standalone bases estimate from the second row on: enough shadowed samples in four rows to
+    # tighten twice and disable (first_use estimates only the asker's last two rows)
+    engine, calls, _ = _run(tiny_executor, guard, base_source="standalone")
+    engine2, calls2, _ = _run(tiny_executor, None, base_source="standalone")
     state = guard.metrics()["slots"]
     assert state and any(s["tightenings"] >= 1 for s in state.values())
     for s in state.values():
