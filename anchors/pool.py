@@ -73,6 +73,10 @@ class PoolConfig:
     shrinkage_min_pairs: int = 2
     """Observed (estimate, real) pairs a slot needs before its factors are used; until then
     its estimates are served unshrunk."""
+    estimate_scale: float = 1.0
+    """Factor on every served estimated deviation (after shrinkage; identical matches keep their
+    own deviation): 1 serves the estimate, 0 serves the pool's reuse decisions with plain RoPE
+    realignment, so comparing the two measures what the estimate adds at equal decisions."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -100,6 +104,8 @@ class PoolConfig:
         if isinstance(self.shrinkage_min_pairs, bool) or not isinstance(self.shrinkage_min_pairs, int) \
                 or self.shrinkage_min_pairs < 1:
             problems.append(f"shrinkage_min_pairs must be an integer >= 1 (got {self.shrinkage_min_pairs!r})")
+        if not (math.isfinite(self.estimate_scale) and self.estimate_scale >= 0):
+            problems.append(f"estimate_scale must be a finite number >= 0 (got {self.estimate_scale})")
         if not 0 <= self.min_coverage <= 1:
             problems.append(f"min_coverage must be in [0, 1] (got {self.min_coverage})")
         if self.max_bytes is not None and self.max_bytes <= 0:
@@ -326,13 +332,14 @@ class AnchorPool:
 
     def _factors(self, slot: SlotKey, part: str, shrink: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-layer (key, value) factors broadcastable against per-anchor weights: fp32
-        ``[layers, 1, 1, 1]`` each, or scalar ones when not shrinking (yet)."""
+        ``[layers, 1, 1, 1]`` each, or scalars when not shrinking (yet). ``shrink``: the
+        served estimate (fitted factors times ``estimate_scale``); False: the raw one."""
         fit = self.fits.get((slot, part)) if shrink and self.config.shrinkage else None
         factors = fit.factors(self.config.shrinkage_min_pairs) if fit is not None else None
+        scale = torch.tensor(self.config.estimate_scale if shrink else 1.0, dtype=torch.float32)
         if factors is None:
-            one = torch.ones((), dtype=torch.float32)
-            return one, one
-        return factors[0][:, None, None, None], factors[1][:, None, None, None]
+            return scale, scale
+        return factors[0][:, None, None, None] * scale, factors[1][:, None, None, None] * scale
 
     def observe(self, match: Match, base: KV, real_shared: KV, real_following: KV | None = None) -> None:
         """Fit the slot's shrinkage on one segment seen densely: compare what ``match`` would have

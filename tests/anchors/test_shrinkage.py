@@ -127,3 +127,28 @@ def test_the_engine_observes_each_dense_segment_before_it_becomes_an_anchor():
         engine.learn(plan, KV(torch.randn(LAYERS, HEADS, n, DIM, generator=gen), torch.randn(LAYERS, HEADS, n, DIM, generator=gen)))
     fit = engine.pool("doc").fits[(("agent", "doc"), "shared")]
     assert fit.pairs == 2
+
+
+def test_estimate_scale_multiplies_the_served_estimate_and_zero_is_realignment():
+    """estimate_scale 0 serves a matched segment with no offset (realignment at the pool's own
+    decisions), 0.5 half the estimate; the observed (raw) estimate and identical matches keep theirs."""
+    served = {}
+    for scale in (1.0, 0.5, 0.0):
+        gen = torch.Generator().manual_seed(4)
+        pool = _pool_with_noise_anchors(gen, shrinkage=False)
+        pool.config = PoolConfig(**{**pool.config.__dict__, "estimate_scale": scale})
+        new = _kv(gen)
+        match = pool.decide(SLOT, "new", new, np.ones(4, dtype=np.float32))
+        served[scale] = pool.estimate(match, new)[0]
+        raw = pool.estimate_terms(match, new, shrink=False)[0]
+        assert all(float(w.max()) > 0 for w in raw.key_weights)  # what observe compares stays unscaled
+        anchor = pool.get("a0")
+        same = pool.estimate(pool.decide(SLOT, "a0", anchor.base, anchor.embedding), anchor.base)[0]
+        assert torch.equal(same.keys, anchor.deviations[SLOT].shared.keys.float())
+    assert float(served[1.0].keys.abs().max()) > 0
+    assert torch.equal(served[0.0].keys, torch.zeros_like(served[0.0].keys))
+    assert torch.equal(served[0.0].values, torch.zeros_like(served[0.0].values))
+    assert torch.allclose(served[0.5].keys, 0.5 * served[1.0].keys, atol=1e-6)
+    for bad in (-0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="estimate_scale must be a finite number >= 0"):
+            PoolConfig(estimate_scale=bad)
