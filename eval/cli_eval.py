@@ -137,8 +137,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--pool", type=pool_setting, action="append", default=[], metavar="NAME=VALUE",
                         help="a further PoolConfig field of the kvcomm runs, VALUE in JSON (e.g. --pool shrinkage=false "
                              "--pool min_coverage=0.3); repeatable")
-    parser.add_argument("--recompute-ratio", type=ratio, default=0.15, help="cacheblend recompute ratio (default 0.15)")
-    parser.add_argument("--check-layer", type=nonnegative_int, default=1, help="cacheblend check layer (default 1)")
+    parser.add_argument("--recompute-ratio", type=ratio, default=0.15, help="cacheblend and kvblend recompute ratio (default 0.15)")
+    parser.add_argument("--check-layer", type=nonnegative_int, default=1, help="cacheblend and kvblend check layer (default 1)")
     parser.add_argument("--max-new-tokens", type=positive_int, help="override the workload's reply budget")
     parser.add_argument("--top-k", type=positive_int, default=20, help="tokens kept per position for the KL bound (default 20)")
     parser.add_argument("--no-kl", action="store_true", help="skip the KL / noise-floor metrics (faster)")
@@ -147,7 +147,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                              "pass (faster; TTFT then includes full-vocabulary logits of every computed position)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--backend", choices=BACKENDS, default="transformers",
-                        help="model runtime (default transformers; vllm needs --no-kl and no cacheblend mode)")
+                        help="model runtime (default transformers; vllm needs --no-kl and neither cacheblend nor kvblend)")
     parser.add_argument("--model", help="local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                         help="model dtype: weights, activations and KV cache (default float32)")
@@ -235,9 +235,9 @@ def run_eval_command(args, executor=None) -> int:
 
     if args.backend not in AVAILABLE_BACKENDS:
         return fail(f"the {args.backend} backend is not available yet; use --backend transformers")
-    if args.backend == "vllm" and (not args.no_kl or "cacheblend" in args.modes):
+    if args.backend == "vllm" and (not args.no_kl or {"cacheblend", "kvblend"} & set(args.modes)):
         return fail("the vllm backend keeps no prompt log-probabilities and runs no CacheBlend recompute: "
-                    "pass --no-kl and leave cacheblend out of --modes, or use --backend transformers")
+                    "pass --no-kl and leave cacheblend and kvblend out of --modes, or use --backend transformers")
     try:
         settings = settings_from_args(args)
         out = check_out_dir(args.out)

@@ -2,8 +2,9 @@
 
 For every seed the input rows are shuffled with that seed (which samples become anchors first
 depends on the order), run once densely (no engine: the reference), then once per reuse mode
-and setting, each with a fresh ``ReuseEngine``, in the same order. Only ``kvcomm`` depends on
-the anchor-pool settings, so it runs once per (gamma, V); the other modes once per seed.
+and setting, each with a fresh ``ReuseEngine``, in the same order. Only the anchor modes
+(``kvcomm``, ``kvblend``) depend on the anchor-pool settings, so they run once per (gamma, V);
+the other modes once per seed.
 
 Per agent call, against dense prefill of the *same prompt* the mode saw (teacher forced):
 
@@ -41,7 +42,7 @@ from kvcomm.core.divergence import KL_TOP_K, TopK, kl_topk_other, top1_matches, 
 from kvcomm.engine.runner import AgentCall, run_row
 
 DENSE = "dense"
-REUSE_MODES = ("exact", "realign", "cacheblend", "kvcomm")
+REUSE_MODES = ("exact", "realign", "cacheblend", "kvcomm", "kvblend")
 ALL_MODES = (DENSE, *REUSE_MODES)
 POOLED = "pooled"
 
@@ -52,9 +53,9 @@ POOLED = "pooled"
 @dataclass(frozen=True)
 class EvalSettings:
     """What to run. ``modes`` may include "dense" (always run, as the reference, anyway).
-    ``gammas`` x ``max_anchors`` is the grid for mode "kvcomm"; the other modes use the
-    first of each. ``min_estimate_anchors``: ``PoolConfig.min_estimate_anchors`` of the kvcomm
-    runs. ``base_source``: ``ReuseConfig.base_source`` of every reuse mode. ``top_k``: tokens
+    ``gammas`` x ``max_anchors`` is the grid for the anchor modes "kvcomm" and "kvblend"; the
+    other modes use the first of each. ``min_estimate_anchors``: ``PoolConfig.min_estimate_anchors``
+    of every run. ``base_source``: ``ReuseConfig.base_source`` of every reuse mode. ``top_k``: tokens
     kept per position for the KL bound. ``noise``: also measure the dense-vs-dense noise floor
     (one extra prefill per call). ``timing_pass``: with KL on, take TTFT from a separate pass
     without logprobs (see ``evaluate``). ``warm_up``: run the first row densely once,
@@ -117,7 +118,7 @@ class EvalSettings:
         for mode in self.modes:
             if mode == DENSE:
                 continue
-            if mode == "kvcomm":
+            if mode in ("kvcomm", "kvblend"):
                 out += [RunSpec(mode, g, v) for g in self.gammas for v in self.max_anchors]
             else:
                 out.append(RunSpec(mode, None, None))

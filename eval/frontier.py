@@ -169,7 +169,7 @@ def plot(points: list[Point], floors: list[Floor], path: str | os.PathLike) -> P
     cols = min(2, len(workloads))
     rows = math.ceil(len(workloads) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.3 * rows), squeeze=False)
-    markers = {"realign": "s", "cacheblend": "^", "kvcomm": "o", "exact": "D"}
+    markers = {"realign": "s", "cacheblend": "^", "kvcomm": "o", "kvblend": "P", "exact": "D"}
     for ax, workload in zip(axes.flat, workloads):
         mine = [p for p in points if p.workload == workload and p.mode != "dense" and p.kl_mean is not None]
         positive = [p.kl_mean for p in mine if p.kl_mean > 0]

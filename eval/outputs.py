@@ -31,7 +31,7 @@ NOTES = {
     "noise": "noise_*: the same metrics for dense vs the same prompt prefilled in two chunks through the KV cache "
              "(split at the mode's reuse_end, or at the middle when it reused nothing): the numerical noise floor.",
     "accuracy": "mean task score of the decider's reply; 95% Wilson interval (pooled: every (seed, row) a trial).",
-    "token_reuse_rate": "(exact + estimated) / prompt tokens; cacheblend's recomputed tokens count as computed.",
+    "token_reuse_rate": "(exact + estimated) / prompt tokens; cacheblend's and kvblend's recomputed tokens count as computed.",
     "agent_reuse_rate": "calls that reused some shared content / calls (KVCOMM's definition).",
     "reply_agreement": "calls whose greedy reply equals the dense run's reply for the same row and agent.",
     "pool_bytes": "sum of anchor pool bytes over the engine's pools after the run (pooled: mean over seeds).",

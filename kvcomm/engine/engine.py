@@ -48,7 +48,7 @@ Replies get their base from the producer's decode either way. How the two compar
 quality and reuse: docs/measurements/2026-12-02-frontier.md.
 """
 
-MODES = ("kvcomm", "exact", "realign", "cacheblend")
+MODES = ("kvcomm", "exact", "realign", "cacheblend", "kvblend")
 """Reuse modes (dense prefill is no mode: it is running without an engine).
 
 - ``kvcomm``: exact prefix + anchor-estimated shared segments (KVCOMM).
@@ -58,6 +58,8 @@ MODES = ("kvcomm", "exact", "realign", "cacheblend")
   segment without a stored base.
 - ``cacheblend``: ``realign``, then the executor recomputes the ``recompute_ratio`` of the
   estimated tokens whose keys deviate most at ``check_layer`` (CacheBlend, Yao et al. 2024).
+- ``kvblend``: ``kvcomm``'s plan (exact prefix + anchor estimates, the same decisions), then
+  CacheBlend's selective recompute of its estimated tokens as in ``cacheblend``.
 """
 
 
@@ -69,7 +71,7 @@ class ReuseConfig:
     memory); an anchor's base is its content's one base, held with the engine's, in the KV's dtype.
     mode: one of ``MODES``. recompute_ratio, check_layer: CacheBlend's share of estimated
     tokens to recompute, in (0, 1], and the decoder layer (0-based) whose key deviation
-    selects them (mode "cacheblend" only). base_source: one of ``BASE_SOURCES``, read by
+    selects them (modes "cacheblend" and "kvblend" only). base_source: one of ``BASE_SOURCES``, read by
     callers that drive an executor (``runner.run_agent``) to decide whether to hand ``plan``
     a ``BaseProvider``. workspace_bytes: most memory ``materialized`` keeps between requests
     for reuse (``KVWorkspace``; 0 keeps none). learn_after_estimates: also learn bases,
@@ -241,14 +243,14 @@ class ReuseEngine:
         if mode == "exact":
             plan.note = "mode exact: exact prefix only"
             return plan
-        if mode == "kvcomm":
+        if mode in ("kvcomm", "kvblend"):
             self._plan_estimates(plan, provide_base)
         else:
             self._plan_realigned(plan, provide_base)
         if provide_base is None:
             plan.new_bases = [i for i, s in enumerate(prompt.segments)
                               if s.is_shared and self._held_base(s.shared_id) is None and prompt.starts[i] >= plan.reuse_end]
-        if mode == "cacheblend" and plan.estimated_tokens > 0:
+        if mode in ("cacheblend", "kvblend") and plan.estimated_tokens > 0:
             plan.blend = BlendRequest(plan.exact_length, plan.reuse_end, self.config.recompute_ratio, self.config.check_layer)
         return plan
 

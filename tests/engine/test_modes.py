@@ -198,6 +198,35 @@ def test_cacheblend_full_ratio_reproduces_dense(tiny_executor):
 
 
 @pytest.mark.slow
+def test_kvblend_plans_as_kvcomm_then_recomputes_and_full_ratio_is_dense(tiny_executor):
+    """kvblend: kvcomm's decisions and anchor estimates (the same KV), plus a CacheBlend request
+    over the estimated tokens; at recompute ratio 1 the computed KV and the reply are dense's."""
+    executor = tiny_executor
+    spec = parse_pipeline(PIPELINE)
+    planned = {}
+    for mode in ("kvcomm", "kvblend"):
+        engine = ReuseEngine(executor.rotary, ReuseConfig(mode=mode, recompute_ratio=1.0))
+        for row in range(2):  # the asker's doc becomes an anchor twice; nothing is estimated yet
+            run_row(spec, row, executor, engine)
+        run_agent(executor, engine, _reader(executor, 2), 1)  # row 2's doc takes its base
+        planned[mode] = (engine, engine.plan(_asker(executor, 2), executor.base_kv))
+    (plain_engine, plain), (engine, blend) = planned["kvcomm"], planned["kvblend"]
+    assert plain.blend is None and plain.estimated_tokens > 0 and any(p.match is not None for p in plain.pieces)
+    assert [(p.start, p.base.length) for p in blend.pieces] == [(p.start, p.base.length) for p in plain.pieces]
+    assert blend.blend == BlendRequest(blend.exact_length, blend.reuse_end, 1.0, 1)
+    kv = engine.materialize(blend)
+    assert torch.equal(kv.keys, plain_engine.materialize(plain).keys)
+    prompt = _asker(executor, 2)
+    generation = executor.generate(prompt.token_ids, kv, 4, None, blend=blend.blend)
+    dense = executor.generate(prompt.token_ids, None, 4, None)
+    end = blend.reuse_end
+    assert len(generation.recomputed) == blend.estimated_tokens
+    assert (generation.computed.keys - dense.computed.keys[:, :, end:]).abs().max() <= 1e-4
+    assert (generation.computed.values - dense.computed.values[:, :, end:]).abs().max() <= 1e-4
+    assert generation.reply_ids == dense.reply_ids
+
+
+@pytest.mark.slow
 def test_cacheblend_recomputes_top_deviating_share(tiny_executor):
     executor = tiny_executor
     engine = ReuseEngine(executor.rotary, ReuseConfig(mode="cacheblend", recompute_ratio=0.15, check_layer=1))

@@ -160,8 +160,11 @@ def test_settings_validation():
         EvalSettings(modes=("fast",))
     settings = EvalSettings(gammas=(0.3, 0.6), max_anchors=(4, 20))
     runs = settings.runs()
-    assert [r.mode for r in runs] == ["exact", "realign", "cacheblend"] + ["kvcomm"] * 4
-    assert {r.setting for r in runs if r.mode == "kvcomm"} == {"gamma=0.3,V=4", "gamma=0.3,V=20", "gamma=0.6,V=4", "gamma=0.6,V=20"}
+    assert [r.mode for r in runs] == ["exact", "realign", "cacheblend"] + ["kvcomm"] * 4 + ["kvblend"] * 4
+    grid = {"gamma=0.3,V=4", "gamma=0.3,V=20", "gamma=0.6,V=4", "gamma=0.6,V=20"}
+    assert {r.setting for r in runs if r.mode == "kvcomm"} == {r.setting for r in runs if r.mode == "kvblend"} == grid
+    blend = settings.config(runs[-1])
+    assert blend.mode == "kvblend" and blend.recompute_ratio == settings.recompute_ratio and blend.pool.gamma == 0.6
     assert settings.config(runs[-1]).pool.min_estimate_anchors == 1
     assert EvalSettings(min_estimate_anchors=0).config(runs[-1]).pool.min_estimate_anchors == 0
     with pytest.raises(ValueError, match="min_estimate_anchors must be an integer >= 0"):
@@ -259,13 +262,15 @@ def test_end_to_end_inline_all_modes(tiny_executor, tmp_path):
     assert set(files) == {"json", "csv", "accuracy_vs_reuse", "kl_vs_reuse", "ttft_by_agent"}
     data, rows = _check_result_files(tmp_path, ALL_MODES)
     _check_sane(data)
-    # dense + exact + realign + cacheblend + 2 kvcomm settings, 3 rows x 3 agents each
-    assert len(data["calls"]) == 6 * 3 * 3
-    assert len(data["aggregates"]) == 6 * 2  # the seed and pooled
+    # dense + exact + realign + cacheblend + 2 kvcomm + 2 kvblend settings, 3 rows x 3 agents each
+    assert len(data["calls"]) == 8 * 3 * 3
+    assert len(data["aggregates"]) == 8 * 2  # the seed and pooled
     pooled = {(a["mode"], a["setting"]): a for a in data["aggregates"] if a["seed"] == POOLED}
     assert pooled[("realign", "")]["estimated_tokens"] > 0  # realignment reuses shared content
     assert pooled[("cacheblend", "")]["recomputed_tokens"] > 0
     assert pooled[("kvcomm", "gamma=5,V=20")]["pool_bytes"] > 0
+    blend = pooled[("kvblend", "gamma=5,V=20")]
+    assert blend["pool_bytes"] > 0 and blend["recomputed_tokens"] > 0  # anchors estimate, then recompute
     assert pooled[("exact", "")]["kl_mean"] <= 1e-6  # exact reuse is dense up to rounding
     assert pooled[("dense", "")]["calls"] == 9
     assert data["settings"]["ttft_source"].startswith("separate timing pass")
@@ -300,7 +305,7 @@ def test_eval_command_on_the_retrieval_workload(tiny_executor, tmp_path, capsys)
     _check_sane(data, kl=False)
     assert data["workload"] == "retrieval" and data["settings"]["rows"] == 2
     assert data["settings"]["agents"] == ["agent1", "decider"]
-    assert len(data["calls"]) == (1 + 3 + 2) * 2 * 2
+    assert len(data["calls"]) == (1 + 3 + 2 + 2) * 2 * 2  # dense, exact/realign/cacheblend, 2 kvcomm, 2 kvblend
 
 
 def _tensor_bytes(engine) -> int:
