@@ -177,11 +177,11 @@ def data_path(repeats: int, tokens: int) -> dict:
     """Median wall times (s) of one prompt of ``tokens`` + lead-in tokens through the plugin
     engine: no opt-in (vLLM's prefix cache reset), opted in and fully captured (reset), and
     all but the last token injected."""
-    from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer
+    from kvcomm.integrations.transformers.embedded import load_tokenizer
     from kvcomm.integrations.vllm.engine import make_llm
     from kvcomm.integrations.vllm.executor import VllmExecutor
 
-    executor = VllmExecutor(make_llm(max_num_batched_tokens=64), *load_model_and_tokenizer())
+    executor = VllmExecutor(make_llm(max_num_batched_tokens=64), load_tokenizer())
     ids = list(executor.lead_in_ids) + list(synthetic_ids(executor, 0, tokens))
     prefix = executor.generate(ids, None, 1).computed.span(0, len(ids) - 1)
     plain, captured, injected = [], [], []
