@@ -4,7 +4,7 @@ requests that reuse nothing, against a plugin-free vLLM engine in the same run.
 
     OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind \\
     .venv/bin/python benchmarks/bench_vllm.py [--rows 5] [--passes 3] [--min-document-tokens 1000]
-                                              [--max-new-tokens 12] [--repeats 5] [--json]
+                                              [--max-new-tokens 12] [--repeats 10] [--json]
     .venv/bin/python benchmarks/bench_vllm.py --data-path [--repeats 5] [--tokens 1000]
 
 **Pipeline section.** The bundled review pipeline (`kvcomm demo`'s: four agents read one
@@ -16,6 +16,7 @@ order), ``--passes`` times; each pass starts from nothing (a fresh ``ReuseEngine
 prefix cache reset, its own baseline ``cache_salt``), so the first rows of every pass form the
 anchors again. Reported over the calls of all passes (misses included): TTFT p50 / p95 per agent
 and summed, for both systems, and the ratio stock-sum / kvcomm-sum, overall and per pass.
+``--passes 0`` leaves the section out (the overhead section alone).
 
 **Overhead section.** Prompts that reuse nothing (a short synthetic one and the pipeline's
 first-agent prompts), each prefilled with ``max_tokens=1`` and vLLM's prefix cache reset: on a
@@ -85,8 +86,13 @@ class _StockEngine:
         self.connection, child = context.Pipe()
         self.process = context.Process(target=_stock_worker, args=(child,), daemon=True)
         self.process.start()
-        if self.connection.recv() != "ready":
-            raise RuntimeError("the plugin-free vLLM engine did not start")
+        child.close()  # the child's end lives in the child alone: its death ends recv() with EOFError
+        try:
+            ready = self.connection.recv()
+        except EOFError:
+            ready = None
+        if ready != "ready":
+            raise RuntimeError("the plugin-free vLLM engine did not start (its process ended; see its output above)")
 
     def prefill_seconds(self, ids: list[int]) -> float:
         self.connection.send(ids)
@@ -127,8 +133,8 @@ def pipeline_report(passes: list[list]) -> dict:
     from kvcomm.eval.demo_report import demo_agents, demo_summary
 
     calls = [c for one in passes for c in one]
-    per_pass = [{key: demo_summary(one)[key] for key in ("calls", "total_ttft_dense_s", "total_ttft_reuse_s",
-                                                          "total_ttft_speedup")} for one in passes]
+    keys = ("calls", "total_ttft_dense_s", "total_ttft_reuse_s", "total_ttft_speedup")
+    per_pass = [{key: summary[key] for key in keys} for summary in map(demo_summary, passes)]
     return {"summary": {**demo_summary(calls), "passes": len(passes)}, "agents": demo_agents(calls), "passes": per_pass}
 
 
@@ -215,17 +221,20 @@ def format_overhead(overhead: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=5, help="pipeline input rows per pass (the first ones form anchors)")
-    parser.add_argument("--passes", type=int, default=3, help="independent passes over the rows, each from nothing")
+    parser.add_argument("--passes", type=int, default=3, help="independent passes over the rows, each from nothing "
+                        "(0: no pipeline section)")
     parser.add_argument("--min-document-tokens", type=int, default=1000, help="shortest shared document, in tokens")
     parser.add_argument("--max-new-tokens", type=int, default=12, help="reply budget per agent (TTFT is what is timed)")
     parser.add_argument("--gamma", type=float, help="PoolConfig.gamma (default: the demo's)")
     parser.add_argument("--base-source", choices=BASE_SOURCES, default="first_use",
                         help="ReuseConfig.base_source (default first_use, the demo's and the server's)")
-    parser.add_argument("--repeats", type=int, default=5, help="overhead samples per prompt and engine")
+    parser.add_argument("--repeats", type=int, default=10, help="overhead samples per prompt and engine")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--data-path", action="store_true", help="time only the connector's data path (see above)")
     parser.add_argument("--tokens", type=int, default=1000, help="--data-path prompt length")
     args = parser.parse_args()
+    if args.rows < 1 or args.passes < 0 or args.repeats < 1:
+        parser.error("--rows and --repeats must be >= 1, --passes >= 0")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -255,7 +264,7 @@ def main() -> None:
         baseline = StockVllm(executor.llm, executor.stop_ids, salt=f"{BASELINE_SALT}-pass{n}")
         calls, _ = run_demo(spec, executor, baseline, config, progress=True)
         passes.append(calls)
-    pipeline = pipeline_report(passes)
+    pipeline = pipeline_report(passes) if passes else None
 
     documents = [list(executor.encode(row["document"])) for row in spec.inputs]
     first = spec.agents[0]
@@ -274,11 +283,12 @@ def main() -> None:
     print(f"model {model_path}; {len(spec.inputs)} rows x {len(spec.agents)} agents x {args.passes} passes; shared "
           f"documents {min(result['document_tokens'])}-{max(result['document_tokens'])} tokens; gamma {gamma}, "
           f"base source {args.base_source}, {args.max_new_tokens}-token replies\n")
-    print(format_demo({**pipeline, "calls": []}, StockVllm.name))
-    print("per pass, stock vLLM / kvcomm TTFT summed: "
-          + ", ".join(f"{p['total_ttft_dense_s']:.1f} s / {p['total_ttft_reuse_s']:.1f} s = {p['total_ttft_speedup']:.2f}x"
-                      for p in pipeline["passes"]))
-    print()
+    if pipeline is not None:
+        print(format_demo(pipeline, StockVllm.name))
+        print("per pass, stock vLLM / kvcomm TTFT summed: " + ", ".join(
+            f"{p['total_ttft_dense_s']:.1f} s / {p['total_ttft_reuse_s']:.1f} s = {p['total_ttft_speedup']:.2f}x"
+            for p in pipeline["passes"]))
+        print()
     print(format_overhead(overhead))
 
 
