@@ -5,7 +5,7 @@ requests that reuse nothing, against a plugin-free vLLM engine in the same run.
     OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind \\
     .venv/bin/python benchmarks/bench_vllm.py [--rows 5] [--passes 3] [--min-document-tokens 1000]
                                               [--max-new-tokens 12] [--repeats 10] [--json]
-    .venv/bin/python benchmarks/bench_vllm.py --data-path [--repeats 5] [--tokens 1000]
+    .venv/bin/python benchmarks/bench_vllm.py --data-path [--repeats N] [--tokens 1000]
 
 **Pipeline section.** The bundled review pipeline (`kvcomm demo`'s: four agents read one
 shared document per row behind their own system prompt and instructions, later agents also
@@ -18,8 +18,8 @@ anchors again. Reported over the calls of all passes (misses included): TTFT p50
 and summed, for both systems, and the ratio stock-sum / kvcomm-sum, overall and per pass.
 ``--passes 0`` leaves the section out (the overhead section alone).
 
-**Overhead section.** Prompts that reuse nothing (a short synthetic one and the pipeline's
-first-agent prompts), each prefilled with ``max_tokens=1`` and vLLM's prefix cache reset: on a
+**Overhead section.** Prompts that reuse nothing (two ~100-token synthetic ones, ``short``, and
+the first agent's prompts of the first two rows, ``document``), each prefilled with ``max_tokens=1`` and vLLM's prefix cache reset: on a
 plugin-free engine (a child process; vLLM keeps its KV connector process-wide), and on the
 plugin's engine without opt-in and opted in with nothing to reuse (capture only). The three
 are interleaved in alternating order, ``--repeats`` times per prompt; ratios are of medians.
