@@ -441,7 +441,7 @@ def main(argv=None):
     args.pool_sizes, args.decide_reps = ((10, 100), 10) if quick else ((10, 100, 1000), 30)
     args.embed_reps, args.facts, args.probes = (5, 10, 5) if quick else (20, len(FACTS), len(PROBES))
 
-    from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer
+    from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer, load_tokenizer
     from kvcomm.integrations.transformers.executor import TransformersExecutor
 
     started = time.perf_counter()
@@ -455,7 +455,7 @@ def main(argv=None):
         from kvcomm.integrations.vllm.engine import make_llm
         from kvcomm.integrations.vllm.executor import VllmExecutor
 
-        executor = VllmExecutor(make_llm(), *load_model_and_tokenizer())
+        executor = VllmExecutor(make_llm(), load_tokenizer())
     else:
         executor = TransformersExecutor(*load_model_and_tokenizer())
     for _ in range(2):  # warm-up: the first forward passes are much slower

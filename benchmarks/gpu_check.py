@@ -110,12 +110,12 @@ def _worker(name: str, mode: str) -> dict:
     import torch
     from vllm import LLM
 
-    from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer, resolve_model_dir
+    from kvcomm.integrations.transformers.embedded import load_tokenizer, resolve_model_dir
     from kvcomm.integrations.vllm.engine import make_llm
     from kvcomm.core.kv import KV
 
     config = CONFIGS[name]
-    hf_model, tokenizer = load_model_and_tokenizer()
+    tokenizer = load_tokenizer()
     prompts = _prompts(tokenizer)
     kwargs = _engine_kwargs(config, eager=mode != "graphs")
     if mode == "stock":
@@ -125,7 +125,7 @@ def _worker(name: str, mode: str) -> dict:
     from kvcomm.integrations.vllm.executor import VllmExecutor
 
     llm = make_llm(**kwargs)
-    executor = VllmExecutor(llm, hf_model, tokenizer)
+    executor = VllmExecutor(llm, tokenizer)
     result: dict = {"plain": {key: _plain(llm, ids) for key, ids in prompts.items()}}
     ids = prompts["question"]
     dense = executor.generate(ids, None, MAX_NEW)

@@ -10,19 +10,19 @@ def load_executor(model: str | None, backend: str = "transformers", dtype: str =
     """(executor, model path) for ``model`` or the embedded model: the transformers
     reference, or vLLM in-process with the kvcomm connector (``backend="vllm"``).
 
-    dtype: the model dtype (``embedded.DTYPES``). With vLLM, the engine runs in it and the
-    transformers copy that only checks RoPE and renders prompts stays float32."""
-    from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer, parse_dtype, resolve_model_dir
+    dtype: the model dtype (``embedded.DTYPES``). With vLLM the model is loaded once, by vLLM,
+    in that dtype; this process loads only the tokenizer."""
+    from kvcomm.integrations.transformers.embedded import (
+        load_model_and_tokenizer, load_tokenizer, parse_dtype, resolve_model_dir)
     from kvcomm.integrations.transformers.executor import TransformersExecutor
 
     parse_dtype(dtype)
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     path = resolve_model_dir(model)
-    hf_model, tokenizer = load_model_and_tokenizer(str(path), "float32" if backend == "vllm" else dtype)
     if backend == "vllm":
         from kvcomm.integrations.vllm.engine import make_llm
         from kvcomm.integrations.vllm.executor import VllmExecutor
 
-        return VllmExecutor(make_llm(str(path), dtype=dtype), hf_model, tokenizer), str(path)
-    return TransformersExecutor(hf_model, tokenizer), str(path)
+        return VllmExecutor(make_llm(str(path), dtype=dtype), load_tokenizer(str(path))), str(path)
+    return TransformersExecutor(*load_model_and_tokenizer(str(path), dtype)), str(path)

@@ -87,10 +87,10 @@ def vllm_llm():
 
 
 @pytest.fixture(scope="session")
-def vllm_executor(vllm_llm, smol):
+def vllm_executor(vllm_llm, smol_tokenizer):
     from kvcomm.integrations.vllm.executor import VllmExecutor
 
-    return VllmExecutor(vllm_llm, *smol)
+    return VllmExecutor(vllm_llm, smol_tokenizer)
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from kvcomm.core.exports import lazy_exports, names
 _EXPORTS = {
     "kvcomm.integrations.transformers.executor": ("TransformersExecutor",),
     "kvcomm.integrations.transformers.rotary": ("rotary_from_model", "self_check", "SelfCheck"),
-    "kvcomm.integrations.transformers.embedded": ("load_model_and_tokenizer", "resolve_model_dir", "DTYPES"),
+    "kvcomm.integrations.transformers.embedded": ("load_model_and_tokenizer", "load_tokenizer", "resolve_model_dir", "DTYPES"),
     "kvcomm.integrations.transformers.sentence_embedder": ("SentenceEmbedder",),
 }
 __all__ = names(_EXPORTS)

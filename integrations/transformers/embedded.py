@@ -179,7 +179,7 @@ def load_model_and_tokenizer(
 
     dtype: ``parse_dtype``'s choices; the weights are cast to it on load (the embedded model is
     stored in float32), so the model computes and caches its KV in that dtype."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     dtype = parse_dtype(dtype)
     path = resolve_model_dir(model)
@@ -187,5 +187,14 @@ def load_model_and_tokenizer(
         loaded = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation="sdpa", local_files_only=True
         )
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return loaded.eval(), tokenizer
+    return loaded.eval(), load_tokenizer(str(path))
+
+
+def load_tokenizer(model: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of ``resolve_model_dir(model)``, offline, without the model's weights
+    (what ``load_model_and_tokenizer`` returns second)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_dir(model)
+    with _offline():
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)

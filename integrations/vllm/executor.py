@@ -30,9 +30,11 @@ from kvcomm.integrations.vllm.engine import CONNECTOR
 class VllmExecutor:
     """Runs one agent call at a time on ``llm`` (a ``vllm.LLM`` from ``make_llm``, in-process).
 
-    hf_model, tokenizer: the same checkpoint loaded with transformers, used for the chat
-    template and the stop tokens; the model's weights are not used. The rotary numbers are
-    vLLM's own (``vllm.rotary``), read and self-checked by the connector at start-up.
+    tokenizer: the served checkpoint's transformers tokenizer (``embedded.load_tokenizer``), for
+    the chat template, encoding and decoding. No transformers model is needed: the stop tokens
+    are the tokenizer's eos plus the ``eos_token_id`` of the generation config vLLM read for the
+    served model, and the rotary numbers are vLLM's own (``vllm.rotary``), read and self-checked
+    by the connector at start-up.
     """
 
     # Text handling is the reference executor's, token for token (same tokenizer).
@@ -40,7 +42,7 @@ class VllmExecutor:
     decode = TransformersExecutor.decode
     render = TransformersExecutor.render
 
-    def __init__(self, llm, hf_model, tokenizer):
+    def __init__(self, llm, tokenizer):
         config = llm.llm_engine.vllm_config
         transfer = config.kv_transfer_config
         if transfer is None or transfer.kv_connector != CONNECTOR:
@@ -55,7 +57,8 @@ class VllmExecutor:
         if self.channel.refusal is not None:
             raise RuntimeError(f"the kvcomm connector refused this engine at start-up: {self.channel.refusal}")
         self.rotary, self.self_check = self.channel.rotary, self.channel.rope_check  # vLLM's own, checked at start-up
-        eos = {tokenizer.eos_token_id, *_as_list(getattr(hf_model.generation_config, "eos_token_id", None))}
+        generation = config.model_config.try_get_generation_config()  # non-default fields of generation_config.json
+        eos = {tokenizer.eos_token_id, *_as_list(generation.get("eos_token_id"))}
         self.stop_ids = {t for t in eos if t is not None}
         self.lead_in_ids = tokenizer.encode(tokenizer.bos_token or "\n", add_special_tokens=False)
         self.dtype = getattr(torch, str(config.model_config.dtype).replace("torch.", ""))
