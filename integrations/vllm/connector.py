@@ -66,7 +66,7 @@ from kvcomm.core.rope import RopeError
 from kvcomm.integrations.vllm.channel import Capture, Channel, channel
 from kvcomm.integrations.vllm.layout import KvIO, LayoutError
 from kvcomm.integrations.vllm.messages import Finished, KvcommWorkerMetadata, PlanAsk
-from kvcomm.integrations.vllm.metrics import record_rejected
+from kvcomm.integrations.vllm.metrics import record_rejected, record_served
 from kvcomm.integrations.vllm.params import KvcommParamsError, parse_params
 from kvcomm.integrations.vllm.worker_plans import WorkerPlans, handle_of
 
@@ -406,7 +406,11 @@ class KvcommConnector(KVConnectorBase_V1):
         if reply and reply[-1] in stops:
             reply.pop()
         self._finished.append(Finished(request.request_id, tuple(reply)))  # the worker learns from it
-        return False, None if tracked.summary is None else {"kvcomm": tracked.summary}
+        if tracked.summary is None:
+            return False, None  # aborted before the worker answered its plan
+        if request.num_computed_tokens >= tracked.prompt_len:
+            record_served(tracked.summary)  # here, before the response leaves; the worker learns a step later
+        return False, {"kvcomm": tracked.summary}
 
     # -- worker side -------------------------------------------------------------------------
 
