@@ -105,6 +105,9 @@ SERVER_KEYS = ("kvcomm-test-key-a", "kvcomm-test-key-b")
 SPARE_KEYS = tuple(f"kvcomm-test-key-{n:02d}" for n in range(24))
 """More keys the server accepts, handed out one per request of ``fresh_key``."""
 _spare = itertools.count()
+MP_SERVER_KEYS = ("kvcomm-test-mp-key-a", "kvcomm-test-mp-key-b", "kvcomm-test-mp-key-c")
+"""The API keys of ``kvcomm_server_mp``, each its own tenant: the first for the HTTP
+learn-and-reuse test, the other two for the stress test."""
 
 
 @pytest.fixture(scope="session")
@@ -128,12 +131,12 @@ def kvcomm_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def kvcomm_server_mp(tmp_path_factory):
-    """Like ``kvcomm_server`` (keys ``SERVER_KEYS`` only), under vLLM's default multiprocess
+    """Like ``kvcomm_server`` (keys ``MP_SERVER_KEYS``), under vLLM's default multiprocess
     engine: API server, engine core and worker in three processes, no environment variable."""
     pytest.importorskip("vllm")
     from support.serve_client import start_server
 
-    server = start_server(tmp_path_factory.mktemp("kvcomm-serve-mp") / "server.log", SERVER_KEYS, multiprocess=True)
+    server = start_server(tmp_path_factory.mktemp("kvcomm-serve-mp") / "server.log", MP_SERVER_KEYS, multiprocess=True)
     try:
         yield server
     finally:
