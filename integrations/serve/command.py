@@ -38,8 +38,8 @@ def serve_argv(
         if flag not in given:
             argv.append(flag)
     if (engine or {}).get("state_dir") and "--shutdown-timeout" not in given:
-        # vLLM's default (0) force-kills the engine-core process at once on shutdown, before
-        # the planner there can write its save at exit.
+        # vLLM's default (0) force-kills the engine-core process (and so its worker) at once on
+        # shutdown, before the planner in the worker can write its save at exit.
         argv += ["--shutdown-timeout", str(STATE_SHUTDOWN_TIMEOUT_S)]
     if plan:
         argv += ["--middleware", MIDDLEWARE]
