@@ -19,7 +19,7 @@ import torch
 
 from support.skip_policy import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (hooks)
 
-SMOL_FIXTURES = frozenset({"smol", "smol_executor", "vllm_llm", "vllm_executor", "kvcomm_server"})
+SMOL_FIXTURES = frozenset({"smol", "smol_executor", "vllm_llm", "vllm_executor", "kvcomm_server", "kvcomm_server_mp"})
 """Fixtures that load the embedded SmolLM2 weights (in this process or in a server process)."""
 
 
@@ -105,6 +105,9 @@ SERVER_KEYS = ("kvcomm-test-key-a", "kvcomm-test-key-b")
 SPARE_KEYS = tuple(f"kvcomm-test-key-{n:02d}" for n in range(24))
 """More keys the server accepts, handed out one per request of ``fresh_key``."""
 _spare = itertools.count()
+MP_SERVER_KEYS = ("kvcomm-test-mp-key-a", "kvcomm-test-mp-key-b", "kvcomm-test-mp-key-c")
+"""The API keys of ``kvcomm_server_mp``, each its own tenant: the first for the HTTP
+learn-and-reuse test, the other two for the stress test."""
 
 
 @pytest.fixture(scope="session")
@@ -113,12 +116,27 @@ def kvcomm_server(tmp_path_factory):
     ``--max-model-len 1024``, API keys ``SERVER_KEYS`` + ``SPARE_KEYS``), up once per session
     (~70 s) and only for tests that ask for it. Yields ``serve_client.Server`` (base_url,
     keys = ``SERVER_KEYS``, model, log). Tests that must start from an empty tenant take
-    keys from ``fresh_key``."""
+    keys from ``fresh_key``. Its worker runs in the engine-core process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); ``kvcomm_server_mp`` is vLLM's default engine."""
     pytest.importorskip("vllm")
     from support.serve_client import start_server
 
     server = start_server(tmp_path_factory.mktemp("kvcomm-serve") / "server.log", SERVER_KEYS + SPARE_KEYS)
     server.keys = SERVER_KEYS
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def kvcomm_server_mp(tmp_path_factory):
+    """Like ``kvcomm_server`` (keys ``MP_SERVER_KEYS``), under vLLM's default multiprocess
+    engine: API server, engine core and worker in three processes, no environment variable."""
+    pytest.importorskip("vllm")
+    from support.serve_client import start_server
+
+    server = start_server(tmp_path_factory.mktemp("kvcomm-serve-mp") / "server.log", MP_SERVER_KEYS, multiprocess=True)
     try:
         yield server
     finally:

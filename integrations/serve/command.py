@@ -38,8 +38,8 @@ def serve_argv(
         if flag not in given:
             argv.append(flag)
     if (engine or {}).get("state_dir") and "--shutdown-timeout" not in given:
-        # vLLM's default (0) force-kills the engine-core process at once on shutdown, before
-        # the planner there can write its save at exit.
+        # vLLM's default (0) force-kills the engine-core process (and so its worker) at once on
+        # shutdown, before the planner in the worker can write its save at exit.
         argv += ["--shutdown-timeout", str(STATE_SHUTDOWN_TIMEOUT_S)]
     if plan:
         argv += ["--middleware", MIDDLEWARE]
@@ -60,13 +60,13 @@ def serve_command(args, vllm_args: list[str]) -> int:
     """`kvcomm serve`: check the options, set the environment, and run vLLM's API server with ``serve_argv``."""
     import os
 
-    # On CPU, vLLM runs its worker in a process of its own unless multiprocessing is off; the
-    # connector's scheduler and worker sides must share the engine-core process (vllm.channel).
-    # The engine core still runs apart from the API server.
+    # vLLM's defaults apply: on CPU the engine core runs apart from the API server and its
+    # worker in a process of its own (the connector plans in the worker and sends metadata
+    # only, vllm.messages). VLLM_ENABLE_V1_MULTIPROCESSING=0, if the user sets it, keeps the
+    # worker in the engine-core process instead; both are supported.
     for name in ("max_tenant_bytes", "max_total_bytes"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number of bytes, got {getattr(args, name)}")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from kvcomm.integrations.serve.middleware import KEY_DIGESTS_ENV, key_digest
 
@@ -77,7 +77,7 @@ def serve_command(args, vllm_args: list[str]) -> int:
     from vllm.entrypoints.launchers.api_server.entry import main as vllm_main
     from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
 
-    setup_multiprocess_prometheus()  # the connector's metrics live in the engine process
+    setup_multiprocess_prometheus()  # the connector's metrics live in the engine-core and worker processes
     if not args.save_interval > 0:
         raise ValueError(f"--save-interval must be a positive number of seconds, got {args.save_interval}")
     engine = {"gamma": args.gamma, "max_anchors": args.max_anchors,

@@ -90,8 +90,9 @@ class PlannerState:
     def start(self) -> None:
         """Save every ``interval_s`` seconds (when something changed) and at exit.
 
-        "At exit" covers the processes the planner runs in: a main process or vLLM's
-        engine-core process started by "spawn" (``atexit``), and one started by "fork", which
+        "At exit" covers the processes the planner runs in: a main process, or vLLM's worker
+        process (the engine-core process when the worker runs there), started by "spawn"
+        (``atexit``), and one started by "fork", which
         leaves through ``os._exit``, skipping ``atexit`` but running multiprocessing's exit
         finalizers. ``stop`` is idempotent, so where both fire the second finds nothing to
         save. The process must be allowed to exit: `kvcomm serve` gives vLLM a shutdown

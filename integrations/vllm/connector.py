@@ -4,9 +4,21 @@ Load it with ``KVTransferConfig(kv_connector="KvcommConnector", kv_role="kv_both
 kv_connector_module_path="kvcomm.integrations.vllm.connector")`` (``vllm.engine.make_llm``
 does). No patching of vLLM.
 
-Per request, the caller's ``Order`` (found through ``kv_transfer_params["kvcomm"]``, see
-``vllm.params``) says which KV to inject for prompt positions ``[0, P)`` and which
-positions' real KV to capture.
+Per request, an ``Order`` says which KV to inject for prompt positions ``[0, P)`` and which
+positions' real KV to capture. It comes from one of two places (``kv_transfer_params["kvcomm"]``,
+see ``vllm.params``):
+
+- **Annotated requests** (``kvcomm serve``, ``plan`` on): planned in the worker, which owns the
+  ``ServerPlanner`` and every tensor (``vllm.worker_plans``); the scheduler side sends only
+  metadata (``vllm.messages``). The first lookup answers vLLM "not yet" (``None``) and puts a
+  ``PlanAsk`` in the step's metadata; the worker plans at the end of that step
+  (``build_connector_worker_meta``, which vLLM also runs on steps with nothing scheduled) and
+  answers the inject length through the worker metadata (``update_connector_output``); the
+  next lookup claims the tokens. When the request finishes its reply ids go down in a
+  ``Finished`` and the worker learns. Works with the worker in the engine-core process
+  (``uni``) or in a process of its own (``mp``, vLLM's default).
+- **In-process orders** (``handle``, placed on the process's ``Channel`` by callers such as
+  ``VllmExecutor``): need the caller, scheduler and worker in one process.
 
 - Scheduler side: ``get_num_new_matched_tokens`` claims ``P - h`` tokens beyond vLLM's own
   prefix hit ``h`` (0 when ``h >= P``); ``build_connector_meta`` turns each scheduled
@@ -27,7 +39,7 @@ the layout self-check, ``vllm.rotary``'s RoPE self-check against vLLM's own rota
 rotary embeddings kvcomm cannot realign exactly, unsupported attention backends (MLA and any
 backend without ``do_kv_cache_update``), sliding-window, chunked-local or hybrid layers, more than one KV
 cache group, KV sharing between layers, quantized (fp8) KV caches, tensor or pipeline
-parallelism > 1, workers outside the engine-core process. A refused connector stays
+parallelism > 1, executors other than ``uni`` and ``mp``. A refused connector stays
 loaded but inert: requests that do not opt in are served exactly as by stock vLLM, and
 requests that opt in are served without reuse, their ``kv_transfer_params["kvcomm"]["error"]``
 saying why. With ``kv_connector_extra_config={"strict": true}`` the engine fails to start
@@ -53,9 +65,10 @@ from vllm.logger import init_logger
 from kvcomm.core.rope import RopeError
 from kvcomm.integrations.vllm.channel import Capture, Channel, channel
 from kvcomm.integrations.vllm.layout import KvIO, LayoutError
-from kvcomm.integrations.vllm.metrics import record_rejected
+from kvcomm.integrations.vllm.messages import Finished, KvcommWorkerMetadata, PlanAsk
+from kvcomm.integrations.vllm.metrics import record_rejected, record_served
 from kvcomm.integrations.vllm.params import KvcommParamsError, parse_params
-from kvcomm.integrations.vllm.planner import PlannedRequest, ServerPlanner
+from kvcomm.integrations.vllm.worker_plans import WorkerPlans, handle_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,6 +83,8 @@ _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 SUPPORTED_BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")
 """Attention backends whose KV the connector reads and writes (by ``get_name()``)."""
+SUPPORTED_EXECUTORS = (None, "uni", "mp")
+"""vLLM executor backends the connector runs under (None: not decided yet, vLLM's default)."""
 
 
 @dataclass
@@ -93,17 +108,33 @@ class StepRequest:
 
 @dataclass
 class KvcommMetadata(KVConnectorMetadata):
+    """One step's scheduler-to-worker message: loads and captures of scheduled requests, and
+    for annotated requests the plans to make and the finished requests to learn from (the
+    worker handles ``finished`` before ``asks``, so a reply is learned before the next plan)."""
+
     requests: list[StepRequest] = field(default_factory=list)
+    asks: list[PlanAsk] = field(default_factory=list)
+    finished: list[Finished] = field(default_factory=list)
 
 
 @dataclass
 class _Tracked:
-    """Scheduler-side state of one opted-in request (until it finishes); ``planned`` is set
-    for requests planned here from annotations (server side), None for in-process orders."""
+    """Scheduler-side state of one opted-in request (until it finishes).
+
+    inject: prompt positions ``[0, inject)`` the connector supplies; capture_from, capture_to:
+    prompt+output positions whose real KV the worker keeps. ``planned``: an annotated request
+    (planned by the worker; ``pending`` until its answer came back, ``summary`` from it);
+    otherwise an in-process order read from the channel.
+    """
 
     handle: str
     prompt_len: int
-    planned: "PlannedRequest | None" = None
+    inject: int = 0
+    capture_from: int = 0
+    capture_to: int = 0
+    planned: bool = False
+    pending: bool = False
+    summary: dict | None = None
     hit: int = 0  # vLLM's own (block-aligned) prefix hit, as last offered to us
     load_start: int = 0
     load_count: int = 0
@@ -140,11 +171,9 @@ def config_refusal(tensor_parallel_size: int, pipeline_parallel_size: int, execu
     if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
         return (f"kvcomm supports tensor_parallel_size 1 and pipeline_parallel_size 1 only (this engine has "
                 f"{tensor_parallel_size} and {pipeline_parallel_size}); start vLLM with both set to 1")
-    if executor_backend not in (None, "uni"):
-        # Scheduler and worker sides exchange orders and captured KV in memory (vllm.channel).
-        return (f"kvcomm needs vLLM's worker in the engine-core process, but the executor backend is "
-                f"{executor_backend!r}; pass distributed_executor_backend='uni' (on CPU set "
-                "VLLM_ENABLE_V1_MULTIPROCESSING=0 before vLLM builds its config, as `kvcomm serve` and make_llm do)")
+    if executor_backend not in SUPPORTED_EXECUTORS:
+        return (f"kvcomm supports vLLM's executor backends {', '.join(map(repr, SUPPORTED_EXECUTORS[1:]))} only, this "
+                f"engine's is {executor_backend!r}; pass distributed_executor_backend='mp' (vLLM's default) or 'uni'")
     if str(cache_dtype) != "auto":
         return (f"kvcomm reads and writes unquantized KV caches only, this engine has kv_cache_dtype={cache_dtype!r} "
                 "(captured fp8 KV would need its scales); start vLLM with kv_cache_dtype='auto'")
@@ -228,7 +257,9 @@ class KvcommConnector(KVConnectorBase_V1):
         self._work_meta: KvcommMetadata | None = None
         self._device: torch.device | None = None
         self._plan = bool(self._kv_transfer_config.get_from_extra_config("plan", False))
-        self._planner: ServerPlanner | None = None
+        self._asks: list[PlanAsk] = []
+        self._finished: list[Finished] = []
+        self._plans = WorkerPlans(vllm_config, self.channel)
         slots = self._kv_transfer_config.get_from_extra_config("slots", None)
         self._known_slots = None if slots is None else frozenset(slots)
 
@@ -249,14 +280,16 @@ class KvcommConnector(KVConnectorBase_V1):
 
     # -- scheduler side ----------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens the connector supplies beyond vLLM's hit; None ("ask again") while the worker
+        has not answered an annotated request's plan yet."""
         tracked = self._track(request)
         if tracked is None:
             return 0, False
-        order = self.channel.order(tracked.handle)
+        if tracked.pending:
+            return None, False
         tracked.hit = num_computed_tokens
-        inject = 0 if order is None or order.inject is None else order.inject.length
-        return max(0, inject - num_computed_tokens), False
+        return max(0, tracked.inject - num_computed_tokens), False
 
     def _track(self, request: "Request") -> _Tracked | None:
         if request.request_id in self._tracked:
@@ -273,42 +306,55 @@ class KvcommConnector(KVConnectorBase_V1):
             if params is None:
                 return None
             if params.handle is not None:
-                if self.channel.order(params.handle) is None:
+                order = self.channel.order(params.handle)
+                if order is None:
                     raise KvcommParamsError(
                         f"kv_transfer_params.kvcomm.handle {params.handle!r} names no pending order of this "
-                        "engine (handles come from in-process callers such as VllmExecutor)"
+                        "engine (handles come from in-process callers such as VllmExecutor, in the engine's process)"
                     )
-                tracked = _Tracked(params.handle, request.num_prompt_tokens)
+                inject = 0 if order.inject is None else order.inject.length
+                tracked = _Tracked(params.handle, request.num_prompt_tokens, inject, order.capture_from, order.capture_to)
             else:
-                tracked = self._plan_request(request, params)
+                tracked = self._ask_plan(request, params)
         except KvcommParamsError as error:
-            # This request only: no reuse, the error travels back in its kv_transfer_params.
-            self._rejected[request.request_id] = str(error)
-            record_rejected()
-            logger.warning("kvcomm: request %s gets no reuse: %s", request.request_id, error)
-            return None
-        except Exception as error:  # a planning failure must not take the engine down
-            logger.exception("kvcomm: planning request %s failed; serving it without reuse", request.request_id)
-            self._rejected[request.request_id] = f"kvcomm planning failed ({type(error).__name__}: {error}); served without reuse"
-            record_rejected()
+            self._reject(request.request_id, str(error))
             return None
         self._tracked[request.request_id] = tracked
         return tracked
 
-    def _plan_request(self, request: "Request", params) -> _Tracked:
+    def _reject(self, req_id: str, error: str) -> None:
+        """This request only: no reuse, the error travels back in its kv_transfer_params."""
+        self._rejected[req_id] = error
+        record_rejected()
+        logger.warning("kvcomm: request %s gets no reuse: %s", req_id, error)
+
+    def _ask_plan(self, request: "Request", params) -> _Tracked:
+        """Queue the request's plan for the worker (sent with this step's metadata)."""
         if not self._plan:
             raise KvcommParamsError(
                 "server-side planning is off in this engine; start it with `kvcomm serve` or set "
                 'kv_connector_extra_config={"plan": true}'
             )
-        if self._planner is None:
-            self._planner = _make_planner(self._vllm_config, self.channel)
-        planned = self._planner.prepare(
-            list(request.prompt_token_ids), params, salted=request.cache_salt is not None, max_tokens=request.max_tokens,
-        )
-        handle = f"request-{request.request_id}"
-        self.channel.place(handle, planned.order)
-        return _Tracked(handle, request.num_prompt_tokens, planned)
+        n = request.num_prompt_tokens
+        self._asks.append(PlanAsk(request.request_id, tuple(request.prompt_token_ids), params,
+                                  request.cache_salt is not None, request.max_tokens))
+        return _Tracked(handle_of(request.request_id), n, capture_to=n + request.max_tokens, planned=True, pending=True)
+
+    def update_connector_output(self, connector_output) -> None:
+        """Take the worker's plan answers: claimable tokens, capture start, summary, or error."""
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, KvcommWorkerMetadata):
+            return
+        for req_id, answer in meta.answers.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue  # finished (aborted) before its answer came back
+            if answer.error is not None:
+                del self._tracked[req_id]
+                self._reject(req_id, answer.error)
+                continue
+            tracked.inject, tracked.capture_from, tracked.summary = answer.inject_length, answer.capture_from, answer.summary
+            tracked.pending = False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         tracked = self._tracked.get(request.request_id)
@@ -318,7 +364,8 @@ class KvcommConnector(KVConnectorBase_V1):
         tracked.first_step = True
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = KvcommMetadata()
+        meta = KvcommMetadata(asks=self._asks, finished=self._finished)
+        self._asks, self._finished = [], []
         if not self._tracked:
             return meta
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
@@ -327,24 +374,23 @@ class KvcommConnector(KVConnectorBase_V1):
         block_size = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         for req_id, count in scheduler_output.num_scheduled_tokens.items():
             tracked = self._tracked.get(req_id)
-            if tracked is None:
+            if tracked is None or tracked.pending:
                 continue
-            order = self.channel.order(tracked.handle)
-            if order is None:
-                continue
+            if not tracked.planned and self.channel.order(tracked.handle) is None:
+                continue  # the in-process caller took its order back
             blocks = torch.tensor(self._kv_cache_manager.get_block_ids(req_id)[0], dtype=torch.int64)
             start = computed[req_id]
             load = _EMPTY
             if tracked.load_count:
                 load = torch.arange(tracked.load_start, tracked.load_start + tracked.load_count)
                 tracked.load_count = 0
-            end = min(start + count, order.capture_to)
-            low = order.capture_from if tracked.first_step else max(order.capture_from, start)
+            end = min(start + count, tracked.capture_to)
+            low = tracked.capture_from if tracked.first_step else max(tracked.capture_from, start)
             capture = torch.arange(low, end) if end > low else _EMPTY
             tracked.first_step = False
             meta.requests.append(StepRequest(
                 tracked.handle, load, _slots(blocks, load, block_size), capture, _slots(blocks, capture, block_size),
-                order.capture_to, start < tracked.prompt_len <= start + count,
+                tracked.capture_to, start < tracked.prompt_len <= start + count,
             ))
         return meta
 
@@ -353,15 +399,18 @@ class KvcommConnector(KVConnectorBase_V1):
         error = self._rejected.pop(request.request_id, None)
         if error:
             return False, {"kvcomm": {"error": error}}
-        if tracked is None or tracked.planned is None:
+        if tracked is None or not tracked.planned:
             return False, None
-        capture, _ = self.channel.take(tracked.handle)
         reply = list(request.output_token_ids)
         stops = set(request.sampling_params.all_stop_token_ids) if request.sampling_params else set()
         if reply and reply[-1] in stops:
             reply.pop()
-        self._planner.finish(tracked.planned, capture, reply)
-        return False, {"kvcomm": tracked.planned.summary()}
+        self._finished.append(Finished(request.request_id, tuple(reply)))  # the worker learns from it
+        if tracked.summary is None:
+            return False, None  # aborted before the worker answered its plan
+        if request.num_computed_tokens >= tracked.prompt_len:
+            record_served(tracked.summary)  # here, before the response leaves; the worker learns a step later
+        return False, {"kvcomm": tracked.summary}
 
     # -- worker side -------------------------------------------------------------------------
 
@@ -467,6 +516,19 @@ class KvcommConnector(KVConnectorBase_V1):
                 self.channel.captures[step.handle] = capture
             return capture
 
+    def build_connector_worker_meta(self) -> KvcommWorkerMetadata | None:
+        """End of every step (also steps with nothing scheduled): learn from the requests that
+        finished, then plan the new annotated ones; their answers go to the scheduler."""
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvcommMetadata) or not (meta.asks or meta.finished):
+            return None
+        for done in meta.finished:
+            self._plans.finish(done)
+        answers = {ask.req_id: self._plans.answer(ask, self._refused) for ask in meta.asks}
+        return KvcommWorkerMetadata(answers) if answers else None
+
     def wait_for_save(self) -> None:
         if not self.has_connector_metadata():
             return
@@ -495,36 +557,6 @@ def _to_device(tensor: torch.Tensor, device: torch.device | None, dtype: torch.d
     if device is None or device.type == "cpu":
         return tensor.contiguous()
     return tensor.contiguous().pin_memory().to(device, non_blocking=True)
-
-
-def _make_planner(vllm_config: "VllmConfig", channel: Channel) -> ServerPlanner:
-    """A planner on the served model's own rotary embedding (vLLM's module, self-checked at
-    start-up). With ``state_dir`` the checkpoint is also loaded with transformers, once, for
-    the fingerprint of the saved state (its config and weights, under transformers' names)."""
-    from kvcomm.anchors.pool import PoolConfig
-    from kvcomm.engine.engine import ReuseConfig
-
-    rotary = channel.rotary
-    if rotary is None:
-        raise RuntimeError("the kvcomm connector's worker side has not read the served model's rotary embedding")
-    extra = vllm_config.kv_transfer_config
-    pool = PoolConfig(gamma=float(extra.get_from_extra_config("gamma", PoolConfig.gamma)),
-                      max_anchors=int(extra.get_from_extra_config("max_anchors", PoolConfig.max_anchors)))
-    caps = {name: extra.get_from_extra_config(name, None) for name in ("max_total_bytes", "max_tenant_bytes")}
-    planner = ServerPlanner(rotary, ReuseConfig(pool=pool), **caps)
-    state_dir = extra.get_from_extra_config("state_dir", None)
-    if state_dir:
-        from kvcomm.core.fingerprint import model_fingerprint
-        from kvcomm.integrations.serve.state import PlannerState
-        from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer
-
-        model, tokenizer = load_model_and_tokenizer(str(vllm_config.model_config.model))
-        fingerprint = model_fingerprint(model, tokenizer, rotary, kv_dtype=vllm_config.model_config.dtype)
-        del model
-        state = PlannerState(planner, state_dir, fingerprint, float(extra.get_from_extra_config("save_interval_s", 60.0)))
-        state.restore()
-        state.start()
-    return planner
 
 
 def _slots(blocks: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

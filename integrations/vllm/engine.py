@@ -31,8 +31,10 @@ def transfer_config(engine_id: str | None = None, extra: dict[str, Any] | None =
 def make_llm(model: str | None = None, in_process: bool = True, **overrides: Any):
     """``vllm.LLM`` on ``model`` (default: the embedded SmolLM2) with the plugin enabled.
 
-    in_process: run the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
-    which ``VllmExecutor`` needs to exchange KV with the connector. Call from under an
+    in_process: run the engine core and its worker in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which ``VllmExecutor`` needs to exchange KV with
+    the connector; False keeps vLLM's default (engine core and worker in processes of their
+    own), where annotated requests (``plan`` on) are served as well. Call from under an
     ``if __name__ == "__main__":`` guard in scripts. ``VLLM_CPU_KVCACHE_SPACE`` (GiB) defaults
     to 1 here, and vLLM logs to stderr unless ``VLLM_LOGGING_STREAM`` says otherwise (set
     before vLLM is first imported).

@@ -1,15 +1,18 @@
 """Prometheus metrics of the kvcomm vLLM plugin (``prometheus_client``, installed with vLLM).
 
-They live in the process running vLLM's scheduler. ``kvcomm serve`` sets up Prometheus
-multiprocess mode before vLLM starts, so the API server's ``/metrics`` aggregates them with
-vLLM's own.
+Counters live in the process running vLLM's scheduler (the engine core), counted when a
+request finishes (``record_served``, ``record_rejected``), before its response leaves; the
+pool gauges live where the pools are, vLLM's worker (``record_pools``, after the worker
+learned from a finished request: one engine step after its response). With vLLM's default
+engine those are two processes; ``kvcomm serve`` sets up Prometheus multiprocess mode before
+vLLM starts, so the API server's ``/metrics`` aggregates both with vLLM's own.
 
 - ``kvcomm_prompt_tokens_total{source="exact"|"estimated"|"computed"}``: prompt tokens of
-  planned (annotated) requests by where their KV came from.
+  planned (annotated) requests whose prefill completed, by where their KV came from.
 - ``kvcomm_requests_total{outcome="planned"|"rejected"}``; ``kvcomm_fallbacks_total``: planned
   requests whose shared content was all recomputed.
 - ``kvcomm_anchors{slot}``, ``kvcomm_pool_bytes``, ``kvcomm_tenant_bytes{tenant}`` (hash
-  label, never the key), ``kvcomm_evictions`` (gauges, refreshed after each planned request);
+  label, never the key), ``kvcomm_evictions`` (gauges, refreshed after each learned request);
   ``kvcomm_pool_problems``: invariants found broken (V and byte caps, embedding index, access
   counts adding up; each is also logged), 0 when the pools are consistent.
 """
@@ -34,15 +37,18 @@ PROBLEMS = Gauge("kvcomm_pool_problems", "Broken pool invariants found by Tenant
                  multiprocess_mode="livesum")
 
 
-def record_planned(provenance, registry) -> None:
-    """Count one finished planned request and refresh the pool gauges from ``registry``
-    (a ``kvcomm.services.tenants.TenantRegistry``; tenants are exported under their hash label)."""
-    PROMPT_TOKENS.labels("exact").inc(provenance.exact_tokens)
-    PROMPT_TOKENS.labels("estimated").inc(provenance.estimated_tokens)
-    PROMPT_TOKENS.labels("computed").inc(provenance.computed_tokens)
+def record_served(summary: dict) -> None:
+    """Count one finished planned request from its summary (``PlannedRequest.summary``)."""
+    for source in ("exact", "estimated", "computed"):
+        PROMPT_TOKENS.labels(source).inc(summary[f"{source}_tokens"])
     REQUESTS.labels("planned").inc()
-    if provenance.fallback:
+    if summary["fallback"]:
         FALLBACKS.inc()
+
+
+def record_pools(registry) -> None:
+    """Refresh the pool gauges from ``registry`` (a ``kvcomm.services.tenants.TenantRegistry``;
+    tenants are exported under their hash label)."""
     numbers = registry.metrics()
     anchors: dict[str, int] = {}
     for tenant in numbers["tenants"].values():

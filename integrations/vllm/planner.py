@@ -32,7 +32,7 @@ from kvcomm.core.segments import Prompt, Segment
 from kvcomm.services.tenants import TenantRegistry
 from kvcomm.integrations.vllm.channel import Capture, Order
 from kvcomm.integrations.vllm.detect import RunIndex
-from kvcomm.integrations.vllm.metrics import record_planned
+from kvcomm.integrations.vllm.metrics import record_pools
 from kvcomm.integrations.vllm.params import KvcommParams
 
 
@@ -142,4 +142,4 @@ class ServerPlanner:
             self.totals["estimated"] += provenance.estimated_tokens
             self.totals["computed"] += provenance.computed_tokens
             self.totals["fallbacks"] += int(provenance.fallback)
-        record_planned(provenance, self.registry)
+        record_pools(self.registry)

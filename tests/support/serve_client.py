@@ -71,9 +71,12 @@ class Server:
         return self.process.returncode
 
 
-def start_server(log: Path, keys: tuple[str, ...], *args: str) -> Server:
+def start_server(log: Path, keys: tuple[str, ...], *args: str, multiprocess: bool = False) -> Server:
     """`python -m kvcomm.integrations.cli serve` with test settings; waits for /health and /v1/models.
-    ``keys``: vLLM's ``--api-key`` values; empty: no key at all (keyless mode, no authentication)."""
+    ``keys``: vLLM's ``--api-key`` values; empty: no key at all (keyless mode, no authentication).
+    ``multiprocess``: vLLM's default engine (its worker in a process of its own, the
+    environment variable unset); False: the worker in the engine-core process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
     port = free_port()
     command = [sys.executable, "-m", "kvcomm.integrations.cli", "serve", "--gamma", "1", "--port", str(port),
                "--host", "127.0.0.1", "--max-model-len", "1024", "--block-size", "32", "--max-num-seqs", "8",
@@ -81,6 +84,9 @@ def start_server(log: Path, keys: tuple[str, ...], *args: str) -> Server:
     # One OpenMP thread: on a small shared CPU, threads waiting at barriers for a descheduled
     # sibling make each forward many times slower.
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    if not multiprocess:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     handle = open(log, "w")
     process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
     server = Server(process, f"http://127.0.0.1:{port}", keys, log)

@@ -88,11 +88,23 @@ def test_models_and_authentication(kvcomm_server):
 
 
 def test_annotated_requests_learn_reuse_and_metrics_match(kvcomm_server, executor, fresh_key):
-    key = fresh_key()  # a tenant of this test alone
-    before = metrics(kvcomm_server)
-    calls = [call for row in range(3) for call in run_pipeline_row(kvcomm_server, executor, key, row)]
+    check_learn_reuse_and_metrics(kvcomm_server, executor, fresh_key())  # a tenant of this test alone
+
+
+def test_learn_reuse_and_metrics_under_vllms_default_multiprocess_engine(kvcomm_server_mp, executor):
+    """The same through `kvcomm serve` with vLLM's defaults: the planner lives in the worker
+    process, and /metrics still sees its counters (Prometheus multiprocess mode)."""
+    assert "Worker pid=" in kvcomm_server_mp.log.read_text()  # the worker runs in a process of its own
+    check_learn_reuse_and_metrics(kvcomm_server_mp, executor, kvcomm_server_mp.keys[0])
+
+
+def check_learn_reuse_and_metrics(server, executor, key: str) -> None:
+    """Three pipeline rows and an exact repeat in ``key``'s (empty) tenant: every summary adds
+    up, the repeat is exact, later agents are estimated, and /metrics grew by the summaries."""
+    before = metrics(server)
+    calls = [call for row in range(3) for call in run_pipeline_row(server, executor, key, row)]
     first_prompt = calls[0][0]
-    repeat = kvcomm_server.complete(first_prompt.token_ids, key, 4, annotations(first_prompt))
+    repeat = server.complete(first_prompt.token_ids, key, 4, annotations(first_prompt))
     calls.append((first_prompt, repeat))
     summaries = [provenance(response) for _, response in calls]
     for (prompt, response), summary in zip(calls, summaries):
@@ -105,7 +117,7 @@ def test_annotated_requests_learn_reuse_and_metrics_match(kvcomm_server, executo
     assert summaries[-1]["exact_tokens"] == len(first_prompt) - 1
     # (2) later agents see earlier agents' replies at other offsets: estimated from anchors
     assert sum(s["estimated_tokens"] for s in summaries) > 0
-    after = metrics(kvcomm_server)
+    after = metrics(server)
     assert_counters_match(before, after, summaries)
     fallbacks = after.get("kvcomm_fallbacks_total", 0.0) - before.get("kvcomm_fallbacks_total", 0.0)
     assert fallbacks == sum(s["fallback"] for s in summaries)

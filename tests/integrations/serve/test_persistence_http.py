@@ -69,12 +69,16 @@ def _wait_for(condition, timeout_s: float, what: str):
     raise AssertionError(f"not within {timeout_s} s: {what}")
 
 
-def test_state_is_saved_restored_and_a_corrupt_save_starts_cold(executor, tmp_path_factory):  # noqa: F811
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["in-process", "multiprocess"])
+def test_state_is_saved_restored_and_a_corrupt_save_starts_cold(executor, tmp_path_factory, multiprocess):  # noqa: F811
+    """``multiprocess``: vLLM's default engine, where the planner and its saves live in the
+    worker process (saved at exit when vLLM stops its worker); else the engine-core process."""
     from support.serve_client import start_server
 
     state = tmp_path_factory.mktemp("kvcomm-state")
     logs = tmp_path_factory.mktemp("kvcomm-persist-logs")
-    first = start_server(logs / "first.log", KEYS, "--state-dir", str(state), "--save-interval", "2", "--no-tenant-per-key")
+    first = start_server(logs / "first.log", KEYS, "--state-dir", str(state), "--save-interval", "2", "--no-tenant-per-key",
+                         multiprocess=multiprocess)
     try:
         # team-a builds anchors over three rows; team-b only needs a save of its own to corrupt
         calls = {t: [c for row in rows for c in run_row(first, executor, row, t, KEYS[i])]
@@ -109,7 +113,8 @@ def test_state_is_saved_restored_and_a_corrupt_save_starts_cold(executor, tmp_pa
     before = {t: _manifest(state, t) for t in TENANTS}
     corrupt = state / tenant_label("team-b") / before["team-b"]["tensors"]["file"]
     corrupt.write_bytes(corrupt.read_bytes()[: corrupt.stat().st_size // 2])  # a torn file
-    second = start_server(logs / "second.log", KEYS, "--state-dir", str(state), "--save-interval", "3600", "--no-tenant-per-key")
+    second = start_server(logs / "second.log", KEYS, "--state-dir", str(state), "--save-interval", "3600", "--no-tenant-per-key",
+                          multiprocess=multiprocess)
     try:
         warm = provenance(second.complete(probe_prompt.token_ids, KEYS[0], 2, probe))
         # exact prefixes are not saved and vLLM's cache is new, so what is reused here comes

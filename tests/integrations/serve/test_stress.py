@@ -22,8 +22,19 @@ THREADS = 8
 ROWS_PER_THREAD = 3
 
 
-def test_concurrent_pipelines_keep_the_server_consistent(kvcomm_server, executor, fresh_key):  # noqa: F811
-    keys = (fresh_key(), fresh_key())  # two tenants of this test alone
+@pytest.mark.parametrize("mode", ["in-process", "multiprocess"])
+def test_concurrent_pipelines_keep_the_server_consistent(mode, executor, request):  # noqa: F811
+    """``mode``: the worker in the engine-core process (``kvcomm_server``) or in a process of
+    its own (``kvcomm_server_mp``, vLLM's default); the printed seconds compare the two."""
+    from conftest import MP_SERVER_KEYS
+
+    if mode == "in-process":
+        kvcomm_server = request.getfixturevalue("kvcomm_server")
+        fresh_key = request.getfixturevalue("fresh_key")
+        keys = (fresh_key(), fresh_key())  # two tenants of this test alone
+    else:
+        kvcomm_server = request.getfixturevalue("kvcomm_server_mp")
+        keys = MP_SERVER_KEYS[1:]
     before = metrics(kvcomm_server)
     results: dict[int, list] = {}
     errors: list[str] = []
@@ -53,7 +64,7 @@ def test_concurrent_pipelines_keep_the_server_consistent(kvcomm_server, executor
     assert_counters_match(before, after, summaries)
     assert after["kvcomm_pool_problems"] == 0
     assert sum(s["exact_tokens"] + s["estimated_tokens"] for s in summaries) > 0  # reuse under load
-    print(f"\nstress: {THREADS} client threads x {ROWS_PER_THREAD} demo rows x 4 agents = {len(calls)} requests "
+    print(f"\nstress ({mode}): {THREADS} client threads x {ROWS_PER_THREAD} demo rows x 4 agents = {len(calls)} requests "
           f"on 2 tenants in {seconds:.0f} s; tokens exact/estimated/computed "
           f"{[sum(s[f'{x}_tokens'] for s in summaries) for x in SOURCES]}; "
           f"anchors {sum(v for k, v in after.items() if k.startswith('kvcomm_anchors{'))}, "

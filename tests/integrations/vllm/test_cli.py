@@ -63,21 +63,19 @@ def _connector(**parallel):
     return KvcommConnector(config, KVConnectorRole.SCHEDULER, KVCacheConfig(num_blocks=0, kv_cache_tensors=[], kv_cache_groups=groups))
 
 
-def test_the_connector_refuses_parallel_engines_and_workers_in_other_processes(monkeypatch):
-    """Scheduler and worker sides exchange orders and captured KV in memory, so the connector
-    refuses tensor or pipeline parallelism and executors that run workers elsewhere: it turns
-    itself off with the reason (vLLM goes on serving requests that did not opt in). On CPU,
-    vLLM itself turns the one-process executor into "mp" unless
-    VLLM_ENABLE_V1_MULTIPROCESSING=0: the refusal says so."""
+def test_the_connector_refuses_parallel_engines_and_accepts_both_executors(monkeypatch):
+    """Tensor or pipeline parallelism is refused (the connector turns itself off with the
+    reason; vLLM goes on serving requests that did not opt in). The one-process executor and
+    vLLM's default multiprocess one (which vLLM picks on CPU unless
+    VLLM_ENABLE_V1_MULTIPROCESSING=0) are both accepted."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     for parallel in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
         assert "tensor_parallel_size 1 and pipeline_parallel_size 1 only" in (_connector(**parallel).refused or "")
-    assert "executor backend is 'mp'" in (_connector(distributed_executor_backend="mp").refused or "")
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING=0" in _connector(distributed_executor_backend="mp").refused
     accepted = _connector(distributed_executor_backend="uni")
-    assert accepted.engine_id and accepted.refused is None  # the supported setting is accepted
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # what a user who forgot it gets
-    assert "executor backend is 'mp'" in (_connector(distributed_executor_backend="uni").refused or "")
+    assert accepted.engine_id and accepted.refused is None
+    assert _connector(distributed_executor_backend="mp").refused is None
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # vLLM's default: the worker in a process of its own
+    assert _connector(distributed_executor_backend="uni").refused is None
 
 
 def test_a_state_dir_gives_the_engine_time_to_save_at_exit():

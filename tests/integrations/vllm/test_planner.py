@@ -75,12 +75,18 @@ def test_tenant_byte_cap_holds_and_does_not_touch_other_tenants(tiny_executor):
 
 
 def test_metrics_count_what_the_requests_reported(planner, tiny_executor):
+    """Counters from the summaries (``record_served``, as the connector's scheduler side calls
+    it), pool gauges from the planner itself after it learned."""
+    from kvcomm.integrations.vllm.metrics import record_served
+
     def sample(source: str) -> float:
         return REGISTRY.get_sample_value("kvcomm_prompt_tokens_total", {"source": source}) or 0.0
 
     before = {s: sample(s) for s in ("exact", "estimated", "computed")}
     # the same contents behind leads of other lengths: anchors are admitted, then estimated from
     summaries = [serve(planner, tiny_executor, *request(seed, 20, lead), "m") for lead in (6, 9, 13, 3) for seed in range(3)]
+    for summary in summaries:
+        record_served(summary)
     assert sum(s["estimated_tokens"] for s in summaries) > 0
     for source in before:
         assert sample(source) - before[source] == sum(s[f"{source}_tokens"] for s in summaries)

@@ -64,9 +64,11 @@ def test_parallelism_above_one_is_refused(tp, pp):
     assert reason is not None and "set to 1" in reason
 
 
-def test_workers_outside_the_engine_process_are_refused():
-    reason = config_refusal(1, 1, "mp", "auto", [_group(_full())])
-    assert "distributed_executor_backend='uni'" in reason
+def test_the_multiprocess_executor_is_accepted_and_others_refused():
+    assert config_refusal(1, 1, "mp", "auto", [_group(_full())]) is None  # vLLM's default
+    for backend in ("ray", "external_launcher"):
+        reason = config_refusal(1, 1, backend, "auto", [_group(_full())])
+        assert repr(backend) in reason and "distributed_executor_backend='mp'" in reason
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])

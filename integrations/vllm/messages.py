@@ -1,0 +1,72 @@
+"""What the kvcomm connector's scheduler and worker sides tell each other about annotated
+requests (server-side planning), as plain picklable values: vLLM carries them in the
+step's ``KVConnectorMetadata`` (scheduler to worker) and in ``KVConnectorWorkerMetadata``
+(worker to scheduler), across processes when the worker runs in a process of its own.
+
+No tensor travels here: the KV (bases, anchors, exact prefixes, captures) stays in the
+worker, which owns the ``ServerPlanner``.
+
+A request's life: the scheduler sends a ``PlanAsk`` and answers vLLM's lookup "not yet";
+the worker plans it at the end of that step and answers with a ``PlanAnswer``; the
+scheduler then claims ``inject_length`` tokens and sends slots (``connector.StepRequest``);
+when the request finishes, a ``Finished`` carries its reply so the worker can learn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+
+from kvcomm.integrations.vllm.params import KvcommParams
+
+
+@dataclass(frozen=True)
+class PlanAsk:
+    """Plan and materialize vLLM request ``req_id``.
+
+    token_ids: the whole prompt; params: its validated ``kv_transfer_params["kvcomm"]``;
+    salted: it carries a ``cache_salt`` (without one: exact reuse only); max_tokens: its
+    reply budget (the worker keeps the reply's KV for learning).
+    """
+
+    req_id: str
+    token_ids: tuple[int, ...]
+    params: KvcommParams
+    salted: bool
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class PlanAnswer:
+    """The worker's plan for one request: inject prompt positions ``[0, inject_length)``,
+    capture real KV from ``capture_from`` (the end of the reused range) on. ``summary`` is
+    the per-request provenance returned to the client (``PlannedRequest.summary``).
+    With ``error`` set the request gets no reuse and the error is returned instead."""
+
+    inject_length: int = 0
+    capture_from: int = 0
+    summary: dict | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Request ``req_id`` finished; ``reply_ids``: its output tokens without a final stop
+    token. The worker learns from its captured KV and forgets it."""
+
+    req_id: str
+    reply_ids: tuple[int, ...]
+
+
+@dataclass
+class KvcommWorkerMetadata(KVConnectorWorkerMetadata):
+    """One step's answers from the worker(s), keyed by vLLM request id."""
+
+    answers: dict[str, PlanAnswer] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KvcommWorkerMetadata":
+        """Answers of several workers for one step (each request is answered by one)."""
+        if not isinstance(other, KvcommWorkerMetadata):
+            raise TypeError(f"cannot aggregate kvcomm worker metadata with {type(other).__name__}")
+        return KvcommWorkerMetadata({**other.answers, **self.answers})

@@ -1,0 +1,99 @@
+"""The worker side of server-side planning: the ``ServerPlanner`` (tenants, pools, bases,
+exact prefixes, persistence, learning) lives in the process that holds the KV cache.
+
+``WorkerPlans`` answers the scheduler's ``PlanAsk`` messages (plan, materialize, place the
+order on this process's ``Channel`` under ``handle_of(req_id)``, where the connector's
+layer hooks find the KV to inject and put the captured KV) and learns on ``Finished``. The
+scheduler sees only the ``PlanAnswer`` numbers (``vllm.messages``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from kvcomm.integrations.vllm.channel import Channel
+from kvcomm.integrations.vllm.messages import Finished, PlanAnswer, PlanAsk
+from kvcomm.integrations.vllm.planner import PlannedRequest, ServerPlanner
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = logging.getLogger(__name__)
+
+
+def handle_of(req_id: str) -> str:
+    """The channel handle of a planned request (distinct from in-process callers' handles)."""
+    return f"request-{req_id}"
+
+
+class WorkerPlans:
+    """Planned requests of one worker, from their ``PlanAsk`` to their ``Finished``.
+
+    The planner is built on first use, on the served model's rotary numbers (read into
+    ``channel.rotary`` at start-up by the connector's ``register_kv_caches``).
+    """
+
+    def __init__(self, vllm_config: "VllmConfig", channel: Channel):
+        self._vllm_config = vllm_config
+        self.channel = channel
+        self.planner: ServerPlanner | None = None
+        self._planned: dict[str, PlannedRequest] = {}
+
+    def answer(self, ask: PlanAsk, refused: str | None) -> PlanAnswer:
+        """Plan ``ask``; a failure answers with the error (that request gets no reuse)."""
+        if refused is not None:
+            return PlanAnswer(error=f"kvcomm is off in this engine: {refused}")
+        try:
+            if self.planner is None:
+                self.planner = make_planner(self._vllm_config, self.channel)
+            planned = self.planner.prepare(list(ask.token_ids), ask.params, salted=ask.salted, max_tokens=ask.max_tokens)
+            self.channel.place(handle_of(ask.req_id), planned.order)
+        except Exception as error:  # a planning failure must not take the engine down
+            log.exception("kvcomm: planning request %s failed; serving it without reuse", ask.req_id)
+            return PlanAnswer(error=f"kvcomm planning failed ({type(error).__name__}: {error}); served without reuse")
+        self._planned[ask.req_id] = planned
+        inject = planned.order.inject
+        return PlanAnswer(0 if inject is None else inject.length, planned.order.capture_from, planned.summary())
+
+    def finish(self, done: Finished) -> None:
+        """Learn from the request's captured KV (if its prefill completed) and drop its state."""
+        capture, _ = self.channel.take(handle_of(done.req_id))
+        planned = self._planned.pop(done.req_id, None)
+        if planned is None:
+            return
+        try:
+            self.planner.finish(planned, capture, list(done.reply_ids))
+        except Exception:  # learning is best effort: the request was already served
+            log.exception("kvcomm: learning from request %s failed", done.req_id)
+
+
+def make_planner(vllm_config: "VllmConfig", channel: Channel) -> ServerPlanner:
+    """A planner on the served model's own rotary embedding (vLLM's module, self-checked at
+    start-up). With ``state_dir`` the checkpoint is also loaded with transformers, once, for
+    the fingerprint of the saved state (its config and weights, under transformers' names),
+    and the state is restored and then saved periodically and at exit, from this process."""
+    from kvcomm.anchors.pool import PoolConfig
+    from kvcomm.engine.engine import ReuseConfig
+
+    rotary = channel.rotary
+    if rotary is None:
+        raise RuntimeError("the kvcomm connector's worker side has not read the served model's rotary embedding")
+    extra = vllm_config.kv_transfer_config
+    pool = PoolConfig(gamma=float(extra.get_from_extra_config("gamma", PoolConfig.gamma)),
+                      max_anchors=int(extra.get_from_extra_config("max_anchors", PoolConfig.max_anchors)))
+    caps = {name: extra.get_from_extra_config(name, None) for name in ("max_total_bytes", "max_tenant_bytes")}
+    planner = ServerPlanner(rotary, ReuseConfig(pool=pool), **caps)
+    state_dir = extra.get_from_extra_config("state_dir", None)
+    if state_dir:
+        from kvcomm.core.fingerprint import model_fingerprint
+        from kvcomm.integrations.serve.state import PlannerState
+        from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer
+
+        model, tokenizer = load_model_and_tokenizer(str(vllm_config.model_config.model))
+        fingerprint = model_fingerprint(model, tokenizer, rotary, kv_dtype=vllm_config.model_config.dtype)
+        del model
+        state = PlannerState(planner, state_dir, fingerprint, float(extra.get_from_extra_config("save_interval_s", 60.0)))
+        state.restore()
+        state.start()
+    return planner

@@ -1,0 +1,92 @@
+"""Run the demo pipeline's annotated requests through a ``vllm.LLM`` with the kvcomm plugin in
+one engine mode, in a process of its own, and print what happened as one JSON line.
+
+``python pipeline_run.py inproc``: worker in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
+``python pipeline_run.py mp``: vLLM's default (engine core and worker in processes of their own).
+
+Per call: the prompt length, the returned provenance (``kv_transfer_params["kvcomm"]``), vLLM's
+cached token count and the reply token ids; plus the engine's executor backend, the engine
+client's class, and the pids of the engine's worker processes (none in-process).
+Rows 0-2 of the demo pipeline (each agent sees the earlier agents' replies), then the first
+prompt again (an exact repeat), then a request that does not opt in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+TENANT = "pipeline-run"
+MAX_TOKENS = 12
+
+
+class _Text:
+    """The prompt building part of an executor: SmolLM2's tokenizer and chat template."""
+
+    def __init__(self, tokenizer):
+        from kvcomm.integrations.transformers.executor import TransformersExecutor
+
+        self.tokenizer = tokenizer
+        self.encode = TransformersExecutor.encode.__get__(self)
+        self.render = TransformersExecutor.render.__get__(self)
+
+
+def _options(prompt) -> dict:
+    spans = [{"start": start, "end": start + len(segment), "slot": segment.slot}
+             for segment, start in zip(prompt.segments, prompt.starts) if segment.is_shared]
+    return {"kvcomm": {"template": prompt.template_id, "tenant": TENANT, "segments": spans}}
+
+
+def main(mode: str) -> None:
+    if mode not in ("inproc", "mp"):
+        raise SystemExit(f"mode must be inproc or mp, got {mode!r}")
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvcomm.core.segments import Segment
+    from kvcomm.engine.pipeline import load_demo_pipeline
+    from kvcomm.engine.runner import _content, build_prompt
+    from kvcomm.integrations.vllm.engine import make_llm, transfer_config
+    from support.tokenizer import embedded_tokenizer
+
+    llm = make_llm(in_process=mode == "inproc", max_num_batched_tokens=64, max_num_seqs=8, block_size=32,
+                   kv_transfer_config=transfer_config(extra={"plan": True, "gamma": 1.0}))
+    text = _Text(embedded_tokenizer())
+    eos = text.tokenizer.eos_token_id
+
+    def serve(token_ids, options, salt=TENANT, max_tokens=MAX_TOKENS) -> dict:
+        request = TokensPrompt(prompt_token_ids=list(token_ids))
+        if salt:
+            request["cache_salt"] = salt
+        extra = None if options is None else {"kv_transfer_params": options}
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, extra_args=extra)
+        output = llm.generate([request], params, use_tqdm=False)[0]
+        return {"prompt_tokens": len(token_ids), "kvcomm": (output.kv_transfer_params or {}).get("kvcomm"),
+                "cached": output.num_cached_tokens, "reply": list(output.outputs[0].token_ids)}
+
+    spec = load_demo_pipeline()
+    calls, first = [], None
+    for row in range(3):
+        shared = {name: _content(text, spec.inputs[row][name]) for name in spec.input_slots}
+        for agent in spec.agents:
+            prompt = build_prompt(text, agent, shared)
+            first = first or prompt
+            call = serve(prompt.token_ids, _options(prompt))
+            calls.append(call)
+            reply = [t for t in call["reply"] if t != eos]
+            shared[agent.name] = Segment(tuple(reply), slot="_") if reply else None
+    repeat = serve(first.token_ids, _options(first))
+    plain = serve(first.token_ids, None, salt=None)
+    core = llm.llm_engine.engine_core
+    print(json.dumps({
+        "mode": mode, "env": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"),
+        "backend": llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend,
+        "client": type(core).__name__, "calls": calls, "repeat": repeat, "plain": plain,
+    }))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for support.tokenizer
+    main(sys.argv[1])
