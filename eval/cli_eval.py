@@ -135,7 +135,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         help="new shared content's base KV: a standalone prefill, or its KV in the first prompt that "
                              f"computes it (default {ReuseConfig.base_source})")
     parser.add_argument("--pool", type=pool_setting, action="append", default=[], metavar="NAME=VALUE",
-                        help="a further PoolConfig field of the kvcomm runs, VALUE in JSON (e.g. --pool shrinkage=false "
+                        help="a further PoolConfig field of the kvcomm and kvblend runs, VALUE in JSON (e.g. --pool shrinkage=false "
                              "--pool min_coverage=0.3); repeatable")
     parser.add_argument("--recompute-ratio", type=ratio, default=0.15, help="cacheblend and kvblend recompute ratio (default 0.15)")
     parser.add_argument("--check-layer", type=nonnegative_int, default=1, help="cacheblend and kvblend check layer (default 1)")
