@@ -1,7 +1,7 @@
 """Server-side reuse planning for requests annotated with shared segments
 (``kv_transfer_params["kvcomm"]["segments"]``, see ``vllm.params``).
 
-Runs inside vLLM's scheduler process (the connector's scheduler side), one ``ReuseEngine``
+Runs in vLLM's worker process (``vllm.worker_plans``, the connector's worker side), one ``ReuseEngine``
 per tenant key (``kv_transfer_params["kvcomm"]["tenant"]``; ``kvcomm serve`` with API keys
 sets it from the authenticated key). A request's prompt becomes fixed segments (the gaps)
 and shared segments (the annotated spans); the engine plans and materializes the reusable
