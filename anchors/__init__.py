@@ -7,7 +7,7 @@ from kvcomm.core.exports import lazy_exports, names
 _EXPORTS = {
     "kvcomm.anchors.pool": ("AnchorPool", "PoolConfig", "Match"),
     "kvcomm.anchors.anchor": ("Anchor", "Deviation"),
-    "kvcomm.anchors.index": ("Embedder", "EmbeddingIndex", "kv_embedding"),
+    "kvcomm.anchors.index": ("Embedder", "EmbeddingIndex", "KVEmbedding", "kv_embedding"),
 }
 __all__ = names(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,7 +1,9 @@
 """Distances between a new segment's base KV and an anchor's, all on position-free KV.
 
 Every function compares the first ``n`` tokens of both (``n <= min(lengths)``) unless it
-says otherwise, and returns fp32.
+says otherwise, and returns fp32. With KV heads split over ranks (``heads``, see
+``kvcomm.core.heads``) the KVs hold this rank's heads; sums over heads come last, after the
+ranks' per-head partials were gathered, so every rank gets the single-process numbers.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcomm.core.blocks import block_layers
+from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV
 
 
@@ -19,15 +22,16 @@ ADMISSION_DISTANCES = ("relative", "l2")
 """How admission turns value distances into the logits of p = softmax(logits) (see ``admission_logits``)."""
 
 
-def value_l2(anchor: KV, new: KV, n: int) -> torch.Tensor:
+def value_l2(anchor: KV, new: KV, n: int, heads: HeadShards = ALL_HEADS) -> torch.Tensor:
     """Scalar L2 norm of the value difference on the first ``n`` tokens (the reference's
     admission distance), fp64: per-channel fp32 sums of squares, added in fp64 (a single fp32
     norm over millions of elements drifts by ~1e-4 relative). Equals
     ``EstimateDistances.value_l2`` of the same pair exactly."""
-    layers, heads, _, dim = anchor.values.shape
-    channel = torch.empty(layers, heads, dim, dtype=torch.float32)
+    layers, local_heads, _, dim = anchor.values.shape
+    channel = torch.empty(layers, local_heads, dim, dtype=torch.float32)
     for start, end, d in _difference_blocks(anchor.values, new.values, n):
         torch.sum(d.mul_(d), 2, out=channel[start:end])
+    (channel,) = heads.gather([channel], [1])
     return channel.double().sum().sqrt()
 
 
@@ -73,13 +77,13 @@ class EstimateDistances:
     value_l2: torch.Tensor
 
 
-def estimate_distances(anchor: KV, new: KV, n: int) -> EstimateDistances:
+def estimate_distances(anchor: KV, new: KV, n: int, heads: HeadShards = ALL_HEADS) -> EstimateDistances:
     """``estimate_distances_many`` for one anchor."""
-    return estimate_distances_many([anchor], new, [n])[0]
+    return estimate_distances_many([anchor], new, [n], heads=heads)[0]
 
 
 def estimate_distances_many(
-    anchors: Sequence[KV], new: KV, ns: Sequence[int], keys: bool = True,
+    anchors: Sequence[KV], new: KV, ns: Sequence[int], keys: bool = True, heads: HeadShards = ALL_HEADS,
 ) -> list[EstimateDistances]:
     """Both kinds of distance for each anchor vs ``new`` on its first ``ns[i]`` tokens.
 
@@ -93,16 +97,19 @@ def estimate_distances_many(
     full-size temporaries: layer block by layer block, every anchor's block is subtracted from
     ``new``'s (which stays in cache across the anchors) into one cache-sized scratch buffer and
     reduced twice in place (``|d|``, then ``|d|^2 = d^2``).
+
+    Under split heads the channel distances stay this rank's (they weight this rank's
+    channels); token distances and ``value_l2`` are over all heads (one ``gather``).
     """
     if len(anchors) != len(ns):
         raise ValueError(f"{len(anchors)} anchors but {len(ns)} token counts")
-    layers, heads, _, dim = new.keys.shape
+    layers, local_heads, _, dim = new.keys.shape
     if not anchors:
         return []
-    token = [torch.empty(2, layers, heads, n, dtype=torch.float32) for n in ns]
-    channel = torch.empty(len(anchors), 2, layers, heads, dim, dtype=torch.float32)
-    block = block_layers(layers, heads * max(ns) * dim * 4)
-    scratch = torch.empty(block * heads * max(ns) * dim, dtype=torch.float32)
+    token = [torch.empty(2, layers, local_heads, n, dtype=torch.float32) for n in ns]
+    channel = torch.empty(len(anchors), 2, layers, local_heads, dim, dtype=torch.float32)
+    block = block_layers(layers, local_heads * max(ns) * dim * 4)
+    scratch = torch.empty(block * local_heads * max(ns) * dim, dtype=torch.float32)
     for i, name in enumerate(("keys", "values")):
         if not keys and name == "keys":
             continue
@@ -115,17 +122,21 @@ def estimate_distances_many(
             for j, (source, n) in enumerate(zip(sources, ns)):
                 if n not in new_blocks:
                     new_blocks[n] = _fp32(b[start:end, :, :n])
-                    differences[n] = scratch[: (end - start) * heads * n * dim].view(end - start, heads, n, dim)
+                    differences[n] = scratch[: (end - start) * local_heads * n * dim].view(end - start, local_heads, n, dim)
                 d = differences[n]
                 torch.sub(_fp32(source[start:end, :, :n]), new_blocks[n], out=d)
                 torch.sum(d.abs_(), 3, out=token[j][i, start:end])
                 torch.sum(d.mul_(d), 2, out=channel[j, i, start:end])
-    out = []
-    for j in range(len(anchors)):
-        l2 = channel[j, 1].double().sum().sqrt()
-        if not keys:
+    if not keys:
+        for j in range(len(anchors)):
             token[j][0], channel[j, 0] = token[j][1], channel[j, 1]
-        mean_abs = token[j].sum((1, 2)) / (layers * heads * dim)
+    count = len(anchors)
+    gathered = heads.gather([*token, *channel[:, 1]], [2] * count + [1] * count)
+    out = []
+    for j in range(count):
+        every_head_token, every_head_values = gathered[j], gathered[count + j]
+        l2 = every_head_values.double().sum().sqrt()
+        mean_abs = every_head_token.sum((1, 2)) / (layers * every_head_token.shape[2] * dim)
         root = channel[j].sqrt_()
         out.append(EstimateDistances(mean_abs[0], mean_abs[1], root[0], root[1], l2))
     return out

@@ -7,6 +7,7 @@ from typing import Protocol, Sequence
 import faiss
 import numpy as np
 
+from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV
 
 
@@ -21,8 +22,19 @@ def kv_embedding(token_ids: Sequence[int], base: KV) -> np.ndarray:
 
     Needs no extra model and sees exactly what KV distances later compare.
     """
-    pooled = base.values.float().mean(dim=2).flatten()
-    return normalize(pooled.numpy())
+    return KVEmbedding()(token_ids, base)
+
+
+class KVEmbedding:
+    """``kv_embedding`` of a base that holds this rank's heads (``kvcomm.core.heads``): the
+    per-head means of every rank are gathered first, so each rank gets the vector of all heads."""
+
+    def __init__(self, heads: HeadShards = ALL_HEADS):
+        self.heads = heads
+
+    def __call__(self, token_ids: Sequence[int], base: KV) -> np.ndarray:
+        (pooled,) = self.heads.gather([base.values.float().mean(dim=2)], [1])
+        return normalize(pooled.flatten().cpu().numpy())
 
 
 def normalize(vector: np.ndarray) -> np.ndarray:

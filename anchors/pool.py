@@ -26,6 +26,7 @@ from kvcomm.anchors.deviations import WeightedDeviations
 from kvcomm.anchors.distance_cache import DistanceCache
 from kvcomm.anchors.index import EmbeddingIndex
 from kvcomm.anchors.shrinkage import ShrinkageFit
+from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV
 
 
@@ -135,8 +136,11 @@ _ENTROPY_TOLERANCE = 1e-9
 
 
 class AnchorPool:
-    def __init__(self, config: PoolConfig | None = None):
+    def __init__(self, config: PoolConfig | None = None, heads: HeadShards = ALL_HEADS):
+        """heads: the KV heads this process holds (``kvcomm.core.heads``); every KV given to
+        the pool holds those, and its decisions are those of one process holding all heads."""
         self.config = config or PoolConfig()
+        self.heads = heads
         self._anchors: dict[str, Anchor] = {}  # insertion order == serial order
         self._by_serial: dict[int, str] = {}
         self._index: EmbeddingIndex | None = None
@@ -228,18 +232,18 @@ class AnchorPool:
         found: list[EstimateDistances | None] = [cache.get(segment_id, base, a.serial, n) for a, n in zip(compatible, ns)]
         todo = [i for i, a in enumerate(compatible) if found[i] is None and full and a.length >= covered]
         for i, d in zip(todo, estimate_distances_many(
-            [compatible[i].base for i in todo], base, [ns[i] for i in todo], self.config.key_distances,
+            [compatible[i].base for i in todo], base, [ns[i] for i in todo], self.config.key_distances, self.heads,
         )):
             found[i] = d
             cache.put(segment_id, base, compatible[i].serial, ns[i], d)
-        return [f if f is not None else value_l2(a.base, base, n) for f, a, n in zip(found, compatible, ns)]
+        return [f if f is not None else value_l2(a.base, base, n, self.heads) for f, a, n in zip(found, compatible, ns)]
 
     def _admission(self, compatible: list[Anchor], base: KV, l2: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The admission distribution p over ``compatible``, fp64 ``[A]``; ``l2``: their value L2
         distances to ``base`` if already known."""
         counts = [min(base.length, a.length) for a in compatible]
-        l2 = torch.stack(l2 if l2 is not None else [value_l2(a.base, base, n) for a, n in zip(compatible, counts)])
-        per_token = base.values.shape[0] * base.values.shape[1] * base.values.shape[3]
+        l2 = torch.stack(l2 if l2 is not None else [value_l2(a.base, base, n, self.heads) for a, n in zip(compatible, counts)])
+        per_token = base.values.shape[0] * base.values.shape[1] * self.heads.size * base.values.shape[3]
         cfg = self.config
         logits = admission_logits(l2, torch.tensor(counts) * per_token, cfg.admission_distance, cfg.admission_temperature)
         # fp64 and a rounding tolerance: in fp32 a uniform p has an entropy just above
@@ -308,7 +312,7 @@ class AnchorPool:
                     None if following is None else WeightedDeviations((following,), (one,), (one,)))
         tau = self.config.temperature
         dist = match.distances or estimate_distances_many(
-            [a.base for a in match.anchors], base, [match.covered] * len(match.anchors), self.config.key_distances,
+            [a.base for a in match.anchors], base, [match.covered] * len(match.anchors), self.config.key_distances, self.heads,
         )
         wk = torch.softmax(-torch.stack([d.token_keys[:n] for d in dist]) / tau, dim=0)  # [A, n]
         wv = torch.softmax(-torch.stack([d.token_values[:n] for d in dist]) / tau, dim=0)
@@ -358,10 +362,10 @@ class AnchorPool:
         with self._lock:
             layers = base.keys.shape[0]
             fit = self.fits.setdefault((match.slot, "shared"), ShrinkageFit.empty(layers))
-            fit.observe(estimate, real_shared.span(0, estimate.length))
+            fit.observe(estimate, real_shared.span(0, estimate.length), self.heads)
             if following is not None and real_following is not None and following.parts[0].length == real_following.length:
                 self.fits.setdefault((match.slot, "following"), ShrinkageFit.empty(layers)).observe(
-                    following.add_into(), real_following)
+                    following.add_into(), real_following, self.heads)
 
     # -- learning and eviction -------------------------------------------------------------
 

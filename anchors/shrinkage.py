@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV
 
 
@@ -45,15 +46,20 @@ class ShrinkageFit:
     def empty(cls, layers: int) -> "ShrinkageFit":
         return cls(*(torch.zeros(2, layers, dtype=torch.float64) for _ in range(3)))
 
-    def observe(self, estimate: KV, real: KV) -> None:
-        """Add one pair: both ``[layers, kv_heads, T, head_dim]``, any float dtype, same shape."""
+    def observe(self, estimate: KV, real: KV, heads: HeadShards = ALL_HEADS) -> None:
+        """Add one pair: both ``[layers, kv_heads, T, head_dim]``, any float dtype, same shape
+        (this rank's heads under split heads: the sums are over all heads, per head first)."""
         if estimate.keys.shape != real.keys.shape or estimate.values.shape != real.values.shape:
             raise ValueError(f"estimate {tuple(estimate.keys.shape)} and real deviation {tuple(real.keys.shape)} differ in shape")
+        per_head = torch.empty(3, 2, *estimate.keys.shape[:2], dtype=torch.float64)  # [sum, row, layers, heads]
         for row, (e, r) in enumerate(((estimate.keys, real.keys), (estimate.values, real.values))):
-            e, r = e.double().flatten(1), r.double().flatten(1)
-            self.cross[row] += (e * r).sum(1)
-            self.estimate_sq[row] += (e * e).sum(1)
-            self.real_sq[row] += (r * r).sum(1)
+            e, r = e.double().flatten(2), r.double().flatten(2)
+            per_head[0, row], per_head[1, row], per_head[2, row] = (e * r).sum(2), (e * e).sum(2), (r * r).sum(2)
+        (per_head,) = heads.gather([per_head], [3])
+        cross, estimate_sq, real_sq = per_head.sum(3)
+        self.cross += cross
+        self.estimate_sq += estimate_sq
+        self.real_sq += real_sq
         self.pairs += 1
 
     def factors(self, min_pairs: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -20,9 +20,10 @@ from typing import Callable
 import torch
 
 from kvcomm.anchors.anchor import Deviation, kv_digest
-from kvcomm.anchors.index import Embedder, kv_embedding
+from kvcomm.anchors.index import Embedder, KVEmbedding
 from kvcomm.anchors.pool import AnchorPool, PoolConfig
 from kvcomm.engine.assemble import assemble, reuse_layout
+from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV, place, to_position_free
 from kvcomm.engine.plan import BlendRequest, EstimatedPiece, ReusePlan
 from kvcomm.engine.prefix_store import PrefixStore
@@ -111,14 +112,18 @@ class ReuseEngine:
     template, one anchor pool per slot name, and the exact prefix store."""
 
     def __init__(
-        self, rotary: Rotary, config: ReuseConfig | None = None, embedder: Embedder = kv_embedding,
-        workspace: KVWorkspace | None = None,
+        self, rotary: Rotary, config: ReuseConfig | None = None, embedder: Embedder | None = None,
+        workspace: KVWorkspace | None = None, heads: HeadShards = ALL_HEADS,
     ):
-        """workspace: memory ``materialized`` lends (engines may share one); by default the
-        engine's own, keeping at most ``config.workspace_bytes`` idle."""
+        """embedder: maps shared content to its pool-narrowing vector (default: its pooled base
+        values, ``KVEmbedding``). workspace: memory ``materialized`` lends (engines may share
+        one); by default the engine's own, keeping at most ``config.workspace_bytes`` idle.
+        heads: the KV heads this process holds (``kvcomm.core.heads``): every KV the engine
+        takes and gives holds those, and its plans are those of one process holding all heads."""
         self.rotary = rotary
         self.config = config or ReuseConfig()
-        self.embedder = embedder
+        self.heads = heads
+        self.embedder = embedder if embedder is not None else KVEmbedding(heads)
         self.pools: dict[str, AnchorPool] = {}
         self.prefix_store = PrefixStore(self.config.prefix_store_bytes)
         self.workspace = workspace if workspace is not None else KVWorkspace(self.config.workspace_bytes)
@@ -132,7 +137,7 @@ class ReuseEngine:
     def pool(self, slot: str) -> AnchorPool:
         with self._lock:
             if slot not in self.pools:
-                self.pools[slot] = AnchorPool(self.config.pool)
+                self.pools[slot] = AnchorPool(self.config.pool, self.heads)
             return self.pools[slot]
 
     def register_base(self, segment: Segment, base: KV) -> KV:

@@ -288,7 +288,7 @@ def _build(manifest: dict, tensors: dict[str, torch.Tensor], engine: ReuseEngine
             anchors.append(anchor)
         if slot in pools:
             read.fail(f"slot {slot!r} appears twice")
-        pool = AnchorPool(engine.config.pool)
+        pool = AnchorPool(engine.config.pool, engine.heads)
         next_serial, evictions = _field(entry, "next_serial", int, where), _field(entry, "evictions", int, where)
         try:
             pool.restore(anchors, next_serial, evictions)

@@ -24,8 +24,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
-from kvcomm.anchors.index import Embedder, kv_embedding
+from kvcomm.anchors.index import Embedder
 from kvcomm.engine.engine import BaseProvider, ReuseConfig, ReuseEngine
+from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV
 from kvcomm.engine.plan import ReusePlan
 from kvcomm.core.rope import Rotary
@@ -55,10 +56,10 @@ class TenantEngine(ReuseEngine):
     ``register_base``."""
 
     def __init__(
-        self, rotary: Rotary, config: ReuseConfig | None = None, embedder: Embedder = kv_embedding,
-        on_grow: Callable[[], None] | None = None, workspace: KVWorkspace | None = None,
+        self, rotary: Rotary, config: ReuseConfig | None = None, embedder: Embedder | None = None,
+        on_grow: Callable[[], None] | None = None, workspace: KVWorkspace | None = None, heads: HeadShards = ALL_HEADS,
     ):
-        super().__init__(rotary, config, embedder, workspace)
+        super().__init__(rotary, config, embedder, workspace, heads)
         self.on_grow = on_grow
         self.evicted = {"prefix_store": 0, "bases": 0, "fixed_bases": 0, "anchors": 0}
         self._local = threading.local()
@@ -162,14 +163,17 @@ class TenantRegistry:
 
     def __init__(
         self, rotary: Rotary, config: ReuseConfig | None = None, *, max_total_bytes: int | None = None,
-        max_tenant_bytes: int | None = None, embedder: Embedder = kv_embedding,
+        max_tenant_bytes: int | None = None, embedder: Embedder | None = None, heads: HeadShards = ALL_HEADS,
     ):
+        """heads: the KV heads this process holds (``kvcomm.core.heads``); the byte caps
+        apply to the bytes this process holds."""
         for name, value in (("max_total_bytes", max_total_bytes), ("max_tenant_bytes", max_tenant_bytes)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None (got {value!r})")
         self.rotary = rotary
         self.config = config or ReuseConfig()
         self.embedder = embedder
+        self.heads = heads
         self.max_total_bytes = max_total_bytes
         self.max_tenant_bytes = max_tenant_bytes
         self._engines: dict[str, TenantEngine] = {}
@@ -183,7 +187,7 @@ class TenantRegistry:
         with self._lock:
             engine = self._engines.get(tenant)
             if engine is None:
-                engine = TenantEngine(self.rotary, self.config, self.embedder, workspace=self.workspace)
+                engine = TenantEngine(self.rotary, self.config, self.embedder, workspace=self.workspace, heads=self.heads)
                 engine.on_grow = lambda: self.enforce(engine)
                 self._engines[tenant] = engine
             return engine

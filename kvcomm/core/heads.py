@@ -1,0 +1,83 @@
+"""Which KV heads a process holds, and how statistics over all heads are completed.
+
+Under tensor parallelism each process (rank) holds the KV of an equal, contiguous share of a
+model's KV heads (rank ``r`` of ``size`` holds heads ``[r * h, (r + 1) * h)`` with ``h`` heads
+per rank), so every KV the reuse state keeps is ``[layers, h, T, head_dim]`` there.
+
+Element-wise work (realignment, deviations, estimates) needs nothing from the other ranks.
+Every decision that reads KV (admission distances, anchor weights, shrinkage factors,
+embeddings) is computed from per-head partials: a tensor with a heads axis, reduced over
+that axis only after ``gather`` has put the ranks' partials side by side in head order. The
+partials are exactly the head slices of what one process holding all heads computes, so
+every rank reaches the decisions of the single-process run, bit for bit, and the ranks stay
+consistent without exchanging any KV.
+
+Invariant for ``ProcessGroupHeads``: every rank calls ``gather`` the same number of times, in
+the same order, with tensors of the same shapes and dtypes (planning and learning run the
+same code on the same requests in lockstep). A failure on one rank only (out of memory, a
+bug) leaves the others waiting in their next ``gather`` until the group's timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class HeadShards:
+    """All KV heads in this process (one rank of one): ``gather`` returns its input."""
+
+    size: int = 1
+    """Number of ranks the heads are split over."""
+    rank: int = 0
+    """This process's rank (its share of the heads in head order)."""
+
+    def gather(self, parts: Sequence[torch.Tensor], dims: Sequence[int]) -> list[torch.Tensor]:
+        """Per-head partials of every rank, concatenated in rank (= head) order.
+
+        parts[i]: this rank's partial, its heads along axis ``dims[i]``; the result's
+        ``i``-th tensor has ``size`` times as many heads there, on ``parts[i]``'s device and
+        in its dtype, bit for bit what the ranks computed.
+        """
+        if len(parts) != len(dims):
+            raise ValueError(f"{len(parts)} partials but {len(dims)} head axes")
+        return list(parts)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
+
+
+ALL_HEADS = HeadShards()
+"""The default: one process holds every head."""
+
+
+class ProcessGroupHeads(HeadShards):
+    """Heads split over the ranks of a ``torch.distributed`` process group (e.g. vLLM's
+    tensor-parallel CPU group, gloo). One ``all_gather`` per ``gather`` call, of all its parts
+    at once as raw bytes (any dtype, no rounding), through the host."""
+
+    def __init__(self, group: "torch.distributed.ProcessGroup"):
+        import torch.distributed as dist
+
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def gather(self, parts: Sequence[torch.Tensor], dims: Sequence[int]) -> list[torch.Tensor]:
+        import torch.distributed as dist
+
+        super().gather(parts, dims)
+        if not parts:
+            return []
+        host = [p.detach().to("cpu").contiguous() for p in parts]
+        raw = torch.cat([p.reshape(-1).view(torch.uint8) for p in host])
+        received = [torch.empty_like(raw) for _ in range(self.size)]
+        dist.all_gather(received, raw, group=self.group)
+        out, offset = [], 0
+        for part, local, dim in zip(parts, host, dims):
+            width = local.numel() * local.element_size()
+            pieces = [r[offset : offset + width].clone().view(local.dtype).view(local.shape) for r in received]
+            out.append(torch.cat(pieces, dim).to(part.device))
+            offset += width
+        return out

@@ -1,0 +1,80 @@
+"""A reuse engine whose KV heads are split over two processes (tensor-parallel ranks) plans
+exactly as one engine holding all heads: same decisions on every request, and each rank's
+materialized KV is the single-process KV's head slice, bit for bit.
+
+The single-process run is the demo pipeline on a 2-layer random Llama (2 KV heads) with
+first_use bases, gamma 0.3 and shrinkage (8 rows: the demo's and variants of them); its plans, learned KV and bases are recorded and
+replayed in two gloo-joined processes, each on its own head (``support.split_heads``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from kvcomm.anchors.pool import PoolConfig
+from kvcomm.core.heads import ALL_HEADS
+from kvcomm.engine.engine import ReuseConfig
+from kvcomm.engine.pipeline import load_demo_pipeline
+from kvcomm.engine.runner import run_row
+from support.split_heads import RecordingEngine, replay
+
+
+@pytest.fixture(scope="module")
+def replayed(tiny_executor, tmp_path_factory):
+    demo = load_demo_pipeline()
+    variants = tuple({name: f"{text} (second case)" for name, text in row.items()} for row in demo.inputs)
+    spec = dataclasses.replace(demo, inputs=demo.inputs + variants, max_new_tokens=8)
+    config = ReuseConfig(pool=PoolConfig(gamma=0.3, shrinkage_min_pairs=1))  # some dense sightings, observed
+    engine = RecordingEngine(tiny_executor.rotary, config)
+    for row in range(len(spec.inputs)):
+        run_row(spec, row, tiny_executor, engine)
+    folder = tmp_path_factory.mktemp("split-heads")
+    log = folder / "log.pt"
+    torch.save({"rotary": tiny_executor.rotary, "config": config, "events": engine.events}, log)
+    mp.spawn(replay, args=(2, str(log), str(folder / "init"), str(folder)), nprocs=2, join=True)
+    single = {str(k): (f.cross, f.estimate_sq, f.real_sq) for pool in engine.pools.values() for k, f in pool.fits.items()}
+    ranks = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return engine, single, ranks
+
+
+def test_the_recorded_run_reuses_estimates_and_fits_shrinkage(replayed):
+    engine, single, _ = replayed
+    plans = [e for e in engine.events if e[0] == "plan"]
+    assert sum(e[2]["estimated"] for e in plans) > 0 and sum(e[2]["exact"] for e in plans) > 0
+    assert single  # shrinkage observed: its sums are compared across ranks below
+
+
+def test_every_rank_makes_the_single_process_decisions(replayed):
+    engine, _, ranks = replayed
+    count = sum(e[0] == "plan" for e in engine.events)
+    for rank in ranks:
+        assert len(rank["results"]) == count
+        assert [r["decisions"] for r in rank["results"]] == [True] * count
+        assert rank["anchors"] == {slot: len(pool) for slot, pool in engine.pools.items()}
+
+
+def test_every_rank_materializes_its_heads_of_the_single_process_kv_bit_for_bit(replayed):
+    _, _, ranks = replayed
+    for rank in ranks:
+        assert [r["kv"] for r in rank["results"]] == [True] * len(rank["results"])
+
+
+def test_shrinkage_sums_over_split_heads_equal_the_single_process_sums(replayed):
+    _, single, ranks = replayed
+    for rank in ranks:
+        assert rank["fits"].keys() == single.keys()
+        for key, sums in single.items():
+            for mine, reference in zip(rank["fits"][key], sums):
+                assert torch.equal(mine, reference), key
+
+
+def test_one_process_gather_is_the_identity():
+    part = torch.arange(6.0).view(1, 2, 3)
+    (same,) = ALL_HEADS.gather([part], [1])
+    assert same is part
+    with pytest.raises(ValueError, match="2 partials but 1 head axes"):
+        ALL_HEADS.gather([part, part], [1])

@@ -1,0 +1,97 @@
+"""Record a reuse engine's life on a real model, then replay it on head shards in processes
+joined by a gloo group (``ProcessGroupHeads``), the way tensor-parallel ranks hold KV.
+
+``RecordingEngine`` logs every plan (its prompt, decisions and materialized prefix), every
+``learn`` (the computed KV) and every registered base, with the whole heads. ``replay`` runs
+in each rank: the same calls with that rank's heads of every KV, and reports per plan whether
+its decisions equal the recorded ones and its materialized prefix equals the recorded
+prefix's head slice bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from kvcomm.core.kv import KV
+from kvcomm.engine.engine import ReuseEngine
+
+
+def decisions(plan) -> dict:
+    """What a plan decided, comparable across processes (no KV)."""
+    p = plan.provenance()
+    pieces = [(piece.segment_index, piece.start, piece.end, None if piece.match is None else
+               (piece.match.covered, piece.match.identical, tuple(a.serial for a in piece.match.anchors)))
+              for piece in plan.pieces]
+    return {"exact": p.exact_tokens, "estimated": p.estimated_tokens, "computed": p.computed_tokens,
+            "fallback": p.fallback, "note": plan.note, "pieces": pieces, "learn": list(plan.learn),
+            "new_bases": list(plan.new_bases)}
+
+
+class RecordingEngine(ReuseEngine):
+    """A ``ReuseEngine`` that logs its plans, learned KV and bases (``events``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.events: list[tuple] = []
+
+    def plan(self, prompt, provide_base=None):
+        plan = super().plan(prompt, provide_base)
+        self.events.append(["plan", prompt, decisions(plan), None])
+        return plan
+
+    @contextlib.contextmanager
+    def materialized(self, plan):
+        with super().materialized(plan) as prefix:
+            self.events[-1][3] = None if prefix is None else prefix.clone()
+            yield prefix
+
+    def learn(self, plan, computed):
+        self.events.append(["learn", computed.clone()])
+        super().learn(plan, computed)
+
+    def register_base(self, segment, base):
+        self.events.append(["base", segment, base.clone()])
+        return super().register_base(segment, base)
+
+
+def _shard(kv: KV, rank: int, size: int) -> KV:
+    heads = kv.keys.shape[1] // size
+    return KV(kv.keys[:, rank * heads : (rank + 1) * heads].contiguous(), kv.values[:, rank * heads : (rank + 1) * heads].contiguous())
+
+
+def replay(rank: int, size: int, log_path: str, init_file: str, out_dir: str) -> None:
+    """One rank: replay the recorded events on its heads; writes ``rank{r}.pt`` to ``out_dir``."""
+    import torch.distributed as dist
+
+    from kvcomm.core.heads import ProcessGroupHeads
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+    try:
+        log = torch.load(log_path, weights_only=False)
+        heads = ProcessGroupHeads(dist.group.WORLD)
+        engine = ReuseEngine(log["rotary"], log["config"], heads=heads)
+        plans, results = None, []
+        for event in log["events"]:
+            if event[0] == "plan":
+                _, prompt, recorded, prefix = event
+                plans = engine.plan(prompt)
+                with engine.materialized(plans) as mine:
+                    same_kv = (mine is None) == (prefix is None) and (
+                        mine is None or (torch.equal(mine.keys, _shard(prefix, rank, size).keys)
+                                         and torch.equal(mine.values, _shard(prefix, rank, size).values)))
+                results.append({"decisions": decisions(plans) == recorded, "kv": bool(same_kv),
+                                "estimated": recorded["estimated"]})
+            elif event[0] == "learn":
+                engine.learn(plans, _shard(event[1], rank, size))
+            else:
+                engine.register_base(event[1], _shard(event[2], rank, size))
+        fits = {str(k): (f.cross.clone(), f.estimate_sq.clone(), f.real_sq.clone())
+                for pool in engine.pools.values() for k, f in pool.fits.items()}
+        torch.save({"results": results, "fits": fits, "anchors": {s: len(p) for s, p in engine.pools.items()}},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
