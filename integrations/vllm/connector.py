@@ -31,6 +31,12 @@ see ``vllm.params``):
   through the host per layer); ``wait_for_save`` stamps when a prompt's last token was
   computed, after waiting for the device (the TTFT end point).
 
+Tensor parallelism: every rank's worker gets the same metadata, holds its own heads of every
+base, anchor, exact prefix and capture, and plans and learns the same requests in lockstep;
+decisions that read KV are made from per-head partials gathered over vLLM's tensor-parallel
+CPU group (``kvcomm.core.heads``), so all ranks decide as one process holding every head would.
+Only KV of this rank's heads is ever injected or captured on it.
+
 CUDA graphs: full-graph replay would skip the per-layer hooks, so
 ``requires_piecewise_for_cudagraph`` is True and vLLM runs piecewise graphs (or eager).
 
@@ -38,8 +44,9 @@ Refusals happen at start-up, never inside a forward (``config_refusal``, ``layer
 the layout self-check, ``vllm.rotary``'s RoPE self-check against vLLM's own rotary module):
 rotary embeddings kvcomm cannot realign exactly, unsupported attention backends (MLA and any
 backend without ``do_kv_cache_update``), sliding-window, chunked-local or hybrid layers, more than one KV
-cache group, KV sharing between layers, quantized (fp8) KV caches, tensor or pipeline
-parallelism > 1, executors other than ``uni`` and ``mp``. A refused connector stays
+cache group, KV sharing between layers, quantized (fp8) KV caches, pipeline parallelism > 1,
+tensor parallelism that would replicate KV heads, executors other than ``uni`` and ``mp``
+(under tensor parallelism a refusal on any rank turns every rank off). A refused connector stays
 loaded but inert: requests that do not opt in are served exactly as by stock vLLM, and
 requests that opt in are served without reuse, their ``kv_transfer_params["kvcomm"]["error"]``
 saying why. With ``kv_connector_extra_config={"strict": true}`` the engine fails to start
@@ -162,15 +169,20 @@ _EMPTY = torch.zeros(0, dtype=torch.int64)
 
 
 def config_refusal(tensor_parallel_size: int, pipeline_parallel_size: int, executor_backend: Any,
-                   cache_dtype: str, kv_cache_groups: list | None) -> str | None:
+                   cache_dtype: str, kv_cache_groups: list | None, total_kv_heads: int | None = None) -> str | None:
     """Why the connector cannot run on this engine configuration, or None if it can.
 
     kv_cache_groups: ``KVCacheConfig.kv_cache_groups`` (None when not known yet, as in the
-    scheduler-less worker roles). Each reason says what to change.
+    scheduler-less worker roles). total_kv_heads: the model's KV heads before tensor
+    parallelism splits them (None: not known). Each reason says what to change.
     """
-    if tensor_parallel_size != 1 or pipeline_parallel_size != 1:
-        return (f"kvcomm supports tensor_parallel_size 1 and pipeline_parallel_size 1 only (this engine has "
-                f"{tensor_parallel_size} and {pipeline_parallel_size}); start vLLM with both set to 1")
+    if pipeline_parallel_size != 1:
+        return (f"kvcomm supports pipeline_parallel_size 1 only (this engine has {pipeline_parallel_size}); "
+                "start vLLM with pipeline_parallel_size 1 (tensor parallelism is supported)")
+    if tensor_parallel_size != 1 and total_kv_heads is not None and total_kv_heads % tensor_parallel_size:
+        return (f"kvcomm needs the model's {total_kv_heads} KV heads split evenly over tensor_parallel_size "
+                f"{tensor_parallel_size} (vLLM replicates heads otherwise); pick a tensor_parallel_size that divides "
+                f"{total_kv_heads}")
     if executor_backend not in SUPPORTED_EXECUTORS:
         return (f"kvcomm supports vLLM's executor backends {', '.join(map(repr, SUPPORTED_EXECUTORS[1:]))} only, this "
                 f"engine's is {executor_backend!r}; pass distributed_executor_backend='mp' (vLLM's default) or 'uni'")
@@ -244,8 +256,10 @@ class KvcommConnector(KVConnectorBase_V1):
         self._strict = bool(self._kv_transfer_config.get_from_extra_config("strict", False))
         parallel = vllm_config.parallel_config
         groups = None if kv_cache_config is None else kv_cache_config.kv_cache_groups
+        model = vllm_config.model_config
         self._refused = config_refusal(parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
-                                       parallel.distributed_executor_backend, vllm_config.cache_config.cache_dtype, groups)
+                                       parallel.distributed_executor_backend, vllm_config.cache_config.cache_dtype, groups,
+                                       None if model is None else model.get_total_num_kv_heads())
         if self._refused is None and role == KVConnectorRole.SCHEDULER:
             self._refused = self.channel.refusal  # the worker side (same process) registered its layers first
         self._refuse_if_needed()
@@ -259,6 +273,7 @@ class KvcommConnector(KVConnectorBase_V1):
         self._plan = bool(self._kv_transfer_config.get_from_extra_config("plan", False))
         self._asks: list[PlanAsk] = []
         self._finished: list[Finished] = []
+        self._asked: set[str] = set()  # annotated requests whose plan was asked of the worker, until they finish
         self._plans = WorkerPlans(vllm_config, self.channel)
         slots = self._kv_transfer_config.get_from_extra_config("slots", None)
         self._known_slots = None if slots is None else frozenset(slots)
@@ -336,6 +351,7 @@ class KvcommConnector(KVConnectorBase_V1):
                 'kv_connector_extra_config={"plan": true}'
             )
         n = request.num_prompt_tokens
+        self._asked.add(request.request_id)
         self._asks.append(PlanAsk(request.request_id, tuple(request.prompt_token_ids), params,
                                   request.cache_salt is not None, request.max_tokens))
         return _Tracked(handle_of(request.request_id), n, capture_to=n + request.max_tokens, planned=True, pending=True)
@@ -397,7 +413,11 @@ class KvcommConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tracked = self._tracked.pop(request.request_id, None)
         error = self._rejected.pop(request.request_id, None)
+        asked = request.request_id in self._asked
+        self._asked.discard(request.request_id)
         if error:
+            if asked:  # the worker may hold its plan (e.g. ranks that disagreed): let it forget, learning nothing
+                self._finished.append(Finished(request.request_id, ()))
             return False, {"kvcomm": {"error": error}}
         if tracked is None or not tracked.planned:
             return False, None
@@ -427,6 +447,7 @@ class KvcommConnector(KVConnectorBase_V1):
             self.channel.rotary, self.channel.rope_check = served_rotary(self._vllm_config)
         except (LayoutError, RopeError) as error:
             self._refused = str(error)
+        self._refused = _refusal_of_any_rank(self._refused, self._vllm_config)
         self._refuse_if_needed()
 
     def _register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -547,6 +568,21 @@ class KvcommConnector(KVConnectorBase_V1):
                     capture.filled[step.capture_positions] = True
                 if step.prompt_done:
                     self.channel.prompt_done_at[step.handle] = now
+
+
+def _refusal_of_any_rank(refused: str | None, vllm_config: "VllmConfig") -> str | None:
+    """Under tensor parallelism every rank must be on or off together (each holds only its
+    heads of every request): the first rank's refusal, else None. Called by all ranks at once."""
+    if vllm_config.parallel_config.tensor_parallel_size == 1:
+        return refused
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    reasons: list[str | None] = [None] * group.world_size
+    dist.all_gather_object(reasons, refused, group=group.cpu_group)
+    return next((f"tensor-parallel rank {rank}: {reason}" if rank != group.rank_in_group else reason
+                 for rank, reason in enumerate(reasons) if reason is not None), None)
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device | None, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -66,7 +66,15 @@ class KvcommWorkerMetadata(KVConnectorWorkerMetadata):
     answers: dict[str, PlanAnswer] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KvcommWorkerMetadata":
-        """Answers of several workers for one step (each request is answered by one)."""
+        """Answers of several workers for one step. Tensor-parallel ranks each answer every
+        request, and must agree: a request the ranks planned differently gets no reuse (an
+        error answer), since each rank would inject its heads of a different plan."""
         if not isinstance(other, KvcommWorkerMetadata):
             raise TypeError(f"cannot aggregate kvcomm worker metadata with {type(other).__name__}")
-        return KvcommWorkerMetadata({**other.answers, **self.answers})
+        answers = {**other.answers, **self.answers}
+        for req_id, theirs in other.answers.items():
+            mine = self.answers.get(req_id)
+            if mine is not None and mine != theirs and mine.error is None:
+                answers[req_id] = PlanAnswer(error=f"kvcomm: tensor-parallel ranks planned this request differently "
+                                                   f"({mine} vs {theirs}); served without reuse")
+        return KvcommWorkerMetadata(answers)

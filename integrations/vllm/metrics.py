@@ -48,23 +48,27 @@ def record_served(summary: dict) -> None:
 
 def record_pools(registry) -> None:
     """Refresh the pool gauges from ``registry`` (a ``kvcomm.services.tenants.TenantRegistry``;
-    tenants are exported under their hash label)."""
+    tenants are exported under their hash label). Under tensor parallelism every rank reports
+    the bytes and problems of what it holds (the gauges add up over ranks) and only rank 0 the
+    anchor and eviction counts, which all ranks share."""
     numbers = registry.metrics()
+    problems = registry.problems()
+    for problem in problems:
+        log.error("kvcomm pool inconsistency: %s", problem)
+    PROBLEMS.set(len(problems))
+    POOL_BYTES.set(sum(sum(t["pool_bytes"].values()) for t in numbers["tenants"].values()))
+    for label, tenant in numbers["tenants"].items():
+        TENANT_BYTES.labels(label).set(tenant["bytes"])
+    if registry.heads.rank != 0:
+        return
     anchors: dict[str, int] = {}
     for tenant in numbers["tenants"].values():
         for slot, count in tenant["anchors"].items():
             anchors[slot] = anchors.get(slot, 0) + count
     for slot, count in anchors.items():
         ANCHORS.labels(slot).set(count)
-    POOL_BYTES.set(sum(sum(t["pool_bytes"].values()) for t in numbers["tenants"].values()))
-    for label, tenant in numbers["tenants"].items():
-        TENANT_BYTES.labels(label).set(tenant["bytes"])
     pools = [pool for tenant in registry.tenants for pool in registry.engine(tenant).pools.values()]
     EVICTIONS.set(sum(pool.evictions for pool in pools))
-    problems = registry.problems()
-    for problem in problems:
-        log.error("kvcomm pool inconsistency: %s", problem)
-    PROBLEMS.set(len(problems))
 
 
 def record_rejected() -> None:

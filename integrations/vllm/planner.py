@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass
 
 from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV, to_position_free
 from kvcomm.engine.plan import ReusePlan
 from kvcomm.core.rope import Rotary
@@ -73,10 +74,13 @@ class ServerPlanner:
 
     def __init__(
         self, rotary: Rotary, config: ReuseConfig | None = None, *,
-        max_total_bytes: int | None = None, max_tenant_bytes: int | None = None,
+        max_total_bytes: int | None = None, max_tenant_bytes: int | None = None, heads: HeadShards = ALL_HEADS,
     ):
+        """heads: the KV heads this process holds (a tensor-parallel rank's share); the caps
+        apply to what this process holds."""
         self.rotary = rotary
-        self.registry = TenantRegistry(rotary, config, max_total_bytes=max_total_bytes, max_tenant_bytes=max_tenant_bytes)
+        self.registry = TenantRegistry(rotary, config, max_total_bytes=max_total_bytes, max_tenant_bytes=max_tenant_bytes,
+                                       heads=heads)
         self.config = self.registry.config
         self.totals = {"exact": 0, "estimated": 0, "computed": 0, "requests": 0, "fallbacks": 0}
         self._runs: dict[str, RunIndex] = {}

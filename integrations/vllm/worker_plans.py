@@ -10,6 +10,7 @@ scheduler sees only the ``PlanAnswer`` numbers (``vllm.messages``).
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
 from kvcomm.integrations.vllm.channel import Channel
@@ -68,11 +69,34 @@ class WorkerPlans:
             log.exception("kvcomm: learning from request %s failed", done.req_id)
 
 
+def tensor_parallel_heads(vllm_config: "VllmConfig"):
+    """The KV heads this worker holds: all of them, or its rank's share of vLLM's tensor-parallel
+    group (decisions gathered over the group's CPU (gloo) communicator)."""
+    from kvcomm.core.heads import ALL_HEADS, ProcessGroupHeads
+
+    if vllm_config.parallel_config.tensor_parallel_size == 1:
+        return ALL_HEADS
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return ProcessGroupHeads(get_tp_group().cpu_group)
+
+
+def _rank_share(cap: int | None, size: int) -> int | None:
+    """A byte cap on all ranks together -> the cap on one rank's share."""
+    return None if cap is None else max(1, int(cap) // size)
+
+
 def make_planner(vllm_config: "VllmConfig", channel: Channel) -> ServerPlanner:
     """A planner on the served model's own rotary embedding (vLLM's module, self-checked at
     start-up). With ``state_dir`` the checkpoint is also loaded with transformers, once, for
     the fingerprint of the saved state (its config and weights, under transformers' names),
-    and the state is restored and then saved periodically and at exit, from this process."""
+    and the state is restored and then saved periodically and at exit, from this process.
+
+    Under tensor parallelism (``tensor_parallel_heads``) each rank's planner holds its heads;
+    the byte caps are split evenly (a rank holds ``1/size`` of every KV, so a rank over its
+    share is exactly a whole over the cap, up to the embeddings every rank holds whole), and
+    each rank keeps its state in ``state_dir/tp{size}-rank{rank}`` (a state saved under
+    another tensor-parallel size is not loaded)."""
     from kvcomm.anchors.pool import PoolConfig
     from kvcomm.engine.engine import ReuseConfig
 
@@ -82,9 +106,13 @@ def make_planner(vllm_config: "VllmConfig", channel: Channel) -> ServerPlanner:
     extra = vllm_config.kv_transfer_config
     pool = PoolConfig(gamma=float(extra.get_from_extra_config("gamma", PoolConfig.gamma)),
                       max_anchors=int(extra.get_from_extra_config("max_anchors", PoolConfig.max_anchors)))
-    caps = {name: extra.get_from_extra_config(name, None) for name in ("max_total_bytes", "max_tenant_bytes")}
-    planner = ServerPlanner(rotary, ReuseConfig(pool=pool), **caps)
+    heads = tensor_parallel_heads(vllm_config)
+    caps = {name: _rank_share(extra.get_from_extra_config(name, None), heads.size)
+            for name in ("max_total_bytes", "max_tenant_bytes")}
+    planner = ServerPlanner(rotary, ReuseConfig(pool=pool), heads=heads, **caps)
     state_dir = extra.get_from_extra_config("state_dir", None)
+    if state_dir and heads.size > 1:
+        state_dir = os.path.join(state_dir, f"tp{heads.size}-rank{heads.rank}")  # each rank saves its own heads
     if state_dir:
         from kvcomm.core.fingerprint import model_fingerprint
         from kvcomm.integrations.serve.state import PlannerState

@@ -3,6 +3,8 @@ one engine mode, in a process of its own, and print what happened as one JSON li
 
 ``python pipeline_run.py inproc``: worker in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
 ``python pipeline_run.py mp``: vLLM's default (engine core and worker in processes of their own).
+``python pipeline_run.py mp MODEL_DIR 2``: on another model, with tensor parallelism 2 (one
+worker process per rank); ``python pipeline_run.py save-tiny-llama DIR`` saves a model it can split.
 
 Per call: the prompt length, the returned provenance (``kv_transfer_params["kvcomm"]``), vLLM's
 cached token count and the reply token ids; plus the engine's executor backend, the engine
@@ -39,7 +41,28 @@ def _options(prompt) -> dict:
     return {"kvcomm": {"template": prompt.template_id, "tenant": TENANT, "segments": spans}}
 
 
-def main(mode: str) -> None:
+def save_tiny_llama(folder: str, kv_heads: int = 2) -> str:
+    """A random 2-layer Llama (4 query heads, ``kv_heads`` KV heads, fp32) with SmolLM2's
+    tokenizer, saved where vLLM can load it: a model tensor parallelism can split."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from support.tokenizer import embedded_tokenizer
+
+    tokenizer = embedded_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=2048, torch_dtype="float32",
+        initializer_range=0.1,  # wide enough that greedy replies vary (at 0.02 they repeat one token)
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def main(mode: str, model: str | None = None, tensor_parallel_size: int = 1) -> None:
     if mode not in ("inproc", "mp"):
         raise SystemExit(f"mode must be inproc or mp, got {mode!r}")
     from vllm import SamplingParams
@@ -51,8 +74,9 @@ def main(mode: str) -> None:
     from kvcomm.integrations.vllm.engine import make_llm, transfer_config
     from support.tokenizer import embedded_tokenizer
 
-    llm = make_llm(in_process=mode == "inproc", max_num_batched_tokens=64, max_num_seqs=8, block_size=32,
-                   kv_transfer_config=transfer_config(extra={"plan": True, "gamma": 1.0}))
+    llm = make_llm(model, in_process=mode == "inproc", max_num_batched_tokens=64, max_num_seqs=8, block_size=32,
+                   tensor_parallel_size=tensor_parallel_size,
+                   kv_transfer_config=transfer_config(extra={"plan": True, "gamma": 1.0, "strict": True}))
     text = _Text(embedded_tokenizer())
     eos = text.tokenizer.eos_token_id
 
@@ -84,9 +108,13 @@ def main(mode: str) -> None:
         "mode": mode, "env": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"),
         "backend": llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend,
         "client": type(core).__name__, "calls": calls, "repeat": repeat, "plain": plain,
+        "tensor_parallel_size": llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size,
     }))
 
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for support.tokenizer
-    main(sys.argv[1])
+    if sys.argv[1] == "save-tiny-llama":
+        print(save_tiny_llama(sys.argv[2]))
+    else:
+        main(sys.argv[1], *(sys.argv[2:3] or [None]), *map(int, sys.argv[3:4]))

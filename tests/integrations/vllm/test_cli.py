@@ -63,14 +63,14 @@ def _connector(**parallel):
     return KvcommConnector(config, KVConnectorRole.SCHEDULER, KVCacheConfig(num_blocks=0, kv_cache_tensors=[], kv_cache_groups=groups))
 
 
-def test_the_connector_refuses_parallel_engines_and_accepts_both_executors(monkeypatch):
-    """Tensor or pipeline parallelism is refused (the connector turns itself off with the
-    reason; vLLM goes on serving requests that did not opt in). The one-process executor and
-    vLLM's default multiprocess one (which vLLM picks on CPU unless
+def test_the_connector_refuses_pipeline_parallel_engines_and_accepts_both_executors(monkeypatch):
+    """Pipeline parallelism is refused (the connector turns itself off with the reason; vLLM
+    goes on serving requests that did not opt in), tensor parallelism accepted. The one-process
+    executor and vLLM's default multiprocess one (which vLLM picks on CPU unless
     VLLM_ENABLE_V1_MULTIPROCESSING=0) are both accepted."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    for parallel in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
-        assert "tensor_parallel_size 1 and pipeline_parallel_size 1 only" in (_connector(**parallel).refused or "")
+    assert "pipeline_parallel_size 1 only" in (_connector(pipeline_parallel_size=2).refused or "")
+    assert _connector(tensor_parallel_size=2, distributed_executor_backend="mp").refused is None
     accepted = _connector(distributed_executor_backend="uni")
     assert accepted.engine_id and accepted.refused is None
     assert _connector(distributed_executor_backend="mp").refused is None

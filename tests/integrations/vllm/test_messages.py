@@ -79,7 +79,8 @@ def test_a_workers_error_is_that_requests_error_and_an_abort_before_the_answer_i
                                                "x": PlanAnswer(10, 10, {})}))
     assert connector.get_num_new_matched_tokens(failing, 0) == (0, False)  # served without reuse
     assert connector.request_finished(failing, []) == (False, {"kvcomm": {"error": "kvcomm planning failed (boom)"}})
-    assert _step(connector).finished == [Finished("x", (7, 8))]  # the worker drops what it planned
+    # the worker drops what it planned; the rejected request's Finished has no reply (nothing to learn)
+    assert _step(connector).finished == [Finished("x", (7, 8)), Finished("f", ())]
 
 
 def test_bad_options_are_refused_at_once_without_asking_the_worker():
@@ -96,3 +97,12 @@ def test_worker_metadata_aggregates_the_answers_of_several_workers():
     with pytest.raises(TypeError, match="cannot aggregate"):
         one.aggregate(object())
     assert isinstance(PlanAsk("a", (1,), None, True, 1), PlanAsk)
+
+
+def test_tensor_parallel_ranks_that_plan_a_request_differently_give_it_no_reuse():
+    """Every rank answers every request; equal answers are one answer, different ones an error."""
+    rank0 = KvcommWorkerMetadata({"same": PlanAnswer(5, 5, {}), "split": PlanAnswer(5, 5, {})})
+    rank1 = KvcommWorkerMetadata({"same": PlanAnswer(5, 5, {}), "split": PlanAnswer(3, 3, {})})
+    answers = rank0.aggregate(rank1).answers
+    assert answers["same"] == PlanAnswer(5, 5, {})
+    assert "ranks planned this request differently" in answers["split"].error

@@ -58,10 +58,17 @@ def test_hybrid_models_with_several_groups_are_refused():
     assert "one KV cache group" in reason and "2" in reason and "SlidingWindowSpec" in reason
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
-def test_parallelism_above_one_is_refused(tp, pp):
-    reason = config_refusal(tp, pp, "mp", "auto", [_group(_full())])
-    assert reason is not None and "set to 1" in reason
+def test_pipeline_parallelism_is_refused():
+    reason = config_refusal(1, 2, "mp", "auto", [_group(_full())])
+    assert reason is not None and "pipeline_parallel_size 1" in reason
+
+
+def test_tensor_parallelism_is_accepted_when_it_splits_the_kv_heads_evenly():
+    assert config_refusal(2, 1, "mp", "auto", [_group(_full())], total_kv_heads=4) is None
+    assert config_refusal(4, 1, "mp", "auto", [_group(_full())], total_kv_heads=4) is None
+    for tp, heads in ((2, 3), (8, 4)):  # vLLM would replicate heads: a rank's partials would not be its own
+        reason = config_refusal(tp, 1, "mp", "auto", [_group(_full())], total_kv_heads=heads)
+        assert reason is not None and f"{heads} KV heads" in reason and "divides" in reason
 
 
 def test_the_multiprocess_executor_is_accepted_and_others_refused():
