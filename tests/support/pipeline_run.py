@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,6 +42,19 @@ def _options(prompt) -> dict:
     return {"kvcomm": {"template": prompt.template_id, "tenant": TENANT, "segments": spans}}
 
 
+def run_in_subprocess(*args: str) -> dict:
+    """``python pipeline_run.py ARGS...`` in a process of its own (1 GiB CPU KV cache, one
+    thread, vLLM's default engine unless the mode is ``inproc``); returns its JSON line and
+    fails with the end of its stderr if it exits non-zero."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    if args[0] == "inproc":
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def save_tiny_llama(folder: str, kv_heads: int = 2) -> str:
     """A random 2-layer Llama (4 query heads, ``kv_heads`` KV heads, fp32) with SmolLM2's
     tokenizer, saved where vLLM can load it: a model tensor parallelism can split."""
@@ -50,14 +64,16 @@ def save_tiny_llama(folder: str, kv_heads: int = 2) -> str:
     from support.tokenizer import embedded_tokenizer
 
     tokenizer = embedded_tokenizer()
-    torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=2048, torch_dtype="float32",
         initializer_range=0.1,  # wide enough that greedy replies vary (at 0.02 they repeat one token)
         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=True,
     )
-    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    with torch.random.fork_rng():  # seed 0 without touching the caller's generator
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 

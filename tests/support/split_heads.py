@@ -74,19 +74,20 @@ def replay(rank: int, size: int, log_path: str, init_file: str, out_dir: str) ->
         log = torch.load(log_path, weights_only=False)
         heads = ProcessGroupHeads(dist.group.WORLD)
         engine = ReuseEngine(log["rotary"], log["config"], heads=heads)
-        plans, results = None, []
+        plan, results = None, []
         for event in log["events"]:
             if event[0] == "plan":
                 _, prompt, recorded, prefix = event
-                plans = engine.plan(prompt)
-                with engine.materialized(plans) as mine:
-                    same_kv = (mine is None) == (prefix is None) and (
-                        mine is None or (torch.equal(mine.keys, _shard(prefix, rank, size).keys)
-                                         and torch.equal(mine.values, _shard(prefix, rank, size).values)))
-                results.append({"decisions": decisions(plans) == recorded, "kv": bool(same_kv),
-                                "estimated": recorded["estimated"]})
+                plan = engine.plan(prompt)
+                with engine.materialized(plan) as mine:
+                    if mine is None or prefix is None:
+                        same_kv = mine is None and prefix is None
+                    else:
+                        expected = _shard(prefix, rank, size)
+                        same_kv = torch.equal(mine.keys, expected.keys) and torch.equal(mine.values, expected.values)
+                results.append({"decisions": decisions(plan) == recorded, "kv": same_kv, "estimated": recorded["estimated"]})
             elif event[0] == "learn":
-                engine.learn(plans, _shard(event[1], rank, size))
+                engine.learn(plan, _shard(event[1], rank, size))
             else:
                 engine.register_base(event[1], _shard(event[2], rank, size))
         fits = {str(k): (f.cross.clone(), f.estimate_sq.clone(), f.real_sq.clone())

@@ -8,33 +8,17 @@ rows 0-2, an exact repeat of the first prompt and a request that does not opt in
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from support.pipeline_run import run_in_subprocess
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("vllm")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "support" / "pipeline_run.py"
-
-
-def _run(mode: str) -> dict:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    if mode == "inproc":
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    done = subprocess.run([sys.executable, str(SCRIPT), mode], capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, dict]:
-    return {mode: _run(mode) for mode in ("mp", "inproc")}
+    return {mode: run_in_subprocess(mode) for mode in ("mp", "inproc")}
 
 
 def test_the_default_engine_runs_the_worker_in_another_process(runs):

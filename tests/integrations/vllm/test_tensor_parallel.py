@@ -9,33 +9,18 @@ prompt and a request that does not opt in. ``strict`` is on, so a refusal fails 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from support.pipeline_run import run_in_subprocess, save_tiny_llama
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("vllm")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "support" / "pipeline_run.py"
-
-
-def _run(*args: str) -> dict:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, dict]:
-    model = str(tmp_path_factory.mktemp("tiny-llama"))
-    subprocess.run([sys.executable, str(SCRIPT), "save-tiny-llama", model], check=True, capture_output=True, timeout=300)
-    return {tp: _run("mp", model, str(tp)) for tp in (1, 2)}
+    model = save_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+    return {tp: run_in_subprocess("mp", model, str(tp)) for tp in (1, 2)}
 
 
 def test_two_ranks_learn_and_reuse(runs):
