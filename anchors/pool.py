@@ -334,6 +334,26 @@ class AnchorPool:
             )
         return shared, following
 
+    def disagreement(self, match: Match, base: KV) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per estimated token, how much the matched anchors disagree about its deviation: the
+        weighted variance of their (unshrunk) deviations under the estimate's own weights,
+        summed over layers, heads and channels. A token the anchors disagree on is one the
+        estimate is unsure of: selective recompute (mode "kvblend", selection "disagreement")
+        takes those.
+
+        Returns (keys, values), fp32 ``[n + T_f]`` each: the ``n = min(covered, base.length)``
+        shared tokens, then the ``T_f`` tokens of the following fixed segment when the match
+        estimates one (``estimate_terms``); zeros for an identical match or one anchor. The
+        same numbers in every process of a head split (per-head partials gathered, then summed)."""
+        shared, following = self.estimate_terms(match, base, shrink=False)
+        terms = [shared] + ([following] if following is not None else [])
+        if len(match.anchors) == 1:
+            zeros = torch.zeros(sum(t.parts[0].length for t in terms))
+            return zeros, zeros.clone()
+        partials = [spread for term in terms for spread in term.spread()]  # [heads, T] each
+        summed = [p.sum(dim=0) for p in self.heads.gather(partials, [0] * len(partials))]
+        return torch.cat(summed[0::2]), torch.cat(summed[1::2])
+
     def _factors(self, slot: SlotKey, part: str, shrink: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-layer (key, value) factors broadcastable against per-anchor weights: fp32
         ``[layers, 1, 1, 1]`` each, or scalars when not shrinking (yet). ``shrink``: the

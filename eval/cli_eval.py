@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from kvcomm.anchors.pool import PoolConfig
 from kvcomm.engine.engine import BASE_SOURCES, ReuseConfig
+from kvcomm.engine.recompute import RECOMPUTE_SELECTIONS
 from kvcomm.eval.evaluate import ALL_MODES, EvalSettings
 from kvcomm.eval.outputs import check_out_dir
 from kvcomm.integrations.transformers.embedded import DTYPES
@@ -139,6 +140,12 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                              "--pool min_coverage=0.3); repeatable")
     parser.add_argument("--recompute-ratio", type=ratio, default=0.15, help="cacheblend and kvblend recompute ratio (default 0.15)")
     parser.add_argument("--check-layer", type=nonnegative_int, default=1, help="cacheblend and kvblend check layer (default 1)")
+    parser.add_argument("--recompute-selection", choices=RECOMPUTE_SELECTIONS, default=ReuseConfig.recompute_selection,
+                        help="how kvblend picks the tokens it recomputes: CacheBlend's check-layer deviation, or where the "
+                             f"anchors disagree most after each span's first tokens (default {ReuseConfig.recompute_selection})")
+    parser.add_argument("--recompute-boundary", type=nonnegative_int, default=ReuseConfig.recompute_boundary,
+                        help="with --recompute-selection disagreement: first tokens of every estimated span always "
+                             f"recomputed (default {ReuseConfig.recompute_boundary})")
     parser.add_argument("--max-new-tokens", type=positive_int, help="override the workload's reply budget")
     parser.add_argument("--top-k", type=positive_int, default=20, help="tokens kept per position for the KL bound (default 20)")
     parser.add_argument("--no-kl", action="store_true", help="skip the KL / noise-floor metrics (faster)")
@@ -163,7 +170,8 @@ def settings_from_args(args) -> EvalSettings:
     return EvalSettings(
         modes=args.modes, gammas=args.gammas, max_anchors=args.max_anchors, seeds=args.seeds,
         min_estimate_anchors=args.min_estimate_anchors, base_source=args.base_source,
-        recompute_ratio=args.recompute_ratio, check_layer=args.check_layer, top_k=args.top_k,
+        recompute_ratio=args.recompute_ratio, check_layer=args.check_layer, recompute_selection=args.recompute_selection,
+        recompute_boundary=args.recompute_boundary, top_k=args.top_k,
         timing_pass=not args.single_pass, pool=tuple(getattr(args, "pool", ())),
     )
 

@@ -69,6 +69,10 @@ class EvalSettings:
     base_source: str = ReuseConfig.base_source
     recompute_ratio: float = 0.15
     check_layer: int = 1
+    recompute_selection: str = ReuseConfig.recompute_selection
+    """How "kvblend" picks the tokens it recomputes (``ReuseConfig.recompute_selection``);
+    "cacheblend" always uses its check layer."""
+    recompute_boundary: int = ReuseConfig.recompute_boundary
     top_k: int = KL_TOP_K
     noise: bool = True
     timing_pass: bool = True
@@ -98,7 +102,8 @@ class EvalSettings:
         else:
             try:  # the pool and reuse configs own these rules
                 ReuseConfig(pool=PoolConfig(min_estimate_anchors=self.min_estimate_anchors, **dict(self.pool)),
-                            base_source=self.base_source)
+                            base_source=self.base_source, mode="kvblend", recompute_selection=self.recompute_selection,
+                            recompute_boundary=self.recompute_boundary)
             except (ValueError, TypeError) as error:
                 problems.append(str(error))
         if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in self.seeds):
@@ -130,7 +135,9 @@ class EvalSettings:
             max_anchors=run.max_anchors if run.max_anchors is not None else self.max_anchors[0],
             min_estimate_anchors=self.min_estimate_anchors, **dict(self.pool),
         )
+        selection = self.recompute_selection if run.mode == "kvblend" else ReuseConfig.recompute_selection
         return ReuseConfig(pool=pool, mode=run.mode, recompute_ratio=self.recompute_ratio, check_layer=self.check_layer,
+                           recompute_selection=selection, recompute_boundary=self.recompute_boundary,
                            base_source=self.base_source)
 
 

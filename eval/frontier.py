@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 POOLED = "pooled"
-DISTINGUISHING = ("base_source", "min_estimate_anchors", "recompute_ratio", "dtype", "pool")
+DISTINGUISHING = ("base_source", "min_estimate_anchors", "recompute_ratio", "recompute_selection", "recompute_boundary", "dtype",
+                  "pool")
 """Run settings that make two results' points different configurations (shown in labels when
 they differ between the runs of one workload)."""
 

@@ -147,10 +147,11 @@ class TransformersExecutor:
 
     @torch.no_grad()
     def _blend(self, token_ids: Sequence[int], prefix: KV, cache: DynamicCache, blend: BlendRequest) -> tuple[int, ...]:
-        """CacheBlend's selective recompute (Yao et al. 2024) on the injected ``cache``.
+        """Selective recompute on the injected ``cache``.
 
-        Selects the ``blend.count`` tokens of ``[blend.start, blend.end)`` whose keys at layer
-        ``blend.check_layer`` deviate most (L2 over heads and channels) from the real keys,
+        Takes ``blend.positions`` when the engine chose them, else (CacheBlend, Yao et al.
+        2024) the ``blend.count`` tokens of ``[blend.start, blend.end)`` whose keys at layer
+        ``blend.check_layer`` deviate most (L2 over heads and channels) from the real keys;
         recomputes them through every layer in one forward, each attending to the injected
         KV of unselected tokens before it and to selected tokens at or before it, and writes
         their KV into ``cache`` at their positions. Returns the sorted positions.
@@ -159,7 +160,11 @@ class TransformersExecutor:
         if blend.check_layer >= layers:
             raise ValueError(f"check_layer {blend.check_layer} is out of range for a {layers}-layer model")
         start, end, count = blend.start, blend.end, blend.count
-        if count >= end - start:
+        if blend.positions is not None:
+            selected = torch.tensor(blend.positions, dtype=torch.long)
+            if count == 0:
+                return ()
+        elif count >= end - start:
             selected = torch.arange(start, end)
         else:
             real = self._check_keys(token_ids, prefix, blend)

@@ -1,5 +1,5 @@
 """The reuse engine: plans which prompt tokens are exact, estimated or computed (``engine``,
-``plan``), builds their KV (``assemble``, ``workspace``, ``prefix_store``), and runs agent calls
+``plan``, ``recompute``), builds their KV (``assemble``, ``workspace``, ``prefix_store``), and runs agent calls
 on an executor (``executor``, ``runner``, ``pipeline``, ``handles``). Start at ``runner.run_agent``."""
 
 from kvcomm.core.exports import lazy_exports, names
@@ -14,6 +14,7 @@ _EXPORTS = {
     "kvcomm.engine.runner": ("run_agent", "run_row", "build_prompt", "AgentCall"),
     "kvcomm.engine.workspace": ("KVWorkspace",),
     "kvcomm.engine.prefix_store": ("PrefixStore",),
+    "kvcomm.engine.recompute": ("RECOMPUTE_SELECTIONS", "disagreement_positions"),
     "kvcomm.engine.handles": ("ContextHandle", "ContextRegistry"),
 }
 __all__ = names(_EXPORTS)

@@ -27,6 +27,7 @@ from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV, place, to_position_free
 from kvcomm.engine.plan import BlendRequest, EstimatedPiece, ReusePlan
 from kvcomm.engine.prefix_store import PrefixStore
+from kvcomm.engine.recompute import RECOMPUTE_SELECTIONS, disagreement_positions
 from kvcomm.core.rope import RopeError, Rotary
 from kvcomm.core.segments import Prompt, Segment, content_id
 from kvcomm.engine.workspace import KVWorkspace
@@ -60,7 +61,9 @@ MODES = ("kvcomm", "exact", "realign", "cacheblend", "kvblend")
 - ``cacheblend``: ``realign``, then the executor recomputes the ``recompute_ratio`` of the
   estimated tokens whose keys deviate most at ``check_layer`` (CacheBlend, Yao et al. 2024).
 - ``kvblend``: ``kvcomm``'s plan (exact prefix + anchor estimates, the same decisions), then
-  CacheBlend's selective recompute of its estimated tokens as in ``cacheblend``.
+  a selective recompute of ``recompute_ratio`` of its estimated tokens, picked as
+  ``recompute_selection`` says: CacheBlend's rule as in ``cacheblend``, or where the anchors
+  disagree most (``kvcomm.engine.recompute``).
 """
 
 
@@ -72,7 +75,10 @@ class ReuseConfig:
     memory); an anchor's base is its content's one base, held with the engine's, in the KV's dtype.
     mode: one of ``MODES``. recompute_ratio, check_layer: CacheBlend's share of estimated
     tokens to recompute, in (0, 1], and the decoder layer (0-based) whose key deviation
-    selects them (modes "cacheblend" and "kvblend" only). base_source: one of ``BASE_SOURCES``, read by
+    selects them (modes "cacheblend" and "kvblend" only). recompute_selection: one of
+    ``RECOMPUTE_SELECTIONS``, how "kvblend" picks them ("disagreement": mode "kvblend" only,
+    the first ``recompute_boundary`` tokens of every estimated span, then where the anchors
+    disagree most; "check_layer": CacheBlend's rule). base_source: one of ``BASE_SOURCES``, read by
     callers that drive an executor (``runner.run_agent``) to decide whether to hand ``plan``
     a ``BaseProvider``. workspace_bytes: most memory ``materialized`` keeps between requests
     for reuse (``KVWorkspace``; 0 keeps none). learn_after_estimates: also learn bases,
@@ -86,6 +92,8 @@ class ReuseConfig:
     mode: str = "kvcomm"
     recompute_ratio: float = 0.15
     check_layer: int = 1
+    recompute_selection: str = "check_layer"
+    recompute_boundary: int = 1
     base_source: str = "first_use"
     workspace_bytes: int = 512 << 20
     learn_after_estimates: bool = False
@@ -101,6 +109,12 @@ class ReuseConfig:
             problems.append(f"recompute_ratio must be in (0, 1] (got {self.recompute_ratio})")
         if isinstance(self.check_layer, bool) or not isinstance(self.check_layer, int) or self.check_layer < 0:
             problems.append(f"check_layer must be an integer >= 0 (got {self.check_layer!r})")
+        if self.recompute_selection not in RECOMPUTE_SELECTIONS:
+            problems.append(f"unknown recompute_selection {self.recompute_selection!r}; valid: {', '.join(RECOMPUTE_SELECTIONS)}")
+        elif self.recompute_selection == "disagreement" and self.mode != "kvblend":
+            problems.append(f"recompute_selection 'disagreement' needs anchor estimates: mode 'kvblend', not {self.mode!r}")
+        if isinstance(self.recompute_boundary, bool) or not isinstance(self.recompute_boundary, int) or self.recompute_boundary < 0:
+            problems.append(f"recompute_boundary must be an integer >= 0 (got {self.recompute_boundary!r})")
         if self.workspace_bytes < 0:
             problems.append(f"workspace_bytes must be >= 0 (got {self.workspace_bytes})")
         if problems:
@@ -256,7 +270,11 @@ class ReuseEngine:
             plan.new_bases = [i for i, s in enumerate(prompt.segments)
                               if s.is_shared and self._held_base(s.shared_id) is None and prompt.starts[i] >= plan.reuse_end]
         if mode in ("cacheblend", "kvblend") and plan.estimated_tokens > 0:
-            plan.blend = BlendRequest(plan.exact_length, plan.reuse_end, self.config.recompute_ratio, self.config.check_layer)
+            cfg = self.config
+            positions = None
+            if cfg.recompute_selection == "disagreement":
+                positions = disagreement_positions(plan, cfg.recompute_ratio, cfg.recompute_boundary)
+            plan.blend = BlendRequest(plan.exact_length, plan.reuse_end, cfg.recompute_ratio, cfg.check_layer, positions)
         return plan
 
     def _plan_realigned(self, plan: ReusePlan, provide: BaseProvider | None) -> None:

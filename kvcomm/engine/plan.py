@@ -41,20 +41,43 @@ class EstimatedPiece:
 
 @dataclass(frozen=True)
 class BlendRequest:
-    """CacheBlend's selective recompute (Yao et al. 2024), asked of the executor: of the
-    estimated prompt tokens ``[start, end)``, recompute the ``count`` whose keys at decoder
-    layer ``check_layer`` deviate most from the real keys there, attending properly."""
+    """Selective recompute asked of the executor: of the estimated prompt tokens
+    ``[start, end)``, recompute ``count`` through every layer, attending properly, and keep
+    their real KV. Which ones: ``positions`` when the engine chose them (absolute, sorted,
+    distinct, inside the range), else CacheBlend's rule (Yao et al. 2024): the ``count`` whose
+    keys at decoder layer ``check_layer`` deviate most from the real keys there."""
 
     start: int
     end: int
     ratio: float
     check_layer: int
+    positions: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        p = self.positions
+        if p is not None and (list(p) != sorted(set(p)) or any(not self.start <= q < self.end for q in p)):
+            raise ValueError(f"blend positions must be sorted, distinct and in [{self.start}, {self.end}) (got {list(p)})")
 
     @property
     def count(self) -> int:
-        """``ceil(ratio * (end - start))``; the rounding guards against float noise
-        (0.15 * 20 is 3.0000000000000004 in floats, which must give 3)."""
-        return min(self.end - self.start, math.ceil(round(self.ratio * (self.end - self.start), 6)))
+        """``len(positions)``, else ``ceil(ratio * (end - start))``; the rounding guards against
+        float noise (0.15 * 20 is 3.0000000000000004 in floats, which must give 3)."""
+        if self.positions is not None:
+            return len(self.positions)
+        return ratio_count(self.ratio, self.end - self.start)
+
+    def cut(self, end: int) -> "BlendRequest | None":
+        """This request over the estimated tokens ``[start, end)`` only (a plan cut short at
+        ``end``), None if nothing is left to recompute from."""
+        if end <= self.start:
+            return None
+        positions = None if self.positions is None else tuple(q for q in self.positions if q < end)
+        return BlendRequest(self.start, min(end, self.end), self.ratio, self.check_layer, positions)
+
+
+def ratio_count(ratio: float, tokens: int) -> int:
+    """``ceil(ratio * tokens)``, at most ``tokens``, rounded so float noise does not add one."""
+    return min(tokens, math.ceil(round(ratio * tokens, 6)))
 
 
 @dataclass

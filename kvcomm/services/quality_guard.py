@@ -31,7 +31,7 @@ import torch
 
 from kvcomm.engine.engine import ReuseEngine
 from kvcomm.core.divergence import kl_topk_other, topk_reference
-from kvcomm.engine.plan import BlendRequest, ReusePlan
+from kvcomm.engine.plan import ReusePlan
 
 log = logging.getLogger("kvcomm.services.quality_guard")
 ACTIONS = ("tighten", "disable")
@@ -123,9 +123,7 @@ class QualityGuard:
                 plan.pieces = plan.pieces[:i]
                 plan.note = f"quality guard: reuse disabled for slot {segment.slot!r} ({self.slots[segment.slot].reason})"
                 if plan.blend is not None:
-                    blend = plan.blend
-                    plan.blend = BlendRequest(plan.exact_length, plan.reuse_end, blend.ratio, blend.check_layer) \
-                        if plan.estimated_tokens > 0 else None
+                    plan.blend = plan.blend.cut(plan.reuse_end) if plan.estimated_tokens > 0 else None
                 return
 
     def sample(self, plan: ReusePlan) -> tuple[str, ...]:
