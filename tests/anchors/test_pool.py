@@ -847,3 +847,26 @@ def test_problems_reports_each_broken_invariant():
     pool._anchors["extra"] = Anchor("extra", const_kv(3), DEFAULT_EMB, 99)  # bypassing the index
     problems = pool.problems()
     assert any("exceed V = 3" in p for p in problems) and any("index holds" in p for p in problems)
+
+
+def test_disagreement_is_the_estimates_weighted_variance_and_zero_for_an_identical_match():
+    """The token where the two anchors' deviations differ is the disputed one; an identical
+    match (its deviation is the truth) is disputed nowhere."""
+    base = rand_kv(3, 7)
+    da, db = const_kv(3, 1.0, 3.0), const_kv(3, 1.0, 3.0)
+    db.keys[:, :, 1] = 5.0  # keys disagree on token 1 only: 1 vs 5 on every element
+    db.values[:, :, 2] = 7.0  # values on token 2 only: 3 vs 7
+    fa, fb = const_kv(2, 0.0, 0.0), const_kv(2, 2.0, 0.0)
+    a = _anchor("A", base.clone(), Deviation(da, fa))
+    b = _anchor("B", base.clone(), Deviation(db, fb), 1)
+    keys, values = AnchorPool().disagreement(Match(SLOT, (a, b), 3), base)  # equal bases: weights 1/2 each
+    per_token = L * H * D * 0.25 * 4.0 ** 2  # weighted variance of {x, x + 4} at weights 1/2, summed over elements
+    assert keys.tolist() == pytest.approx([0.0, per_token, 0.0, per_token / 4, per_token / 4])  # then the 2 following tokens
+    assert values.tolist() == pytest.approx([0.0, 0.0, per_token, 0.0, 0.0])
+    pool = AnchorPool()
+    pool.record(SLOT, "seg", base, DEFAULT_EMB, Deviation(da, fa))
+    add(pool, "other", rand_kv(3, 4))
+    match = pool.decide(SLOT, "seg", base, DEFAULT_EMB)
+    assert match.identical
+    keys, values = pool.disagreement(match, base)
+    assert torch.equal(keys, torch.zeros(5)) and torch.equal(values, torch.zeros(5))

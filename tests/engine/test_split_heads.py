@@ -3,8 +3,9 @@ exactly as one engine holding all heads: same decisions on every request, and ea
 materialized KV is the single-process KV's head slice, bit for bit.
 
 The single-process run is the demo pipeline on a 2-layer random Llama (2 KV heads) with
-first_use bases, gamma 0.3 and shrinkage (8 rows: the demo's and variants of them); its plans, learned KV and bases are recorded and
-replayed in two gloo-joined processes, each on its own head (``support.split_heads``).
+first_use bases, gamma 0.3, shrinkage and kvblend's disagreement recompute (8 rows: the demo's
+and variants of them); its plans, learned KV and bases are recorded and replayed in two
+gloo-joined processes, each on its own head (``support.split_heads``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ def replayed(tiny_executor, tmp_path_factory):
     demo = load_demo_pipeline()
     variants = tuple({name: f"{text} (second case)" for name, text in row.items()} for row in demo.inputs)
     spec = dataclasses.replace(demo, inputs=demo.inputs + variants, max_new_tokens=8)
-    config = ReuseConfig(pool=PoolConfig(gamma=0.3, shrinkage_min_pairs=1))  # some dense sightings, observed
+    # some dense sightings, observed; kvblend picks its recompute from the anchors' disagreement
+    config = ReuseConfig(pool=PoolConfig(gamma=0.3, shrinkage_min_pairs=1), mode="kvblend", recompute_selection="disagreement",
+                         recompute_ratio=0.3)
     engine = RecordingEngine(tiny_executor.rotary, config)
     for row in range(len(spec.inputs)):
         run_row(spec, row, tiny_executor, engine)
@@ -45,6 +48,7 @@ def test_the_recorded_run_reuses_estimates_and_fits_shrinkage(replayed):
     engine, single, _ = replayed
     plans = [e for e in engine.events if e[0] == "plan"]
     assert sum(e[2]["estimated"] for e in plans) > 0 and sum(e[2]["exact"] for e in plans) > 0
+    assert any(e[2]["recompute"] for e in plans)  # recompute positions chosen by disagreement: compared across ranks
     assert single  # shrinkage observed: its sums are compared across ranks below
 
 

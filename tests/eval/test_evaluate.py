@@ -170,6 +170,12 @@ def test_settings_validation():
     with pytest.raises(ValueError, match="min_estimate_anchors must be an integer >= 0"):
         EvalSettings(min_estimate_anchors=-1)
     assert {settings.config(r).base_source for r in runs} == {"first_use"}
+    chosen = EvalSettings(recompute_selection="disagreement", recompute_boundary=2)
+    assert {(r.mode, chosen.config(r).recompute_selection) for r in runs if r.mode in ("cacheblend", "kvblend")} == \
+        {("cacheblend", "check_layer"), ("kvblend", "disagreement")}  # cacheblend has no anchors to disagree
+    assert chosen.config(runs[-1]).recompute_boundary == 2
+    with pytest.raises(ValueError, match="unknown recompute_selection 'random'"):
+        EvalSettings(recompute_selection="random")
     assert EvalSettings(base_source="standalone").config(runs[0]).base_source == "standalone"
     with pytest.raises(ValueError, match="unknown base_source 'prefill'"):
         EvalSettings(base_source="prefill")

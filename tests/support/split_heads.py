@@ -27,7 +27,7 @@ def decisions(plan) -> dict:
               for piece in plan.pieces]
     return {"exact": p.exact_tokens, "estimated": p.estimated_tokens, "computed": p.computed_tokens,
             "fallback": p.fallback, "note": plan.note, "pieces": pieces, "learn": list(plan.learn),
-            "new_bases": list(plan.new_bases)}
+            "new_bases": list(plan.new_bases), "recompute": None if plan.blend is None else plan.blend.positions}
 
 
 class RecordingEngine(ReuseEngine):
