@@ -27,12 +27,23 @@ def value_l2(anchor: KV, new: KV, n: int, heads: HeadShards = ALL_HEADS) -> torc
     admission distance), fp64: per-channel fp32 sums of squares, added in fp64 (a single fp32
     norm over millions of elements drifts by ~1e-4 relative). Equals
     ``EstimateDistances.value_l2`` of the same pair exactly."""
-    layers, local_heads, _, dim = anchor.values.shape
-    channel = torch.empty(layers, local_heads, dim, dtype=torch.float32)
-    for start, end, d in _difference_blocks(anchor.values, new.values, n):
-        torch.sum(d.mul_(d), 2, out=channel[start:end])
-    (channel,) = heads.gather([channel], [1])
-    return channel.double().sum().sqrt()
+    return value_l2_many([anchor], new, [n], heads)[0]
+
+
+def value_l2_many(anchors: Sequence[KV], new: KV, ns: Sequence[int], heads: HeadShards = ALL_HEADS) -> list[torch.Tensor]:
+    """``value_l2(anchors[a], new, ns[a])`` for every anchor, with one ``gather`` for all of
+    them under split heads (one exchange per decision, not one per anchor)."""
+    if len(anchors) != len(ns):
+        raise ValueError(f"{len(anchors)} anchors but {len(ns)} token counts")
+    if not anchors:
+        return []
+    layers, local_heads, _, dim = new.values.shape
+    channels = torch.empty(len(anchors), layers, local_heads, dim, dtype=torch.float32)
+    for channel, anchor, n in zip(channels, anchors, ns):
+        for start, end, d in _difference_blocks(anchor.values, new.values, n):
+            torch.sum(d.mul_(d), 2, out=channel[start:end])
+    (channels,) = heads.gather([channels], [2])
+    return [channel.double().sum().sqrt() for channel in channels]
 
 
 def admission_logits(l2: torch.Tensor, counts: torch.Tensor, kind: str, temperature: float) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 
 from kvcomm.anchors.anchor import Anchor, Deviation, SlotKey
 from kvcomm.anchors.distance import (
-    ADMISSION_DISTANCES, EstimateDistances, admission_logits, estimate_distances_many, value_l2,
+    ADMISSION_DISTANCES, EstimateDistances, admission_logits, estimate_distances_many, value_l2_many,
 )
 from kvcomm.anchors.deviations import WeightedDeviations
 from kvcomm.anchors.distance_cache import DistanceCache
@@ -236,13 +236,15 @@ class AnchorPool:
         )):
             found[i] = d
             cache.put(segment_id, base, compatible[i].serial, ns[i], d)
-        return [f if f is not None else value_l2(a.base, base, n, self.heads) for f, a, n in zip(found, compatible, ns)]
+        missing = [i for i, f in enumerate(found) if f is None]
+        l2 = dict(zip(missing, value_l2_many([compatible[i].base for i in missing], base, [ns[i] for i in missing], self.heads)))
+        return [f if f is not None else l2[i] for i, f in enumerate(found)]
 
     def _admission(self, compatible: list[Anchor], base: KV, l2: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The admission distribution p over ``compatible``, fp64 ``[A]``; ``l2``: their value L2
         distances to ``base`` if already known."""
         counts = [min(base.length, a.length) for a in compatible]
-        l2 = torch.stack(l2 if l2 is not None else [value_l2(a.base, base, n, self.heads) for a, n in zip(compatible, counts)])
+        l2 = torch.stack(l2 if l2 is not None else value_l2_many([a.base for a in compatible], base, counts, self.heads))
         per_token = base.values.shape[0] * base.values.shape[1] * self.heads.size * base.values.shape[3]
         cfg = self.config
         logits = admission_logits(l2, torch.tensor(counts) * per_token, cfg.admission_distance, cfg.admission_temperature)

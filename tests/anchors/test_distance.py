@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 
 import kvcomm.core.blocks as blocks
 from kvcomm.anchors.anchor import Deviation
-from kvcomm.anchors.distance import estimate_distances, estimate_distances_many, value_l2
+from kvcomm.anchors.distance import estimate_distances, estimate_distances_many, value_l2, value_l2_many
 from kvcomm.anchors.distance_cache import DistanceCache
 from kvcomm.anchors.pool import AnchorPool, PoolConfig
+from kvcomm.core.heads import HeadShards
 from kvcomm.core.kv import KV
 
 SLOT = ("tmpl", "slot")
@@ -60,6 +61,7 @@ def test_blocked_distances_equal_the_plain_formula(layers, heads, dim, anchor_le
         many = estimate_distances_many(anchors, new, ns)
         single = [estimate_distances(a, new, n) for a, n in zip(anchors, ns)]
         l2 = [value_l2(a, new, n) for a, n in zip(anchors, ns)]
+        l2_many = value_l2_many(anchors, new, ns)
     finally:
         blocks.BLOCK_BYTES = old
         torch.set_num_threads(threads)
@@ -71,6 +73,7 @@ def test_blocked_distances_equal_the_plain_formula(layers, heads, dim, anchor_le
         exact = torch.linalg.vector_norm(anchor.values[:, :, :n].double() - new.values[:, :, :n].double())
         assert rel_err(own_l2, exact) <= 1e-6
         assert float(got.value_l2) == float(own_l2)  # both admission paths agree bit for bit
+    assert [float(x) for x in l2_many] == [float(x) for x in l2]
     values_only = estimate_distances_many(anchors, new, ns, keys=False)
     for got, fast in zip(many, values_only):  # value distances stand in for the keys' ones
         assert torch.equal(fast.token_values, got.token_values) and torch.equal(fast.token_keys, got.token_values)
@@ -176,3 +179,30 @@ def test_cache_is_lru_over_segments_and_holds_bases_weakly():
     assert cache.get("z", rand_kv(1, 1, 2, 2, 2), 0, 2) is None
     with pytest.raises(ValueError, match="room for >= 1 segment"):
         DistanceCache(0)
+
+
+class CountingHeads(HeadShards):
+    """All heads in this process, counting the exchanges a split would make."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def gather(self, parts, dims):
+        self.calls += 1
+        return super().gather(parts, dims)
+
+
+@pytest.mark.parametrize("commit", [False, True])
+def test_a_decision_exchanges_partials_once_per_kind_not_once_per_anchor(commit):
+    """Under split heads every gather is a round trip between ranks: admission's value
+    distances of all compatible anchors travel together (and, when the match will estimate,
+    the estimate's distances in one more)."""
+    heads = CountingHeads()
+    pool = AnchorPool(PoolConfig(gamma=1.0, max_candidates=0), heads)
+    for i in range(5):
+        base = rand_kv(2, 2, 6, 4, i)
+        pool.record(SLOT, f"a{i}", base, EMB, Deviation(rand_kv(2, 2, 6, 4, 100 + i), None))
+    heads.calls = 0
+    match = pool.decide(SLOT, "new", rand_kv(2, 2, 6, 4, 50), EMB, commit=commit)
+    assert match is not None and len(match.anchors) == 5
+    assert heads.calls == 1
