@@ -39,8 +39,10 @@ def disagreement_positions(plan: ReusePlan, ratio: float, boundary: int) -> tupl
         if piece.following_base is not None:
             spans.append((piece.following_start, piece.base.length, piece.following_base.length))
         for at, offset, length in spans:
-            keys[at - start : at - start + length] = k[offset : offset + length]
-            values[at - start : at - start + length] = v[offset : offset + length]
+            # a following segment served as its realigned base alone (no anchor term) scores zero
+            known = k[offset : offset + length].shape[0]
+            keys[at - start : at - start + known] = k[offset : offset + known]
+            values[at - start : at - start + known] = v[offset : offset + known]
             first += range(at, at + min(boundary, length))
     score = keys / keys.mean().clamp_min(1e-30) + values / values.mean().clamp_min(1e-30)
     chosen = first[:count]
