@@ -34,6 +34,10 @@ from pathlib import Path
 
 import httpx
 
+from kvcomm.core.segments import Segment
+from kvcomm.engine.pipeline import PipelineSpec, load_demo_pipeline
+from kvcomm.engine.runner import build_prompt
+
 SERVERS = ("kvcomm in-process", "kvcomm multiprocess", "stock in-process", "stock multiprocess")
 KEYS = ("bench-tenant-a", "bench-tenant-b")
 COMMON = ["--host", "127.0.0.1", "--max-model-len", "1024", "--block-size", "32", "--max-num-seqs", "8"]
@@ -87,14 +91,9 @@ def stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def run_row(client: httpx.Client, url: str, model: str, executor, key: str, row: int, max_tokens: int,
+def run_row(client: httpx.Client, url: str, model: str, executor, spec: PipelineSpec, key: str, row: int, max_tokens: int,
             annotate: bool, latencies: list[float]) -> None:
-    """The demo pipeline's agents on input ``row``, each reading the earlier agents' replies."""
-    from kvcomm.core.segments import Segment
-    from kvcomm.engine.pipeline import load_demo_pipeline
-    from kvcomm.engine.runner import build_prompt
-
-    spec = load_demo_pipeline()
+    """``spec``'s agents on input ``row``, each reading the earlier agents' replies."""
     shared = {name: Segment(tuple(executor.encode(spec.inputs[row][name])), slot="_") for name in spec.input_slots}
     for agent in spec.agents:
         prompt = build_prompt(executor, agent, shared)
@@ -117,14 +116,16 @@ def load(url: str, executor, name: str, clients: int, rows: int, max_tokens: int
     with httpx.Client() as client:
         model = client.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEYS[0]}"}).json()["data"][0]["id"]
         annotate = name.startswith("kvcomm")
-        run_row(client, url, model, executor, KEYS[0], 0, max_tokens, annotate, [])
+        spec = load_demo_pipeline()
+        run_row(client, url, model, executor, spec, KEYS[0], 0, max_tokens, annotate, [])
         latencies: list[float] = []
         errors: list[str] = []
 
         def worker(index: int) -> None:
             try:
                 for i in range(rows):
-                    run_row(client, url, model, executor, KEYS[index % 2], (index + i) % 4, max_tokens, annotate, latencies)
+                    run_row(client, url, model, executor, spec, KEYS[index % 2], (index + i) % 4, max_tokens, annotate,
+                            latencies)
             except Exception as error:  # reported after the load: a thread's exception would be lost
                 errors.append(f"client {index}: {error!r}")
 

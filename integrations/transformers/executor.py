@@ -161,9 +161,9 @@ class TransformersExecutor:
             raise ValueError(f"check_layer {blend.check_layer} is out of range for a {layers}-layer model")
         start, end, count = blend.start, blend.end, blend.count
         if blend.positions is not None:
-            selected = torch.tensor(blend.positions, dtype=torch.long)
-            if count == 0:
+            if not blend.positions:
                 return ()
+            selected = torch.tensor(blend.positions, dtype=torch.long)
         elif count >= end - start:
             selected = torch.arange(start, end)
         else:

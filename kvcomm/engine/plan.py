@@ -60,8 +60,7 @@ class BlendRequest:
 
     @property
     def count(self) -> int:
-        """``len(positions)``, else ``ceil(ratio * (end - start))``; the rounding guards against
-        float noise (0.15 * 20 is 3.0000000000000004 in floats, which must give 3)."""
+        """``len(positions)``, else ``ratio_count(ratio, end - start)``."""
         if self.positions is not None:
             return len(self.positions)
         return ratio_count(self.ratio, self.end - self.start)
@@ -76,7 +75,8 @@ class BlendRequest:
 
 
 def ratio_count(ratio: float, tokens: int) -> int:
-    """``ceil(ratio * tokens)``, at most ``tokens``, rounded so float noise does not add one."""
+    """``ceil(ratio * tokens)``, at most ``tokens``; the rounding guards against float noise
+    (0.15 * 20 is 3.0000000000000004 in floats, which must give 3)."""
     return min(tokens, math.ceil(round(ratio * tokens, 6)))
 
 
