@@ -18,17 +18,29 @@ SlotKey = tuple[str, str]
 class Deviation:
     """Real KV minus realigned base KV, observed when one slot densely prefilled an anchor.
 
-    shared: ``[layers, kv_heads, T_anchor, head_dim]``, position-free (key deltas de-rotated).
+    shared: ``[layers - first_layer, kv_heads, T_anchor, head_dim]``, position-free (key deltas
+        de-rotated), for model layers ``first_layer..``.
     following: the same for the fixed segment right after the slot (``F`` tokens, fixed per
         slot), or ``None`` when nothing follows before the next slot or prompt end.
     following_base: digest (``kv_digest``) of the fixed segment's base KV that ``following``
         was measured against; a following deviation is only applied to that very base
         (None: unknown, never applied).
+    first_layer: model layers below it are not stored and the realigned base is served there
+        as it is. The engine records from layer 1: layer 0's K/V depend only on each token and
+        its position, so its deviation is rounding.
     """
 
     shared: KV
     following: KV | None
     following_base: str | None = None
+    first_layer: int = 0
+
+    def __post_init__(self) -> None:
+        if self.first_layer < 0:
+            raise ValueError(f"first_layer must be >= 0, got {self.first_layer}")
+        if self.following is not None and self.following.keys.shape[0] != self.shared.keys.shape[0]:
+            raise ValueError(f"following deviation has {self.following.keys.shape[0]} layers, the shared one "
+                             f"{self.shared.keys.shape[0]}: both start at first_layer")
 
     @property
     def nbytes(self) -> int:

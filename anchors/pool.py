@@ -287,10 +287,7 @@ class AnchorPool:
         shape) the estimates are accumulated into them in place and returned, which saves the
         caller an addition pass."""
         shared, following = self.estimate_terms(match, base)
-        shared_kv = shared.add_into(onto)
-        if following is None or (onto_following is None and match.identical):
-            return shared_kv, following.parts[0] if following is not None else None
-        return shared_kv, following.add_into(onto_following)
+        return shared.add_into(onto), None if following is None else following.add_into(onto_following)
 
     def estimate_terms(
         self, match: Match, base: KV, shrink: bool = True
@@ -307,32 +304,34 @@ class AnchorPool:
         """
         n = min(match.covered, base.length)  # a plan cuts a segment that ends the prompt short
         deviations = [a.deviations[match.slot] for a in match.anchors]
+        first = max(d.first_layer for d in deviations)  # below it every anchor's layers are served exact
+        shared_parts = tuple(_from_layer(d.shared, first - d.first_layer).span(0, n) for d in deviations)
+        following_parts = None if any(d.following is None for d in deviations) else tuple(
+            _from_layer(d.following, first - d.first_layer) for d in deviations)
         if match.identical:
             one = torch.ones((), dtype=torch.float32)
-            following = deviations[0].following
-            return (WeightedDeviations((deviations[0].shared.span(0, n),), (one,), (one,)),
-                    None if following is None else WeightedDeviations((following,), (one,), (one,)))
+            return (WeightedDeviations(shared_parts, (one,), (one,), first),
+                    None if following_parts is None else WeightedDeviations(following_parts, (one,), (one,), first))
         tau = self.config.temperature
         dist = match.distances or estimate_distances_many(
             [a.base for a in match.anchors], base, [match.covered] * len(match.anchors), self.config.key_distances, self.heads,
         )
         wk = torch.softmax(-torch.stack([d.token_keys[:n] for d in dist]) / tau, dim=0)  # [A, n]
         wv = torch.softmax(-torch.stack([d.token_values[:n] for d in dist]) / tau, dim=0)
-        ak, av = self._factors(match.slot, "shared", shrink)
+        ak, av = self._factors(match.slot, "shared", shrink, first)
         shared = WeightedDeviations(
-            tuple(d.shared.span(0, n) for d in deviations),
-            tuple(wk[:, None, None, :, None] * ak), tuple(wv[:, None, None, :, None] * av),
+            shared_parts, tuple(wk[:, None, None, :, None] * ak), tuple(wv[:, None, None, :, None] * av), first,
         )
         following = None
-        if all(d.following is not None for d in deviations) and len({d.following.length for d in deviations}) == 1:
+        if following_parts is not None and len({p.length for p in following_parts}) == 1:
             # per-token RMS (L2 / sqrt(tokens compared)): a raw L2 grows with the segment's length
             # and makes the weights one-hot on long segments
             rms = [math.sqrt(d.token_keys.shape[0]) for d in dist]
-            fk = torch.softmax(-torch.stack([d.channel_keys / r for d, r in zip(dist, rms)]) / tau, dim=0)  # [A, L, H, D]
-            fv = torch.softmax(-torch.stack([d.channel_values / r for d, r in zip(dist, rms)]) / tau, dim=0)
-            ak, av = self._factors(match.slot, "following", shrink)
+            fk = torch.softmax(-torch.stack([d.channel_keys[first:] / r for d, r in zip(dist, rms)]) / tau, dim=0)  # [A, L', H, D]
+            fv = torch.softmax(-torch.stack([d.channel_values[first:] / r for d, r in zip(dist, rms)]) / tau, dim=0)
+            ak, av = self._factors(match.slot, "following", shrink, first)
             following = WeightedDeviations(
-                tuple(d.following for d in deviations), tuple(fk[:, :, :, None, :] * ak), tuple(fv[:, :, :, None, :] * av)
+                following_parts, tuple(fk[:, :, :, None, :] * ak), tuple(fv[:, :, :, None, :] * av), first
             )
         return shared, following
 
@@ -356,16 +355,17 @@ class AnchorPool:
         summed = [p.sum(dim=0) for p in self.heads.gather(partials, [0] * len(partials))]
         return torch.cat(summed[0::2]), torch.cat(summed[1::2])
 
-    def _factors(self, slot: SlotKey, part: str, shrink: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _factors(self, slot: SlotKey, part: str, shrink: bool, first_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-layer (key, value) factors broadcastable against per-anchor weights: fp32
-        ``[layers, 1, 1, 1]`` each, or scalars when not shrinking (yet). ``shrink``: the
-        served estimate (fitted factors times ``estimate_scale``); False: the raw one."""
+        ``[layers - first_layer, 1, 1, 1]`` each (model layers ``first_layer..``), or scalars
+        when not shrinking (yet). ``shrink``: the served estimate (fitted factors times
+        ``estimate_scale``); False: the raw one."""
         fit = self.fits.get((slot, part)) if shrink and self.config.shrinkage else None
         factors = fit.factors(self.config.shrinkage_min_pairs) if fit is not None else None
         scale = torch.tensor(self.config.estimate_scale if shrink else 1.0, dtype=torch.float32)
         if factors is None:
             return scale, scale
-        return factors[0][:, None, None, None] * scale, factors[1][:, None, None, None] * scale
+        return (factors[0][first_layer:, None, None, None] * scale, factors[1][first_layer:, None, None, None] * scale)
 
     def observe(self, match: Match, base: KV, real_shared: KV, real_following: KV | None = None) -> None:
         """Fit the slot's shrinkage on one segment seen densely: compare what ``match`` would have
@@ -402,6 +402,10 @@ class AnchorPool:
         An anchor too large for the byte budget on its own is not admitted, and a held anchor
         that this deviation would make too large on its own does not store it.
         """
+        layers = deviation.first_layer + deviation.shared.keys.shape[0]
+        if layers != base.keys.shape[0]:
+            raise ValueError(f"segment {segment_id!r}: a deviation from layer {deviation.first_layer} with "
+                             f"{deviation.shared.keys.shape[0]} layers does not fit a base of {base.keys.shape[0]} layers")
         with self._lock:
             anchor = self._anchors.get(segment_id)
             evicted: list[Anchor] = []
@@ -504,3 +508,8 @@ def _same_kv(a: KV, b: KV) -> bool:
         return True
     return (a.keys.shape == b.keys.shape and a.keys.dtype == b.keys.dtype and a.values.dtype == b.values.dtype
             and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values))
+
+
+def _from_layer(kv: KV, layer: int) -> KV:
+    """``kv``'s layers from ``layer`` on (a view)."""
+    return kv if layer == 0 else KV(kv.keys[layer:], kv.values[layer:])

@@ -48,18 +48,23 @@ class ShrinkageFit:
 
     def observe(self, estimate: KV, real: KV, heads: HeadShards = ALL_HEADS) -> None:
         """Add one pair: both ``[layers, kv_heads, T, head_dim]``, any float dtype, same shape
-        (this rank's heads under split heads: the sums are over all heads, per head first)."""
-        if estimate.keys.shape != real.keys.shape or estimate.values.shape != real.values.shape:
+        (this rank's heads under split heads: the sums are over all heads, per head first).
+        ``real`` may leave out the first layers (a deviation stored from a later layer): the
+        sums of those layers are left as they are."""
+        skip = estimate.keys.shape[0] - real.keys.shape[0]
+        if skip < 0 or estimate.keys.shape[1:] != real.keys.shape[1:] or estimate.values.shape[1:] != real.values.shape[1:]:
             raise ValueError(f"estimate {tuple(estimate.keys.shape)} and real deviation {tuple(real.keys.shape)} differ in shape")
+        if skip:
+            estimate = KV(estimate.keys[skip:], estimate.values[skip:])
         per_head = torch.empty(3, 2, *estimate.keys.shape[:2], dtype=torch.float64)  # [sum, row, layers, heads]
         for row, (e, r) in enumerate(((estimate.keys, real.keys), (estimate.values, real.values))):
             e, r = e.double().flatten(2), r.double().flatten(2)
             per_head[0, row], per_head[1, row], per_head[2, row] = (e * r).sum(2), (e * e).sum(2), (r * r).sum(2)
         (per_head,) = heads.gather([per_head], [3])
         cross, estimate_sq, real_sq = per_head.sum(3)
-        self.cross += cross
-        self.estimate_sq += estimate_sq
-        self.real_sq += real_sq
+        self.cross[:, skip:] += cross
+        self.estimate_sq[:, skip:] += estimate_sq
+        self.real_sq[:, skip:] += real_sq
         self.pairs += 1
 
     def factors(self, min_pairs: int) -> tuple[torch.Tensor, torch.Tensor] | None:

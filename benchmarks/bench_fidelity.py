@@ -26,7 +26,6 @@ import time
 import torch
 
 from bench_reuse import add_anchor, alternate, bar, ms, reader_prompt, synthetic_ids, table  # this folder is on sys.path when the script runs
-from kvcomm.anchors.anchor import Deviation
 from kvcomm.anchors.pool import AnchorPool, PoolConfig
 from kvcomm.engine.engine import ReuseConfig, ReuseEngine
 from kvcomm.core.kv import KV, place
@@ -45,7 +44,8 @@ def converted(pool: AnchorPool, config: PoolConfig, dtype: torch.dtype | None) -
     """A pool with ``config`` holding ``pool``'s anchors, their tensors cast to ``dtype`` (shared if None)."""
     cast = (lambda kv: kv) if dtype is None else (lambda kv: None if kv is None else kv.to(dtype))  # noqa: E731
     anchors = [dataclasses.replace(a, base=cast(a.base), deviations={
-        slot: Deviation(cast(d.shared), cast(d.following)) for slot, d in a.deviations.items()}) for a in pool.anchors]
+        slot: dataclasses.replace(d, shared=cast(d.shared), following=cast(d.following))
+        for slot, d in a.deviations.items()}) for a in pool.anchors]
     out = AnchorPool(config)
     out.restore(anchors, pool.next_serial)
     return out

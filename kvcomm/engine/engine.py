@@ -455,12 +455,12 @@ class ReuseEngine:
         nxt = index + 1
         if nxt < len(prompt.segments) and not prompt.segments[nxt].is_shared:
             key = _fixed_key(prompt, nxt)
-            following, following_base = self._stored(_beyond_layer0(real(nxt) - self._fixed_bases[key])), self._fixed_digest(key)
-        shared = _beyond_layer0(real(index) - base)
+            following, following_base = self._stored(_deep_deviation(real(nxt), self._fixed_bases[key])), self._fixed_digest(key)
+        shared = _deep_deviation(real(index), base)
         slot = (prompt.template_id, segment.slot)
         if pool.config.shrinkage:
             self._observe(pool, slot, segment.shared_id, base, embedding, shared, following, following_base)
-        deviation = Deviation(self._stored(shared), following, following_base)
+        deviation = Deviation(self._stored(shared), following, following_base, DEVIATION_FIRST_LAYER)
         pool.record(slot, segment.shared_id, base, embedding, deviation)
 
     @staticmethod
@@ -482,12 +482,16 @@ class ReuseEngine:
 
 
 
-def _beyond_layer0(deviation: KV) -> KV:
-    """``deviation`` with layer 0 zeroed, in place: layer 0's K/V depend only on each token and
-    its position, so the realigned base is exact there and any difference is rounding."""
-    deviation.keys[0].zero_()
-    deviation.values[0].zero_()
-    return deviation
+DEVIATION_FIRST_LAYER = 1
+"""Deviations are recorded from this model layer on: layer 0's K/V depend only on each token and
+its position, so the realigned base is exact there and any difference is rounding."""
+
+
+def _deep_deviation(real: KV, base: KV) -> KV:
+    """``real - base`` on layers ``DEVIATION_FIRST_LAYER..`` (both position-free, same shape)."""
+    first = DEVIATION_FIRST_LAYER
+    return KV(real.keys[first:] - base.keys[first:].to(real.keys.dtype),
+              real.values[first:] - base.values[first:].to(real.values.dtype))
 
 
 def _new_content_note(segment: Segment) -> str:

@@ -35,7 +35,9 @@ from kvcomm.core.fingerprint import ModelFingerprint, rope_digest
 from kvcomm.core.kv import KV
 
 FORMAT = "kvcomm-anchors"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)
+"""Versions this kvcomm loads: 1 stored every layer of a deviation, 2 says where each starts."""
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20
 
@@ -116,7 +118,7 @@ def _snapshot(engine: ReuseEngine) -> tuple[dict, dict[str, torch.Tensor]]:
                     if deviation.following is not None:
                         _put(tensors, f"{name}.dev{d}.following", deviation.following)
                     deviations.append({"template": template, "slot": slot_name, "following": deviation.following is not None,
-                                       "following_base": deviation.following_base})
+                                       "following_base": deviation.following_base, "first_layer": deviation.first_layer})
                 anchors.append({"segment_id": anchor.segment_id, "serial": anchor.serial, "accesses": anchor.accesses,
                                 "deviations": deviations})
             fits = []
@@ -182,8 +184,9 @@ def _read_manifest(directory: Path) -> dict:
         raise PersistError(f"{path}: manifest is not valid JSON ({error}); the save is corrupt, save again") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise PersistError(f"{path}: not a kvcomm anchor save (format {str(manifest.get('format') if isinstance(manifest, dict) else None)!r})")
-    if manifest.get("version") != VERSION:
-        raise PersistError(f"{path}: format version {manifest.get('version')!r}; this kvcomm reads version {VERSION}")
+    if manifest.get("version") not in READS:
+        raise PersistError(f"{path}: format version {manifest.get('version')!r}; this kvcomm reads versions "
+                           f"{', '.join(map(str, READS))}")
     return manifest
 
 
@@ -239,14 +242,17 @@ class _Reader:
             self.fail(f"tensor {name!r} has dtype {tensor.dtype}, expected a float dtype")
         return tensor
 
-    def kv(self, name: str, length: int | None = None) -> KV:
+    def kv(self, name: str, length: int | None = None, layers: int | None = None) -> KV:
+        """KV ``name``: ``[layers, kv_heads, length, head_dim]``, layers and heads those of every
+        KV read before unless ``layers`` is given (a deviation stored from a later layer)."""
         keys, values = self.tensor(name + ".k"), self.tensor(name + ".v")
         if keys.ndim != 4 or keys.shape != values.shape or keys.dtype != values.dtype or keys.shape[3] != self.head_dim:
             self.fail(f"{name} has keys {tuple(keys.shape)} / values {tuple(values.shape)}, expected equal "
                       f"[layers, kv_heads, T, {self.head_dim}]")
         if self.shape is None:
             self.shape = tuple(keys.shape[:2])
-        if tuple(keys.shape[:2]) != self.shape or keys.shape[2] == 0 or (length is not None and keys.shape[2] != length):
+        expected = self.shape if layers is None else (layers, self.shape[1])
+        if tuple(keys.shape[:2]) != expected or keys.shape[2] == 0 or (length is not None and keys.shape[2] != length):
             self.fail(f"{name} has shape {tuple(keys.shape)}, inconsistent with the rest of the save")
         return KV(keys, values)
 
@@ -278,12 +284,16 @@ def _build(manifest: dict, tensors: dict[str, torch.Tensor], engine: ReuseEngine
                             read.embedding(name + ".embedding"), _field(item, "serial", int, where))
             anchor.accesses = _field(item, "accesses", int, where)
             for d, dev in enumerate(_field(item, "deviations", list, where)):
-                shared = read.kv(f"{name}.dev{d}.shared", base.length)
-                following = read.kv(f"{name}.dev{d}.following") if _field(dev, "following", bool, where) else None
+                first_layer = dev.get("first_layer", 0) if isinstance(dev, dict) else 0  # version 1 stored every layer
+                if not isinstance(first_layer, int) or isinstance(first_layer, bool) or not 0 <= first_layer < base.keys.shape[0]:
+                    read.fail(f"{name}.dev{d}: first_layer {first_layer!r} is not a layer of its base")
+                layers = base.keys.shape[0] - first_layer
+                shared = read.kv(f"{name}.dev{d}.shared", base.length, layers)
+                following = read.kv(f"{name}.dev{d}.following", layers=layers) if _field(dev, "following", bool, where) else None
                 following_base = dev.get("following_base") if isinstance(dev, dict) else None
                 deviation = Deviation(shared.to(dtype) if dtype else shared,
                                       following.to(dtype) if dtype and following is not None else following,
-                                      following_base if isinstance(following_base, str) else None)
+                                      following_base if isinstance(following_base, str) else None, first_layer)
                 anchor.deviations[(_field(dev, "template", str, where), _field(dev, "slot", str, where))] = deviation
             anchors.append(anchor)
         if slot in pools:

@@ -177,11 +177,13 @@ def test_materialize_equals_realigned_base_plus_plainly_weighted_deviations(bloc
     # following: per-token RMS of the base difference (L2 over the t tokens / sqrt(t))
     fk = torch.softmax(-torch.stack([d.square().mean(2).sqrt() for d in dk]) / tau, 0)  # [A, L, H, D]
     fv = torch.softmax(-torch.stack([d.square().mean(2).sqrt() for d in dv]) / tau, 0)
-    shared = KV(base.keys + sum(w[None, None, :, None] * d.shared.keys for w, d in zip(wk, devs)),
-                base.values + sum(w[None, None, :, None] * d.shared.values for w, d in zip(wv, devs)))
+    # deviations are stored from their first_layer on: no deviation below it
+    full = lambda t, d: torch.cat([t.new_zeros((d.first_layer, *t.shape[1:])), t])  # noqa: E731
+    shared = KV(base.keys + sum(w[None, None, :, None] * full(d.shared.keys, d) for w, d in zip(wk, devs)),
+                base.values + sum(w[None, None, :, None] * full(d.shared.values, d) for w, d in zip(wv, devs)))
     fixed = piece.following_base
-    following = KV(fixed.keys + sum(w[:, :, None, :] * d.following.keys[:, :, : fixed.length] for w, d in zip(fk, devs)),
-                   fixed.values + sum(w[:, :, None, :] * d.following.values[:, :, : fixed.length] for w, d in zip(fv, devs)))
+    following = KV(fixed.keys + sum(w[:, :, None, :] * full(d.following.keys, d)[:, :, : fixed.length] for w, d in zip(fk, devs)),
+                   fixed.values + sum(w[:, :, None, :] * full(d.following.values, d)[:, :, : fixed.length] for w, d in zip(fv, devs)))
     expected = KV.cat([place(shared, rotary, piece.start), place(following, rotary, piece.following_start)])
     got = kv.span(piece.start, piece.following_start + fixed.length)
     assert (got.keys - expected.keys).abs().max() <= 1e-5

@@ -319,14 +319,25 @@ def test_following_weights_do_not_turn_one_hot_on_long_segments():
     assert abs(weights[4] - expected) < 1e-5 and abs(weights[400] - expected) < 1e-5
 
 
-def test_layer0_deviation_is_zero_so_layer0_is_the_realigned_base():
+def test_layer0_deviation_is_not_stored_and_layer0_is_served_as_the_realigned_base():
+    """Layer 0's K/V depend only on token and position, so the engine stores deviations from
+    layer 1 on; re-serving the recorded segment gives the realigned base at layer 0 (whatever
+    rounding the real layer 0 carried) and the real KV everywhere else."""
     gen = torch.Generator().manual_seed(8)
     rotary = _rotary()
     engine = ReuseEngine(rotary, ReuseConfig(exact_prefix=False))
     prompt = _prompt(tuple(range(200, 210)))
     plan = engine.plan(prompt, lambda s: _rand(gen, len(s)))
-    engine.learn(plan, place(_rand(gen, len(prompt)), rotary, 0))
+    real = place(_rand(gen, len(prompt)), rotary, 0)  # layer 0 not the base: all of it would be "deviation"
+    engine.learn(plan, real)
     deviation = engine.pool("doc").get("doc-1").deviations[("agent", "doc")]
-    for kv in (deviation.shared, deviation.following):
-        assert not kv.keys[0].any() and not kv.values[0].any()
-    assert deviation.shared.keys[1:].abs().sum() > 0 and deviation.shared.values[1:].abs().sum() > 0
+    assert deviation.first_layer == 1
+    assert deviation.shared.keys.shape[0] == deviation.following.keys.shape[0] == LAYERS - 1
+    again = engine.plan(prompt, lambda s: _rand(gen, len(s)))
+    assert again.pieces[0].match.identical
+    served = engine.materialize(again)
+    start, end = prompt.starts[1], prompt.end(1)
+    base = place(engine.stored_base("doc-1"), rotary, start)
+    assert torch.equal(served.keys[0, :, start:end], base.keys[0]) and torch.equal(served.values[0, :, start:end], base.values[0])
+    assert _max_error(served.keys[1:], real.keys[1:, :, : again.reuse_end]) < 1e-5
+    assert _max_error(served.values[1:], real.values[1:, :, : again.reuse_end]) < 1e-6

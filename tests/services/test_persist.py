@@ -212,6 +212,47 @@ def _drop_tensor(directory: Path) -> None:
     _rewrite_manifest(directory, edit)
 
 
+def _as_version_1(directory: Path) -> None:
+    """Rewrite a save as version 1 wrote it: every layer of a deviation stored (layer 0 zero), no
+    first_layer field."""
+    import hashlib
+    path = _tensor_file(directory)
+    tensors = {name: (torch.cat([t.new_zeros((1, *t.shape[1:])), t]) if ".dev" in name else t)
+               for name, t in load_file(str(path)).items()}
+    save_file(tensors, str(path))
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+
+    def edit(m):
+        m.update(version=1)
+        m["tensors"].update(sha256=digest, bytes=path.stat().st_size)
+        for pool in m["pools"]:
+            for anchor in pool["anchors"]:
+                for dev in anchor["deviations"]:
+                    del dev["first_layer"]
+    _rewrite_manifest(directory, edit)
+
+
+def test_a_version_1_save_loads_with_every_layer_of_its_deviations(saved):
+    directory, _, _ = saved
+    rotary = synthetic_rotary()
+    fresh = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
+    load_engine(directory, fresh, synthetic_fingerprint(rotary))
+    _as_version_1(directory)
+    old = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
+    load_engine(directory, old, synthetic_fingerprint(rotary))
+    pairs = [(a.deviations[k], b.deviations[k]) for slot in fresh.pools for a, b in
+             zip(fresh.pools[slot].anchors, old.pools[slot].anchors, strict=True) for k in a.deviations]
+    assert pairs
+    for new, v1 in pairs:
+        assert (new.first_layer, v1.first_layer) == (1, 0)
+        assert not v1.shared.keys[0].any() and torch.equal(v1.shared.keys[1:], new.shared.keys)
+        assert torch.equal(v1.shared.values[1:], new.shared.values)
+
+
+def _first_layer(directory: Path, value) -> None:
+    _rewrite_manifest(directory, lambda m: m["pools"][0]["anchors"][0]["deviations"][0].update(first_layer=value))
+
+
 CORRUPTIONS = {
     "flipped byte": (_flip, "checksum mismatch"),
     "truncated tensors": (_truncate, "truncated"),
@@ -222,6 +263,8 @@ CORRUPTIONS = {
     "wrong field type": (lambda d: _rewrite_manifest(d, lambda m: m["pools"][0].update(anchors="x")), "must be a list"),
     "other format": (lambda d: _rewrite_manifest(d, lambda m: m.update(format="x")), "not a kvcomm anchor save"),
     "newer version": (lambda d: _rewrite_manifest(d, lambda m: m.update(version=99)), "format version 99"),
+    "first layer out of range": (lambda d: _first_layer(d, LAYERS), "first_layer 2 is not a layer"),
+    "first layer not stored": (lambda d: _first_layer(d, 0), "inconsistent with the rest"),
     "no manifest": (lambda d: (d / MANIFEST).unlink(), "manifest missing"),
     "path in file name": (lambda d: _rewrite_manifest(d, lambda m: m["tensors"].update(file="../x")), "does not name"),
 }
