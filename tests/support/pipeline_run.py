@@ -81,7 +81,7 @@ def save_tiny_model(folder: str, kv_heads: int = 2, sliding_window: int | None =
     return folder
 
 
-def main(mode: str, model: str | None = None, tensor_parallel_size: int = 1) -> None:
+def main(mode: str, model: str | None = None, tensor_parallel_size: int = 1, state_dir: str | None = None) -> None:
     if mode not in ("inproc", "mp"):
         raise SystemExit(f"mode must be inproc or mp, got {mode!r}")
     from vllm import SamplingParams
@@ -95,7 +95,8 @@ def main(mode: str, model: str | None = None, tensor_parallel_size: int = 1) -> 
 
     llm = make_llm(model, in_process=mode == "inproc", max_num_batched_tokens=64, max_num_seqs=8, block_size=32,
                    tensor_parallel_size=tensor_parallel_size,
-                   kv_transfer_config=transfer_config(extra={"plan": True, "gamma": 1.0, "strict": True}))
+                   kv_transfer_config=transfer_config(extra={"plan": True, "gamma": 1.0, "strict": True,
+                                                             **({"state_dir": state_dir} if state_dir else {})}))
     text = _Text(embedded_tokenizer())
     eos = text.tokenizer.eos_token_id
 
@@ -136,4 +137,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "save-tiny-llama":
         print(save_tiny_model(sys.argv[2]))
     else:
-        main(sys.argv[1], *(sys.argv[2:3] or [None]), *map(int, sys.argv[3:4]))
+        main(sys.argv[1], *(sys.argv[2:3] or [None]), *map(int, sys.argv[3:4]), *sys.argv[4:5])
