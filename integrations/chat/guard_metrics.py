@@ -6,8 +6,8 @@
 - ``kvcomm_guard_kl_mean{tenant,slot}``: rolling mean KL(dense || reuse) of the first reply
   token's distribution, nats (top-k + "other" bucket: a lower bound of the full KL);
   ``kvcomm_guard_kl_last{tenant,slot}``: the latest sample;
-- ``kvcomm_guard_samples{tenant,slot}``, ``kvcomm_guard_tightenings{tenant,slot}``,
-  ``kvcomm_guard_disabled{tenant,slot}`` (1 when the guard turned the slot's reuse off),
+- ``kvcomm_guard_samples{tenant,slot}``, ``kvcomm_guard_tightenings{tenant,slot}`` (net of
+  loosenings), ``kvcomm_guard_loosenings{tenant,slot}``, ``kvcomm_guard_disabled{tenant,slot}`` (1 when the guard turned the slot's reuse off),
   ``kvcomm_guard_gamma{tenant,slot}`` (the slot pool's gamma now);
 - ``kvcomm_guard_shadowed_total{tenant}``, ``kvcomm_guard_shadow_seconds_total{tenant}``
   (dense shadow prefills and the time they took), ``kvcomm_guard_budget{tenant}``.
@@ -27,7 +27,8 @@ _PER_SLOT = {
     "kl_mean": "Rolling mean KL(dense || reuse) of the first reply token, nats (top-k + other: a lower bound)",
     "kl_last": "Latest shadowed KL(dense || reuse) of the first reply token, nats",
     "samples": "Shadowed requests recorded for the slot",
-    "tightenings": "Times the guard lowered the slot's gamma",
+    "tightenings": "Tightenings of the slot's gamma in force (lowered minus raised back)",
+    "loosenings": "Times the guard raised the slot's gamma back after a full window well within budget",
     "disabled": "1 when the guard disabled reuse for the slot",
     "gamma": "The slot pool's admission gamma now",
 }

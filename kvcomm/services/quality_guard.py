@@ -12,6 +12,11 @@ slot's rolling mean exceeds the budget, the guard acts and logs why:
   ``max_tightenings`` such steps disable the slot;
 - ``"disable"``: disable the slot at once.
 
+Admission adapts both ways: a tightened slot whose rolling mean over a full window stays at
+or below ``loosen_below * budget`` gets one tightening back (gamma divided by
+``tighten_factor``, never above the gamma it had before the guard first tightened it). The gap
+between the two thresholds keeps a slot from flapping on every sample.
+
 A disabled slot's estimated pieces are cut from every later plan (``restrict``), so reuse
 stops before its content and the rest is computed densely. One guard serves one engine
 (slot names are per engine; give each tenant its own guard).
@@ -42,8 +47,10 @@ class GuardConfig:
     """fraction: share of requests with estimated KV that are shadowed, in [0, 1].
     budget: the most KL (nats, first-token distribution) a slot's rolling mean may reach.
     window: samples in the rolling mean. min_samples: samples before the guard acts.
-    action, tighten_factor, max_tightenings: see the module docs. top_k: tokens kept
-    before the "other" bucket. seed: the sampling RNG's seed."""
+    action, tighten_factor, max_tightenings: see the module docs. loosen_below: share of the
+    budget a full window's mean must stay at or below to undo one tightening, in [0, 1)
+    (0: never loosen). top_k: tokens kept before the "other" bucket. seed: the sampling RNG's
+    seed."""
 
     fraction: float = 0.05
     budget: float = 0.1
@@ -52,6 +59,7 @@ class GuardConfig:
     action: str = "tighten"
     tighten_factor: float = 0.5
     max_tightenings: int = 3
+    loosen_below: float = 0.25
     top_k: int = 20
     seed: int = 0
 
@@ -67,6 +75,8 @@ class GuardConfig:
             problems.append(f"action must be one of {', '.join(ACTIONS)} (got {self.action!r})")
         if not 0 < self.tighten_factor < 1:
             problems.append(f"tighten_factor must be in (0, 1) (got {self.tighten_factor})")
+        if not 0 <= self.loosen_below < 1:
+            problems.append(f"loosen_below must be in [0, 1) (got {self.loosen_below})")
         if self.max_tightenings < 0 or self.top_k < 1:
             problems.append(f"max_tightenings must be >= 0 and top_k >= 1 (got {self.max_tightenings}, {self.top_k})")
         if problems:
@@ -81,6 +91,9 @@ class SlotQuality:
     samples: int = 0
     last_kl: float | None = None
     tightenings: int = 0
+    loosenings: int = 0
+    gamma_before: float | None = None
+    """The slot pool's gamma before the guard first tightened it: the most loosening restores."""
     disabled: bool = False
     reason: str = ""
 
@@ -156,11 +169,24 @@ class QualityGuard:
         state.samples += 1
         state.last_kl = kl
         mean = state.mean
-        if state.disabled or len(state.recent) < self.config.min_samples or mean <= self.config.budget:
+        if state.disabled or len(state.recent) < self.config.min_samples:
+            return
+        pool = engine.pool(slot)
+        if mean <= self.config.budget:
+            if state.tightenings and len(state.recent) == self.config.window and mean <= self.config.loosen_below * self.config.budget:
+                gamma = min(pool.config.gamma / self.config.tighten_factor, state.gamma_before)
+                pool.config = dataclasses.replace(pool.config, gamma=gamma)
+                state.tightenings -= 1
+                state.loosenings += 1
+                state.reason = (f"mean KL {mean:.4g} over the last {len(state.recent)} shadowed requests is within "
+                                f"{self.config.loosen_below:g} of budget {self.config.budget:g}: gamma raised to {gamma:.4g}")
+                state.recent.clear()
+                log.info("quality guard, slot %r: %s", slot, state.reason)
             return
         why = f"mean KL {mean:.4g} over the last {len(state.recent)} shadowed requests exceeds budget {self.config.budget:g}"
-        pool = engine.pool(slot)
         if self.config.action == "tighten" and state.tightenings < self.config.max_tightenings:
+            if state.gamma_before is None:
+                state.gamma_before = pool.config.gamma
             gamma = pool.config.gamma * self.config.tighten_factor
             pool.config = dataclasses.replace(pool.config, gamma=gamma)
             state.tightenings += 1
@@ -175,7 +201,8 @@ class QualityGuard:
 
     def metrics(self) -> dict:
         """Numbers for a metrics exporter: shadowed requests, seconds spent shadowing, and per
-        slot the rolling mean / last KL, samples, current gamma, tightenings, disabled."""
+        slot the rolling mean / last KL, samples, current gamma, tightenings (net of loosenings),
+        loosenings, disabled."""
         with self._lock:
             pools = self._engine.pools if self._engine is not None else {}
             return {
@@ -183,6 +210,7 @@ class QualityGuard:
                 "slots": {
                     slot: {
                         "kl_mean": s.mean, "kl_last": s.last_kl, "samples": s.samples, "tightenings": s.tightenings,
+                        "loosenings": s.loosenings,
                         "disabled": s.disabled, "reason": s.reason,
                         "gamma": pools[slot].config.gamma if slot in pools else None,
                     } for slot, s in self.slots.items()

@@ -203,3 +203,24 @@ def test_tightening_restarts_the_window_so_min_samples_applies_again(tiny_execut
     # every second sample completes a fresh window of min_samples = 2 and tightens once more
     assert tightenings == [0, 1, 1, 2, 2, 3]
     assert engine.pool("doc").config.gamma == pytest.approx(gamma * 0.5 ** 3) and not guard.disabled("doc")
+
+
+def test_a_tightened_slot_loosens_back_after_a_full_window_well_within_budget(tiny_executor):
+    """Admission adapts both ways: breaches tighten gamma; a full window whose mean is at or
+    below ``loosen_below * budget`` gives one tightening back, never past the gamma the slot
+    had before; a window between the two thresholds changes nothing."""
+    engine, ids, dense, wrong = _shadow_kls(tiny_executor)
+    high = QualityGuard(GuardConfig(fraction=1.0, budget=1e9)).shadow(tiny_executor, engine, ids, wrong, ("doc",))
+    gamma = engine.pool("doc").config.gamma
+    guard = QualityGuard(GuardConfig(fraction=1.0, budget=0.6 * high, window=2, min_samples=1, loosen_below=0.25))
+    steps = []
+    # K > budget twice: two tightenings; [0] is not a full window; [0, 0]: loosen; [0, K] = K/2
+    # is within budget but above loosen_below * budget: nothing; [K, 0] likewise; [0, 0]: loosen
+    # back to the start, and no further
+    for reuse in (wrong, wrong, dense, dense, dense, wrong, dense, dense, dense, dense):
+        guard.shadow(tiny_executor, engine, ids, reuse, ("doc",))
+        state = guard.metrics()["slots"]["doc"]
+        steps.append((state["tightenings"], state["loosenings"]))
+    assert steps == [(1, 0), (2, 0), (2, 0), (1, 1), (1, 1), (1, 1), (1, 1), (0, 2), (0, 2), (0, 2)]
+    assert engine.pool("doc").config.gamma == pytest.approx(gamma) and not guard.disabled("doc")
+    assert "gamma raised to" in guard.metrics()["slots"]["doc"]["reason"]
