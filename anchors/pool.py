@@ -264,8 +264,12 @@ class AnchorPool:
         if k == 0 or len(compatible) <= k or self._index is None:
             return compatible
         wanted = {a.serial for a in compatible}
-        ranked = [s for s in self._index.nearest(embedding, len(self._index)) if s in wanted]
-        return [self._anchors[self._by_serial[s]] for s in ranked[:k]]
+        asked = k
+        while True:  # widen the search only while too few of the nearest are compatible
+            ranked = [s for s in self._index.nearest(embedding, asked) if s in wanted]
+            if len(ranked) >= k or asked >= len(self._index):
+                return [self._anchors[self._by_serial[s]] for s in ranked[:k]]
+            asked *= 4
 
     def _count_access(self, anchors: list[Anchor], p: torch.Tensor) -> None:
         order = torch.argsort(p, descending=True).tolist()

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from kvcomm.anchors.anchor import Deviation
 from kvcomm.anchors.distance import EstimateDistances, admission_logits, value_l2
-from kvcomm.anchors.index import kv_embedding
+from kvcomm.anchors.index import kv_embedding, normalize
 from kvcomm.anchors.pool import AnchorPool, PoolConfig
 from kvcomm.engine.engine import ReuseConfig, ReuseEngine
 from kvcomm.eval.report import compare, summarize
@@ -302,6 +302,9 @@ def bench_segment(executor, args):
 
 # -- 4. anchor matching vs pool size -------------------------------------------------------
 
+DISTINCT_BASES = 1000
+
+
 def bench_decide(args):
     layers, heads, tokens, dim, slot = 30, 3, 16, 64, ("agent", "task")
     gen = torch.Generator().manual_seed(0)
@@ -311,11 +314,15 @@ def bench_decide(args):
     embeddings = [kv_embedding((), q) for q in queries]  # the engine computes these at register_base
     rows, out = [], {}
     for size in args.pool_sizes:
-        bases = [rand() for _ in range(size)]
+        # past DISTINCT_BASES anchors the bases repeat (memory: 0.7 MB each) and the embeddings
+        # are random unit vectors, so the index still has to rank every anchor
+        bases = [rand() for _ in range(min(size, DISTINCT_BASES))]
+        embeddings_of = [kv_embedding((), b) for b in bases] + [
+            normalize(torch.randn(embeddings[0].shape[0], generator=gen).numpy()) for _ in range(size - len(bases))]
         pools = {k: AnchorPool(PoolConfig(max_anchors=size, max_candidates=k)) for k in (8, 0)}
         for pool in pools.values():  # both pools hold the same base tensors
-            for i, b in enumerate(bases):
-                pool.record(slot, f"a{i}", b, kv_embedding((), b), deviation)
+            for i in bar(range(size), desc=f"fill {size}"):
+                pool.record(slot, f"a{i}", bases[i % len(bases)], embeddings_of[i], deviation)
         reps = {8: args.decide_reps, 0: args.decide_reps}
         if size > 100:  # without narrowing: only if it fits in 20 s (at least 5 repeats)
             reps[0] = min(args.decide_reps, int(20 / timed(pools[0].decide, slot, "q", queries[0], embeddings[0])[1]))
@@ -327,9 +334,9 @@ def bench_decide(args):
                 times[k].append(timed(pools[k].decide, slot, "q", queries[rep % 4], embeddings[rep % 4])[1])
         rows.append([size] + [f"{ms(med(times[k]))} (n={len(times[k])})" if k in times else "skipped (>20 s)" for k in (8, 0)])
         out[str(size)] = {f"max_candidates_{k}_s": med(times[k]) if k in times else None for k in (8, 0)}
-        del pools, bases
+        del pools, bases, embeddings_of
     print(f"\n== 4. AnchorPool.decide vs pool size (synthetic anchors {layers}x{heads}x{tokens}x{dim}, base + one "
-          "deviation each; median of n; the query's embedding is computed beforehand)")
+          f"deviation each, {DISTINCT_BASES} distinct bases at most; median of n; the query's embedding is computed beforehand)")
     print(table(["anchors", "max_candidates=8", "max_candidates=0 (all)"], rows))
     return out
 
@@ -438,7 +445,7 @@ def main(argv=None):
         parser.error(f"--anchors takes comma-separated integers, got {args.anchors!r}")
     if args.seg_anchors[0] < 2:
         parser.error(f"--anchors: every count must be >= 2 (a pool of <= 1 anchor never reuses), got {args.anchors!r}")
-    args.pool_sizes, args.decide_reps = ((10, 100), 10) if quick else ((10, 100, 1000), 30)
+    args.pool_sizes, args.decide_reps = ((10, 100), 10) if quick else ((10, 100, 1000, 10_000), 30)
     args.embed_reps, args.facts, args.probes = (5, 10, 5) if quick else (20, len(FACTS), len(PROBES))
 
     from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer, load_tokenizer
