@@ -7,8 +7,8 @@
   token's distribution, nats (top-k + "other" bucket: a lower bound of the full KL);
   ``kvcomm_guard_kl_last{tenant,slot}``: the latest sample;
 - ``kvcomm_guard_samples{tenant,slot}``, ``kvcomm_guard_tightenings{tenant,slot}`` (net of
-  loosenings), ``kvcomm_guard_loosenings{tenant,slot}``, ``kvcomm_guard_disabled{tenant,slot}`` (1 when the guard turned the slot's reuse off),
-  ``kvcomm_guard_gamma{tenant,slot}`` (the slot pool's gamma now);
+  loosenings), ``kvcomm_guard_loosenings{tenant,slot}``, ``kvcomm_guard_disabled{tenant,slot}``
+  (1 when the guard turned the slot's reuse off), ``kvcomm_guard_gamma{tenant,slot}`` (the slot pool's gamma now);
 - ``kvcomm_guard_shadowed_total{tenant}``, ``kvcomm_guard_shadow_seconds_total{tenant}``
   (dense shadow prefills and the time they took), ``kvcomm_guard_budget{tenant}``.
 
