@@ -96,8 +96,9 @@ def make_planner(vllm_config: "VllmConfig", channel: Channel) -> ServerPlanner:
     and the state is restored and then saved periodically and at exit, from this process.
 
     Under tensor parallelism (``tensor_parallel_heads``) each rank's planner holds its heads;
-    the byte caps are split evenly (a rank holds ``1/size`` of every KV, so a rank over its
-    share is exactly a whole over the cap, up to the embeddings every rank holds whole), and
+    the byte caps are split evenly (a rank holds ``1/size`` of every KV and counts ``1/size`` of
+    every embedding it holds whole, so a rank is over its share exactly when one process holding
+    all heads would be over the cap, for caps that ``size`` divides), and
     each rank keeps its state in ``state_dir/tp{size}-rank{rank}`` (a state saved under
     another tensor-parallel size is not loaded)."""
     from kvcomm.anchors.pool import PoolConfig

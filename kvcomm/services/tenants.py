@@ -102,10 +102,16 @@ class TenantEngine(ReuseEngine):
             return EngineBytes(
                 {slot: pool.nbytes for slot, pool in self.pools.items()},
                 self.prefix_store.nbytes,
-                sum(kv.nbytes + getattr(emb, "nbytes", 0) for kv, emb in self._bases.values()
+                sum(kv.nbytes + self._embedding_share(emb) for kv, emb in self._bases.values()
                     if id(kv.values) not in self._anchor_bases()),
                 sum(kv.nbytes for kv in self._fixed_bases.values()),
             )
+
+    def _embedding_share(self, embedding) -> int:
+        """Bytes counted for a base's embedding: this rank's share, as for its KV. Every rank of a
+        head split holds the whole vector, so counting it whole would put a rank over its share
+        of a byte cap before one process holding all heads would be over the cap."""
+        return getattr(embedding, "nbytes", 0) // self.heads.size
 
     def _anchor_bases(self) -> set[int]:
         """Ids of the base value tensors anchors hold: a content's base held by the engine and
@@ -133,7 +139,7 @@ class TenantEngine(ReuseEngine):
                 if held <= target:
                     break
                 kv, embedding = self._bases.pop(shared_id)  # an anchor's base frees nothing: kept
-                held -= kv.nbytes + getattr(embedding, "nbytes", 0)
+                held -= kv.nbytes + self._embedding_share(embedding)
                 self.evicted["bases"] += 1
             while held > target and self._fixed_bases:
                 held -= self._fixed_bases.pop(next(iter(self._fixed_bases))).nbytes

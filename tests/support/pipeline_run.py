@@ -3,8 +3,9 @@ one engine mode, in a process of its own, and print what happened as one JSON li
 
 ``python pipeline_run.py inproc``: worker in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
 ``python pipeline_run.py mp``: vLLM's default (engine core and worker in processes of their own).
-``python pipeline_run.py mp MODEL_DIR 2``: on another model, with tensor parallelism 2 (one
-worker process per rank); ``python pipeline_run.py save-tiny-llama DIR`` saves a model it can split.
+``python pipeline_run.py mp MODEL_DIR 2 [STATE_DIR [MAX_TENANT_BYTES]]``: on another model, with
+tensor parallelism 2 (one worker process per rank), saving state at exit, under a byte cap;
+``python pipeline_run.py save-tiny-llama DIR`` saves a model it can split.
 
 Per call: the prompt length, the returned provenance (``kv_transfer_params["kvcomm"]``), vLLM's
 cached token count and the reply token ids; plus the engine's executor backend, the engine
@@ -81,7 +82,8 @@ def save_tiny_model(folder: str, kv_heads: int = 2, sliding_window: int | None =
     return folder
 
 
-def main(mode: str, model: str | None = None, tensor_parallel_size: int = 1, state_dir: str | None = None) -> None:
+def main(mode: str, model: str | None = None, tensor_parallel_size: int = 1, state_dir: str | None = None,
+         max_tenant_bytes: int | None = None) -> None:
     if mode not in ("inproc", "mp"):
         raise SystemExit(f"mode must be inproc or mp, got {mode!r}")
     from vllm import SamplingParams
@@ -95,8 +97,9 @@ def main(mode: str, model: str | None = None, tensor_parallel_size: int = 1, sta
 
     llm = make_llm(model, in_process=mode == "inproc", max_num_batched_tokens=64, max_num_seqs=8, block_size=32,
                    tensor_parallel_size=tensor_parallel_size,
-                   kv_transfer_config=transfer_config(extra={"plan": True, "gamma": 1.0, "strict": True,
-                                                             **({"state_dir": state_dir} if state_dir else {})}))
+                   kv_transfer_config=transfer_config(extra={
+                       "plan": True, "gamma": 1.0, "strict": True, **({"state_dir": state_dir} if state_dir else {}),
+                       **({"max_tenant_bytes": max_tenant_bytes} if max_tenant_bytes else {})}))
     text = _Text(embedded_tokenizer())
     eos = text.tokenizer.eos_token_id
 
@@ -137,4 +140,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "save-tiny-llama":
         print(save_tiny_model(sys.argv[2]))
     else:
-        main(sys.argv[1], *(sys.argv[2:3] or [None]), *map(int, sys.argv[3:4]), *sys.argv[4:5])
+        main(sys.argv[1], *(sys.argv[2:3] or [None]), *map(int, sys.argv[3:4]), *sys.argv[4:5], *map(int, sys.argv[5:6]))

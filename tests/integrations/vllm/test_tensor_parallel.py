@@ -35,6 +35,18 @@ def runs(tmp_path_factory) -> dict:
     return out
 
 
+CAP = 300_000
+"""max_tenant_bytes of the capped runs: it evicts exact prefixes, bases and anchors on this
+pipeline (the uncapped tenant grows past 500 KB); two ranks divide it exactly."""
+
+
+@pytest.fixture(scope="module")
+def capped(runs, tmp_path_factory) -> dict[int, dict]:
+    model = save_tiny_model(str(tmp_path_factory.mktemp("tiny-llama-capped")))
+    return {tp: run_in_subprocess("mp", model, str(tp), str(tmp_path_factory.mktemp(f"capped{tp}")), str(CAP))
+            for tp in (1, 2)}
+
+
 def _save(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(manifest, tensors) of the one tenant saved under ``folder``."""
     (tenant,) = [d for d in folder.iterdir() if d.is_dir()]
@@ -101,3 +113,14 @@ def test_a_restart_at_two_ranks_restores_each_ranks_state(runs):
     # the first row reuses nothing fresh; restored, its later agents estimate from the saved anchors
     assert sum(reused(fresh)[:4]) < sum(reused(restored)[:4]) and sum(reused(fresh)) < sum(reused(restored))
     assert sum(c["kvcomm"]["estimated_tokens"] for c in restored[:4]) > 0
+
+
+def test_a_byte_cap_split_over_two_ranks_evicts_as_the_whole_cap_on_one(capped, runs):
+    """Each rank holds half of every KV and counts half of every embedding, so under
+    ``max_tenant_bytes`` split over the ranks each evicts when one process would: same
+    decisions, cached tokens and replies as TP=1 under the whole cap."""
+    reused = lambda run: sum(c["kvcomm"]["exact_tokens"] + c["kvcomm"]["estimated_tokens"]  # noqa: E731
+                             for c in run["calls"] + [run["repeat"]])
+    assert reused(capped[1]) < reused(runs[1])  # the cap binds
+    for name in ("calls", "repeat", "plain"):
+        assert capped[2][name] == capped[1][name], name
