@@ -7,11 +7,18 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+import torch
+
 from kvcomm.anchors.pool import PoolConfig
+from kvcomm.core.heads import HeadShards
+from kvcomm.core.kv import KV
+from kvcomm.core.rope import Rotary
+from kvcomm.core.segments import Segment
 from kvcomm.engine.engine import ReuseConfig
 from kvcomm.engine.pipeline import parse_pipeline
 from kvcomm.engine.runner import run_agent
-from kvcomm.services.tenants import TenantRegistry
+from kvcomm.services.tenants import TenantEngine, TenantRegistry
 from support.one_thread import one_thread  # noqa: F401 (autouse fixture)
 from support.two_agent_case import PIPELINE, agent_prompt
 
@@ -78,3 +85,34 @@ def test_the_total_cap_shrinks_the_largest_tenant_first(tiny_executor):
     assert small.nbytes == sizes["small"] and sum(small.evicted.values()) == 0  # the small tenant is not touched
     assert large.nbytes <= sizes["large"] - sizes["small"] // 2 and registry.nbytes <= registry.max_total_bytes
     assert registry.problems() == []
+
+
+class _Rank(HeadShards):
+    """Rank ``rank`` of two, for byte accounting only (nothing here gathers)."""
+
+    def __init__(self, rank: int):
+        self.size, self.rank = 2, rank
+
+
+def test_two_ranks_count_half_of_what_one_process_counts_and_shrink_alike():
+    """Law behind per-rank byte caps: each rank of a head split holds half of every KV and
+    counts half of every embedding (which it holds whole), so the ranks' bytes add up to the
+    single process's and a rank over half the cap is one process over the cap."""
+    rotary = Rotary(1.0 / (1e4 ** (torch.arange(0, 8, 2).float() / 8)), head_dim=8)
+    embedder = lambda token_ids, base: np.full(64, 0.125, dtype=np.float32)  # noqa: E731 (whole on every rank)
+    whole = TenantEngine(rotary, embedder=embedder)
+    ranks = [TenantEngine(rotary, embedder=embedder, heads=_Rank(r)) for r in (0, 1)]
+    gen = torch.Generator().manual_seed(0)
+    for i in range(6):
+        segment = Segment(tuple(range(100 * i, 100 * i + 3 + i)), slot="doc", shared_id=f"d{i}")
+        kv = KV(*(torch.randn(2, 2, len(segment), 8, generator=gen) for _ in range(2)))
+        whole.register_base(segment, kv)
+        for r, engine in enumerate(ranks):
+            engine.register_base(segment, KV(kv.keys[:, r : r + 1].clone(), kv.values[:, r : r + 1].clone()))
+    assert [engine.nbytes * 2 for engine in ranks] == [whole.nbytes] * 2
+    target = whole.nbytes // 2 // 2 * 2
+    whole.shrink(target)
+    for engine in ranks:
+        engine.shrink(target // 2)
+        assert engine.evicted == whole.evicted and sorted(engine._bases) == sorted(whole._bases)
+    assert whole.evicted["bases"] > 0

@@ -118,7 +118,8 @@ def test_a_restart_at_two_ranks_restores_each_ranks_state(runs):
 def test_a_byte_cap_split_over_two_ranks_evicts_as_the_whole_cap_on_one(capped, runs):
     """Each rank holds half of every KV and counts half of every embedding, so under
     ``max_tenant_bytes`` split over the ranks each evicts when one process would: same
-    decisions, cached tokens and replies as TP=1 under the whole cap."""
+    decisions, cached tokens and replies as TP=1 under the whole cap (the accounting law itself:
+    ``tests/services/test_tenant_shrink.py``)."""
     reused = lambda run: sum(c["kvcomm"]["exact_tokens"] + c["kvcomm"]["estimated_tokens"]  # noqa: E731
                              for c in run["calls"] + [run["repeat"]])
     assert reused(capped[1]) < reused(runs[1])  # the cap binds
