@@ -173,11 +173,13 @@ def plot(points: list[Point], floors: list[Floor], path: str | os.PathLike) -> P
     markers = {"realign": "s", "cacheblend": "^", "kvcomm": "o", "kvblend": "P", "exact": "D"}
     for ax, workload in zip(axes.flat, workloads):
         mine = [p for p in points if p.workload == workload and p.mode != "dense" and p.kl_mean is not None]
-        positive = [p.kl_mean for p in mine if p.kl_mean > 0]
-        clip = min(positive) / 3 if positive else 1e-12
+        positive = [p.kl_mean for p in mine if p.kl_mean > 0] + [f.kl_mean for f in floors if f.workload == workload and f.kl_mean > 0]
+        clip = min(positive) / 3 if positive else 1e-12  # the axis' bottom: a floor far below is drawn there
         chunked = [p.noise_kl_mean for p in points if p.workload == workload and p.noise_kl_mean is not None]
         if chunked:
-            ax.axhline(max(max(chunked), clip), color="gray", linestyle=":", linewidth=1, label=f"chunked floor {max(chunked):.0e}")
+            below = " (below the axis)" if max(chunked) < clip else ""
+            ax.axhline(max(max(chunked), clip), color="gray", linestyle=":", linewidth=1,
+                       label=f"chunked floor {max(chunked):.0e}{below}")
         for f in floors:
             if f.workload == workload:
                 ax.axhline(f.kl_mean, color="black", linestyle="--", linewidth=1, label=f"{f.dtype} floor {f.kl_mean:.1e}")
