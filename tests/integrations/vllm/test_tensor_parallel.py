@@ -6,7 +6,8 @@ SmolLM2-135M's 3 KV heads do not split over 2 ranks).
 Both runs use vLLM's default multiprocess engine, each in a subprocess of its own
 (``support/pipeline_run.py``): the demo pipeline's rows 0-2, an exact repeat of the first
 prompt and a request that does not opt in. ``strict`` is on, so a refusal fails the run.
-Both save their state at exit (``state_dir``); a third run at TP=2 restores it."""
+Both save their state at exit (``state_dir``); a third run at TP=2 restores it; two more
+runs (TP=1, TP=2) serve under a tenant byte cap."""
 
 from __future__ import annotations
 
