@@ -199,37 +199,39 @@ def _rewrite_manifest(directory: Path, edit) -> None:
     (directory / MANIFEST).write_text(json.dumps(manifest))
 
 
-def _drop_tensor(directory: Path) -> None:
-    path = _tensor_file(directory)
-    tensors = load_file(str(path))
-    del tensors[sorted(tensors)[0]]
-    save_file(tensors, str(path))  # a well-formed file with a matching checksum, one tensor short
+def _rewrite_tensors(directory: Path, change, edit=lambda m: None) -> None:
+    """Replace the save's tensors by ``change(tensors)`` as a well-formed file whose checksum
+    and size the manifest records, then ``edit`` the manifest further."""
     import hashlib
+    path = _tensor_file(directory)
+    save_file(change(load_file(str(path))), str(path))
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
 
-    def edit(m):
+    def recorded(m):
         m["tensors"].update(sha256=digest, bytes=path.stat().st_size)
-    _rewrite_manifest(directory, edit)
+        edit(m)
+    _rewrite_manifest(directory, recorded)
+
+
+def _drop_tensor(directory: Path) -> None:
+    """A well-formed file with a matching checksum, one tensor short."""
+    def one_short(tensors):
+        del tensors[min(tensors)]
+        return tensors
+    _rewrite_tensors(directory, one_short)
 
 
 def _as_version_1(directory: Path) -> None:
     """Rewrite a save as version 1 wrote it: every layer of a deviation stored (layer 0 zero), no
     first_layer field."""
-    import hashlib
-    path = _tensor_file(directory)
-    tensors = {name: (torch.cat([t.new_zeros((1, *t.shape[1:])), t]) if ".dev" in name else t)
-               for name, t in load_file(str(path)).items()}
-    save_file(tensors, str(path))
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-
     def edit(m):
         m.update(version=1)
-        m["tensors"].update(sha256=digest, bytes=path.stat().st_size)
         for pool in m["pools"]:
             for anchor in pool["anchors"]:
                 for dev in anchor["deviations"]:
                     del dev["first_layer"]
-    _rewrite_manifest(directory, edit)
+    _rewrite_tensors(directory, lambda tensors: {
+        name: (torch.cat([t.new_zeros((1, *t.shape[1:])), t]) if ".dev" in name else t) for name, t in tensors.items()}, edit)
 
 
 def test_a_version_1_save_loads_with_every_layer_of_its_deviations(saved):
