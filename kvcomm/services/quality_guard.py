@@ -174,14 +174,7 @@ class QualityGuard:
         pool = engine.pool(slot)
         if mean <= self.config.budget:
             if state.tightenings and len(state.recent) == self.config.window and mean <= self.config.loosen_below * self.config.budget:
-                gamma = min(pool.config.gamma / self.config.tighten_factor, state.gamma_before)
-                pool.config = dataclasses.replace(pool.config, gamma=gamma)
-                state.tightenings -= 1
-                state.loosenings += 1
-                state.reason = (f"mean KL {mean:.4g} over the last {len(state.recent)} shadowed requests is within "
-                                f"{self.config.loosen_below:g} of budget {self.config.budget:g}: gamma raised to {gamma:.4g}")
-                state.recent.clear()
-                log.info("quality guard, slot %r: %s", slot, state.reason)
+                self._loosen(state, pool, slot, mean)
             return
         why = f"mean KL {mean:.4g} over the last {len(state.recent)} shadowed requests exceeds budget {self.config.budget:g}"
         if self.config.action == "tighten" and state.tightenings < self.config.max_tightenings:
@@ -196,6 +189,17 @@ class QualityGuard:
             state.disabled = True
             state.reason = f"{why}: reuse disabled"
         log.warning("quality guard, slot %r: %s", slot, state.reason)
+
+    def _loosen(self, state: SlotQuality, pool, slot: str, mean: float) -> None:
+        """Undo one tightening of ``slot`` (a full window well within budget)."""
+        gamma = min(pool.config.gamma / self.config.tighten_factor, state.gamma_before)
+        pool.config = dataclasses.replace(pool.config, gamma=gamma)
+        state.tightenings -= 1
+        state.loosenings += 1
+        state.reason = (f"mean KL {mean:.4g} over the last {len(state.recent)} shadowed requests is at most "
+                        f"{self.config.loosen_below:g} x budget {self.config.budget:g}: gamma raised to {gamma:.4g}")
+        state.recent.clear()  # judge the new gamma on its own samples
+        log.info("quality guard, slot %r: %s", slot, state.reason)
 
     # -- export --------------------------------------------------------------------------------
 
