@@ -25,10 +25,14 @@ from safetensors.torch import load_file  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def model(tmp_path_factory) -> str:
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="module")
+def runs(model, tmp_path_factory) -> dict:
     """Runs at TP=1 and TP=2 and their saves (read before the TP=2 restart overwrites them),
     then the TP=2 restart ("restored")."""
-    model = save_tiny_model(str(tmp_path_factory.mktemp("tiny-llama")))
     state = tmp_path_factory.mktemp("state")
     out: dict = {tp: run_in_subprocess("mp", model, str(tp), str(state / f"tp{tp}")) for tp in (1, 2)}
     out["saves"] = {1: _save(state / "tp1"), **{f"rank{r}": _save(state / "tp2" / f"tp2-rank{r}") for r in (0, 1)}}
@@ -42,8 +46,7 @@ pipeline (the uncapped tenant grows past 500 KB); two ranks divide it exactly.""
 
 
 @pytest.fixture(scope="module")
-def capped(runs, tmp_path_factory) -> dict[int, dict]:
-    model = save_tiny_model(str(tmp_path_factory.mktemp("tiny-llama-capped")))
+def capped(model, tmp_path_factory) -> dict[int, dict]:
     return {tp: run_in_subprocess("mp", model, str(tp), str(tmp_path_factory.mktemp(f"capped{tp}")), str(CAP))
             for tp in (1, 2)}
 
