@@ -18,7 +18,7 @@ from tqdm import tqdm
 from kvcomm.anchors.pool import PoolConfig
 from kvcomm.engine.engine import BASE_SOURCES, ReuseConfig
 from kvcomm.engine.recompute import RECOMPUTE_SELECTIONS
-from kvcomm.eval.evaluate import ALL_MODES, EvalSettings
+from kvcomm.eval.evaluate import ALL_MODES, EMBEDDERS, EvalSettings
 from kvcomm.eval.outputs import check_out_dir
 from kvcomm.integrations.transformers.embedded import DTYPES
 
@@ -146,6 +146,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--recompute-boundary", type=nonnegative_int, default=ReuseConfig.recompute_boundary,
                         help="with --recompute-selection disagreement: first tokens of every estimated span always "
                              f"recomputed (default {ReuseConfig.recompute_boundary})")
+    parser.add_argument("--embedder", choices=EMBEDDERS, default="kv",
+                        help="anchor embedding the pool narrows its candidates by: the segment's pooled base values "
+                             "(kv, default) or all-MiniLM-L6-v2 over its decoded text (minilm)")
     parser.add_argument("--max-new-tokens", type=positive_int, help="override the workload's reply budget")
     parser.add_argument("--top-k", type=positive_int, default=20, help="tokens kept per position for the KL bound (default 20)")
     parser.add_argument("--no-kl", action="store_true", help="skip the KL / noise-floor metrics (faster)")
@@ -172,7 +175,7 @@ def settings_from_args(args) -> EvalSettings:
         min_estimate_anchors=args.min_estimate_anchors, base_source=args.base_source,
         recompute_ratio=args.recompute_ratio, check_layer=args.check_layer, recompute_selection=args.recompute_selection,
         recompute_boundary=args.recompute_boundary, top_k=args.top_k,
-        timing_pass=not args.single_pass, pool=tuple(getattr(args, "pool", ())),
+        timing_pass=not args.single_pass, pool=tuple(getattr(args, "pool", ())), embedder=getattr(args, "embedder", "kv"),
     )
 
 

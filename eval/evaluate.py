@@ -45,6 +45,10 @@ DENSE = "dense"
 REUSE_MODES = ("exact", "realign", "cacheblend", "kvcomm", "kvblend")
 ALL_MODES = (DENSE, *REUSE_MODES)
 POOLED = "pooled"
+EMBEDDERS = ("kv", "minilm")
+"""How the anchor pool narrows its candidates: ``kv`` pools the segment's base values
+(``KVEmbedding``, the engine default); ``minilm`` embeds the segment's decoded text with
+all-MiniLM-L6-v2 (``SentenceEmbedder``)."""
 
 
 # -- settings -----------------------------------------------------------------------------
@@ -79,6 +83,8 @@ class EvalSettings:
     warm_up: bool = True
     pool: tuple[tuple[str, object], ...] = ()
     """Further ``PoolConfig`` fields of the kvcomm runs, as (name, value) pairs."""
+    embedder: str = "kv"
+    """One of ``EMBEDDERS``: the anchor embedding of every reuse run."""
 
     def __post_init__(self) -> None:
         for name in ("modes", "gammas", "max_anchors", "seeds", "pool"):
@@ -114,6 +120,8 @@ class EvalSettings:
             problems.append(f"recompute_ratio must be in (0, 1] (got {self.recompute_ratio})")
         if self.top_k < 1:
             problems.append(f"top_k must be >= 1 (got {self.top_k})")
+        if self.embedder not in EMBEDDERS:
+            problems.append(f"unknown embedder {self.embedder!r}; valid: {', '.join(EMBEDDERS)}")
         if problems:
             raise ValueError("invalid eval settings: " + "; ".join(problems))
 
@@ -396,6 +404,19 @@ def _signature(call: AgentCall) -> tuple:
     return (p.exact_tokens, p.estimated_tokens, p.computed_tokens, getattr(p, "recomputed_tokens", 0), tuple(call.reply_ids))
 
 
+def default_engine_factory(embedder: str, executor) -> Callable[[Any, ReuseConfig], ReuseEngine]:
+    """Fresh ``ReuseEngine`` s with the anchor embedding named ``embedder`` (one of ``EMBEDDERS``);
+    ``minilm`` loads the sentence model once and decodes segments with ``executor.decode``."""
+    if embedder == "kv":
+        return lambda rotary, config: ReuseEngine(rotary, config)
+    if embedder == "minilm":
+        from kvcomm.integrations.transformers.sentence_embedder import SentenceEmbedder
+
+        text_embedder = SentenceEmbedder(executor.decode)
+        return lambda rotary, config: ReuseEngine(rotary, config, text_embedder)
+    raise ValueError(f"unknown embedder {embedder!r}; valid: {', '.join(EMBEDDERS)}")
+
+
 def evaluate(
     workload, executor, settings: EvalSettings | None = None, *, progress: bool = True,
     kl: bool = True, meta: dict | None = None, engine_factory: Callable[[Any, ReuseConfig], ReuseEngine] | None = None,
@@ -409,12 +430,13 @@ def evaluate(
     full-vocabulary logits of every computed position before the first token, which would
     inflate TTFT in proportion to the computed tokens), then the measured pass. Both must make
     the same reuse decisions and replies (``timing_consistent`` per call).
-    ``engine_factory(rotary, config)``: how a fresh engine is made (default ``ReuseEngine``).
+    ``engine_factory(rotary, config)``: how a fresh engine is made (default: a ``ReuseEngine``
+    with ``settings.embedder``).
     """
     settings = settings or EvalSettings()
     spec = workload.pipeline
-    factory = engine_factory or (lambda rotary, config: ReuseEngine(rotary, config))
     runs = settings.runs()
+    factory = engine_factory or (default_engine_factory(settings.embedder, executor) if runs else None)
     if runs and getattr(executor, "rotary", None) is None:
         raise ValueError("this executor has no verified rotary embedding (dense only): reuse modes cannot run")
     configs = {run: settings.config(run) for run in runs}  # validates every config before any work

@@ -23,9 +23,11 @@ from pathlib import Path
 
 POOLED = "pooled"
 DISTINGUISHING = ("base_source", "min_estimate_anchors", "recompute_ratio", "recompute_selection", "recompute_boundary", "dtype",
-                  "pool")
+                  "pool", "embedder")
 """Run settings that make two results' points different configurations (shown in labels when
 they differ between the runs of one workload)."""
+SETTING_DEFAULTS = {"embedder": "kv"}
+"""What a result written before one of those settings existed ran with."""
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,8 @@ def load_results(folders: list[str | os.PathLike]) -> tuple[list[Point], list[Fl
         settings = data.get("settings", {})
         workload = data["workload"]
         same = [d.get("settings", {}) for d in loaded if d["workload"] == workload]
-        varying = [k for k in DISTINGUISHING if len({json.dumps(s.get(k) or None) for s in same}) > 1]  # [] and absent alike
-        suffix = ", ".join(f"{k.replace('_', ' ')} {_setting(settings.get(k))}" for k in varying)
+        varying = [k for k in DISTINGUISHING if len({json.dumps(_value(s, k) or None) for s in same}) > 1]  # [] and absent alike
+        suffix = ", ".join(f"{k.replace('_', ' ')} {_setting(_value(settings, k))}" for k in varying)
         for row in data["aggregates"]:
             if row["seed"] != POOLED:
                 continue
@@ -92,6 +94,10 @@ def load_results(folders: list[str | os.PathLike]) -> tuple[list[Point], list[Fl
             floors.append(Floor(workload, floor["dtype"], floor["reference_dtype"], floor["kl_mean"],
                                 floor.get("kl_median"), floor.get("same_top1")))
     return _dedup_dense(points), floors
+
+
+def _value(settings: dict, name: str):
+    return settings.get(name, SETTING_DEFAULTS.get(name))
 
 
 def _setting(value) -> str:

@@ -400,3 +400,40 @@ def test_pool_settings_reach_the_kvcomm_runs_and_bad_ones_are_refused():
         EvalSettings(pool=(("gamma", 0.5),))
     with pytest.raises(SystemExit):
         parser.parse_args(["eval", "--workload", "mmlu", "--out", "x", "--pool", "shrinkage"])
+
+
+def test_the_embedder_setting_reaches_every_reuse_engine(tiny_executor, monkeypatch):
+    """``--embedder minilm``: every engine of the run narrows by MiniLM vectors of the segment's
+    text (384 dims, the one sentence model loaded once); ``kv`` keeps pooled base values."""
+    import numpy as np
+
+    import kvcomm.eval.evaluate as evaluate_module
+    from kvcomm.engine.engine import ReuseEngine
+    from kvcomm.integrations.transformers.sentence_embedder import SentenceEmbedder
+
+    made = []
+
+    class Recording(ReuseEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(evaluate_module, "ReuseEngine", Recording)
+    workload = _inline_workload(rows=3, max_new_tokens=4)
+    for embedder in ("minilm", "kv"):
+        made.clear()
+        evaluate(workload, tiny_executor, EvalSettings(modes=("kvcomm", "realign"), gammas=(5.0,), embedder=embedder),
+                 progress=False, kl=False)
+        assert len(made) == 2  # one engine per reuse run
+        anchors = [a for engine in made for pool in engine.pools.values() for a in pool.anchors]
+        assert anchors, "gamma 5 admits every dense segment"
+        for anchor in anchors:
+            assert np.isclose(np.linalg.norm(anchor.embedding), 1.0, atol=1e-5)
+            keys = anchor.base.keys
+            assert anchor.embedding.shape == ((384,) if embedder == "minilm" else (keys.shape[0] * keys.shape[1] * keys.shape[3],))
+        if embedder == "minilm":
+            assert {type(engine.embedder) for engine in made} == {SentenceEmbedder}
+            assert len({id(engine.embedder) for engine in made}) == 1  # the sentence model is loaded once
+    with pytest.raises(ValueError, match="unknown embedder 'bert'; valid: kv, minilm"):
+        EvalSettings(embedder="bert")
+    assert _parser().parse_args(["eval", "--workload", "mmlu", "--out", "x", "--embedder", "minilm"]).embedder == "minilm"

@@ -39,6 +39,15 @@ def test_frontier_marks_only_undominated_points_and_labels_differing_runs(tmp_pa
     assert text.count("| yes |") == 2
 
 
+def test_runs_differing_by_embedder_are_labelled_and_an_older_result_counts_as_kv(tmp_path):
+    old = _write(tmp_path / "old", "mmlu", [_row("dense", "", 0.0, 0.0), _row("realign", "", 0.9, 1e-3)])  # no embedder
+    kv = _write(tmp_path / "kv", "mmlu", [_row("kvcomm", "gamma=1,V=20", 0.5, 2e-3)], embedder="kv")
+    text = _write(tmp_path / "text", "mmlu", [_row("kvcomm", "gamma=1,V=20", 0.5, 1e-3)], embedder="minilm")
+    assert [p.label for p in load_results([old, kv])[0]] == ["dense", "realign", "kvcomm gamma=1,V=20"]
+    assert [p.label for p in load_results([old, kv, text])[0]] == [
+        "dense", "realign (embedder kv)", "kvcomm gamma=1,V=20 (embedder kv)", "kvcomm gamma=1,V=20 (embedder minilm)"]
+
+
 def test_frontier_command_writes_table_and_chart(tmp_path, capsys):
     a = _write(tmp_path / "a", "gsm", [_row("dense", "", 0.0, 0.0), _row("realign", "", 0.8, 1e-2)])
     assert main([str(a), "--out", str(tmp_path / "fr")]) == 0
