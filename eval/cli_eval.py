@@ -138,6 +138,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--pool", type=pool_setting, action="append", default=[], metavar="NAME=VALUE",
                         help="a further PoolConfig field of the kvcomm and kvblend runs, VALUE in JSON (e.g. --pool shrinkage=false "
                              "--pool min_coverage=0.3); repeatable")
+    parser.add_argument("--reuse", type=pool_setting, action="append", default=[], metavar="NAME=VALUE",
+                        help="a further ReuseConfig field of every reuse run, VALUE in JSON (e.g. --reuse "
+                             "realign_after_estimate=false); repeatable")
     parser.add_argument("--recompute-ratio", type=ratio, default=0.15, help="cacheblend and kvblend recompute ratio (default 0.15)")
     parser.add_argument("--check-layer", type=nonnegative_int, default=1, help="cacheblend and kvblend check layer (default 1)")
     parser.add_argument("--recompute-selection", choices=RECOMPUTE_SELECTIONS, default=ReuseConfig.recompute_selection,
@@ -176,10 +179,11 @@ def settings_from_args(args) -> EvalSettings:
         recompute_ratio=args.recompute_ratio, check_layer=args.check_layer, recompute_selection=args.recompute_selection,
         recompute_boundary=args.recompute_boundary, top_k=args.top_k,
         timing_pass=not args.single_pass, pool=tuple(getattr(args, "pool", ())), embedder=getattr(args, "embedder", "kv"),
+        reuse=tuple(getattr(args, "reuse", ())),
     )
 
 
-def pool_setting(text: str) -> tuple[str, object]:
+def pool_setting(text: str) -> tuple[str, object]:  # --pool and --reuse
     """``NAME=VALUE`` with a JSON value (a bare word is taken as a string)."""
     name, sep, value = text.partition("=")
     if not sep or not name.strip():

@@ -45,6 +45,10 @@ DENSE = "dense"
 REUSE_MODES = ("exact", "realign", "cacheblend", "kvcomm", "kvblend")
 ALL_MODES = (DENSE, *REUSE_MODES)
 POOLED = "pooled"
+FIXED_REUSE_FIELDS = frozenset({"pool", "mode", "recompute_ratio", "check_layer", "recompute_selection", "recompute_boundary",
+                                "base_source", "anchor_dtype"})
+"""``ReuseConfig`` fields ``EvalSettings.reuse`` cannot set: those with their own eval settings,
+and ``anchor_dtype`` (a torch dtype, not a JSON value)."""
 EMBEDDERS = ("kv", "minilm")
 """How the anchor pool narrows its candidates: ``kv`` pools the segment's base values
 (``KVEmbedding``, the engine default); ``minilm`` embeds the segment's decoded text with
@@ -85,9 +89,12 @@ class EvalSettings:
     """Further ``PoolConfig`` fields of the kvcomm runs, as (name, value) pairs."""
     embedder: str = "kv"
     """One of ``EMBEDDERS``: the anchor embedding of every reuse run."""
+    reuse: tuple[tuple[str, object], ...] = ()
+    """Further ``ReuseConfig`` fields of every reuse run, as (name, value) pairs (any but
+    ``FIXED_REUSE_FIELDS``)."""
 
     def __post_init__(self) -> None:
-        for name in ("modes", "gammas", "max_anchors", "seeds", "pool"):
+        for name in ("modes", "gammas", "max_anchors", "seeds", "pool", "reuse"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         problems = []
         if not self.modes:
@@ -105,11 +112,15 @@ class EvalSettings:
         unknown_pool = [k for k, _ in self.pool if k not in fields]
         if unknown_pool:
             problems.append(f"unknown pool setting {unknown_pool[0]!r}; valid: {', '.join(sorted(fields))}")
-        else:
+        reuse_fields = {f.name for f in dataclasses.fields(ReuseConfig)} - FIXED_REUSE_FIELDS
+        unknown_reuse = [k for k, _ in self.reuse if k not in reuse_fields]
+        if unknown_reuse:
+            problems.append(f"unknown reuse setting {unknown_reuse[0]!r}; valid: {', '.join(sorted(reuse_fields))}")
+        if not unknown_pool and not unknown_reuse:
             try:  # the pool and reuse configs own these rules
                 ReuseConfig(pool=PoolConfig(min_estimate_anchors=self.min_estimate_anchors, **dict(self.pool)),
                             base_source=self.base_source, mode="kvblend", recompute_selection=self.recompute_selection,
-                            recompute_boundary=self.recompute_boundary)
+                            recompute_boundary=self.recompute_boundary, **dict(self.reuse))
             except (ValueError, TypeError) as error:
                 problems.append(str(error))
         if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in self.seeds):
@@ -146,7 +157,7 @@ class EvalSettings:
         selection = self.recompute_selection if run.mode == "kvblend" else ReuseConfig.recompute_selection
         return ReuseConfig(pool=pool, mode=run.mode, recompute_ratio=self.recompute_ratio, check_layer=self.check_layer,
                            recompute_selection=selection, recompute_boundary=self.recompute_boundary,
-                           base_source=self.base_source)
+                           base_source=self.base_source, **dict(self.reuse))
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 POOLED = "pooled"
 DISTINGUISHING = ("base_source", "min_estimate_anchors", "recompute_ratio", "recompute_selection", "recompute_boundary", "dtype",
-                  "pool", "embedder")
+                  "pool", "embedder", "reuse")
 """Run settings that make two results' points different configurations (shown in labels when
 they differ between the runs of one workload)."""
 SETTING_DEFAULTS = {"embedder": "kv"}

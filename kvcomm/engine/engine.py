@@ -83,7 +83,13 @@ class ReuseConfig:
     a ``BaseProvider``. workspace_bytes: most memory ``materialized`` keeps between requests
     for reuse (``KVWorkspace``; 0 keeps none). learn_after_estimates: also learn bases,
     fixed bases, anchors and reply bases from KV computed behind estimated pieces (default
-    False: only from KV whose whole preceding context was exact or computed)."""
+    False: only from KV whose whole preceding context was exact or computed).
+    realign_after_estimate (modes "kvcomm" and "kvblend", without learn_after_estimates): once
+    a plan has estimated a piece, the request learns nothing, so computing a later segment
+    would teach the pool nothing: a segment the pool would send dense, the tail of a partly
+    covered one and a fixed segment without the anchors' following deviations are then
+    served as their realigned base (no offset), as mode "realign" serves them, and reuse goes
+    on; False: reuse stops at the first of them."""
 
     pool: PoolConfig = field(default_factory=PoolConfig)
     exact_prefix: bool = True
@@ -97,6 +103,7 @@ class ReuseConfig:
     base_source: str = "first_use"
     workspace_bytes: int = 512 << 20
     learn_after_estimates: bool = False
+    realign_after_estimate: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -281,11 +288,11 @@ class ReuseEngine:
         """Modes "realign" and "cacheblend": reuse every segment with a base as its realigned
         base (shared: its content's base; fixed: the template's stored base), in order, up to
         the first fixed segment without one. No anchors, no admission, no deviation."""
-        prompt, last = plan.prompt, len(plan.prompt) - 1
+        prompt = plan.prompt
         index = next((i for i in range(len(prompt.segments)) if prompt.end(i) > plan.exact_length), None)
         while index is not None and index < len(prompt.segments):
-            segment, start = prompt.segments[index], prompt.starts[index]
-            if start != plan.reuse_end:  # the exact prefix ends inside this segment (cut before the last token)
+            segment = prompt.segments[index]
+            if prompt.starts[index] != plan.reuse_end:  # the exact prefix ends inside this segment
                 return
             if segment.is_shared:
                 known = self._base(segment, provide)
@@ -296,15 +303,17 @@ class ReuseEngine:
             else:
                 base = self._fixed_bases.get(_fixed_key(prompt, index))
                 if base is None:
-                    plan.note = f"fixed segment {index} at {start} has no base yet"
+                    plan.note = f"fixed segment {index} at {prompt.starts[index]} has no base yet"
                     return
-            length = min(len(segment), base.length, last - start)
-            if length <= 0:
-                return
-            plan.pieces.append(EstimatedPiece(index, start, base.span(0, length), None, None))
-            if length < len(segment):
+            if not _add_realigned(plan, index, base):
                 return
             index += 1
+
+    def _realigns_unlearnable(self, plan: ReusePlan) -> bool:
+        """Whether ``plan`` serves what it would compute as realigned bases from here on
+        (``ReuseConfig.realign_after_estimate``): it has estimated, so it will learn nothing."""
+        cfg = self.config
+        return cfg.realign_after_estimate and not cfg.learn_after_estimates and plan.estimated_tokens > 0
 
     def _plan_estimates(self, plan: ReusePlan, provide: BaseProvider | None) -> None:
         prompt, last = plan.prompt, len(plan.prompt) - 1
@@ -313,9 +322,15 @@ class ReuseEngine:
         while index is not None and index < len(prompt.segments):
             segment, start = prompt.segments[index], prompt.starts[index]
             if not segment.is_shared:
-                if reusing and not plan.note:
-                    plan.note = f"fixed segment {index} at {start} is not reusable on its own"
-                reusing = False
+                if reusing and start == plan.reuse_end and self._realigns_unlearnable(plan):
+                    fixed = self._fixed_bases.get(_fixed_key(prompt, index))
+                    if fixed is None:
+                        plan.note = plan.note or f"fixed segment {index} at {start} has no base yet"
+                    reusing = fixed is not None and _add_realigned(plan, index, fixed)
+                else:
+                    if reusing and not plan.note:
+                        plan.note = f"fixed segment {index} at {start} is not reusable on its own"
+                    reusing = False
                 index += 1
                 continue
             known = self._base(segment, provide)
@@ -337,6 +352,10 @@ class ReuseEngine:
                 continue
             match = pool.decide(slot, segment.shared_id, base, embedding)
             if match is None:
+                if self._realigns_unlearnable(plan):
+                    reusing = _add_realigned(plan, index, base)
+                    index += 1
+                    continue
                 plan.learn.append(index)
                 plan.note = f"slot {segment.slot!r} not shareable: new anchor"
                 reusing = False
@@ -348,13 +367,17 @@ class ReuseEngine:
             piece = EstimatedPiece(index, start, base.span(0, covered), match, pool)
             if covered < len(segment):
                 plan.pieces.append(piece)
-                plan.note = f"slot {segment.slot!r}: {covered} of {len(segment)} tokens covered by anchors"
-                reusing = False
+                if self._realigns_unlearnable(plan):  # the uncovered tail as its realigned base
+                    reusing = _add_realigned(plan, index, base, covered)
+                else:
+                    plan.note = f"slot {segment.slot!r}: {covered} of {len(segment)} tokens covered by anchors"
+                    reusing = False
                 index += 1
                 continue
             piece = self._with_following(piece, prompt, last)
             plan.pieces.append(piece)
-            if piece.following_base is None and index + 1 < len(prompt.segments) and not prompt.segments[index + 1].is_shared:
+            if (piece.following_base is None and index + 1 < len(prompt.segments) and not prompt.segments[index + 1].is_shared
+                    and not self._realigns_unlearnable(plan)):
                 plan.note = plan.note or f"fixed segment after slot {segment.slot!r} has no base yet"
                 reusing = False
             index += 1 if piece.following_base is None else 2
@@ -492,6 +515,22 @@ def _deep_deviation(real: KV, base: KV) -> KV:
     first = DEVIATION_FIRST_LAYER
     return KV(real.keys[first:] - base.keys[first:].to(real.keys.dtype),
               real.values[first:] - base.values[first:].to(real.values.dtype))
+
+
+def _add_realigned(plan: ReusePlan, index: int, base: KV, offset: int = 0) -> bool:
+    """Append segment ``index``'s tokens from ``offset`` on, served as their realigned ``base``
+    (position-free, the segment's own; no deviation), to ``plan``, which must reach exactly
+    there; never the last prompt token. Returns whether the whole segment is now reused (so
+    reuse may go on), False if the plan does not reach there or it was cut short."""
+    prompt = plan.prompt
+    start, last = prompt.starts[index] + offset, len(prompt) - 1
+    if start != plan.reuse_end:  # the exact prefix ends inside this segment (cut before the last token)
+        return False
+    end = min(len(prompt.segments[index]), base.length, last - prompt.starts[index])
+    if end <= offset:
+        return False
+    plan.pieces.append(EstimatedPiece(index, start, base.span(offset, end), None, None))
+    return end == len(prompt.segments[index])
 
 
 def _new_content_note(segment: Segment) -> str:

@@ -21,9 +21,10 @@ RECOMPUTE_SELECTIONS = ("check_layer", "disagreement")
 
 def disagreement_positions(plan: ReusePlan, ratio: float, boundary: int) -> tuple[int, ...]:
     """Sorted prompt positions to recompute among the estimated tokens ``[exact_length, reuse_end)``
-    of ``plan`` (every piece has an anchor match): ``ceil(ratio * estimated)`` of them, first the
-    ``boundary`` first tokens of each estimated span (a shared segment, the fixed segment
-    estimated after it), in order, then the tokens with the highest disagreement score.
+    of ``plan``: ``ceil(ratio * estimated)`` of them, first the ``boundary`` first tokens of each
+    estimated span (a shared segment, the fixed segment estimated after it, a piece served as
+    its realigned base), in order, then the tokens with the highest disagreement score (zero
+    on a realigned piece: no anchors estimated it).
 
     The score of a token is its key disagreement over the mean key disagreement of all the
     plan's estimated tokens, plus the same for values; ties go to the earlier token."""
@@ -32,8 +33,9 @@ def disagreement_positions(plan: ReusePlan, ratio: float, boundary: int) -> tupl
     keys, values = torch.zeros(end - start), torch.zeros(end - start)
     first: list[int] = []
     for piece in plan.pieces:
-        if piece.match is None:
-            raise ValueError(f"piece at {piece.start} has no anchor match: disagreement needs the anchors' estimate")
+        if piece.match is None:  # a realigned base: no anchors to disagree, only its first tokens
+            first += range(piece.start, piece.start + min(boundary, piece.base.length))
+            continue
         k, v = piece.pool.disagreement(piece.match, piece.base)
         spans = [(piece.start, 0, piece.base.length)]
         if piece.following_base is not None:

@@ -19,7 +19,7 @@ from kvcomm.anchors.pool import AnchorPool, PoolConfig
 from kvcomm.engine.engine import ReuseConfig, ReuseEngine
 from kvcomm.core.kv import KV, place
 from kvcomm.core.rope import Rotary
-from kvcomm.core.segments import Prompt, Segment
+from kvcomm.core.segments import Prompt, Segment, content_id
 
 LAYERS, HEADS, DIM = 3, 2, 8
 
@@ -126,15 +126,17 @@ def test_record_refuses_a_deviation_measured_against_another_base():
 # -- defect 4: a following deviation is applied only to the fixed base it was measured against
 
 
-def test_following_deviation_is_not_applied_to_a_relearned_fixed_base():
+@pytest.mark.parametrize("realign_after_estimate", [True, False])
+def test_following_deviation_is_not_applied_to_a_relearned_fixed_base(realign_after_estimate):
     """A tenant shrink drops fixed bases before anchors; the next dense prefill relearns them
     from another context. The anchor's following deviation was measured against the old
-    base, so the following segment is no longer estimated from it (only lengths agreed)."""
+    base, so the following segment is no longer estimated from it (only lengths agreed): it
+    is served as the relearned base realigned, or (``realign_after_estimate=False``) computed."""
     from kvcomm.services.tenants import TenantEngine
 
     gen = torch.Generator().manual_seed(4)
     rotary = _rotary()
-    engine = TenantEngine(rotary, ReuseConfig(exact_prefix=False))
+    engine = TenantEngine(rotary, ReuseConfig(exact_prefix=False, realign_after_estimate=realign_after_estimate))
     first = _prompt(tuple(range(200, 212)), "doc-1")
     plan = engine.plan(first, lambda s: _rand(gen, len(s)))
     real = place(_rand(gen, len(first)), rotary, 0)
@@ -151,10 +153,19 @@ def test_following_deviation_is_not_applied_to_a_relearned_fixed_base():
     engine.learn(plan, KV.cat([real.span(0, lead), place(_rand(gen, len(other) - lead), rotary, lead)]))
     again = engine.plan(first)
     assert again.pieces[0].match.identical and again.pieces[0].following_base is None
-    assert again.reuse_end == first.end(1)
     served = engine.materialize(again)
-    assert _max_error(served.keys, real.keys[:, :, : again.reuse_end]) < 1e-5
-    assert _max_error(served.values, real.values[:, :, : again.reuse_end]) < 1e-6
+    end = first.end(1)
+    assert _max_error(served.keys[:, :, :end], real.keys[:, :, :end]) < 1e-5
+    assert _max_error(served.values[:, :, :end], real.values[:, :, :end]) < 1e-6
+    if not realign_after_estimate:
+        assert again.reuse_end == end
+        return
+    relearned = engine._fixed_bases[(first.template_id, content_id(first.segments[2].token_ids))]
+    fixed = again.pieces[1]
+    assert (fixed.segment_index, fixed.match) == (2, None) and torch.equal(fixed.base.keys, relearned.keys)
+    expected = place(relearned, rotary, first.starts[2])
+    assert torch.equal(served.keys[:, :, end : fixed.end], expected.keys)
+    assert torch.equal(served.values[:, :, end : fixed.end], expected.values)
 
 
 # -- defect 3: nothing is learned from, or served to, prompts past the exact RoPE length -----
@@ -227,7 +238,8 @@ def test_nothing_is_learned_from_kv_computed_behind_estimates(provider):
     gen = torch.Generator().manual_seed(5)
     rotary = _rotary()
     provide = (lambda s: _rand(gen, len(s))) if provider else None
-    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), exact_prefix=False))
+    # computing new content behind an estimate, rather than realigning it, is what is tested here
+    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), exact_prefix=False, realign_after_estimate=False))
     doc = tuple(range(200, 212))
     first = _two_slot_prompt(doc, "doc-1", tuple(range(300, 306)), "note-1", (50, 51))
     engine.register_base(first.segments[1], _rand(gen, len(doc)))
@@ -251,6 +263,41 @@ def test_nothing_is_learned_from_kv_computed_behind_estimates(provider):
     plan = engine.plan(second, provide)
     engine.learn(plan, place(_rand(gen, len(second) - plan.reuse_end), rotary, plan.reuse_end))
     assert set(engine._fixed_bases) > fixed_before and engine.has_base("note-2")
+
+
+def test_behind_an_estimate_what_would_be_computed_is_served_realigned():
+    """A request that has estimated learns nothing, so a later segment its pool would send
+    dense (a new slot), and the fixed segments after it, are served as their realigned bases
+    (``realign_after_estimate``, the default); before any estimate the dense fallback stays,
+    since that request teaches the pool; opting out, or learning behind estimates, computes."""
+    gen = torch.Generator().manual_seed(8)
+    rotary = _rotary()
+    provide = lambda s: _rand(gen, len(s))  # noqa: E731
+    doc = tuple(range(200, 212))
+    first = _two_slot_prompt(doc, "doc-1", tuple(range(300, 306)), "note-1", (50, 51))
+    second = _two_slot_prompt(doc, "doc-1", tuple(range(400, 406)), "note-2", (50, 51))
+    for config, realigns in [(ReuseConfig(exact_prefix=False), True),
+                             (ReuseConfig(exact_prefix=False, realign_after_estimate=False), False),
+                             (ReuseConfig(exact_prefix=False, learn_after_estimates=True), False)]:
+        engine = ReuseEngine(rotary, config)
+        plan = engine.plan(first, provide)
+        assert (plan.reuse_end, plan.learn) == (0, [1, 3])  # nothing estimated yet: dense, both learned
+        engine.learn(plan, place(_rand(gen, len(first)), rotary, 0))
+        plan = engine.plan(second, provide)  # doc-1 identical (estimated), then note-2: a pool of one anchor
+        assert plan.pieces[0].match.identical and plan.pieces[0].end == second.starts[3]
+        if not realigns:
+            assert plan.reuse_end == second.starts[3] and plan.learn == [3]
+            continue
+        note, tail = plan.pieces[1:]
+        assert (note.segment_index, note.match, note.start) == (3, None, second.starts[3])
+        assert torch.equal(note.base.keys, engine.stored_base("note-2").keys)
+        assert (tail.segment_index, tail.match) == (4, None) and plan.reuse_end == len(second) - 1
+        served = engine.materialize(plan)
+        expected = place(engine.stored_base("note-2"), rotary, second.starts[3])
+        assert torch.equal(served.keys[:, :, second.starts[3] : second.end(3)], expected.keys)
+        assert torch.equal(served.values[:, :, second.starts[3] : second.end(3)], expected.values)
+        assert plan.learn == [] and not plan.note and plan.exact_length == len(second.segments[0])
+        assert plan.provenance().estimated_tokens == len(second) - 1 - plan.exact_length
 
 
 # -- defect 2: a mostly uncovered segment goes dense and is admitted --------------------------
@@ -291,7 +338,10 @@ def test_min_coverage_is_the_share_of_tokens_anchors_must_cover(share, dense):
         plan = engine.plan(prompt, provide)
         engine.learn(plan, place(_rand(gen, len(prompt) - plan.reuse_end), rotary, plan.reuse_end))
     plan = engine.plan(_prompt(tuple(range(1000, 1100)), "long"), provide)
-    assert (plan.learn == [1]) is dense and (plan.estimated_tokens == 10) is not dense
+    assert (plan.learn == [1]) is dense and (plan.estimated_tokens == 0) is dense
+    if not dense:  # the covered head estimated, the rest of the segment served realigned
+        head, tail = plan.pieces[:2]
+        assert head.match.covered == head.base.length == 10 and (tail.match, tail.base.length) == (None, 90)
 
 
 # -- defect 6: following-segment weights normalized by length; layer 0 exact -----------------

@@ -402,6 +402,24 @@ def test_pool_settings_reach_the_kvcomm_runs_and_bad_ones_are_refused():
         parser.parse_args(["eval", "--workload", "mmlu", "--out", "x", "--pool", "shrinkage"])
 
 
+def test_reuse_settings_reach_every_reuse_run_and_bad_ones_are_refused():
+    """``--reuse NAME=VALUE`` sets further ReuseConfig fields of every reuse run."""
+    args = _parser().parse_args(["eval", "--workload", "mmlu", "--out", "x", "--reuse", "realign_after_estimate=false",
+                                 "--reuse", "workspace_bytes=0"])
+    from kvcomm.eval.cli_eval import settings_from_args
+
+    settings = settings_from_args(args)
+    for run in settings.runs():
+        config = settings.config(run)
+        assert (config.realign_after_estimate, config.workspace_bytes, config.mode) == (False, 0, run.mode)
+    with pytest.raises(ValueError, match="unknown reuse setting 'mode'"):  # modes have their own setting (--modes)
+        EvalSettings(reuse=(("mode", "realign"),))
+    with pytest.raises(ValueError, match="unknown reuse setting 'realign'"):
+        EvalSettings(reuse=(("realign", True),))
+    with pytest.raises(ValueError, match="workspace_bytes must be >= 0"):
+        EvalSettings(reuse=(("workspace_bytes", -1),))
+
+
 def test_the_embedder_setting_reaches_every_reuse_engine(tiny_executor, monkeypatch):
     """``--embedder minilm``: every engine of the run narrows by MiniLM vectors of the segment's
     text (384 dims, the one sentence model loaded once); ``kv`` keeps pooled base values."""
