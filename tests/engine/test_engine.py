@@ -88,8 +88,10 @@ def test_segment_longer_than_every_anchor_reuses_covered_head(tiny_executor):
     plan = engine.plan(prompt, tiny_executor.base_kv)
     shared = next(i for i, s in enumerate(prompt.segments) if s.is_shared)
     assert len(prompt.segments[shared]) > longest
-    assert plan.reuse_end == prompt.starts[shared] + longest
-    assert "covered" in plan.note
+    head, tail = plan.pieces[plan.pieces.index(next(p for p in plan.pieces if p.segment_index == shared)):][:2]
+    assert head.match is not None and head.base.length == longest  # the covered head is estimated
+    assert (tail.segment_index, tail.match, tail.start) == (shared, None, prompt.starts[shared] + longest)  # the rest realigned
+    assert tail.end == prompt.end(shared) and plan.reuse_end >= prompt.end(shared)
     generation = tiny_executor.generate(prompt.token_ids, engine.materialize(plan), 4, None)
     engine.learn(plan, generation.computed)
     assert len(engine.pool("doc")) == 2  # a partially estimated sample does not become an anchor
