@@ -53,7 +53,8 @@ quality and reuse: docs/measurements/2026-12-02-frontier.md.
 MODES = ("kvcomm", "exact", "realign", "cacheblend", "kvblend")
 """Reuse modes (dense prefill is no mode: it is running without an engine).
 
-- ``kvcomm``: exact prefix + anchor-estimated shared segments (KVCOMM).
+- ``kvcomm``: exact prefix + anchor-estimated shared segments (KVCOMM); behind the first
+  estimate, what the anchors cannot estimate is served realigned (``realign_after_estimate``).
 - ``exact``: exact prefix reuse only (prefix store, template first segment); never estimates.
 - ``realign``: every shared segment (and every fixed segment with a stored base) is reused
   as its RoPE-realigned base KV, no deviation, no anchors; reuse stops at the first fixed
