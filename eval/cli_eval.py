@@ -140,7 +140,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                              "--pool min_coverage=0.3); repeatable")
     parser.add_argument("--reuse", type=pool_setting, action="append", default=[], metavar="NAME=VALUE",
                         help="a further ReuseConfig field of every reuse run, VALUE in JSON (e.g. --reuse "
-                             "realign_after_estimate=false); repeatable")
+                             "behind_estimate=stop); repeatable")
     parser.add_argument("--recompute-ratio", type=ratio, default=0.15, help="cacheblend and kvblend recompute ratio (default 0.15)")
     parser.add_argument("--check-layer", type=nonnegative_int, default=1, help="cacheblend and kvblend check layer (default 1)")
     parser.add_argument("--recompute-selection", choices=RECOMPUTE_SELECTIONS, default=ReuseConfig.recompute_selection,

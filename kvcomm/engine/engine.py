@@ -54,7 +54,7 @@ MODES = ("kvcomm", "exact", "realign", "cacheblend", "kvblend")
 """Reuse modes (dense prefill is no mode: it is running without an engine).
 
 - ``kvcomm``: exact prefix + anchor-estimated shared segments (KVCOMM); behind the first
-  estimate, what the anchors cannot estimate is served realigned (``realign_after_estimate``).
+  estimate, what the anchors cannot estimate is served realigned (``BEHIND_ESTIMATE``).
 - ``exact``: exact prefix reuse only (prefix store, template first segment); never estimates.
 - ``realign``: every shared segment (and every fixed segment with a stored base) is reused
   as its RoPE-realigned base KV, no deviation, no anchors; reuse stops at the first fixed
@@ -65,6 +65,22 @@ MODES = ("kvcomm", "exact", "realign", "cacheblend", "kvblend")
   a selective recompute of ``recompute_ratio`` of its estimated tokens, picked as
   ``recompute_selection`` says: CacheBlend's rule as in ``cacheblend``, or where the anchors
   disagree most (``kvcomm.engine.recompute``).
+"""
+
+BEHIND_ESTIMATE = ("realign", "learn", "stop")
+"""What a "kvcomm"/"kvblend" plan does once it has estimated a piece (``ReuseConfig.behind_estimate``).
+A request that has estimated learns nothing (KV behind an estimate carries its error), so a
+dense fallback there teaches the pool nothing.
+
+- ``realign`` (default): a segment the pool would send dense, the uncovered tail of a partly
+  covered one and a fixed segment without the anchors' following deviations are served as
+  their realigned bases (no offset), as mode "realign" serves them, and reuse goes on (up to
+  new content without a base, or a fixed segment with no stored base).
+- ``learn``: a segment the pool would send dense drops the plan's estimates (its exact prefix
+  stays), so the request is computed cleanly from there and the segment becomes an anchor,
+  as KVCOMM prefills an agent with an unshareable placeholder densely; uncovered tails and
+  fixed segments as ``realign``.
+- ``stop``: reuse stops at the first of them; everything after is computed and not learned.
 """
 
 
@@ -85,12 +101,9 @@ class ReuseConfig:
     for reuse (``KVWorkspace``; 0 keeps none). learn_after_estimates: also learn bases,
     fixed bases, anchors and reply bases from KV computed behind estimated pieces (default
     False: only from KV whose whole preceding context was exact or computed).
-    realign_after_estimate (modes "kvcomm" and "kvblend", without learn_after_estimates): once
-    a plan has estimated a piece, the request learns nothing, so computing a later segment
-    would teach the pool nothing: a segment the pool would send dense, the tail of a partly
-    covered one and a fixed segment without the anchors' following deviations are then
-    served as their realigned base (no offset), as mode "realign" serves them, and reuse goes
-    on; False: reuse stops at the first of them."""
+    behind_estimate: one of ``BEHIND_ESTIMATE``, what a "kvcomm"/"kvblend" plan that has
+    already estimated does with a segment its pool would send dense (without
+    learn_after_estimates; with it, every plan stops there and learns)."""
 
     pool: PoolConfig = field(default_factory=PoolConfig)
     exact_prefix: bool = True
@@ -104,7 +117,7 @@ class ReuseConfig:
     base_source: str = "first_use"
     workspace_bytes: int = 512 << 20
     learn_after_estimates: bool = False
-    realign_after_estimate: bool = True
+    behind_estimate: str = "realign"
 
     def __post_init__(self) -> None:
         problems = []
@@ -123,6 +136,8 @@ class ReuseConfig:
             problems.append(f"recompute_selection 'disagreement' needs anchor estimates: mode 'kvblend', not {self.mode!r}")
         if isinstance(self.recompute_boundary, bool) or not isinstance(self.recompute_boundary, int) or self.recompute_boundary < 0:
             problems.append(f"recompute_boundary must be an integer >= 0 (got {self.recompute_boundary!r})")
+        if self.behind_estimate not in BEHIND_ESTIMATE:
+            problems.append(f"unknown behind_estimate {self.behind_estimate!r}; valid: {', '.join(BEHIND_ESTIMATE)}")
         if self.workspace_bytes < 0:
             problems.append(f"workspace_bytes must be >= 0 (got {self.workspace_bytes})")
         if problems:
@@ -310,11 +325,14 @@ class ReuseEngine:
                 return
             index += 1
 
-    def _realigns_unlearnable(self, plan: ReusePlan) -> bool:
-        """Whether ``plan`` serves what it would compute as realigned bases from here on
-        (``ReuseConfig.realign_after_estimate``): it has estimated, so it will learn nothing."""
+    def _behind_estimate(self, plan: ReusePlan) -> str | None:
+        """``config.behind_estimate`` once ``plan`` has estimated (so it will learn nothing), else None."""
         cfg = self.config
-        return cfg.realign_after_estimate and not cfg.learn_after_estimates and plan.estimated_tokens > 0
+        return cfg.behind_estimate if plan.estimated_tokens > 0 and not cfg.learn_after_estimates else None
+
+    def _realigns_unlearnable(self, plan: ReusePlan) -> bool:
+        """Whether ``plan`` serves uncovered tails and fixed segments realigned from here on."""
+        return self._behind_estimate(plan) in ("realign", "learn")
 
     def _plan_estimates(self, plan: ReusePlan, provide: BaseProvider | None) -> None:
         prompt, last = plan.prompt, len(plan.prompt) - 1
@@ -353,10 +371,13 @@ class ReuseEngine:
                 continue
             match = pool.decide(slot, segment.shared_id, base, embedding)
             if match is None:
-                if self._realigns_unlearnable(plan):
+                behind = self._behind_estimate(plan)
+                if behind == "realign":
                     reusing = _add_realigned(plan, index, base)
                     index += 1
                     continue
+                if behind == "learn":
+                    plan.pieces.clear()  # computed cleanly from the exact prefix on, so this request learns
                 plan.learn.append(index)
                 plan.note = f"slot {segment.slot!r} not shareable: new anchor"
                 reusing = False

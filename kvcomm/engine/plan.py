@@ -21,7 +21,7 @@ class EstimatedPiece:
 
     ``base`` is the segment's position-free base KV cut to the estimated tokens. Without a
     ``match`` (modes "realign" and "cacheblend"; in "kvcomm" and "kvblend", what a plan serves
-    realigned behind an estimate, ``ReuseConfig.realign_after_estimate``) the piece is the
+    realigned behind an estimate, ``ReuseConfig.behind_estimate``) the piece is the
     realigned base alone, with no deviation; such a piece may also be a fixed segment (its
     stored base) or the uncovered tail of a shared segment whose head an anchor piece estimated.
     """

@@ -126,17 +126,17 @@ def test_record_refuses_a_deviation_measured_against_another_base():
 # -- defect 4: a following deviation is applied only to the fixed base it was measured against
 
 
-@pytest.mark.parametrize("realign_after_estimate", [True, False])
-def test_following_deviation_is_not_applied_to_a_relearned_fixed_base(realign_after_estimate):
+@pytest.mark.parametrize("behind_estimate", ["realign", "stop"])
+def test_following_deviation_is_not_applied_to_a_relearned_fixed_base(behind_estimate):
     """A tenant shrink drops fixed bases before anchors; the next dense prefill relearns them
     from another context. The anchor's following deviation was measured against the old
     base, so the following segment is no longer estimated from it (only lengths agreed): it
-    is served as the relearned base realigned, or (``realign_after_estimate=False``) computed."""
+    is served as the relearned base realigned, or (``behind_estimate="stop"``) computed."""
     from kvcomm.services.tenants import TenantEngine
 
     gen = torch.Generator().manual_seed(4)
     rotary = _rotary()
-    engine = TenantEngine(rotary, ReuseConfig(exact_prefix=False, realign_after_estimate=realign_after_estimate))
+    engine = TenantEngine(rotary, ReuseConfig(exact_prefix=False, behind_estimate=behind_estimate))
     first = _prompt(tuple(range(200, 212)), "doc-1")
     plan = engine.plan(first, lambda s: _rand(gen, len(s)))
     real = place(_rand(gen, len(first)), rotary, 0)
@@ -157,7 +157,7 @@ def test_following_deviation_is_not_applied_to_a_relearned_fixed_base(realign_af
     end = first.end(1)
     assert _max_error(served.keys[:, :, :end], real.keys[:, :, :end]) < 1e-5
     assert _max_error(served.values[:, :, :end], real.values[:, :, :end]) < 1e-6
-    if not realign_after_estimate:
+    if behind_estimate == "stop":
         assert again.reuse_end == end
         return
     relearned = engine._fixed_bases[(first.template_id, content_id(first.segments[2].token_ids))]
@@ -239,7 +239,7 @@ def test_nothing_is_learned_from_kv_computed_behind_estimates(provider):
     rotary = _rotary()
     provide = (lambda s: _rand(gen, len(s))) if provider else None
     # computing new content behind an estimate, rather than realigning it, is what is tested here
-    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), exact_prefix=False, realign_after_estimate=False))
+    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), exact_prefix=False, behind_estimate="stop"))
     doc = tuple(range(200, 212))
     first = _two_slot_prompt(doc, "doc-1", tuple(range(300, 306)), "note-1", (50, 51))
     engine.register_base(first.segments[1], _rand(gen, len(doc)))
@@ -265,39 +265,49 @@ def test_nothing_is_learned_from_kv_computed_behind_estimates(provider):
     assert set(engine._fixed_bases) > fixed_before and engine.has_base("note-2")
 
 
-def test_behind_an_estimate_what_would_be_computed_is_served_realigned():
-    """A request that has estimated learns nothing, so a later segment its pool would send
-    dense (a new slot), and the fixed segments after it, are served as their realigned bases
-    (``realign_after_estimate``, the default); before any estimate the dense fallback stays,
-    since that request teaches the pool; opting out, or learning behind estimates, computes."""
+@pytest.mark.parametrize("behind_estimate, learn_after_estimates", [
+    ("realign", False), ("learn", False), ("stop", False), ("realign", True)])
+def test_what_a_plan_does_behind_an_estimate_with_a_segment_its_pool_sends_dense(behind_estimate, learn_after_estimates):
+    """``behind_estimate``: a request that has estimated learns nothing, so a later segment its
+    pool would send dense (a new slot) is served realigned with the fixed segments after it
+    ("realign", the default), or the estimates are dropped so the request is computed cleanly
+    and the segment learned ("learn", KVCOMM's dense agent), or reuse stops there ("stop").
+    Before any estimate the dense fallback always stays: that request teaches the pool.
+    ``learn_after_estimates`` learns behind the estimate instead, so it stops there."""
     gen = torch.Generator().manual_seed(8)
     rotary = _rotary()
     provide = lambda s: _rand(gen, len(s))  # noqa: E731
     doc = tuple(range(200, 212))
     first = _two_slot_prompt(doc, "doc-1", tuple(range(300, 306)), "note-1", (50, 51))
     second = _two_slot_prompt(doc, "doc-1", tuple(range(400, 406)), "note-2", (50, 51))
-    for config, realigns in [(ReuseConfig(exact_prefix=False), True),
-                             (ReuseConfig(exact_prefix=False, realign_after_estimate=False), False),
-                             (ReuseConfig(exact_prefix=False, learn_after_estimates=True), False)]:
-        engine = ReuseEngine(rotary, config)
-        plan = engine.plan(first, provide)
-        assert (plan.reuse_end, plan.learn) == (0, [1, 3])  # nothing estimated yet: dense, both learned
-        engine.learn(plan, place(_rand(gen, len(first)), rotary, 0))
-        plan = engine.plan(second, provide)  # doc-1 identical (estimated), then note-2: a pool of one anchor
-        assert plan.pieces[0].match.identical and plan.pieces[0].end == second.starts[3]
-        if not realigns:
-            assert plan.reuse_end == second.starts[3] and plan.learn == [3]
-            continue
-        note, tail = plan.pieces[1:]
-        assert (note.segment_index, note.match, note.start) == (3, None, second.starts[3])
-        assert torch.equal(note.base.keys, engine.stored_base("note-2").keys)
-        assert (tail.segment_index, tail.match) == (4, None) and plan.reuse_end == len(second) - 1
-        served = engine.materialize(plan)
-        expected = place(engine.stored_base("note-2"), rotary, second.starts[3])
-        assert torch.equal(served.keys[:, :, second.starts[3] : second.end(3)], expected.keys)
-        assert torch.equal(served.values[:, :, second.starts[3] : second.end(3)], expected.values)
-        assert plan.learn == [] and not plan.note and plan.exact_length == len(second.segments[0])
-        assert plan.provenance().estimated_tokens == len(second) - 1 - plan.exact_length
+    engine = ReuseEngine(rotary, ReuseConfig(exact_prefix=False, behind_estimate=behind_estimate,
+                                             learn_after_estimates=learn_after_estimates))
+    plan = engine.plan(first, provide)
+    assert (plan.reuse_end, plan.learn) == (0, [1, 3])  # nothing estimated yet: dense, both learned
+    engine.learn(plan, place(_rand(gen, len(first)), rotary, 0))
+    plan = engine.plan(second, provide)  # doc-1 identical (estimated), then note-2: a pool of one anchor
+    lead = len(second.segments[0])  # exact: the template's first segment
+    if behind_estimate == "learn":
+        assert (plan.pieces, plan.reuse_end, plan.learn) == ([], lead, [3])
+        engine.learn(plan, place(_rand(gen, len(second) - lead), rotary, lead))
+        assert engine.pool("note").get("note-2") is not None
+        return
+    assert plan.pieces[0].match.identical and plan.pieces[0].end == second.starts[3]
+    if behind_estimate == "stop" or learn_after_estimates:
+        assert plan.reuse_end == second.starts[3] and plan.learn == [3]
+        return
+    note, tail = plan.pieces[1:]
+    assert (note.segment_index, note.match, note.start) == (3, None, second.starts[3])
+    assert torch.equal(note.base.keys, engine.stored_base("note-2").keys)
+    assert (tail.segment_index, tail.match) == (4, None) and plan.reuse_end == len(second) - 1
+    served = engine.materialize(plan)
+    expected = place(engine.stored_base("note-2"), rotary, second.starts[3])
+    assert torch.equal(served.keys[:, :, second.starts[3] : second.end(3)], expected.keys)
+    assert torch.equal(served.values[:, :, second.starts[3] : second.end(3)], expected.values)
+    assert plan.learn == [] and not plan.note and plan.exact_length == lead
+    assert plan.provenance().estimated_tokens == len(second) - 1 - lead
+    with pytest.raises(ValueError, match="unknown behind_estimate 'dense'; valid: realign, learn, stop"):
+        ReuseConfig(behind_estimate="dense")
 
 
 # -- defect 2: a mostly uncovered segment goes dense and is admitted --------------------------

@@ -404,14 +404,14 @@ def test_pool_settings_reach_the_kvcomm_runs_and_bad_ones_are_refused():
 
 def test_reuse_settings_reach_every_reuse_run_and_bad_ones_are_refused():
     """``--reuse NAME=VALUE`` sets further ReuseConfig fields of every reuse run."""
-    args = _parser().parse_args(["eval", "--workload", "mmlu", "--out", "x", "--reuse", "realign_after_estimate=false",
+    args = _parser().parse_args(["eval", "--workload", "mmlu", "--out", "x", "--reuse", "behind_estimate=stop",
                                  "--reuse", "workspace_bytes=0"])
     from kvcomm.eval.cli_eval import settings_from_args
 
     settings = settings_from_args(args)
     for run in settings.runs():
         config = settings.config(run)
-        assert (config.realign_after_estimate, config.workspace_bytes, config.mode) == (False, 0, run.mode)
+        assert (config.behind_estimate, config.workspace_bytes, config.mode) == ("stop", 0, run.mode)
     with pytest.raises(ValueError, match="unknown reuse setting 'mode'"):  # modes have their own setting (--modes)
         EvalSettings(reuse=(("mode", "realign"),))
     with pytest.raises(ValueError, match="unknown reuse setting 'realign'"):
