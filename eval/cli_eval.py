@@ -135,10 +135,10 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--base-source", choices=BASE_SOURCES, default=ReuseConfig.base_source,
                         help="new shared content's base KV: a standalone prefill, or its KV in the first prompt that "
                              f"computes it (default {ReuseConfig.base_source})")
-    parser.add_argument("--pool", type=pool_setting, action="append", default=[], metavar="NAME=VALUE",
+    parser.add_argument("--pool", type=config_setting, action="append", default=[], metavar="NAME=VALUE",
                         help="a further PoolConfig field of the kvcomm and kvblend runs, VALUE in JSON (e.g. --pool shrinkage=false "
                              "--pool min_coverage=0.3); repeatable")
-    parser.add_argument("--reuse", type=pool_setting, action="append", default=[], metavar="NAME=VALUE",
+    parser.add_argument("--reuse", type=config_setting, action="append", default=[], metavar="NAME=VALUE",
                         help="a further ReuseConfig field of every reuse run, VALUE in JSON (e.g. --reuse "
                              "behind_estimate=stop); repeatable")
     parser.add_argument("--recompute-ratio", type=ratio, default=0.15, help="cacheblend and kvblend recompute ratio (default 0.15)")
@@ -183,8 +183,8 @@ def settings_from_args(args) -> EvalSettings:
     )
 
 
-def pool_setting(text: str) -> tuple[str, object]:  # --pool and --reuse
-    """``NAME=VALUE`` with a JSON value (a bare word is taken as a string)."""
+def config_setting(text: str) -> tuple[str, object]:
+    """A ``--pool`` or ``--reuse`` ``NAME=VALUE``, the value in JSON (a bare word is taken as a string)."""
     name, sep, value = text.partition("=")
     if not sep or not name.strip():
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE (e.g. shrinkage=false), got {text!r}")
