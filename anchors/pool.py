@@ -64,6 +64,10 @@ class PoolConfig:
     key_distances: bool = False
     """Weight key deviations by base-key distances (True, the reference) or by base-value
     distances as value deviations are (False: half the distance work)."""
+    min_compatible: int = 2
+    """Compatible anchors (a deviation for the slot) a segment needs before it is estimated;
+    with fewer it goes dense and becomes one. 2 is the reference's rule; 1 estimates a slot
+    from its first anchor alone."""
     min_coverage: float = 0.5
     """A segment whose anchors would cover fewer than this share of its tokens goes dense and
     becomes an anchor instead of reusing its head."""
@@ -105,6 +109,9 @@ class PoolConfig:
         if isinstance(self.shrinkage_min_pairs, bool) or not isinstance(self.shrinkage_min_pairs, int) \
                 or self.shrinkage_min_pairs < 1:
             problems.append(f"shrinkage_min_pairs must be an integer >= 1 (got {self.shrinkage_min_pairs!r})")
+        if isinstance(self.min_compatible, bool) or not isinstance(self.min_compatible, int) \
+                or self.min_compatible < 1:
+            problems.append(f"min_compatible must be an integer >= 1 (got {self.min_compatible!r})")
         if not (math.isfinite(self.estimate_scale) and self.estimate_scale >= 0):
             problems.append(f"estimate_scale must be a finite number >= 0 (got {self.estimate_scale})")
         if not 0 <= self.min_coverage <= 1:
@@ -183,8 +190,8 @@ class AnchorPool:
         """Reuse decision for a new segment (position-free ``base``, ``T`` tokens) in ``slot``.
 
         Returns None when the sample must be densely prefilled and become an anchor: the
-        pool holds <= 1 anchor, <= 1 anchor is compatible (has a deviation for ``slot`` and,
-        without partial coverage, >= T tokens), the anchors would cover fewer than
+        fewer than ``config.min_compatible`` anchors are compatible (have a deviation for
+        ``slot`` and, without partial coverage, >= T tokens), the anchors would cover fewer than
         ``min_coverage * T`` tokens, or the entropy of the admission distribution
         p (``config.admission_distance``) over the compatible anchors exceeds
         gamma * log(#compatible). Otherwise the anchors carrying the top-p mass of p get an
@@ -203,7 +210,7 @@ class AnchorPool:
                 a for a in self._anchors.values()
                 if slot in a.deviations and (self.config.partial_coverage or a.length >= length)
             ]
-            if len(self._anchors) <= 1 or len(compatible) <= 1:
+            if len(compatible) < self.config.min_compatible:
                 return None
             compatible = self._narrow(compatible, embedding)
             covered = self._coverage(compatible, length)

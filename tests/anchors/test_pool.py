@@ -94,6 +94,8 @@ def index_size(pool: AnchorPool) -> int:
         ({"max_candidates": -3}, "max_candidates must be 0 (all) or >= 2 (got -3)"),
         ({"max_bytes": 0}, "max_bytes must be positive or None (got 0)"),
         ({"min_estimate_anchors": -1}, "min_estimate_anchors must be an integer >= 0 (got -1)"),
+        ({"min_compatible": 0}, "min_compatible must be an integer >= 1 (got 0)"),
+        ({"min_compatible": 1.5}, "min_compatible must be an integer >= 1 (got 1.5)"),
         ({"admission_distance": "cosine"}, "admission_distance must be one of relative, l2 (got 'cosine')"),
         ({"admission_temperature": 0.0}, "admission_temperature must be > 0 (got 0.0)"),
         ({"admission_temperature": float("nan")}, "admission_temperature must be > 0"),
@@ -132,6 +134,21 @@ def test_single_anchor_goes_dense_even_if_identical_content():
     add(pool, "a", const_kv(4))
     assert pool.decide(SLOT, "new", const_kv(4), DEFAULT_EMB) is None
     assert accesses(pool) == {"a": 0}
+
+
+def test_min_compatible_one_estimates_from_the_first_compatible_anchor():
+    pool = AnchorPool(PoolConfig(gamma=0.0, min_compatible=1))
+    assert pool.decide(SLOT, "new", const_kv(4), DEFAULT_EMB) is None  # nothing to estimate from
+    add(pool, "a", value_offset(4, 3.0), deviation=dev(4, fill=0.5))
+    assert pool.decide(OTHER_SLOT, "new", const_kv(4), DEFAULT_EMB) is None  # "a" has no deviation there
+    match = pool.decide(SLOT, "new", const_kv(4), DEFAULT_EMB)  # one anchor: p is one-hot, entropy 0
+    assert match is not None and not match.identical
+    assert [a.segment_id for a in match.anchors] == ["a"] and match.covered == 4
+    assert accesses(pool) == {"a": 1}
+    shared, following = pool.estimate(match, const_kv(4))
+    close(shared.keys, dev(4, fill=0.5).shared.keys)  # weight 1 on the only anchor
+    close(shared.values, dev(4, fill=0.5).shared.values)
+    assert following is None
 
 
 def test_low_entropy_matches_and_counts_the_dominant_anchor():
