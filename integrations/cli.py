@@ -172,9 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true")
     from kvcomm.eval.cli_eval import add_eval_parser
     from kvcomm.eval.frontier import add_arguments as add_frontier_arguments
+    from kvcomm.eval.paired import add_arguments as add_paired_arguments
 
     add_eval_parser(sub)
     add_frontier_arguments(sub.add_parser("frontier", help="KL-vs-reuse table and chart over several `kvcomm eval` result folders"))
+    add_paired_arguments(sub.add_parser("paired", help="two `kvcomm eval` runs compared on the calls both served the same way"))
     return parser
 
 
@@ -218,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvcomm.eval.frontier import run_frontier_command
 
             return run_frontier_command(args)
+        if args.command == "paired":
+            from kvcomm.eval.paired import run_paired_command
+
+            return run_paired_command(args)
         spec = load_bundled_pipeline(DEMO_PIPELINE) if args.command == "demo" else load_pipeline(args.pipeline)
         if args.limit is not None:
             if args.limit < 1:
