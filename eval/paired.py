@@ -94,8 +94,8 @@ def paired_calls(a: Run, b: Run) -> tuple[list[tuple[dict, dict]], int, int]:
     pairs, other_prompt, other_decisions = [], 0, 0
     for key in sorted(a.calls.keys() & b.calls.keys(), key=lambda k: a.calls[k]["order"]):
         x, y = a.calls[key], b.calls[key]
-        before = lambda replies: [r for pos, r in replies[key[:2]] if pos < x["agent_position"]]
-        if x["prompt_tokens"] != y["prompt_tokens"] or before(replies_a) != before(replies_b):
+        if x["prompt_tokens"] != y["prompt_tokens"] or \
+                _earlier(replies_a, key, x["agent_position"]) != _earlier(replies_b, key, x["agent_position"]):
             other_prompt += 1
         elif any(x[f] != y[f] for f in DECISIONS):
             other_decisions += 1
@@ -111,6 +111,11 @@ def _replies(run: Run) -> dict[tuple, list[tuple[int, str]]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
+def _earlier(replies: dict[tuple, list[tuple[int, str]]], key: tuple, position: int) -> list[str]:
+    """The replies of the agents before ``position`` for the call's (seed, input)."""
+    return [r for pos, r in replies[key[:2]] if pos < position]
+
+
 def compare(pairs: list[tuple[dict, dict]]) -> list[Comparison]:
     """One Comparison per agent (in pipeline order), then one over all of them."""
     agents = sorted({x["agent"]: x["agent_position"] for x, _ in pairs}.items(), key=lambda kv: kv[1])
@@ -121,7 +126,9 @@ def compare(pairs: list[tuple[dict, dict]]) -> list[Comparison]:
 
 
 def _summary(agent: str, pairs: list[tuple[dict, dict]]) -> Comparison:
-    both = lambda f: (tuple(x[f] for x, _ in pairs), tuple(y[f] for _, y in pairs))
+    def both(field: str) -> tuple[tuple, tuple]:
+        return tuple(x[field] for x, _ in pairs), tuple(y[field] for _, y in pairs)
+
     last_a, last_b = both("kl_last")
     return Comparison(
         agent, len(pairs), sum(a < b for a, b in zip(last_a, last_b)), sum(b < a for a, b in zip(last_a, last_b)),
