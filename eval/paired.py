@@ -92,7 +92,7 @@ def paired_calls(a: Run, b: Run) -> tuple[list[tuple[dict, dict]], int, int]:
         raise ValueError(f"the runs are of different workloads ({a.workload} vs {b.workload})")
     replies_a, replies_b = _replies(a), _replies(b)
     pairs, other_prompt, other_decisions = [], 0, 0
-    for key in sorted(a.calls.keys() & b.calls.keys(), key=lambda k: a.calls[k]["order"]):
+    for key in sorted(a.calls.keys() & b.calls.keys(), key=lambda k: (k[0], a.calls[k]["order"], a.calls[k]["agent_position"])):
         x, y = a.calls[key], b.calls[key]
         if x["prompt_tokens"] != y["prompt_tokens"] or \
                 _earlier(replies_a, key, x["agent_position"]) != _earlier(replies_b, key, x["agent_position"]):
