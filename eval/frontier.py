@@ -6,6 +6,9 @@ mean KL(dense || mode)); runs of the same workload that differ in flags such as
 point of its workload reuses at least as many tokens at a KL at most as large (one of the two
 strictly). The noise floors drawn next to the points are the chunked-prefill floor each run
 measures and, where a run measured it (``--noise-floor``), the same model in another dtype.
+Each KL comes with a 95% bootstrap interval over the run's inputs (``KL_INTERVAL``): at a few
+dozen inputs a handful of calls decide the mean, and two points whose intervals overlap are
+not told apart by it (``kvcomm paired`` compares them call by call).
 
     kvcomm frontier OUT1 OUT2 ... --out FOLDER   # or: python -m kvcomm.eval.frontier ...
 
@@ -21,6 +24,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcomm.eval.metrics import bootstrap_ratio_interval
+
 POOLED = "pooled"
 DISTINGUISHING = ("base_source", "min_estimate_anchors", "recompute_ratio", "recompute_selection", "recompute_boundary", "dtype",
                   "pool", "embedder", "reuse")
@@ -28,6 +33,8 @@ DISTINGUISHING = ("base_source", "min_estimate_anchors", "recompute_ratio", "rec
 they differ between the runs of one workload)."""
 SETTING_DEFAULTS = {"embedder": "kv"}
 """What a result written before one of those settings existed ran with."""
+KL_INTERVAL = {"draws": 2000, "seed": 0, "level": 0.95}
+"""The bootstrap behind each point's KL interval: inputs resampled with replacement."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,9 @@ class Point:
     accuracy: float | None
     accuracy_ci: tuple[float | None, float | None]
     noise_kl_mean: float | None
+    kl_ci: tuple[float, float] | None = None
+    """95% bootstrap interval of ``kl_mean`` over the run's inputs; None when the result holds
+    no per-call KL for the point (a result without calls, or a run without ``--kl``)."""
 
 
 @dataclass(frozen=True)
@@ -87,13 +97,30 @@ def load_results(folders: list[str | os.PathLike]) -> tuple[list[Point], list[Fl
                 workload, label, row["mode"], row["token_reuse_rate"] or 0.0, row.get("exact_token_rate") or 0.0,
                 row.get("estimated_token_rate") or 0.0, row.get("kl_mean"), row.get("top1_agreement"),
                 row.get("reply_agreement"), row.get("accuracy"), (row.get("accuracy_ci_low"), row.get("accuracy_ci_high")),
-                row.get("noise_kl_mean"),
+                row.get("noise_kl_mean"), _kl_interval(data.get("calls") or [], row["mode"], row["setting"]),
             ))
         floor = data.get("dtype_noise_floor") or settings.get("dtype_noise_floor")
         if floor:
             floors.append(Floor(workload, floor["dtype"], floor["reference_dtype"], floor["kl_mean"],
                                 floor.get("kl_median"), floor.get("same_top1")))
     return _dedup_dense(points), floors
+
+
+def _kl_interval(calls: list[dict], mode: str, setting: str) -> tuple[float, float] | None:
+    """``KL_INTERVAL`` bootstrap of summed KL over summed KL positions, an input (all its calls,
+    every seed) being the unit resampled; None without per-call KL."""
+    by_input: dict[int, list[float]] = {}
+    for c in calls:
+        if c.get("mode") != mode or c.get("setting") != setting or c.get("kl_sum") is None:
+            continue
+        sums = by_input.setdefault(c["input_index"], [0.0, 0.0])
+        sums[0] += c["kl_sum"]
+        sums[1] += c["kl_positions"]
+    if not by_input or not any(d for _, d in by_input.values()):
+        return None
+    inputs = sorted(by_input)
+    low, high = bootstrap_ratio_interval([by_input[i][0] for i in inputs], [by_input[i][1] for i in inputs], **KL_INTERVAL)
+    return None if math.isnan(low) else (low, high)
 
 
 def _value(settings: dict, name: str):
@@ -154,12 +181,13 @@ def markdown(points: list[Point], floors: list[Floor]) -> str:
                              f"{_fmt(f.kl_median, '.1e')}, same top-1 {_fmt(f.top1, '.1%')}")
         if notes:
             lines += ["Noise floors: " + "; ".join(notes) + ".", ""]
-        lines += ["| mode / setting | token reuse (exact + estimated) | KL mean | top-1 | reply eq | accuracy [95% CI] | frontier |",
+        lines += ["| mode / setting | token reuse (exact + estimated) | KL mean [95% CI] | top-1 | reply eq | accuracy [95% CI] | frontier |",
                   "|---|---|---|---|---|---|---|"]
         for p in mine:
             acc = "-" if p.accuracy is None else f"{p.accuracy:.2f} [{_fmt(p.accuracy_ci[0], '.2f')}, {_fmt(p.accuracy_ci[1], '.2f')}]"
+            kl = _fmt(p.kl_mean, ".2e") + ("" if p.kl_ci is None or p.mode == "dense" else f" [{p.kl_ci[0]:.1e}, {p.kl_ci[1]:.1e}]")
             lines.append(
-                f"| {p.label} | {p.token_reuse:.1%} ({p.exact_rate:.1%} + {p.estimated_rate:.1%}) | {_fmt(p.kl_mean, '.2e')} "
+                f"| {p.label} | {p.token_reuse:.1%} ({p.exact_rate:.1%} + {p.estimated_rate:.1%}) | {kl} "
                 f"| {_fmt(p.top1, '.1%')} | {_fmt(p.reply_agreement, '.1%')} | {acc} | {'yes' if on_frontier(p, points) else ''} |"
             )
         lines.append("")
@@ -190,13 +218,15 @@ def plot(points: list[Point], floors: list[Floor], path: str | os.PathLike) -> P
             if f.workload == workload:
                 ax.axhline(f.kl_mean, color="black", linestyle="--", linewidth=1, label=f"{f.dtype} floor {f.kl_mean:.1e}")
         for p in mine:
-            ax.plot([p.token_reuse], [max(p.kl_mean, clip)], markers.get(p.mode, "o"), markersize=8,
-                    markeredgecolor="black" if on_frontier(p, points) else "none", label=p.label)
+            y = max(p.kl_mean, clip)
+            spread = None if p.kl_ci is None else [[y - max(p.kl_ci[0], clip)], [max(p.kl_ci[1], clip) - y]]
+            ax.errorbar([p.token_reuse], [y], yerr=spread, fmt=markers.get(p.mode, "o"), markersize=8, capsize=3,
+                        markeredgecolor="black" if on_frontier(p, points) else "none", label=p.label)
         ax.set_yscale("log")
         ax.set_xlim(-0.02, 1.02)
         ax.set_xlabel("token reuse rate")
         ax.set_ylabel("mean KL(dense || mode)")
-        ax.set_title(f"{workload} (outlined: on the frontier)", fontsize=10)
+        ax.set_title(f"{workload} (outlined: on the frontier; bars: 95% bootstrap over inputs)", fontsize=10)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7, loc="best")
     for ax in list(axes.flat)[len(workloads):]:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvcomm.eval.frontier import load_results, main, markdown, on_frontier
+from kvcomm.eval.frontier import load_results, main, markdown, on_frontier, plot
 
 
 def _row(mode, setting, reuse, kl, seed="pooled"):
@@ -73,3 +73,28 @@ def test_kvcomm_frontier_command(tmp_path, capsys):
     a = _write(tmp_path / "a", "humaneval", [_row("dense", "", 0.0, 0.0), _row("kvcomm", "gamma=1,V=20", 0.6, 1e-3)])
     assert cli(["frontier", str(a), "--out", str(tmp_path / "fr")]) == 0
     assert "### humaneval" in capsys.readouterr().out and (tmp_path / "fr" / "frontier.png").exists()
+
+
+def _call(mode, setting, input_index, kl_sum, positions, seed=0):
+    return {"seed": seed, "mode": mode, "setting": setting, "input_index": input_index, "kl_sum": kl_sum,
+            "kl_positions": positions}
+
+
+def test_kl_interval_resamples_inputs_over_every_call_and_seed_of_each(tmp_path):
+    # input 0: KL 0 over 4 positions (two calls, two seeds); input 1: KL 4 over 4 (its seed-1 call
+    # holds it all): mean 0.5, and a resampled pair of inputs gives 0, 0.5 or 1 (resampling calls
+    # instead would reach 2, the seed-1 call's own ratio)
+    calls = [_call("realign", "", 0, 0.0, 2), _call("realign", "", 0, 0.0, 2, seed=1), _call("realign", "", 1, 0.0, 2),
+             _call("realign", "", 1, 4.0, 2, seed=1), _call("kvcomm", "gamma=1,V=20", 0, 9.0, 1)]
+    folder = tmp_path / "a"
+    folder.mkdir()
+    (folder / "results.json").write_text(json.dumps({"workload": "mmlu", "settings": {}, "calls": calls, "aggregates": [
+        _row("realign", "", 0.9, 0.5), _row("kvcomm", "gamma=1,V=20", 0.5, 9.0), _row("cacheblend", "r=0.15", 0.6, 1e-3)]}))
+    points, _ = load_results([folder])
+    realign, kvcomm, cacheblend = points
+    assert realign.kl_ci == (0.0, 1.0)
+    assert kvcomm.kl_ci == pytest.approx((9.0, 9.0))  # one input: no spread
+    assert cacheblend.kl_ci is None  # no calls of its own
+    text = markdown(points, [])
+    assert "| 5.00e-01 [0.0e+00, 1.0e+00] |" in text and "| 1.00e-03 |" in text
+    plot(points, [], tmp_path / "f.png")
