@@ -185,7 +185,7 @@ class AnchorPool:
 
     def decide(
         self, slot: SlotKey, segment_id: str, base: KV, embedding: np.ndarray, commit: bool = True,
-        admission: bool = True,
+        admission: bool = True, refusals: list[str] | None = None,
     ) -> Match | None:
         """Reuse decision for a new segment (position-free ``base``, ``T`` tokens) in ``slot``.
 
@@ -198,6 +198,8 @@ class AnchorPool:
         access (only when ``commit``: a decision asked for learning alone leaves access
         counts untouched). ``admission=False`` skips the entropy test: the match the pool
         could estimate from, whether or not it would reuse (``observe`` measures it).
+        ``refusals``: when given and the answer is None, the reason is appended to it, in words
+        (for provenance notes).
         """
         length = base.length
         with self._lock:
@@ -211,16 +213,16 @@ class AnchorPool:
                 if slot in a.deviations and (self.config.partial_coverage or a.length >= length)
             ]
             if len(compatible) < self.config.min_compatible:
-                return None
+                return _refused(refusals, f"{len(compatible)} compatible anchors, {self.config.min_compatible} needed")
             compatible = self._narrow(compatible, embedding)
             covered = self._coverage(compatible, length)
-            if covered < self.config.min_coverage * length:
-                return None  # mostly uncovered: computing it densely makes it an anchor
+            if covered < self.config.min_coverage * length:  # mostly uncovered: computing it densely makes it an anchor
+                return _refused(refusals, f"anchors cover {covered} of {length} tokens, under min_coverage {self.config.min_coverage:g}")
             distances = self._distances(segment_id, base, compatible, covered, commit)
             p = self._admission(compatible, base, [d if isinstance(d, torch.Tensor) else d.value_l2 for d in distances])
             entropy = float(-(p * torch.log(p.clamp_min(1e-300))).sum())
             if admission and entropy > self.config.gamma * math.log(len(compatible)) + _ENTROPY_TOLERANCE:
-                return None
+                return _refused(refusals, f"admission entropy {entropy:.2f} over {len(compatible)} anchors above gamma {self.config.gamma:g}")
             if commit:
                 self._count_access(compatible, p)
             used = [(a, d) for a, d in zip(compatible, distances) if a.length >= covered]
@@ -511,6 +513,12 @@ class AnchorPool:
                 found.append(f"access counts do not add up: held {accesses} + evicted {self.evicted_accesses} "
                              f"!= granted {self.accesses_granted}")
             return found
+
+
+def _refused(refusals: list[str] | None, reason: str) -> None:
+    if refusals is not None:
+        refusals.append(reason)
+    return None
 
 
 def _same_kv(a: KV, b: KV) -> bool:

@@ -6,7 +6,10 @@ changed with it). A paired comparison keeps only the calls that had the same pro
 runs (same seed and input, the same replies from every agent before them) and were served the
 same way (the same exact, estimated, computed and recomputed token counts), so the two differ
 only in the KV they were served; per agent it counts the calls where run A's KL of the first
-reply token is the lower and gives the two-sided sign-test p of that count.
+reply token is the lower and gives the two-sided sign-test p of that count. The calls with the
+same prompt but other decisions are where one run reused more than the other: they are summed
+by why each run stopped reusing (its provenance note), so the table says what the reuse one
+run gives up is spent on (an anchor learned, a segment its anchors cover too little of, ...).
 
     kvcomm paired OUT_A[:MODE[:SETTING]] OUT_B[:MODE[:SETTING]]   # or: python -m kvcomm.eval.paired
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,21 +88,59 @@ def load_run(spec: str) -> Run:
     return Run(f"{mode} {setting}".strip() + f" ({folder})", data["workload"], calls)
 
 
+@dataclass(frozen=True)
+class DecisionGap:
+    """Calls with the same prompt in both runs, served differently, that stopped reusing for
+    the same reasons: the two runs' notes with their numbers blanked to ``#``."""
+
+    note_a: str
+    note_b: str
+    calls: int
+    reused: tuple[int, int]
+    """Prompt tokens served from stored KV, exact or estimated, minus recomputed ones (A, B)."""
+
+
 def paired_calls(a: Run, b: Run) -> tuple[list[tuple[dict, dict]], int, int]:
     """The calls with the same prompt and the same decisions in both runs that reused
     something beyond the exact prefix; also how many shared keys differ in prompt, and how
     many in decisions."""
+    pairs, other_prompt, gaps = _matched(a, b)
+    return pairs, other_prompt, len(gaps)
+
+
+def decision_gaps(a: Run, b: Run) -> list[DecisionGap]:
+    """The same-prompt calls the runs served differently, grouped by both runs' notes; the
+    groups where A reuses the least against B first."""
+    groups: dict[tuple[str, str], list[tuple[dict, dict]]] = {}
+    for x, y in _matched(a, b)[2]:
+        groups.setdefault((_reason(x.get("note", "")), _reason(y.get("note", ""))), []).append((x, y))
+    gaps = [DecisionGap(na, nb, len(g), (sum(_reused(x) for x, _ in g), sum(_reused(y) for _, y in g)))
+            for (na, nb), g in groups.items()]
+    return sorted(gaps, key=lambda g: (g.reused[0] - g.reused[1], g.note_a, g.note_b))
+
+
+def _reason(note: str) -> str:
+    return re.sub(r"\d+", "#", note) or "(none)"
+
+
+def _reused(call: dict) -> int:
+    return call["exact_tokens"] + call["estimated_tokens"]
+
+
+def _matched(a: Run, b: Run) -> tuple[list[tuple[dict, dict]], int, list[tuple[dict, dict]]]:
+    """(pairs with equal decisions that estimated, count of keys with another prompt, pairs
+    with the same prompt and other decisions)."""
     if a.workload != b.workload:
         raise ValueError(f"the runs are of different workloads ({a.workload} vs {b.workload})")
     replies_a, replies_b = _replies(a), _replies(b)
-    pairs, other_prompt, other_decisions = [], 0, 0
+    pairs, other_prompt, other_decisions = [], 0, []
     for key in sorted(a.calls.keys() & b.calls.keys(), key=lambda k: (k[0], a.calls[k]["order"], a.calls[k]["agent_position"])):
         x, y = a.calls[key], b.calls[key]
         if x["prompt_tokens"] != y["prompt_tokens"] or \
                 _earlier(replies_a, key, x["agent_position"]) != _earlier(replies_b, key, x["agent_position"]):
             other_prompt += 1
         elif any(x[f] != y[f] for f in DECISIONS):
-            other_decisions += 1
+            other_decisions.append((x, y))
         elif x["estimated_tokens"] > 0:
             pairs.append((x, y))
     return pairs, other_prompt, other_decisions
@@ -143,6 +185,11 @@ def markdown(a: Run, b: Run) -> str:
              f"{len(pairs)} paired calls reused in both with the same prompt and decisions; left out: "
              f"{other_prompt} with another prompt, {other_decisions} with other decisions, and the calls that "
              f"reused nothing beyond the exact prefix.", ""]
+    gaps = decision_gaps(a, b)
+    if gaps:
+        lines += ["Same prompt, other decisions, by why each run stopped reusing (tokens reused: exact + estimated):", "",
+                  "| A's note | B's note | calls | reused A | reused B |", "|---|---|---|---|---|"]
+        lines += [f"| {g.note_a} | {g.note_b} | {g.calls} | {g.reused[0]} | {g.reused[1]} |" for g in gaps] + [""]
     if not pairs:
         return "\n".join(lines)
     lines += ["| agent | calls | kl_last median A | kl_last median B | A lower | B lower | sign p | KL sum A | KL sum B "

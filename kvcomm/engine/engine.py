@@ -369,7 +369,8 @@ class ReuseEngine:
                     plan.learn.append(index)
                 index += 1
                 continue
-            match = pool.decide(slot, segment.shared_id, base, embedding)
+            refusals: list[str] = []
+            match = pool.decide(slot, segment.shared_id, base, embedding, refusals=refusals)
             if match is None:
                 behind = self._behind_estimate(plan)
                 if behind == "realign":
@@ -379,7 +380,7 @@ class ReuseEngine:
                 if behind == "learn":
                     plan.pieces.clear()  # computed cleanly from the exact prefix on, so this request learns
                 plan.learn.append(index)
-                plan.note = f"slot {segment.slot!r} not shareable: new anchor"
+                plan.note = f"slot {segment.slot!r} not shareable ({'; '.join(refusals)}): new anchor"
                 reusing = False
                 index += 1
                 continue

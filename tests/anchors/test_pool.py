@@ -180,6 +180,22 @@ def test_equidistant_anchors_have_entropy_log2():
             assert accesses(pool) == {"a": 0, "b": 0}
 
 
+def test_a_refusal_says_which_rule_refused():
+    refusals: list[str] = []
+    pool = AnchorPool(PoolConfig(gamma=0.3))
+    add(pool, "a", value_offset(4, 3.0))
+    assert pool.decide(SLOT, "new", const_kv(4), DEFAULT_EMB, refusals=refusals) is None
+    b = const_kv(4)
+    b.values[1, 0, 2, 3] = -3.0  # equidistant: entropy log 2, above 0.3 log 2
+    add(pool, "b", b)
+    assert pool.decide(SLOT, "new", const_kv(4), DEFAULT_EMB, refusals=refusals) is None
+    assert pool.decide(SLOT, "new", const_kv(9), DEFAULT_EMB, refusals=refusals) is None  # 4 of 9 covered
+    assert refusals == ["1 compatible anchors, 2 needed", "admission entropy 0.69 over 2 anchors above gamma 0.3",
+                        "anchors cover 4 of 9 tokens, under min_coverage 0.5"]
+    assert pool.decide(SLOT, "a", value_offset(4, 3.0), DEFAULT_EMB, refusals=refusals).identical
+    assert len(refusals) == 3  # a match adds nothing
+
+
 def _two_point_entropy_ratio(logit_gap: float) -> float:
     """H(p) / log 2 for p = softmax([0, -logit_gap])."""
     s = 1.0 / (1.0 + math.exp(-logit_gap))

@@ -330,6 +330,7 @@ def test_mostly_uncovered_segments_go_dense_and_become_anchors():
         plan = engine.plan(prompt, provide)
         if i == 0:  # 10 of 100 tokens covered: dense and learned
             assert plan.estimated_tokens == 0 and plan.learn == [1], plan.note
+            assert plan.note == "slot 'doc' not shareable (anchors cover 10 of 100 tokens, under min_coverage 0.5): new anchor"
         else:  # the 100-token anchor now covers it all
             assert plan.estimated_tokens >= 100, plan.note
         engine.learn(plan, place(_rand(gen, len(prompt) - plan.reuse_end), rotary, plan.reuse_end))

@@ -5,13 +5,13 @@ import math
 
 import pytest
 
-from kvcomm.eval.paired import Comparison, compare, load_run, main, paired_calls
+from kvcomm.eval.paired import Comparison, compare, decision_gaps, load_run, main, paired_calls
 
 AGENTS = ("agent1", "agent2", "decider")
 
 
-def _call(mode, index, position, kl_last, reply="r", estimated=10, computed=1, prompt=50, setting="gamma=1"):
-    return {"seed": 0, "mode": mode, "setting": setting, "order": index, "input_index": index,
+def _call(mode, index, position, kl_last, reply="r", estimated=10, computed=1, prompt=50, setting="gamma=1", note=""):
+    return {"seed": 0, "mode": mode, "setting": setting, "order": index, "input_index": index, "note": note,
             "agent": AGENTS[position], "agent_position": position, "prompt_tokens": prompt, "exact_tokens": 5,
             "estimated_tokens": estimated, "computed_tokens": computed, "recomputed_tokens": 0, "reply": reply,
             "kl_last": kl_last, "kl_sum": None if kl_last is None else 2 * kl_last, "kl_positions": computed, "top1_matches": computed}
@@ -43,6 +43,24 @@ def test_pairs_only_calls_with_the_same_prompt_and_decisions_that_reused(tmp_pat
     assert (decider.a_lower, decider.b_lower) == (0, 1)
     assert everything.agent == "all" and everything.calls == 2
     assert everything.kl_sum == pytest.approx((0.6, 1.0)) and everything.kl_last_median == pytest.approx((0.15, 0.25))
+
+
+def test_other_decisions_are_summed_by_both_runs_notes_numbers_blanked(tmp_path):
+    learn = "slot 'task' not shareable (1 compatible anchors, 2 needed): new anchor"
+    a = [_call("kvcomm", 0, 1, 0.1, estimated=0, computed=45, note=learn),
+         _call("kvcomm", 1, 1, 0.1, estimated=0, computed=45, note=learn.replace("1 compatible", "0 compatible")),
+         _call("kvcomm", 2, 1, 0.1, estimated=30, computed=15, note="slot 'task': 30 of 40 tokens covered by anchors"),
+         _call("kvcomm", 3, 1, 0.1, estimated=9, computed=36, note="x"),
+         _call("kvcomm", 4, 1, 0.1, prompt=60, estimated=0, computed=55, note=learn)]  # another prompt: not a gap
+    b = [_call("realign", i, 1, 0.2, estimated=44 if i < 3 else 1, computed=1 if i < 3 else 44) for i in range(4)] + \
+        [_call("realign", 4, 1, 0.2, estimated=44, computed=1)]
+    gaps = decision_gaps(load_run(_write(tmp_path / "a", a)), load_run(_write(tmp_path / "b", b)))
+    assert [(g.note_a, g.note_b, g.calls, g.reused) for g in gaps] == [
+        ("slot 'task' not shareable (# compatible anchors, # needed): new anchor", "(none)", 2, (10, 98)),
+        ("slot 'task': # of # tokens covered by anchors", "(none)", 1, (35, 49)),
+        ("x", "(none)", 1, (14, 6)),
+    ]
+    assert main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
 
 
 @pytest.mark.parametrize("a_lower, b_lower, expected", [(18, 3, 2 * sum(math.comb(21, i) for i in range(4)) / 2 ** 21),
