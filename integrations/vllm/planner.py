@@ -136,7 +136,7 @@ class ServerPlanner:
         n, r = len(prompt), len(reply_ids)
         if r and n + r <= capture.filled.numel() and bool(capture.filled[n : n + r].all()) and planned.engine.learns_at(n + r):
             reply = Segment(tuple(reply_ids), slot="_")
-            if not planned.engine.has_base(reply.shared_id) and planned.engine.learns_from(plan):
+            if not planned.engine.has_base(reply.shared_id) and planned.engine.learns_reply_from(plan):
                 planned.engine.register_base(reply, to_position_free(capture.span(n, n + r), self.rotary, n))
             runs.add(reply_ids, f"{prompt.template_id}.reply")  # a pool per producing template
         provenance = plan.provenance()

@@ -101,6 +101,9 @@ class ReuseConfig:
     for reuse (``KVWorkspace``; 0 keeps none). learn_after_estimates: also learn bases,
     fixed bases, anchors and reply bases from KV computed behind estimated pieces (default
     False: only from KV whose whole preceding context was exact or computed).
+    reply_bases_after_estimates: register a reply's base even when its request estimated (the
+    reply's KV then carries the estimate's error into every later use of that base; default
+    False: the rule of learn_after_estimates, which also implies it).
     behind_estimate: one of ``BEHIND_ESTIMATE``, what a "kvcomm"/"kvblend" plan that has
     already estimated does with a segment its pool would send dense (without
     learn_after_estimates; with it, every plan stops there and learns)."""
@@ -117,6 +120,7 @@ class ReuseConfig:
     base_source: str = "first_use"
     workspace_bytes: int = 512 << 20
     learn_after_estimates: bool = False
+    reply_bases_after_estimates: bool = False
     behind_estimate: str = "realign"
 
     def __post_init__(self) -> None:
@@ -237,6 +241,11 @@ class ReuseEngine:
         anchors: only when everything before it was exact or computed (nothing estimated),
         unless ``config.learn_after_estimates``."""
         return plan.estimated_tokens == 0 or self.config.learn_after_estimates
+
+    def learns_reply_from(self, plan: ReusePlan) -> bool:
+        """Whether the reply generated after ``plan`` may become its content's base:
+        ``learns_from(plan)``, or any plan with ``config.reply_bases_after_estimates``."""
+        return self.learns_from(plan) or self.config.reply_bases_after_estimates
 
     @property
     def uses_bases(self) -> bool:

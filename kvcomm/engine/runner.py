@@ -94,7 +94,7 @@ def run_agent(
     if plan.blend is not None:
         plan.recompute = tuple(generation.recomputed)
     engine.learn(plan, generation.computed)
-    if (generation.reply_kv is not None and engine.uses_bases and engine.learns_from(plan)
+    if (generation.reply_kv is not None and engine.uses_bases and engine.learns_reply_from(plan)
             and engine.learns_at(len(prompt) + generation.reply_kv.length)):
         reply = Segment(generation.reply_ids, slot="_")
         engine.register_base(reply, to_position_free(generation.reply_kv, engine.rotary, len(prompt)))
