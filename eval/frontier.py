@@ -31,6 +31,12 @@ DISTINGUISHING = ("base_source", "min_estimate_anchors", "recompute_ratio", "rec
                   "pool", "embedder", "reuse")
 """Run settings that make two results' points different configurations (shown in labels when
 they differ between the runs of one workload)."""
+ONLY_FOR = {
+    "pool": ("kvcomm", "kvblend"), "min_estimate_anchors": ("kvcomm", "kvblend"), "embedder": ("kvcomm", "kvblend"),
+    "recompute_ratio": ("cacheblend", "kvblend"), "recompute_selection": ("cacheblend", "kvblend"),
+    "recompute_boundary": ("cacheblend", "kvblend"),
+}
+"""Settings that change only these modes' runs: other modes' labels leave them out."""
 SETTING_DEFAULTS = {"embedder": "kv"}
 """What a result written before one of those settings existed ran with."""
 KL_INTERVAL = {"draws": 2000, "seed": 0, "level": 0.95}
@@ -86,11 +92,12 @@ def load_results(folders: list[str | os.PathLike]) -> tuple[list[Point], list[Fl
         workload = data["workload"]
         same = [d.get("settings", {}) for d in loaded if d["workload"] == workload]
         varying = [k for k in DISTINGUISHING if len({json.dumps(_value(s, k) or None) for s in same}) > 1]  # [] and absent alike
-        suffix = ", ".join(f"{k.replace('_', ' ')} {_setting(_value(settings, k))}" for k in varying)
         for row in data["aggregates"]:
             if row["seed"] != POOLED:
                 continue
             label = f"{row['mode']} {row['setting']}".strip()
+            suffix = ", ".join(f"{k.replace('_', ' ')} {_setting(_value(settings, k))}" for k in varying
+                               if row["mode"] in ONLY_FOR.get(k, (row["mode"],)))
             if suffix and row["mode"] != "dense":
                 label += f" ({suffix})"
             points.append(Point(
