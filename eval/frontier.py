@@ -8,7 +8,11 @@ strictly). The noise floors drawn next to the points are the chunked-prefill flo
 measures and, where a run measured it (``--noise-floor``), the same model in another dtype.
 Each KL comes with a 95% bootstrap interval over the run's inputs (``KL_INTERVAL``): at a few
 dozen inputs a handful of calls decide the mean, and two points whose intervals overlap are
-not told apart by it (``kvcomm paired`` compares them call by call).
+not told apart by it (``kvcomm paired`` compares them call by call). Two KLs, two frontiers:
+the mean over every computed prompt position (``kl_mean``: weighted towards the calls that
+compute many positions behind reused KV, such as a decider computing a reply no base holds),
+and the mean over calls of the first reply token's KL (``kl_last_mean``: one position per
+call, the distribution every reply starts from).
 
     kvcomm frontier OUT1 OUT2 ... --out FOLDER   # or: python -m kvcomm.eval.frontier ...
 
@@ -62,6 +66,10 @@ class Point:
     kl_ci: tuple[float, float] | None = None
     """95% bootstrap interval of ``kl_mean`` over the run's inputs; None when the result holds
     no per-call KL for the point (a result without calls, or a run without ``--kl``)."""
+    kl_last_mean: float | None = None
+    """Mean over calls of KL(dense || mode) at the last prompt position (the first reply token), nats."""
+    kl_last_ci: tuple[float, float] | None = None
+    """95% bootstrap interval of ``kl_last_mean`` over the run's inputs (as ``kl_ci``)."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +112,8 @@ def load_results(folders: list[str | os.PathLike]) -> tuple[list[Point], list[Fl
                 workload, label, row["mode"], row["token_reuse_rate"] or 0.0, row.get("exact_token_rate") or 0.0,
                 row.get("estimated_token_rate") or 0.0, row.get("kl_mean"), row.get("top1_agreement"),
                 row.get("reply_agreement"), row.get("accuracy"), (row.get("accuracy_ci_low"), row.get("accuracy_ci_high")),
-                row.get("noise_kl_mean"), _kl_interval(data.get("calls") or [], row["mode"], row["setting"]),
+                row.get("noise_kl_mean"), _kl_interval(data.get("calls") or [], row["mode"], row["setting"], "kl_sum"),
+                row.get("kl_last_mean"), _kl_interval(data.get("calls") or [], row["mode"], row["setting"], "kl_last"),
             ))
         floor = data.get("dtype_noise_floor") or settings.get("dtype_noise_floor")
         if floor:
@@ -113,16 +122,17 @@ def load_results(folders: list[str | os.PathLike]) -> tuple[list[Point], list[Fl
     return _dedup_dense(points), floors
 
 
-def _kl_interval(calls: list[dict], mode: str, setting: str) -> tuple[float, float] | None:
-    """``KL_INTERVAL`` bootstrap of summed KL over summed KL positions, an input (all its calls,
-    every seed) being the unit resampled; None without per-call KL."""
+def _kl_interval(calls: list[dict], mode: str, setting: str, field: str) -> tuple[float, float] | None:
+    """``KL_INTERVAL`` bootstrap of a mean KL, an input (all its calls, every seed) being the unit
+    resampled: summed ``kl_sum`` over summed KL positions, or summed ``kl_last`` over calls;
+    None without per-call KL."""
     by_input: dict[int, list[float]] = {}
     for c in calls:
-        if c.get("mode") != mode or c.get("setting") != setting or c.get("kl_sum") is None:
+        if c.get("mode") != mode or c.get("setting") != setting or c.get(field) is None:
             continue
         sums = by_input.setdefault(c["input_index"], [0.0, 0.0])
-        sums[0] += c["kl_sum"]
-        sums[1] += c["kl_positions"]
+        sums[0] += c[field]
+        sums[1] += c["kl_positions"] if field == "kl_sum" else 1
     if not by_input or not any(d for _, d in by_input.values()):
         return None
     inputs = sorted(by_input)
@@ -155,15 +165,22 @@ def _dedup_dense(points: list[Point]) -> list[Point]:
     return out
 
 
-def on_frontier(point: Point, points: list[Point]) -> bool:
-    """No other point of the workload has reuse >= and KL <= this one's, one strictly."""
-    if point.kl_mean is None:
+KL_METRICS = {"kl_mean": "mean KL over computed positions", "kl_last_mean": "mean first-reply-token KL"}
+"""The two KLs a point is judged on (``Point`` fields) and their axis names."""
+
+
+def on_frontier(point: Point, points: list[Point], metric: str = "kl_mean") -> bool:
+    """No other point of the workload has reuse >= and KL (``metric``, one of ``KL_METRICS``)
+    <= this one's, one strictly."""
+    mine = getattr(point, metric)
+    if mine is None:
         return False
     for other in points:
-        if other is point or other.workload != point.workload or other.kl_mean is None:
+        theirs = getattr(other, metric)
+        if other is point or other.workload != point.workload or theirs is None:
             continue
-        if other.token_reuse >= point.token_reuse and other.kl_mean <= point.kl_mean and \
-                (other.token_reuse > point.token_reuse or other.kl_mean < point.kl_mean):
+        if other.token_reuse >= point.token_reuse and theirs <= mine and \
+                (other.token_reuse > point.token_reuse or theirs < mine):
             return False
     return True
 
@@ -188,61 +205,70 @@ def markdown(points: list[Point], floors: list[Floor]) -> str:
                              f"{_fmt(f.kl_median, '.1e')}, same top-1 {_fmt(f.top1, '.1%')}")
         if notes:
             lines += ["Noise floors: " + "; ".join(notes) + ".", ""]
-        lines += ["| mode / setting | token reuse (exact + estimated) | KL mean [95% CI] | top-1 | reply eq | accuracy [95% CI] | frontier |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["| mode / setting | token reuse (exact + estimated) | KL mean [95% CI] | first-token KL [95% CI] | top-1 "
+                  "| reply eq | accuracy [95% CI] | frontier (KL mean / first token) |",
+                  "|---|---|---|---|---|---|---|---|"]
         for p in mine:
             acc = "-" if p.accuracy is None else f"{p.accuracy:.2f} [{_fmt(p.accuracy_ci[0], '.2f')}, {_fmt(p.accuracy_ci[1], '.2f')}]"
-            kl = _fmt(p.kl_mean, ".2e") + ("" if p.kl_ci is None or p.mode == "dense" else f" [{p.kl_ci[0]:.1e}, {p.kl_ci[1]:.1e}]")
+            kl, last = (_fmt(value, ".2e") + ("" if ci is None or p.mode == "dense" else f" [{ci[0]:.1e}, {ci[1]:.1e}]")
+                        for value, ci in ((p.kl_mean, p.kl_ci), (p.kl_last_mean, p.kl_last_ci)))
+            marks = " / ".join("yes" if on_frontier(p, points, m) else "-" for m in KL_METRICS)
             lines.append(
-                f"| {p.label} | {p.token_reuse:.1%} ({p.exact_rate:.1%} + {p.estimated_rate:.1%}) | {kl} "
-                f"| {_fmt(p.top1, '.1%')} | {_fmt(p.reply_agreement, '.1%')} | {acc} | {'yes' if on_frontier(p, points) else ''} |"
+                f"| {p.label} | {p.token_reuse:.1%} ({p.exact_rate:.1%} + {p.estimated_rate:.1%}) | {kl} | {last} "
+                f"| {_fmt(p.top1, '.1%')} | {_fmt(p.reply_agreement, '.1%')} | {acc} | {marks} |"
             )
         lines.append("")
     return "\n".join(lines)
 
 
 def plot(points: list[Point], floors: list[Floor], path: str | os.PathLike) -> Path:
-    """KL vs token reuse, one panel per workload, log KL axis; floors as dashed lines."""
+    """A row per workload: KL mean (dtype floors as dashed lines) and first-token KL against token
+    reuse, log KL axes, 95% intervals as error bars, frontier points outlined."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
     workloads = list(dict.fromkeys(p.workload for p in points))
-    cols = min(2, len(workloads))
-    rows = math.ceil(len(workloads) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.3 * rows), squeeze=False)
-    markers = {"realign": "s", "cacheblend": "^", "kvcomm": "o", "kvblend": "P", "exact": "D"}
-    for ax, workload in zip(axes.flat, workloads):
-        mine = [p for p in points if p.workload == workload and p.mode != "dense" and p.kl_mean is not None]
-        positive = [p.kl_mean for p in mine if p.kl_mean > 0] + [f.kl_mean for f in floors if f.workload == workload and f.kl_mean > 0]
-        clip = min(positive) / 3 if positive else 1e-12  # the axis' bottom: a floor far below is drawn there
-        chunked = [p.noise_kl_mean for p in points if p.workload == workload and p.noise_kl_mean is not None]
-        if chunked:
-            below = " (below the axis)" if max(chunked) < clip else ""
-            ax.axhline(max(max(chunked), clip), color="gray", linestyle=":", linewidth=1,
-                       label=f"chunked floor {max(chunked):.0e}{below}")
-        for f in floors:
-            if f.workload == workload:
-                ax.axhline(f.kl_mean, color="black", linestyle="--", linewidth=1, label=f"{f.dtype} floor {f.kl_mean:.1e}")
-        for p in mine:
-            y = max(p.kl_mean, clip)
-            spread = None if p.kl_ci is None else [[y - max(p.kl_ci[0], clip)], [max(p.kl_ci[1], clip) - y]]
-            ax.errorbar([p.token_reuse], [y], yerr=spread, fmt=markers.get(p.mode, "o"), markersize=8, capsize=3,
-                        markeredgecolor="black" if on_frontier(p, points) else "none", label=p.label)
-        ax.set_yscale("log")
-        ax.set_xlim(-0.02, 1.02)
-        ax.set_xlabel("token reuse rate")
-        ax.set_ylabel("mean KL(dense || mode)")
-        ax.set_title(f"{workload} (outlined: on the frontier; bars: 95% bootstrap over inputs)", fontsize=10)
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7, loc="best")
-    for ax in list(axes.flat)[len(workloads):]:
-        ax.axis("off")
+    fig, axes = plt.subplots(len(workloads), len(KL_METRICS), figsize=(6.5 * len(KL_METRICS), 4.3 * len(workloads)),
+                             squeeze=False)
+    for row, workload in zip(axes, workloads):
+        for ax, metric in zip(row, KL_METRICS):
+            _panel(ax, workload, points, floors if metric == "kl_mean" else [], metric)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _panel(ax, workload: str, points: list[Point], floors: list[Floor], metric: str) -> None:
+    markers = {"realign": "s", "cacheblend": "^", "kvcomm": "o", "kvblend": "P", "exact": "D"}
+    mine = [p for p in points if p.workload == workload and p.mode != "dense" and getattr(p, metric) is not None]
+    positive = [getattr(p, metric) for p in mine if getattr(p, metric) > 0] + \
+        [f.kl_mean for f in floors if f.workload == workload and f.kl_mean > 0]
+    clip = min(positive) / 3 if positive else 1e-12  # the axis' bottom: a floor far below is drawn there
+    noise = "noise_kl_mean" if metric == "kl_mean" else None
+    chunked = [p.noise_kl_mean for p in points if noise and p.workload == workload and p.noise_kl_mean is not None]
+    if chunked:
+        below = " (below the axis)" if max(chunked) < clip else ""
+        ax.axhline(max(max(chunked), clip), color="gray", linestyle=":", linewidth=1, label=f"chunked floor {max(chunked):.0e}{below}")
+    for f in floors:
+        if f.workload == workload:
+            ax.axhline(f.kl_mean, color="black", linestyle="--", linewidth=1, label=f"{f.dtype} floor {f.kl_mean:.1e}")
+    for p in mine:
+        y = max(getattr(p, metric), clip)
+        ci = p.kl_ci if metric == "kl_mean" else p.kl_last_ci
+        # a percentile interval need not hold the point itself (a skewed resample distribution)
+        spread = None if ci is None else [[max(0.0, y - max(ci[0], clip))], [max(0.0, max(ci[1], clip) - y)]]
+        ax.errorbar([p.token_reuse], [y], yerr=spread, fmt=markers.get(p.mode, "o"), markersize=8, capsize=3,
+                    markeredgecolor="black" if on_frontier(p, points, metric) else "none", label=p.label)
+    ax.set_yscale("log")
+    ax.set_xlim(-0.02, 1.02)
+    ax.set_xlabel("token reuse rate")
+    ax.set_ylabel(KL_METRICS[metric])
+    ax.set_title(f"{workload}: {KL_METRICS[metric]} (outlined: frontier; bars: 95% over inputs)", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="best")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,9 +7,10 @@ import pytest
 from kvcomm.eval.frontier import load_results, main, markdown, on_frontier, plot
 
 
-def _row(mode, setting, reuse, kl, seed="pooled"):
+def _row(mode, setting, reuse, kl, seed="pooled", kl_last=None):
     return {"mode": mode, "setting": setting, "seed": seed, "token_reuse_rate": reuse, "exact_token_rate": 0.0,
-            "estimated_token_rate": reuse, "kl_mean": kl, "top1_agreement": 1.0 - kl, "reply_agreement": 0.5,
+            "estimated_token_rate": reuse, "kl_mean": kl, "kl_last_mean": 10 * kl if kl_last is None else kl_last,
+            "top1_agreement": 1.0 - kl, "reply_agreement": 0.5,
             "accuracy": 0.5, "accuracy_ci_low": 0.3, "accuracy_ci_high": 0.7, "noise_kl_mean": 1e-12, "calls": 12}
 
 
@@ -36,7 +37,7 @@ def test_frontier_marks_only_undominated_points_and_labels_differing_runs(tmp_pa
     assert floors[0].top1 == pytest.approx(0.979)
     text = markdown(points, floors)
     assert "bfloat16 vs float32 floor: KL mean 1.0e-03" in text
-    assert text.count("| yes |") == 2
+    assert text.count("| yes / yes |") == 2 and text.count("| - / - |") == 2
 
 
 def test_runs_differing_by_embedder_are_labelled_and_an_older_result_counts_as_kv(tmp_path):
@@ -76,9 +77,9 @@ def test_kvcomm_frontier_command(tmp_path, capsys):
     assert "### humaneval" in capsys.readouterr().out and (tmp_path / "fr" / "frontier.png").exists()
 
 
-def _call(mode, setting, input_index, kl_sum, positions, seed=0):
+def _call(mode, setting, input_index, kl_sum, positions, seed=0, kl_last=None):
     return {"seed": seed, "mode": mode, "setting": setting, "input_index": input_index, "kl_sum": kl_sum,
-            "kl_positions": positions}
+            "kl_positions": positions, "kl_last": kl_sum / positions if kl_last is None else kl_last}
 
 
 def test_kl_interval_resamples_inputs_over_every_call_and_seed_of_each(tmp_path):
@@ -90,12 +91,23 @@ def test_kl_interval_resamples_inputs_over_every_call_and_seed_of_each(tmp_path)
     folder = tmp_path / "a"
     folder.mkdir()
     (folder / "results.json").write_text(json.dumps({"workload": "mmlu", "settings": {}, "calls": calls, "aggregates": [
-        _row("realign", "", 0.9, 0.5), _row("kvcomm", "gamma=1,V=20", 0.5, 9.0), _row("cacheblend", "r=0.15", 0.6, 1e-3)]}))
+        _row("realign", "", 0.9, 0.5, kl_last=0.5), _row("kvcomm", "gamma=1,V=20", 0.5, 9.0, kl_last=9.0), _row("cacheblend", "r=0.15", 0.6, 1e-3)]}))
     points, _ = load_results([folder])
     realign, kvcomm, cacheblend = points
     assert realign.kl_ci == (0.0, 1.0)
+    assert realign.kl_last_ci == (0.0, 1.0)  # first-token KL 0, 0 | 0, 2 per input: means 0 and 1 over calls
     assert kvcomm.kl_ci == pytest.approx((9.0, 9.0))  # one input: no spread
-    assert cacheblend.kl_ci is None  # no calls of its own
+    assert cacheblend.kl_ci is None and cacheblend.kl_last_ci is None  # no calls of its own
     text = markdown(points, [])
-    assert "| 5.00e-01 [0.0e+00, 1.0e+00] |" in text and "| 1.00e-03 |" in text
+    assert "| 5.00e-01 [0.0e+00, 1.0e+00] | 5.00e-01 [0.0e+00, 1.0e+00] |" in text and "| 1.00e-03 | 1.00e-02 |" in text
     plot(points, [], tmp_path / "f.png")
+
+
+def test_first_token_kl_has_its_own_frontier(tmp_path):
+    # realign reuses more at a lower KL mean, but its first reply token is further from dense's
+    a = _write(tmp_path / "a", "mmlu", [_row("realign", "", 0.9, 1e-3, kl_last=5e-2), _row("kvcomm", "gamma=1", 0.8, 2e-3, kl_last=1e-2)])
+    points, _ = load_results([a])
+    realign, kvcomm = points
+    assert [on_frontier(p, points) for p in points] == [True, False]
+    assert [on_frontier(p, points, "kl_last_mean") for p in points] == [True, True]
+    assert "| yes / yes |" in markdown(points, []) and "| - / yes |" in markdown(points, [])
