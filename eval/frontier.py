@@ -247,8 +247,7 @@ def _panel(ax, workload: str, points: list[Point], floors: list[Floor], metric: 
     positive = [getattr(p, metric) for p in mine if getattr(p, metric) > 0] + \
         [f.kl_mean for f in floors if f.workload == workload and f.kl_mean > 0]
     clip = min(positive) / 3 if positive else 1e-12  # the axis' bottom: a floor far below is drawn there
-    noise = "noise_kl_mean" if metric == "kl_mean" else None
-    chunked = [p.noise_kl_mean for p in points if noise and p.workload == workload and p.noise_kl_mean is not None]
+    chunked = [p.noise_kl_mean for p in points if metric == "kl_mean" and p.workload == workload and p.noise_kl_mean is not None]
     if chunked:
         below = " (below the axis)" if max(chunked) < clip else ""
         ax.axhline(max(max(chunked), clip), color="gray", linestyle=":", linewidth=1, label=f"chunked floor {max(chunked):.0e}{below}")

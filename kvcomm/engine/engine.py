@@ -103,7 +103,7 @@ class ReuseConfig:
     False: only from KV whose whole preceding context was exact or computed).
     reply_bases_after_estimates: register a reply's base even when its request estimated (the
     reply's KV then carries the estimate's error into every later use of that base; default
-    False: the rule of learn_after_estimates, which also implies it).
+    False: a reply becomes a base only when its request may be learned from, ``learns_from``).
     behind_estimate: one of ``BEHIND_ESTIMATE``, what a "kvcomm"/"kvblend" plan that has
     already estimated does with a segment its pool would send dense (without
     learn_after_estimates; with it, every plan stops there and learns)."""
