@@ -71,6 +71,10 @@ class Point:
     kl_last_ci: tuple[float, float] | None = None
     """95% bootstrap interval of ``kl_last_mean`` over the run's inputs (as ``kl_ci``)."""
 
+    def interval(self, metric: str) -> tuple[float, float] | None:
+        """The interval of ``metric`` (a ``KL_METRICS`` key)."""
+        return self.kl_ci if metric == "kl_mean" else self.kl_last_ci
+
 
 @dataclass(frozen=True)
 class Floor:
@@ -133,8 +137,6 @@ def _kl_interval(calls: list[dict], mode: str, setting: str, field: str) -> tupl
         sums = by_input.setdefault(c["input_index"], [0.0, 0.0])
         sums[0] += c[field]
         sums[1] += c["kl_positions"] if field == "kl_sum" else 1
-    if not by_input or not any(d for _, d in by_input.values()):
-        return None
     inputs = sorted(by_input)
     low, high = bootstrap_ratio_interval([by_input[i][0] for i in inputs], [by_input[i][1] for i in inputs], **KL_INTERVAL)
     return None if math.isnan(low) else (low, high)
@@ -210,8 +212,7 @@ def markdown(points: list[Point], floors: list[Floor]) -> str:
                   "|---|---|---|---|---|---|---|---|"]
         for p in mine:
             acc = "-" if p.accuracy is None else f"{p.accuracy:.2f} [{_fmt(p.accuracy_ci[0], '.2f')}, {_fmt(p.accuracy_ci[1], '.2f')}]"
-            kl, last = (_fmt(value, ".2e") + ("" if ci is None or p.mode == "dense" else f" [{ci[0]:.1e}, {ci[1]:.1e}]")
-                        for value, ci in ((p.kl_mean, p.kl_ci), (p.kl_last_mean, p.kl_last_ci)))
+            kl, last = (_kl_cell(p, m) for m in KL_METRICS)
             marks = " / ".join("yes" if on_frontier(p, points, m) else "-" for m in KL_METRICS)
             lines.append(
                 f"| {p.label} | {p.token_reuse:.1%} ({p.exact_rate:.1%} + {p.estimated_rate:.1%}) | {kl} | {last} "
@@ -219,6 +220,13 @@ def markdown(points: list[Point], floors: list[Floor]) -> str:
             )
         lines.append("")
     return "\n".join(lines)
+
+
+def _kl_cell(point: Point, metric: str) -> str:
+    """``metric``'s value with its interval (none for dense, whose KL is 0 by definition)."""
+    ci = point.interval(metric)
+    text = _fmt(getattr(point, metric), ".2e")
+    return text if ci is None or point.mode == "dense" else f"{text} [{ci[0]:.1e}, {ci[1]:.1e}]"
 
 
 def plot(points: list[Point], floors: list[Floor], path: str | os.PathLike) -> Path:
@@ -256,7 +264,7 @@ def _panel(ax, workload: str, points: list[Point], floors: list[Floor], metric: 
             ax.axhline(f.kl_mean, color="black", linestyle="--", linewidth=1, label=f"{f.dtype} floor {f.kl_mean:.1e}")
     for p in mine:
         y = max(getattr(p, metric), clip)
-        ci = p.kl_ci if metric == "kl_mean" else p.kl_last_ci
+        ci = p.interval(metric)
         # a percentile interval need not hold the point itself (a skewed resample distribution)
         spread = None if ci is None else [[max(0.0, y - max(ci[0], clip))], [max(0.0, max(ci[1], clip) - y)]]
         ax.errorbar([p.token_reuse], [y], yerr=spread, fmt=markers.get(p.mode, "o"), markersize=8, capsize=3,

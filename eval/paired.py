@@ -111,8 +111,12 @@ def paired_calls(a: Run, b: Run) -> tuple[list[tuple[dict, dict]], int, int]:
 def decision_gaps(a: Run, b: Run) -> list[DecisionGap]:
     """The same-prompt calls the runs served differently, grouped by both runs' notes; the
     groups where A reuses the least against B first."""
+    return _grouped_gaps(_matched(a, b)[2])
+
+
+def _grouped_gaps(served_differently: list[tuple[dict, dict]]) -> list[DecisionGap]:
     groups: dict[tuple[str, str], list[tuple[dict, dict]]] = {}
-    for x, y in _matched(a, b)[2]:
+    for x, y in served_differently:
         groups.setdefault((_reason(x.get("note", "")), _reason(y.get("note", ""))), []).append((x, y))
     gaps = [DecisionGap(na, nb, len(g), (sum(_reused(x) for x, _ in g), sum(_reused(y) for _, y in g)))
             for (na, nb), g in groups.items()]
@@ -180,12 +184,12 @@ def _summary(agent: str, pairs: list[tuple[dict, dict]]) -> Comparison:
 
 
 def markdown(a: Run, b: Run) -> str:
-    pairs, other_prompt, other_decisions = paired_calls(a, b)
+    pairs, other_prompt, served_differently = _matched(a, b)
     lines = [f"A = {a.label}; B = {b.label}; workload {a.workload}.", "",
              f"{len(pairs)} paired calls reused in both with the same prompt and decisions; left out: "
-             f"{other_prompt} with another prompt, {other_decisions} with other decisions, and the calls that "
+             f"{other_prompt} with another prompt, {len(served_differently)} with other decisions, and the calls that "
              f"reused nothing beyond the exact prefix.", ""]
-    gaps = decision_gaps(a, b)
+    gaps = _grouped_gaps(served_differently)
     if gaps:
         lines += ["Same prompt, other decisions, by why each run stopped reusing (tokens reused: exact + estimated):", "",
                   "| A's note | B's note | calls | reused A | reused B |", "|---|---|---|---|---|"]
