@@ -117,6 +117,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         help="mmlu, gsm, humaneval, retrieval, or the path of a workload file")
     parser.add_argument("--out", required=True, help="output folder (created if missing)")
     parser.add_argument("--limit", type=positive_int, help="use only the first N items of the workload")
+    parser.add_argument("--warm-items", type=nonnegative_int, default=0, metavar="N",
+                        help="calibrate every reuse engine on N more items (the N after --limit's), prefilled densely and "
+                             "learned from, before the evaluated items: pools as a long-running server's (default 0: empty)")
     parser.add_argument(
         "--agents", type=positive_int, default=3,
         help="agents before the decider in the built-in topology (default 3; a pipeline .json defines its own)",
@@ -179,7 +182,7 @@ def settings_from_args(args) -> EvalSettings:
         recompute_ratio=args.recompute_ratio, check_layer=args.check_layer, recompute_selection=args.recompute_selection,
         recompute_boundary=args.recompute_boundary, top_k=args.top_k,
         timing_pass=not args.single_pass, pool=tuple(getattr(args, "pool", ())), embedder=getattr(args, "embedder", "kv"),
-        reuse=tuple(getattr(args, "reuse", ())),
+        reuse=tuple(getattr(args, "reuse", ())), warm_rows=getattr(args, "warm_items", 0),
     )
 
 
@@ -201,8 +204,9 @@ def load_executor(model: str | None, backend: str = "transformers", dtype: str =
     return load(model, backend, dtype)
 
 
-def dtype_noise_floor(workload, executor, other, top_k: int = 20, progress: bool = False) -> dict:
-    """How far the same model in another precision is from ``executor`` on the workload's prompts.
+def dtype_noise_floor(workload, executor, other, top_k: int = 20, progress: bool = False, rows: int | None = None) -> dict:
+    """How far the same model in another precision is from ``executor`` on the workload's prompts
+    (its first ``rows`` rows; None: all).
 
     Every row runs densely on ``executor`` (the reference: its prompts and replies); each agent's
     prompt is then prefilled by ``other`` (the same checkpoint in another dtype) on exactly those
@@ -217,7 +221,7 @@ def dtype_noise_floor(workload, executor, other, top_k: int = 20, progress: bool
 
     spec = workload.pipeline
     kls, tops, prompts = [], [], 0
-    for row in tqdm(range(len(spec.inputs)), desc="noise floor", unit="row", disable=not progress, file=sys.stderr):
+    for row in tqdm(range(len(spec.inputs) if rows is None else rows), desc="noise floor", unit="row", disable=not progress, file=sys.stderr):
         for call in run_row(spec, row, executor, None, keep_logprobs=True):
             reference = topk_reference(call.prompt_logprobs, top_k)
             logprobs = other.generate(list(call.prompt_ids), None, 0, None, keep_logprobs=True).prompt_logprobs
@@ -258,12 +262,17 @@ def run_eval_command(args, executor=None) -> int:
         out = check_out_dir(args.out)
         from kvcomm.eval.workloads import load_workload
 
-        workload = load_workload(args.workload, limit=args.limit, n_agents=args.agents, seed=0,
+        limit = args.limit + settings.warm_rows if args.limit is not None else None
+        workload = load_workload(args.workload, limit=limit, n_agents=args.agents, seed=0,
                                  max_new_tokens=args.max_new_tokens)
+        if settings.warm_rows and args.limit is not None and len(workload.pipeline.inputs) < limit:
+            raise ValueError(f"the workload has {len(workload.pipeline.inputs)} items: --limit {args.limit} plus "
+                             f"--warm-items {settings.warm_rows} needs {limit}; lower one of them")
         model_path = getattr(args, "model", None)
         if executor is None:
             executor, model_path = load_executor(args.model, args.backend, getattr(args, "dtype", "float32"))
-        meta = {"model": model_path, "backend": args.backend, "dtype": getattr(args, "dtype", "float32"), "limit": args.limit, "workload_arg": args.workload,
+        meta = {"model": model_path, "backend": args.backend, "dtype": getattr(args, "dtype", "float32"), "limit": args.limit,
+                "warm_items": settings.warm_rows, "workload_arg": args.workload,
                 "workload_seed": 0, "n_agents": args.agents,
                 "max_new_tokens": workload.pipeline.max_new_tokens, "kl": not args.no_kl,
                 "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -275,7 +284,8 @@ def run_eval_command(args, executor=None) -> int:
                 raise ValueError(f"--noise-floor {floor_dtype} is the --dtype itself; name another dtype, "
                                  "e.g. --noise-floor bfloat16 with the default --dtype float32")
             other, _ = load_executor(args.model, "transformers", floor_dtype)
-            floor = dtype_noise_floor(workload, executor, other, settings.top_k, progress=not args.no_progress)
+            floor = dtype_noise_floor(workload, executor, other, settings.top_k, progress=not args.no_progress,
+                                      rows=len(workload.pipeline.inputs) - settings.warm_rows)
             del other
             meta["dtype_noise_floor"] = {"dtype": floor_dtype, "reference_dtype": meta["dtype"], **floor}
             print(format_noise_floor(meta["dtype_noise_floor"]))

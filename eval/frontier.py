@@ -32,7 +32,7 @@ from kvcomm.eval.metrics import bootstrap_ratio_interval
 
 POOLED = "pooled"
 DISTINGUISHING = ("base_source", "min_estimate_anchors", "recompute_ratio", "recompute_selection", "recompute_boundary", "dtype",
-                  "pool", "embedder", "reuse")
+                  "pool", "embedder", "reuse", "warm_rows")
 """Run settings that make two results' points different configurations (shown in labels when
 they differ between the runs of one workload)."""
 ONLY_FOR = {
@@ -41,7 +41,7 @@ ONLY_FOR = {
     "recompute_boundary": ("cacheblend", "kvblend"),
 }
 """Settings that change only these modes' runs: other modes' labels leave them out."""
-SETTING_DEFAULTS = {"embedder": "kv"}
+SETTING_DEFAULTS = {"embedder": "kv", "warm_rows": 0}
 """What a result written before one of those settings existed ran with."""
 KL_INTERVAL = {"draws": 2000, "seed": 0, "level": 0.95}
 """The bootstrap behind each point's KL interval: inputs resampled with replacement."""

@@ -309,6 +309,32 @@ class ReuseEngine:
             plan.blend = BlendRequest(plan.exact_length, plan.reuse_end, cfg.recompute_ratio, cfg.check_layer, positions)
         return plan
 
+    def calibration_plan(self, prompt: Prompt, provide_base: BaseProvider | None = None) -> ReusePlan:
+        """A plan that reuses nothing and learns all a dense prefill of ``prompt`` reveals.
+
+        Like a plan that reused nothing, its ``learn`` takes the bases of new content, the
+        fixed bases, the exact prefix and (through the runner) the reply's base; and in the
+        anchor modes every shared segment whose content already has a base is recorded in its
+        slot's pool, whether or not the pool would have estimated it (a plan records only the
+        segments its pool refuses). So a pool fills towards V anchors instead of stopping at
+        ``min_compatible``: for calibration traffic (``kvcomm eval --warm-items``), costing
+        a dense prefill per call. Content new to the engine becomes a base, not an anchor, as
+        in ``plan`` (its deviation against its own first use is zero)."""
+        plan = ReusePlan(prompt)
+        plan.note = "calibration: computed densely, learned"
+        if not self.learns_at(len(prompt)):
+            plan.note = "calibration: nothing learned, the prompt is past the exact RoPE length"
+            return plan
+        anchors = self.config.mode in ("kvcomm", "kvblend")
+        for index, segment in enumerate(prompt.segments):
+            if not segment.is_shared:
+                continue
+            if self._base(segment, provide_base) is None:
+                plan.new_bases.append(index)
+            elif anchors:
+                plan.learn.append(index)
+        return plan
+
     def _plan_realigned(self, plan: ReusePlan, provide: BaseProvider | None) -> None:
         """Modes "realign" and "cacheblend": reuse every segment with a base as its realigned
         base (shared: its content's base; fixed: the template's stored base), in order, up to

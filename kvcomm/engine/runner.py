@@ -63,7 +63,7 @@ def _content(executor: Executor, text: str) -> Segment | None:
 
 def run_agent(
     executor: Executor, engine: ReuseEngine | None, prompt: Prompt, max_new_tokens: int, keep_logprobs: bool = False,
-    on_token: OnToken | None = None, guard: QualityGuard | None = None,
+    on_token: OnToken | None = None, guard: QualityGuard | None = None, calibrate: bool = False,
 ):
     """One call: plan and materialize (with an engine), generate, learn. Returns (Generation, Provenance).
 
@@ -71,6 +71,8 @@ def run_agent(
     on_token: passed to the executor (streaming, cancellation; see ``OnToken``).
     guard: a quality guard (shadow mode): it cuts reuse of slots it disabled and, for the
     requests it samples, also runs the dense prefill and records the first-token KL.
+    calibrate: compute the prompt densely and learn everything from it
+    (``ReuseEngine.calibration_plan``; the guard is not consulted).
     """
     started = time.perf_counter()
     options: dict = {"keep_logprobs": True} if keep_logprobs else {}
@@ -80,9 +82,10 @@ def run_agent(
         generation = executor.generate(prompt.token_ids, None, max_new_tokens, started, **options)
         shared = sum(len(s) for s in prompt.segments if s.is_shared)
         return generation, Provenance(len(prompt), 0, 0, len(prompt), shared, 0, False, "dense", generation.ttft_s)
-    plan = engine.plan(prompt, executor.base_kv if engine.config.base_source == "standalone" else None)
+    provider = executor.base_kv if engine.config.base_source == "standalone" else None
+    plan = engine.calibration_plan(prompt, provider) if calibrate else engine.plan(prompt, provider)
     shadow = ()
-    if guard is not None:
+    if guard is not None and not calibrate:
         guard.restrict(engine, plan)
         shadow = guard.sample(plan)
         if shadow:
@@ -106,16 +109,17 @@ def run_agent(
 def run_row(
     spec: PipelineSpec, row_index: int, executor: Executor, engine: ReuseEngine | None,
     on_call: Callable[[AgentCall], None] | None = None, keep_logprobs: bool = False,
-    guard: QualityGuard | None = None,
+    guard: QualityGuard | None = None, calibrate: bool = False,
 ) -> list[AgentCall]:
     """Run every agent, in order, on input row ``row_index``; ``keep_logprobs`` fills each
-    call's ``prompt_logprobs``; ``guard`` goes to every ``run_agent``."""
+    call's ``prompt_logprobs``; ``guard`` and ``calibrate`` go to every ``run_agent``."""
     row = spec.inputs[row_index]
     shared: dict[str, Segment | None] = {name: _content(executor, row[name]) for name in spec.input_slots}
     calls = []
     for agent in spec.agents:
         prompt = build_prompt(executor, agent, shared)
-        generation, provenance = run_agent(executor, engine, prompt, spec.max_new_tokens, keep_logprobs, guard=guard)
+        generation, provenance = run_agent(executor, engine, prompt, spec.max_new_tokens, keep_logprobs, guard=guard,
+                                           calibrate=calibrate)
         reply_ids = generation.reply_ids
         shared[agent.name] = Segment(reply_ids, slot="_") if reply_ids else None
         logprobs = generation.prompt_logprobs if keep_logprobs else None

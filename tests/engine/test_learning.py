@@ -402,3 +402,50 @@ def test_layer0_deviation_is_not_stored_and_layer0_is_served_as_the_realigned_ba
     assert torch.equal(served.keys[0, :, start:end], base.keys[0]) and torch.equal(served.values[0, :, start:end], base.values[0])
     assert _max_error(served.keys[1:], real.keys[1:, :, : again.reuse_end]) < 1e-5
     assert _max_error(served.values[1:], real.values[1:, :, : again.reuse_end]) < 1e-6
+
+
+# -- calibration: dense prefills that learn everything ---------------------------------------
+
+
+@pytest.mark.parametrize("provider", [True, False], ids=["standalone", "first_use"])
+def test_calibration_records_every_shared_segment_with_a_base(provider):
+    """Plans stop learning once a slot can estimate (two anchors at gamma 1); calibration plans
+    compute everything and record every segment whose content has a base, up to V, and feed
+    the shrinkage fit. Content new to the engine becomes a base, not an anchor."""
+    gen = torch.Generator().manual_seed(8)
+    rotary = _rotary()
+    provide = (lambda s: _rand(gen, len(s))) if provider else None
+    docs = [(tuple(range(200 + 20 * i, 212 + 20 * i)), f"doc-{i}") for i in range(6)]
+    engines = {}
+    for calibrate in (False, True):
+        engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, max_anchors=4), exact_prefix=False))
+        for doc, doc_id in docs:
+            prompt = _prompt(doc, doc_id)
+            if not provider:  # the content's first use: here, another agent's prompt
+                engine.register_base(prompt.segments[1], _rand(gen, len(doc)))
+            plan = engine.calibration_plan(prompt, provide) if calibrate else engine.plan(prompt, provide)
+            if calibrate:
+                assert (plan.reuse_end, plan.learn, plan.new_bases) == (0, [1], [])
+            engine.learn(plan, place(_rand(gen, len(prompt) - plan.reuse_end), rotary, plan.reuse_end))
+        engines[calibrate] = engine
+    assert len(engines[False].pool("doc")) == 2  # then every doc estimated: nothing more learned
+    pool = engines[True].pool("doc")
+    assert [a.segment_id for a in pool.anchors] == ["doc-2", "doc-3", "doc-4", "doc-5"] and pool.evictions == 2
+    assert pool.problems() == []
+    assert pool.fits[(("agent", "doc"), "shared")].pairs == 4  # each doc after the second was an observation
+
+
+@pytest.mark.parametrize("mode", ["kvcomm", "realign"])
+def test_calibration_learns_new_content_as_a_base_and_anchors_only_in_the_anchor_modes(mode):
+    gen = torch.Generator().manual_seed(9)
+    rotary = _rotary()
+    doc = tuple(range(200, 212))
+    engine = ReuseEngine(rotary, ReuseConfig(mode=mode, exact_prefix=False))
+    plan = engine.calibration_plan(_prompt(doc, "doc-1"))
+    assert (plan.learn, plan.new_bases) == ([], [1])
+    engine.learn(plan, place(_rand(gen, len(plan.prompt)), rotary, 0))
+    assert engine.has_base("doc-1") and engine._fixed_bases and len(engine.pool("doc")) == 0
+    again = engine.calibration_plan(_prompt(doc, "doc-1", tail=6, template="other"))
+    assert again.learn == ([1] if mode == "kvcomm" else [])
+    engine.learn(again, place(_rand(gen, len(again.prompt)), rotary, 0))
+    assert len(engine.pool("doc")) == (1 if mode == "kvcomm" else 0)

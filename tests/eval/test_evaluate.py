@@ -455,3 +455,44 @@ def test_the_embedder_setting_reaches_every_reuse_engine(tiny_executor, monkeypa
     with pytest.raises(ValueError, match="unknown embedder 'bert'; valid: kv, minilm"):
         EvalSettings(embedder="bert")
     assert _parser().parse_args(["eval", "--workload", "mmlu", "--out", "x", "--embedder", "minilm"]).embedder == "minilm"
+
+
+def test_warm_rows_calibrate_every_reuse_engine_and_are_not_evaluated(tiny_executor):
+    """``warm_rows``: the workload's last rows are run densely into every fresh reuse engine
+    (learned from, anchors recorded in every slot) and left out of the results; the evaluated
+    rows and their order are those of the cold run, and they meet fuller pools."""
+    workload = _inline_workload(rows=4, max_new_tokens=4)
+    settings = dict(modes=("kvcomm", "realign"), gammas=(1.0,))
+    cold = evaluate(_inline_workload(rows=2, max_new_tokens=4), tiny_executor, EvalSettings(**settings), progress=False, kl=False)
+    warm = evaluate(workload, tiny_executor, EvalSettings(**settings, warm_rows=2), progress=False, kl=False)
+    assert warm.rows == cold.rows == 2
+    for result in (cold, warm):
+        assert {c.input_index for run in result.runs for c in run.calls} == {0, 1}
+    order = lambda result: [c.input_index for c in result.runs[0].calls if c.agent == "reader"]  # noqa: E731
+    assert order(warm) == order(cold)
+    dense = lambda result: [c.reply for c in result.runs[0].calls]  # noqa: E731
+    assert dense(warm) == dense(cold)  # the dense reference is untouched by calibration
+    kvcomm = {run.run.mode: run for run in warm.runs}["kvcomm"], {run.run.mode: run for run in cold.runs}["kvcomm"]
+    first = order(cold)[0]
+    estimated = lambda run: [c.estimated_tokens for c in run.calls if c.input_index == first]  # noqa: E731
+    assert estimated(kvcomm[1]) == [0, 0, 0]  # cold: the first row teaches the empty pools
+    assert estimated(kvcomm[0])[0] == 0 and min(estimated(kvcomm[0])[1:]) > 0  # warm: estimated at once
+    assert sum(c.estimated_tokens for c in kvcomm[0].calls) > sum(c.estimated_tokens for c in kvcomm[1].calls)
+    with pytest.raises(ValueError, match="warm_rows 4 leaves none of the workload's 4 rows"):
+        evaluate(workload, tiny_executor, EvalSettings(**settings, warm_rows=4), progress=False, kl=False)
+    with pytest.raises(ValueError, match="warm_rows must be an integer >= 0"):
+        EvalSettings(warm_rows=-1)
+
+
+def test_warm_items_load_the_items_after_the_limit(tiny_executor, tmp_path, capsys):
+    parser = _parser()
+    argv = ["eval", "--workload", "retrieval", "--limit", "2", "--agents", "1", "--modes", "kvcomm", "--max-new-tokens", "2",
+            "--no-kl", "--no-progress", "--single-pass"]
+    assert run_eval_command(parser.parse_args([*argv, "--out", str(tmp_path / "warm"), "--warm-items", "3"]), executor=tiny_executor) == 0
+    data = json.loads((tmp_path / "warm" / "results.json").read_text())
+    assert data["settings"]["rows"] == 2 and data["settings"]["warm_rows"] == 3 and data["settings"]["warm_items"] == 3
+    assert {c["input_index"] for c in data["calls"]} == {0, 1}
+    capsys.readouterr()
+    too_many = parser.parse_args(["eval", "--workload", "humaneval", "--limit", "164", "--warm-items", "1", "--out", str(tmp_path / "x")])
+    assert run_eval_command(too_many, executor=tiny_executor) == 2  # HumanEval has 164 problems
+    assert "the workload has 164 items: --limit 164 plus --warm-items 1 needs 165" in capsys.readouterr().err
