@@ -102,7 +102,7 @@ def run_agent(
         reply = Segment(generation.reply_ids, slot="_")
         engine.register_base(reply, to_position_free(generation.reply_kv, engine.rotary, len(prompt)))
     if shadow:
-        guard.shadow(executor, engine, prompt.token_ids, generation.prompt_logprobs[-1], shadow)
+        guard.shadow(executor, engine, prompt, generation.prompt_logprobs[-1], shadow)
     return generation, plan.provenance(generation.ttft_s)
 
 

@@ -17,6 +17,11 @@ or below ``loosen_below * budget`` gets one tightening back (gamma divided by
 ``tighten_factor``, never above the gamma it had before the guard first tightened it). The gap
 between the two thresholds keeps a slot from flapping on every sample.
 
+With ``learn``, the shadow prefill also teaches the engine: its KV is computed densely from the
+first token, so the engine learns from it as from a calibration request
+(``ReuseEngine.calibration_plan``): every shared segment whose content has a base is recorded in
+its slot's pool, which a request that estimated never does.
+
 A disabled slot's estimated pieces are cut from every later plan (``restrict``), so reuse
 stops before its content and the rest is computed densely. One guard serves one engine
 (slot names are per engine; give each tenant its own guard).
@@ -37,6 +42,7 @@ import torch
 from kvcomm.engine.engine import ReuseEngine
 from kvcomm.core.divergence import kl_topk_other, topk_reference
 from kvcomm.engine.plan import ReusePlan
+from kvcomm.core.segments import Prompt
 
 log = logging.getLogger("kvcomm.services.quality_guard")
 ACTIONS = ("tighten", "disable")
@@ -62,6 +68,7 @@ class GuardConfig:
     loosen_below: float = 0.25
     top_k: int = 20
     seed: int = 0
+    learn: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -150,11 +157,16 @@ class QualityGuard:
         with self._lock:
             return slots if self._rng.random() < self.config.fraction else ()
 
-    def shadow(self, executor, engine: ReuseEngine, token_ids, reuse_logprobs: torch.Tensor, slots: tuple[str, ...]) -> float:
-        """Run the dense prefill of ``token_ids``, record KL(dense || reuse) of the first-token
-        distribution (``reuse_logprobs``: ``[vocab]`` log-softmax) for ``slots`` and act on it."""
+    def shadow(self, executor, engine: ReuseEngine, prompt: Prompt, reuse_logprobs: torch.Tensor, slots: tuple[str, ...]) -> float:
+        """Run the dense prefill of ``prompt``, record KL(dense || reuse) of the first-token
+        distribution (``reuse_logprobs``: ``[vocab]`` log-softmax) for ``slots`` and act on it;
+        with ``config.learn`` the engine learns from the prefill."""
         started = time.perf_counter()
-        dense = executor.generate(token_ids, None, 1, started, keep_logprobs=True).prompt_logprobs[-1]
+        generation = executor.generate(prompt.token_ids, None, 1, started, keep_logprobs=True)
+        if self.config.learn:
+            provider = executor.base_kv if engine.config.base_source == "standalone" else None
+            engine.learn(engine.calibration_plan(prompt, provider), generation.computed)
+        dense = generation.prompt_logprobs[-1]
         kl = float(kl_topk_other(topk_reference(dense[None].float(), self.config.top_k), reuse_logprobs[None].float())[0])
         with self._lock:
             self.shadowed += 1

@@ -158,7 +158,7 @@ def test_fraction_zero_never_shadows_a_pipeline(tiny_executor):
 
 
 def _shadow_kls(executor):
-    """(engine, token ids, reuse log-probs giving KL ~0, reuse log-probs giving KL > 1): the
+    """(engine, prompt, reuse log-probs giving KL ~0, reuse log-probs giving KL > 1): the
     first is the dense distribution itself, the second one that puts nearly all its mass on
     dense's top token, leaving almost none for the rest (which holds most of the dense mass
     of this near-uniform random model)."""
@@ -166,7 +166,7 @@ def _shadow_kls(executor):
     dense = executor.generate(prompt.token_ids, None, 1, time.perf_counter(), keep_logprobs=True).prompt_logprobs[-1]
     wrong = torch.zeros_like(dense)
     wrong[int(dense.argmax())] = 30.0
-    return engine, prompt.token_ids, dense, torch.log_softmax(wrong, -1)
+    return engine, prompt, dense, torch.log_softmax(wrong, -1)
 
 
 def test_the_guard_acts_on_the_rolling_window_after_min_samples(tiny_executor):
@@ -224,3 +224,19 @@ def test_a_tightened_slot_loosens_back_after_a_full_window_well_within_budget(ti
     assert steps == [(1, 0), (2, 0), (2, 0), (1, 1), (1, 1), (1, 1), (1, 1), (0, 2), (0, 2), (0, 2)]
     assert engine.pool("doc").config.gamma == pytest.approx(gamma) and not guard.disabled("doc")
     assert "gamma raised to" in guard.metrics()["slots"]["doc"]["reason"]
+
+
+@pytest.mark.parametrize("base_source", ["first_use", "standalone"])
+def test_shadow_prefills_teach_the_pools_only_when_asked(tiny_executor, base_source):
+    """``learn``: each shadowed request's dense prefill records its shared segments as anchors,
+    which the estimating request itself never does, so pools grow past the two anchors a slot
+    needs to estimate; without it a shadow leaves the engine as it was."""
+    sizes = {}
+    for learn in (False, True):
+        guard = QualityGuard(GuardConfig(fraction=1.0, budget=1e9, learn=learn))
+        engine, calls, _ = _run(tiny_executor, guard, base_source=base_source)
+        assert guard.metrics()["shadowed"] > 0
+        assert all(pool.problems() == [] for pool in engine.pools.values())
+        sizes[learn] = sum(len(pool) for pool in engine.pools.values())
+    baseline, _, _ = _run(tiny_executor, None, base_source=base_source)
+    assert sizes[False] == sum(len(pool) for pool in baseline.pools.values()) < sizes[True]
