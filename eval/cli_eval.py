@@ -167,6 +167,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--model", help="local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                         help="model dtype: weights, activations and KV cache (default float32)")
+    parser.add_argument("--device", help="where the transformers model runs: cpu (default), cuda or cuda:N")
     parser.add_argument("--noise-floor", choices=tuple(DTYPES), metavar="DTYPE",
                         help="also measure the precision noise floor: every dense prompt of the workload prefilled "
                              "by the same model in --dtype and in DTYPE, KL(--dtype || DTYPE) and same top-1 over "
@@ -197,11 +198,11 @@ def config_setting(text: str) -> tuple[str, object]:
         return name.strip(), value
 
 
-def load_executor(model: str | None, backend: str = "transformers", dtype: str = "float32"):
-    """(executor, model path) for ``model`` or the embedded model on ``backend`` in ``dtype``."""
+def load_executor(model: str | None, backend: str = "transformers", dtype: str = "float32", device: str | None = None):
+    """(executor, model path) for ``model`` or the embedded model on ``backend`` in ``dtype`` on ``device``."""
     from kvcomm.integrations.executors import load_executor as load
 
-    return load(model, backend, dtype)
+    return load(model, backend, dtype, device)
 
 
 def dtype_noise_floor(workload, executor, other, top_k: int = 20, progress: bool = False, rows: int | None = None) -> dict:
@@ -270,8 +271,10 @@ def run_eval_command(args, executor=None) -> int:
                              f"--warm-items {settings.warm_rows} needs {limit}; lower one of them")
         model_path = getattr(args, "model", None)
         if executor is None:
-            executor, model_path = load_executor(args.model, args.backend, getattr(args, "dtype", "float32"))
-        meta = {"model": model_path, "backend": args.backend, "dtype": getattr(args, "dtype", "float32"), "limit": args.limit,
+            executor, model_path = load_executor(args.model, args.backend, getattr(args, "dtype", "float32"),
+                                                 getattr(args, "device", None))
+        meta = {"model": model_path, "backend": args.backend, "dtype": getattr(args, "dtype", "float32"),
+                "device": getattr(args, "device", None) or "cpu", "limit": args.limit,
                 "warm_items": settings.warm_rows, "workload_arg": args.workload,
                 "workload_seed": 0, "n_agents": args.agents,
                 "max_new_tokens": workload.pipeline.max_new_tokens, "kl": not args.no_kl,
@@ -283,7 +286,7 @@ def run_eval_command(args, executor=None) -> int:
             if floor_dtype == meta["dtype"]:
                 raise ValueError(f"--noise-floor {floor_dtype} is the --dtype itself; name another dtype, "
                                  "e.g. --noise-floor bfloat16 with the default --dtype float32")
-            other, _ = load_executor(args.model, "transformers", floor_dtype)
+            other, _ = load_executor(args.model, "transformers", floor_dtype, getattr(args, "device", None))
             floor = dtype_noise_floor(workload, executor, other, settings.top_k, progress=not args.no_progress,
                                       rows=len(workload.pipeline.inputs) - settings.warm_rows)
             del other

@@ -36,12 +36,13 @@ def run_side_by_side(spec: PipelineSpec, executor, config: ReuseConfig, progress
 def _cmd_run(args, spec: PipelineSpec) -> int:
     from kvcomm.eval.report import compare, format_table, to_json
 
-    executor, model_path = load_executor(args.model, args.backend, args.dtype)
+    executor, model_path = load_executor(args.model, args.backend, args.dtype, args.device)
     config = ReuseConfig(pool=PoolConfig(gamma=args.gamma, max_anchors=args.max_anchors), base_source=args.base_source)
     dense, reuse, engine = run_side_by_side(spec, executor, config, progress=not args.json)
     calls = compare(dense, reuse)
     if args.json:
-        meta = {"model": model_path, "backend": args.backend, "dtype": args.dtype, "gamma": args.gamma, "max_anchors": args.max_anchors,
+        meta = {"model": model_path, "backend": args.backend, "dtype": args.dtype, "device": args.device or "cpu",
+                "gamma": args.gamma, "max_anchors": args.max_anchors,
                 "base_source": args.base_source,
                 "anchors": {slot: len(pool) for slot, pool in engine.pools.items()}}
         print(json.dumps(to_json(calls, meta), indent=2))
@@ -68,11 +69,12 @@ def _cmd_demo(args, spec: PipelineSpec) -> int:
     if not chart.resolve().parent.is_dir():
         raise ValueError(f"--chart {args.chart}: folder {chart.resolve().parent} does not exist; create it or pick another path")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported: keep the demo's output readable
-    executor, model_path = load_executor(args.model, args.backend)
+    executor, model_path = load_executor(args.model, args.backend, args.dtype, args.device)
     baseline = StockVllm(executor.llm, executor.stop_ids) if args.backend == "vllm" else DenseTransformers(executor)
     config = ReuseConfig(pool=PoolConfig(gamma=args.gamma, max_anchors=args.max_anchors), base_source=args.base_source)
     calls, engine = run_demo(spec, executor, baseline, config)
-    meta = {"model": model_path, "backend": args.backend, "baseline": baseline.name, "gamma": args.gamma,
+    meta = {"model": model_path, "backend": args.backend, "dtype": args.dtype, "device": args.device or "cpu",
+            "baseline": baseline.name, "gamma": args.gamma,
             "max_anchors": args.max_anchors, "base_source": args.base_source,
             "anchors": {slot: len(pool) for slot, pool in engine.pools.items()}, "chart": str(chart.resolve())}
     report = demo_json(calls, meta)
@@ -94,13 +96,14 @@ def _cmd_selfcheck(args) -> int:
     from kvcomm.integrations.transformers.rotary import rotary_from_model
 
     path = resolve_model_dir(args.model)
-    model, _ = load_model_and_tokenizer(str(path), args.dtype)
+    model, _ = load_model_and_tokenizer(str(path), args.dtype, args.device)
+    where = {"model": str(path), "dtype": args.dtype, "device": str(model.device)}
     try:
         rotary, check = rotary_from_model(model)
     except RopeError as error:
-        result = {"model": str(path), "dtype": args.dtype, "passed": False, "error": str(error)}
+        result = {**where, "passed": False, "error": str(error)}
     else:
-        result = {"model": str(path), "dtype": args.dtype, "passed": True, "max_abs_error": check.max_abs_error,
+        result = {**where, "passed": True, "max_abs_error": check.max_abs_error,
                   "layer0_abs_error": check.layer0_abs_error, "key_scale": check.key_scale,
                   "tolerance": check.tolerance * max(1.0, check.key_scale),
                   "rotary_dim": rotary.rotary_dim, "head_dim": rotary.head_dim,
@@ -109,7 +112,7 @@ def _cmd_selfcheck(args) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     elif result["passed"]:
-        print(f"RoPE self-check passed for {path} in {args.dtype}: max abs realignment error "
+        print(f"RoPE self-check passed for {path} in {args.dtype} on {result['device']}: max abs realignment error "
               f"{result['max_abs_error']:.3g} over all layers (tolerance {result['tolerance']:.3g}; layer 0: "
               f"{result['layer0_abs_error']:.3g}; keys up to {result['key_scale']:.3g}), "
               f"{result['pairing']} pairing, rotary dim {result['rotary_dim']}/{result['head_dim']}")
@@ -119,10 +122,13 @@ def _cmd_selfcheck(args) -> int:
 
 
 def _add_dtype_option(parser: argparse.ArgumentParser) -> None:
+    """--dtype and --device, the model's precision and (transformers backend) where it runs."""
     from kvcomm.integrations.transformers.embedded import DTYPES
 
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                         help="model dtype: weights, activations and KV cache (default float32)")
+    parser.add_argument("--device", help="where the transformers model runs: cpu (default), cuda or cuda:N; the "
+                        "engine's pools and bases stay in host memory (vLLM places its model itself)")
 
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:

@@ -172,22 +172,42 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ValueError(f"unsupported model dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
 
 
+def parse_device(device: str | torch.device | None) -> torch.device:
+    """The torch device for a ``--device`` value (``cpu``, ``cuda``, ``cuda:1``; None: ``cpu``).
+
+    Raises ValueError when the name is not a device, or names a CUDA device torch cannot see."""
+    try:
+        parsed = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"--device {device!r} is not a torch device name; use cpu, cuda or cuda:N ({error})") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (parsed.index or 0) >= count:
+            raise ValueError(f"--device {device}: torch sees {count} CUDA device(s) (torch {torch.__version__}, CUDA "
+                             f"{torch.version.cuda or 'not built in'}); use --device cpu or a CUDA build of torch on a GPU machine")
+    elif parsed.type != "cpu":
+        raise ValueError(f"--device {device}: kvcomm runs transformers models on cpu or cuda devices only")
+    return parsed
+
+
 def load_model_and_tokenizer(
-    model: str | None = None, dtype: str | torch.dtype = torch.float32
+    model: str | None = None, dtype: str | torch.dtype = torch.float32, device: str | torch.device | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load ``(model, tokenizer)`` from ``resolve_model_dir(model)``, offline, SDPA attention, eval mode.
 
     dtype: ``parse_dtype``'s choices; the weights are cast to it on load (the embedded model is
-    stored in float32), so the model computes and caches its KV in that dtype."""
+    stored in float32), so the model computes and caches its KV in that dtype.
+    device: ``parse_device``'s choices (default cpu); the model is moved there after loading."""
     from transformers import AutoModelForCausalLM
 
     dtype = parse_dtype(dtype)
+    device = parse_device(device)
     path = resolve_model_dir(model)
     with _offline():
         loaded = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation="sdpa", local_files_only=True
         )
-    return loaded.eval(), load_tokenizer(str(path))
+    return loaded.to(device).eval(), load_tokenizer(str(path))
 
 
 def load_tokenizer(model: str | None = None) -> PreTrainedTokenizerBase:

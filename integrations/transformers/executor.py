@@ -33,7 +33,10 @@ class TransformersExecutor:
     """Runs one agent call at a time on ``model`` (eval mode; fp32, bf16 or fp16).
 
     The KV it returns and accepts is in the model's dtype (``kv_dtype``); a prefix in another
-    float dtype is cast to it once on injection. Raises ``RopeError`` at construction if the
+    float dtype is cast to it once on injection. The model may sit on any device (``device``,
+    e.g. a CUDA GPU): the KV it returns lives there too, so an engine fed by it keeps its bases,
+    deviations and prefixes in that device's memory and assembles reused KV there (a prefix
+    from elsewhere is copied over once per call); ``prompt_logprobs`` come back in host memory. Raises ``RopeError`` at construction if the
     model's RoPE cannot be realigned to within its dtype's rounding (``transformers.rotary.self_check``);
     use ``dense_only=True`` to run such a model without reuse.
     """
@@ -41,6 +44,7 @@ class TransformersExecutor:
     def __init__(self, model, tokenizer, dense_only: bool = False):
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
         self.rotary, self.self_check = (None, None) if dense_only else rotary_from_model(model)
         self.kv_dtype = model.dtype if model.dtype.is_floating_point else torch.float32
         eos = {tokenizer.eos_token_id, *(_as_list(getattr(model.generation_config, "eos_token_id", None)))}
@@ -77,8 +81,8 @@ class TransformersExecutor:
     @torch.no_grad()
     def _forward(self, ids: Sequence[int], cache: DynamicCache, start: int, all_logits: bool = False) -> torch.Tensor:
         """Logits of the last token (``[vocab]``), or of every token (``[len(ids), vocab]``)."""
-        input_ids = torch.tensor([list(ids)], dtype=torch.long)
-        positions = torch.arange(start, start + len(ids))[None]
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(ids), device=self.device)[None]
         out = self.model(
             input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True,
             logits_to_keep=0 if all_logits else 1,
@@ -99,11 +103,10 @@ class TransformersExecutor:
         return to_position_free(self._span(cache, lead, lead + len(segment)), self.rotary, lead)
 
     def _cache(self, prefix: KV | None) -> DynamicCache:
-        """A cache holding ``prefix`` in ``kv_dtype`` (the tensors are copied as soon as a forward appends)."""
+        """A cache holding ``prefix`` (on the model's device, in ``kv_dtype``); the tensors are
+        copied as soon as a forward appends."""
         if prefix is None:
             return DynamicCache(config=self.model.config)
-        if prefix.keys.dtype != self.kv_dtype or prefix.values.dtype != self.kv_dtype:
-            prefix = prefix.to(self.kv_dtype)
         layers = [(prefix.keys[i][None], prefix.values[i][None]) for i in range(prefix.keys.shape[0])]
         return DynamicCache(ddp_cache_data=layers, config=self.model.config)
 
@@ -116,6 +119,8 @@ class TransformersExecutor:
         reused = 0 if prefix is None else prefix.length
         if not 0 <= reused < n:
             raise ValueError(f"prefix covers {reused} of {n} prompt tokens; at least the last token must be computed")
+        if prefix is not None:
+            prefix = KV(prefix.keys.to(self.device, self.kv_dtype), prefix.values.to(self.device, self.kv_dtype))
         cache = self._cache(prefix)
         recomputed: tuple[int, ...] = ()
         if blend is not None:
@@ -125,7 +130,7 @@ class TransformersExecutor:
         logits = self._forward(token_ids[reused:], cache, reused, all_logits=keep_logprobs)
         logprobs = None
         if keep_logprobs:
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
             logits = logits[-1]
         ttft = time.perf_counter() - started
         reply: list[int] = []
@@ -163,9 +168,9 @@ class TransformersExecutor:
         if blend.positions is not None:
             if not blend.positions:
                 return ()
-            selected = torch.tensor(blend.positions, dtype=torch.long)
+            selected = torch.tensor(blend.positions, dtype=torch.long, device=self.device)
         elif count >= end - start:
-            selected = torch.arange(start, end)
+            selected = torch.arange(start, end, device=self.device)
         else:
             real = self._check_keys(token_ids, prefix, blend)
             injected = prefix.keys[blend.check_layer, :, start:end].to(real.dtype)
@@ -203,16 +208,16 @@ class TransformersExecutor:
         through every layer, then their KV replaces the injected KV at their positions."""
         k = selected.numel()
         dtype = self.kv_dtype
-        cached = torch.arange(end)
-        stale = torch.zeros(end, dtype=torch.bool)
+        cached = torch.arange(end, device=self.device)
+        stale = torch.zeros(end, dtype=torch.bool, device=self.device)
         stale[selected] = True
         # query i (position p_i) sees injected KV at j < p_i unless j is selected, and selected
         # tokens m <= i (their fresh KV is appended after the cache, at cache index end + m).
         sees_cached = (cached[None, :] < selected[:, None]) & ~stale[None, :]
-        sees_fresh = torch.ones(k, k, dtype=torch.bool).tril()
+        sees_fresh = torch.ones(k, k, dtype=torch.bool, device=self.device).tril()
         allowed = torch.cat([sees_cached, sees_fresh], dim=1)
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
-        input_ids = torch.tensor([[token_ids[int(p)] for p in selected]], dtype=torch.long)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+        input_ids = torch.tensor([[token_ids[int(p)] for p in selected]], dtype=torch.long, device=self.device)
         self.model(
             input_ids=input_ids, position_ids=selected[None], attention_mask=mask,
             past_key_values=cache, use_cache=True, logits_to_keep=1,

@@ -129,10 +129,11 @@ def _candidate(module: torch.nn.Module, head_dim: int, interleaved: bool) -> Rot
 
 def _keys(model: torch.nn.Module, ids: torch.Tensor, start: int) -> torch.Tensor:
     """Cached keys of ``ids`` placed at ``[start, start + T)``: ``[layers, kv_heads, T, head_dim]``,
-    in the dtype the model caches them in."""
-    positions = torch.arange(start, start + ids.shape[-1])[None]
+    in the dtype the model caches them in, on the model's device."""
+    device = next(model.parameters()).device
+    positions = torch.arange(start, start + ids.shape[-1], device=device)[None]
     with torch.no_grad():
-        out = model(input_ids=ids[None], position_ids=positions, use_cache=True)
+        out = model(input_ids=ids[None].to(device), position_ids=positions, use_cache=True)
     return torch.stack([layer.keys[0] for layer in out.past_key_values.layers])
 
 

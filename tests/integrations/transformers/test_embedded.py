@@ -142,3 +142,28 @@ def test_loaded_model_greedily_answers(model_and_tokenizer) -> None:
         output = model.generate(**inputs, max_new_tokens=20, do_sample=False)
     reply = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in reply
+
+
+def test_parse_device_takes_cpu_and_visible_cuda_devices_and_refuses_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcomm.integrations.transformers.embedded import parse_device
+
+    assert parse_device(None) == parse_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"--device cuda: torch sees 0 CUDA device\(s\).*use --device cpu"):
+        parse_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert parse_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"--device cuda:2: torch sees 2 CUDA device"):
+        parse_device("cuda:2")
+    with pytest.raises(ValueError, match="is not a torch device name; use cpu, cuda or cuda:N"):
+        parse_device("gpu0")
+    with pytest.raises(ValueError, match="on cpu or cuda devices only"):
+        parse_device("meta")
+
+
+def test_load_executor_refuses_a_device_for_vllm_before_loading_anything() -> None:
+    from kvcomm.integrations.executors import load_executor
+
+    with pytest.raises(ValueError, match="--device cuda applies to --backend transformers; vLLM runs its model on its own"):
+        load_executor(None, "vllm", "float32", "cuda")
