@@ -79,5 +79,5 @@ def kv_digest(kv: KV) -> str:
     h = hashlib.blake2b(digest_size=16)
     h.update(repr((tuple(kv.keys.shape), str(kv.keys.dtype), str(kv.values.dtype))).encode())
     for t in (kv.keys, kv.values):
-        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()

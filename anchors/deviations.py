@@ -69,9 +69,9 @@ class WeightedDeviations:
         if onto is None:
             like = self.parts[0].keys
             shape = (self.layers, *like.shape[1:])
-            onto = KV(torch.zeros(shape, dtype=torch.float32), torch.zeros(shape, dtype=torch.float32))
+            onto = KV(*(torch.zeros(shape, dtype=torch.float32, device=like.device) for _ in range(2)))
         layers = onto.keys.shape[0]
-        block = block_layers(layers, onto.keys[0].numel() * onto.keys.element_size())
+        block = block_layers(layers, onto.keys[0].numel() * onto.keys.element_size(), onto.keys.device)
         for name in ("keys", "values"):
             target = getattr(onto, name)
             for start in range(0, layers, block):
@@ -90,7 +90,7 @@ class WeightedDeviations:
         for name in ("keys", "values"):
             center = getattr(mean, name)[self.first_layer :]
             length = center.shape[2]
-            total = torch.zeros(center.shape[1], length, dtype=torch.float32)
+            total = torch.zeros(center.shape[1], length, dtype=torch.float32, device=center.device)
             for part, w in zip(self.parts, self.key_weights if name == "keys" else self.value_weights):
                 gap = getattr(part, name)[:, :, :length].float() - center
                 total += (gap.square_() * w).sum(dim=(0, 3))

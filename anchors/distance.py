@@ -38,7 +38,7 @@ def value_l2_many(anchors: Sequence[KV], new: KV, ns: Sequence[int], heads: Head
     if not anchors:
         return []
     layers, local_heads, _, dim = new.values.shape
-    channels = torch.empty(len(anchors), layers, local_heads, dim, dtype=torch.float32)
+    channels = torch.empty(len(anchors), layers, local_heads, dim, dtype=torch.float32, device=new.values.device)
     for channel, anchor, n in zip(channels, anchors, ns):
         for start, end, d in _difference_blocks(anchor.values, new.values, n):
             torch.sum(d.mul_(d), 2, out=channel[start:end])
@@ -117,10 +117,11 @@ def estimate_distances_many(
     layers, local_heads, _, dim = new.keys.shape
     if not anchors:
         return []
-    token = [torch.empty(2, layers, local_heads, n, dtype=torch.float32) for n in ns]
-    channel = torch.empty(len(anchors), 2, layers, local_heads, dim, dtype=torch.float32)
-    block = block_layers(layers, local_heads * max(ns) * dim * 4)
-    scratch = torch.empty(block * local_heads * max(ns) * dim, dtype=torch.float32)
+    device = new.keys.device
+    token = [torch.empty(2, layers, local_heads, n, dtype=torch.float32, device=device) for n in ns]
+    channel = torch.empty(len(anchors), 2, layers, local_heads, dim, dtype=torch.float32, device=device)
+    block = block_layers(layers, local_heads * max(ns) * dim * 4, device)
+    scratch = torch.empty(block * local_heads * max(ns) * dim, dtype=torch.float32, device=device)
     for i, name in enumerate(("keys", "values")):
         if not keys and name == "keys":
             continue
@@ -157,8 +158,8 @@ def _difference_blocks(a: torch.Tensor, b: torch.Tensor, n: int):
     """Yield ``(start, end, a[start:end, :, :n] - b[start:end, :, :n])`` over blocks of layers,
     in fp32, each written into the same scratch buffer (valid until the next block)."""
     layers, heads, _, dim = a.shape
-    block = block_layers(layers, heads * n * dim * 4)
-    scratch = torch.empty(block, heads, n, dim, dtype=torch.float32)
+    block = block_layers(layers, heads * n * dim * 4, b.device)
+    scratch = torch.empty(block, heads, n, dim, dtype=torch.float32, device=b.device)
     for start in range(0, layers, block):
         end = min(start + block, layers)
         d = scratch[: end - start]

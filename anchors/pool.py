@@ -256,7 +256,8 @@ class AnchorPool:
         l2 = torch.stack(l2 if l2 is not None else value_l2_many([a.base for a in compatible], base, counts, self.heads))
         per_token = base.values.shape[0] * base.values.shape[1] * self.heads.size * base.values.shape[3]
         cfg = self.config
-        logits = admission_logits(l2, torch.tensor(counts) * per_token, cfg.admission_distance, cfg.admission_temperature)
+        logits = admission_logits(l2, torch.tensor(counts, device=l2.device) * per_token, cfg.admission_distance,
+                                  cfg.admission_temperature)
         # fp64 and a rounding tolerance: in fp32 a uniform p has an entropy just above
         # log(n), so gamma = 1 (which must always reuse) would never reuse.
         return torch.softmax(logits, dim=0)
@@ -322,7 +323,7 @@ class AnchorPool:
         following_parts = None if any(d.following is None for d in deviations) else tuple(
             _from_layer(d.following, first - d.first_layer) for d in deviations)
         if match.identical:
-            one = torch.ones((), dtype=torch.float32)
+            one = torch.ones((), dtype=torch.float32, device=base.keys.device)
             return (WeightedDeviations(shared_parts, (one,), (one,), first),
                     None if following_parts is None else WeightedDeviations(following_parts, (one,), (one,), first))
         tau = self.config.temperature
@@ -331,7 +332,7 @@ class AnchorPool:
         )
         wk = torch.softmax(-torch.stack([d.token_keys[:n] for d in dist]) / tau, dim=0)  # [A, n]
         wv = torch.softmax(-torch.stack([d.token_values[:n] for d in dist]) / tau, dim=0)
-        ak, av = self._factors(match.slot, "shared", shrink, first)
+        ak, av = self._factors(match.slot, "shared", shrink, first, wk.device)
         shared = WeightedDeviations(
             shared_parts, tuple(wk[:, None, None, :, None] * ak), tuple(wv[:, None, None, :, None] * av), first,
         )
@@ -342,7 +343,7 @@ class AnchorPool:
             rms = [math.sqrt(d.token_keys.shape[0]) for d in dist]
             fk = torch.softmax(-torch.stack([d.channel_keys[first:] / r for d, r in zip(dist, rms)]) / tau, dim=0)  # [A, L', H, D]
             fv = torch.softmax(-torch.stack([d.channel_values[first:] / r for d, r in zip(dist, rms)]) / tau, dim=0)
-            ak, av = self._factors(match.slot, "following", shrink, first)
+            ak, av = self._factors(match.slot, "following", shrink, first, fk.device)
             following = WeightedDeviations(
                 following_parts, tuple(fk[:, :, :, None, :] * ak), tuple(fv[:, :, :, None, :] * av), first
             )
@@ -362,23 +363,24 @@ class AnchorPool:
         shared, following = self.estimate_terms(match, base, shrink=False)
         terms = [shared] + ([following] if following is not None else [])
         if len(match.anchors) == 1:
-            zeros = torch.zeros(sum(t.parts[0].length for t in terms))
+            zeros = torch.zeros(sum(t.parts[0].length for t in terms), device=base.keys.device)
             return zeros, zeros.clone()
         partials = [spread for term in terms for spread in term.spread()]  # [heads, T] each
         summed = [p.sum(dim=0) for p in self.heads.gather(partials, [0] * len(partials))]
         return torch.cat(summed[0::2]), torch.cat(summed[1::2])
 
-    def _factors(self, slot: SlotKey, part: str, shrink: bool, first_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _factors(self, slot: SlotKey, part: str, shrink: bool, first_layer: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-layer (key, value) factors broadcastable against per-anchor weights: fp32
         ``[layers - first_layer, 1, 1, 1]`` each (model layers ``first_layer..``), or scalars
         when not shrinking (yet). ``shrink``: the served estimate (fitted factors times
-        ``estimate_scale``); False: the raw one."""
+        ``estimate_scale``); False: the raw one. On ``device`` (the weights')."""
         fit = self.fits.get((slot, part)) if shrink and self.config.shrinkage else None
         factors = fit.factors(self.config.shrinkage_min_pairs) if fit is not None else None
-        scale = torch.tensor(self.config.estimate_scale if shrink else 1.0, dtype=torch.float32)
+        scale = torch.tensor(self.config.estimate_scale if shrink else 1.0, dtype=torch.float32, device=device)
         if factors is None:
             return scale, scale
-        return (factors[0][first_layer:, None, None, None] * scale, factors[1][first_layer:, None, None, None] * scale)
+        return tuple(f.to(device)[first_layer:, None, None, None] * scale for f in factors)
 
     def observe(self, match: Match, base: KV, real_shared: KV, real_following: KV | None = None) -> None:
         """Fit the slot's shrinkage on one segment seen densely: compare what ``match`` would have

@@ -56,15 +56,15 @@ class ShrinkageFit:
             raise ValueError(f"estimate {tuple(estimate.keys.shape)} and real deviation {tuple(real.keys.shape)} differ in shape")
         if skip:
             estimate = KV(estimate.keys[skip:], estimate.values[skip:])
-        per_head = torch.empty(3, 2, *estimate.keys.shape[:2], dtype=torch.float64)  # [sum, row, layers, heads]
+        per_head = torch.empty(3, 2, *estimate.keys.shape[:2], dtype=torch.float64, device=estimate.keys.device)  # [sum, row, layers, heads]
         for row, (e, r) in enumerate(((estimate.keys, real.keys), (estimate.values, real.values))):
             e, r = e.double().flatten(2), r.double().flatten(2)
             per_head[0, row], per_head[1, row], per_head[2, row] = (e * r).sum(2), (e * e).sum(2), (r * r).sum(2)
         (per_head,) = heads.gather([per_head], [3])
         cross, estimate_sq, real_sq = per_head.sum(3)
-        self.cross[:, skip:] += cross
-        self.estimate_sq[:, skip:] += estimate_sq
-        self.real_sq[:, skip:] += real_sq
+        self.cross[:, skip:] += cross.cpu()  # the sums stay in host memory: a few numbers per layer
+        self.estimate_sq[:, skip:] += estimate_sq.cpu()
+        self.real_sq[:, skip:] += real_sq.cpu()
         self.pairs += 1
 
     def factors(self, min_pairs: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -25,6 +25,13 @@ def reuse_layout(plan: ReusePlan) -> tuple[tuple[int, int, int, int] | None, tor
     return (layers, heads, plan.reuse_end, dim), like.keys.dtype, like.values.dtype
 
 
+def reuse_device(plan: ReusePlan) -> torch.device:
+    """The device of the KV a plan reuses (its exact prefix's or first piece's): the engine keeps
+    its bases, deviations and prefixes where the executor handed it their KV, and assembles there."""
+    like = plan.exact_kv if plan.exact_kv is not None else plan.pieces[0].base
+    return like.keys.device
+
+
 def assemble(plan: ReusePlan, out: KV, rotary: Rotary) -> KV:
     """Write KV for prompt tokens ``[0, plan.reuse_end)`` into ``out`` (``reuse_layout(plan)``),
     keys rotated at their positions, and return ``out``.
@@ -51,10 +58,10 @@ def _place(out: KV, base: KV, start: int, deviations: WeightedDeviations | None,
     """Write position-free ``base`` (plus ``deviations``, if any) realigned to ``[start, start + T)`` of ``out``."""
     target = out.span(start, start + base.length)
     layers, heads, length, dim = base.keys.shape
-    block = block_layers(layers, heads * length * dim * 4)
+    block = block_layers(layers, heads * length * dim * 4, out.keys.device)
     at = positions(start, length)
-    cos_sin = rotary.cos_sin(at)
-    keys = torch.empty(block, heads, length, dim, dtype=torch.float32)
+    cos_sin = rotary.cos_sin(at, out.keys.device)
+    keys = torch.empty(block, heads, length, dim, dtype=torch.float32, device=out.keys.device)
     values = None if target.values.dtype == torch.float32 else torch.empty_like(keys)
     for first in range(0, layers, block):
         last = min(first + block, layers)

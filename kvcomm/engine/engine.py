@@ -22,7 +22,7 @@ import torch
 from kvcomm.anchors.anchor import Deviation, kv_digest
 from kvcomm.anchors.index import Embedder, KVEmbedding
 from kvcomm.anchors.pool import AnchorPool, PoolConfig
-from kvcomm.engine.assemble import assemble, reuse_layout
+from kvcomm.engine.assemble import assemble, reuse_device, reuse_layout
 from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV, place, to_position_free
 from kvcomm.engine.plan import BlendRequest, EstimatedPiece, ReusePlan
@@ -476,7 +476,9 @@ class ReuseEngine:
         shape, key_dtype, value_dtype = reuse_layout(plan)
         if shape is None:
             return None
-        return assemble(plan, KV(torch.empty(shape, dtype=key_dtype), torch.empty(shape, dtype=value_dtype)), self.rotary)
+        device = reuse_device(plan)
+        return assemble(plan, KV(torch.empty(shape, dtype=key_dtype, device=device),
+                                 torch.empty(shape, dtype=value_dtype, device=device)), self.rotary)
 
     @contextmanager
     def materialized(self, plan: ReusePlan) -> Iterator[KV | None]:
@@ -487,7 +489,7 @@ class ReuseEngine:
         if shape is None:
             yield None
             return
-        with self.workspace.lease(shape, key_dtype, value_dtype) as out:
+        with self.workspace.lease(shape, key_dtype, value_dtype, reuse_device(plan)) as out:
             yield assemble(plan, out, self.rotary)
 
     # -- learn -------------------------------------------------------------------------------

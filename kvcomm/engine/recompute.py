@@ -30,13 +30,13 @@ def disagreement_positions(plan: ReusePlan, ratio: float, boundary: int) -> tupl
     plan's estimated tokens, plus the same for values; ties go to the earlier token."""
     start, end = plan.exact_length, plan.reuse_end
     count = ratio_count(ratio, end - start)
-    keys, values = torch.zeros(end - start), torch.zeros(end - start)
+    keys, values = torch.zeros(end - start), torch.zeros(end - start)  # host: a few floats per token
     first: list[int] = []
     for piece in plan.pieces:
         if piece.match is None:  # a realigned base: no anchors to disagree, only its first tokens
             first += range(piece.start, piece.start + min(boundary, piece.base.length))
             continue
-        k, v = piece.pool.disagreement(piece.match, piece.base)
+        k, v = (t.cpu() for t in piece.pool.disagreement(piece.match, piece.base))
         spans = [(piece.start, 0, piece.base.length)]
         if piece.following_base is not None:
             spans.append((piece.following_start, piece.base.length, piece.following_base.length))

@@ -47,27 +47,31 @@ class KVWorkspace:
             return sum(b.numel() for b in self._idle)
 
     @contextmanager
-    def lease(self, shape: tuple[int, int, int, int], key_dtype: torch.dtype, value_dtype: torch.dtype) -> Iterator[KV]:
-        """Contiguous uninitialized KV of ``shape`` ``[layers, kv_heads, tokens, head_dim]`` for the
-        ``with`` block: an idle buffer's memory when one is large enough, else new memory."""
+    def lease(self, shape: tuple[int, int, int, int], key_dtype: torch.dtype, value_dtype: torch.dtype,
+              device: torch.device | str = "cpu") -> Iterator[KV]:
+        """Contiguous uninitialized KV of ``shape`` ``[layers, kv_heads, tokens, head_dim]`` on
+        ``device`` for the ``with`` block: an idle buffer's memory there when one is large enough,
+        else new memory."""
         elements = shape[0] * shape[1] * shape[2] * shape[3]
         key_bytes = -(-elements * key_dtype.itemsize // _ALIGN) * _ALIGN
         needed = key_bytes + elements * value_dtype.itemsize
-        buffer = self._take(needed)
+        buffer = self._take(needed, torch.device(device))
         try:
             yield KV(buffer[: elements * key_dtype.itemsize].view(key_dtype).view(shape),
                      buffer[key_bytes:needed].view(value_dtype).view(shape))
         finally:
             self._give_back(buffer)
 
-    def _take(self, nbytes: int) -> torch.Tensor:
-        """The smallest idle buffer of >= ``nbytes``, else a new one with room to grow: prompts
-        in a pipeline lengthen agent by agent, and pages never written cost no memory."""
+    def _take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """The smallest idle buffer of >= ``nbytes`` on ``device``, else a new one with room to
+        grow: prompts in a pipeline lengthen agent by agent, and pages never written cost no memory."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         with self._lock:
             for i, buffer in enumerate(self._idle):
-                if buffer.numel() >= nbytes:
+                if buffer.numel() >= nbytes and buffer.device == device:
                     return self._idle.pop(i)
-        return torch.empty(-(-nbytes * 5 // 4 // _GROWTH_STEP) * _GROWTH_STEP, dtype=torch.uint8)
+        return torch.empty(-(-nbytes * 5 // 4 // _GROWTH_STEP) * _GROWTH_STEP, dtype=torch.uint8, device=device)
 
     def _give_back(self, buffer: torch.Tensor) -> None:
         """Keep ``buffer`` idle if it fits under the cap, dropping smaller idle buffers to make room

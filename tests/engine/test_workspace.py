@@ -101,3 +101,18 @@ def test_threads_leasing_at_once_never_see_each_others_writes():
         t.join()
     assert not errors
     assert 0 < workspace.idle_bytes <= 64 << 20
+
+
+def test_a_lease_is_on_the_asked_device_and_never_lends_another_devices_buffer():
+    """The engine assembles on the device its KV lives on (a GPU's memory for a model there):
+    a buffer kept idle for one device is never lent for another ("meta" stands in for a second
+    device on a machine without one)."""
+    workspace = KVWorkspace(1 << 20)
+    with workspace.lease((2, 2, 8, 4), torch.float32, torch.float32, "meta") as on_meta:
+        assert on_meta.keys.device.type == on_meta.values.device.type == "meta"
+    assert workspace.idle_bytes > 0
+    with workspace.lease((2, 2, 8, 4), torch.float32, torch.float32) as on_cpu:
+        assert on_cpu.keys.device.type == "cpu"
+        on_cpu.keys.fill_(1.0)  # real memory
+    with workspace.lease((2, 2, 8, 4), torch.float32, torch.float32, "meta") as again:
+        assert again.keys.device.type == "meta"
