@@ -1,0 +1,265 @@
+"""The kvcomm core on a CUDA GPU without vLLM: RoPE realignment, the transformers executor and
+the reuse engine in fp32, bf16 and fp16.
+
+    python benchmarks/gpu_core_check.py [--device cuda] [--tokenizer DIR] [--json PATH]
+
+``gpu_check.py`` checks the vLLM plugin on a GPU; this one checks what runs on torch and
+transformers alone, so it also runs where vLLM's GPU build cannot be installed (a machine
+without a package registry). Models are random, built from configs (nothing is downloaded):
+the checks are about arithmetic and data paths, not answers. The tokenizer is the embedded
+SmolLM2's (``--tokenizer``: a folder saved with ``save_pretrained``; default: the embedded one).
+
+1. ``selfcheck[VARIANT,DTYPE]``: ``rotary_from_model`` passes on the device for a tiny model of
+   every RoPE variant of ``tests/core/test_rope.py`` (default, linear, dynamic NTK, llama3, yarn,
+   longrope, partial rotary, interleaved) in fp32, bf16 and fp16; the row gives the max
+   realignment error as a share of the dtype's tolerance. ``control[DTYPE]``: a rotary with the
+   wrong theta fails the same check (the check can fail).
+2. ``exact[DTYPE]``: a dense prefill on the device; then the dense KV of the first n - 1 prompt
+   tokens is injected: the first reply token's log-probabilities within the dtype's rounding
+   (64 ulps; 1e-4 in fp32) and, in fp32, the same greedy reply. In bf16/fp16 the reply is
+   reported, not checked: a one-token forward over a cache rounds differently from a full
+   prefill on a GPU (other attention kernels), and a random model's near-ties can flip.
+3. ``cpu=device[MODE]``: the two-agent pipeline of ``tests/support/two_agent_case.py`` in fp32
+   through ``run_row`` with a reuse engine in modes realign, kvcomm and cacheblend, on the CPU and
+   on the device with the same weights: the same decisions (provenance) and replies.
+4. ``ttft[SHAPE:DTYPE]``: the demo's review pipeline (5 documents of ~1K tokens, 4 agents) on a
+   random Llama of each ``--ttft`` shape and dtype (``SHAPES``), dense vs kvcomm at the demo's settings, calls alternating as in
+   `kvcomm demo`: total TTFT over all 20 calls, misses included, and the token split, after an
+   untimed run of three rows on a throwaway engine (first-use costs). Printed, not checked.
+
+One line per check (PASS/FAIL/INFO); exit status 0 only when no check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))  # the RoPE variants and the two-agent pipeline the test suite uses
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SHAPES = {
+    "1.7b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
+                 num_key_value_heads=32, max_position_embeddings=8192),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, max_position_embeddings=8192),
+    "tiny": {},
+}
+"""Model shapes the TTFT step times (random weights): SmolLM2-1.7B's (full multi-head KV) and
+Llama-3-8B's (grouped KV heads), big enough that a GPU prefill is not all launch overhead;
+``tiny`` is the 2-layer test model (a quick run of the step)."""
+
+
+def _tokenizer(folder: str | None):
+    if folder is None:
+        from support.tokenizer import embedded_tokenizer
+
+        return embedded_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def _llama(tokenizer, dtype: torch.dtype, device: str, seed: int = 0, init_on_device: bool = False, **shape):
+    """A random Llama with ``tokenizer``'s vocabulary: tiny unless ``shape`` says otherwise.
+    Initialized on the CPU (the same weights on every device for a seed) unless ``init_on_device``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        **{**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=2048), **shape},
+    )
+    torch.manual_seed(seed)
+    with torch.device(device if init_on_device else "cpu"):
+        model = LlamaForCausalLM(config)
+    return model.to(dtype).to(device).eval()
+
+
+def selfcheck_rows(device: str) -> list[tuple[str, str, str]]:
+    from core.test_rope import VARIANTS, build
+
+    from kvcomm.core.rope import RopeError
+    from kvcomm.integrations.transformers.rotary import rotary_from_model, self_check
+
+    rows = []
+    for name, dtype in DTYPES.items():
+        for variant in VARIANTS:
+            model = build(variant).to(dtype).to(device)
+            try:
+                rotary, check = rotary_from_model(model)
+            except RopeError as error:
+                rows.append((f"selfcheck[{variant.name},{name}]", "FAIL", str(error)[:160]))
+                continue
+            share = check.max_abs_error / (check.tolerance * max(1.0, check.key_scale))
+            rows.append((f"selfcheck[{variant.name},{name}]", "PASS",
+                         f"max error {check.max_abs_error:.3g} = {share:.0%} of tolerance"))
+        model = build(VARIANTS[0]).to(dtype).to(device)
+        right = rotary_from_model(model)[0]
+        check = self_check(model, replace(right, inv_freq=right.inv_freq * 1.01))
+        rows.append((f"control[{name}]", "FAIL" if check.passed else "PASS",
+                     f"1% wrong frequencies: error {check.max_abs_error:.3g} vs tolerance "
+                     f"{check.tolerance * max(1.0, check.key_scale):.3g}"))
+    return rows
+
+
+def exact_rows(tokenizer, device: str) -> list[tuple[str, str, str]]:
+    from kvcomm.integrations.transformers.executor import TransformersExecutor
+
+    rows = []
+    ids = tokenizer.encode("The harbour log lists ferries, crates and passengers. " * 20, add_special_tokens=False)
+    for name, dtype in DTYPES.items():
+        executor = TransformersExecutor(_llama(tokenizer, dtype, device, num_hidden_layers=4), tokenizer)
+        dense = executor.generate(ids, None, 12, keep_logprobs=True)
+        cut = len(ids) - 1
+        injected = executor.generate(ids, dense.computed.span(0, cut), 12, keep_logprobs=True)
+        gap = float((injected.prompt_logprobs[-1] - dense.prompt_logprobs[-1]).abs().max())
+        eps = torch.finfo(dtype).eps
+        ok = gap <= max(1e-4, 64 * eps) and (dtype != torch.float32 or injected.reply_ids == dense.reply_ids)
+        rows.append((f"exact[{name}]", "PASS" if ok else "FAIL",
+                     f"{cut} of {len(ids)} tokens injected: reply {'same' if injected.reply_ids == dense.reply_ids else 'differs'}, "
+                     f"last-token log-prob max |diff| {gap:.3g}"))
+    return rows
+
+
+def _pipeline_decisions(executor, mode: str) -> list[tuple]:
+    from support.two_agent_case import PIPELINE
+
+    from kvcomm.anchors.pool import PoolConfig
+    from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+    from kvcomm.engine.pipeline import parse_pipeline
+    from kvcomm.engine.runner import run_row
+
+    spec = parse_pipeline(PIPELINE)
+    engine = ReuseEngine(executor.rotary, ReuseConfig(mode=mode, pool=PoolConfig(gamma=1.0)))
+    out = []
+    for row in range(len(spec.inputs)):
+        for call in run_row(spec, row, executor, engine):
+            p = call.provenance
+            out.append((call.agent, row, p.exact_tokens, p.estimated_tokens, p.computed_tokens, p.note, call.reply_ids))
+    return out
+
+
+def device_agreement_rows(tokenizer, device: str) -> list[tuple[str, str, str]]:
+    from kvcomm.integrations.transformers.executor import TransformersExecutor
+
+    rows = []
+    on_cpu = TransformersExecutor(_llama(tokenizer, torch.float32, "cpu"), tokenizer)
+    on_device = TransformersExecutor(_llama(tokenizer, torch.float32, device), tokenizer)
+    for mode in ("realign", "kvcomm", "cacheblend"):
+        cpu, dev = _pipeline_decisions(on_cpu, mode), _pipeline_decisions(on_device, mode)
+        estimated = sum(c[3] for c in dev)
+        same = cpu == dev
+        rows.append((f"cpu=device[{mode}]", "PASS" if same and estimated > 0 else "FAIL",
+                     f"{len(dev)} calls, {estimated} tokens reused from the engine; decisions and replies "
+                     f"{'equal' if same else 'differ: ' + str(next((a, b) for a, b in zip(cpu, dev) if a != b))[:200]}"))
+    return rows
+
+
+def ttft_rows(tokenizer, device: str, dtype_name: str, shape_name: str) -> tuple[list[tuple[str, str, str]], dict]:
+    from kvcomm.anchors.pool import PoolConfig
+    from kvcomm.engine.engine import ReuseConfig
+    from kvcomm.engine.pipeline import load_bundled_pipeline
+    from kvcomm.eval.demo_report import demo_json
+    from kvcomm.integrations.cli import DEMO_GAMMA, DEMO_PIPELINE
+    from kvcomm.integrations.demo import DenseTransformers, run_demo
+    from kvcomm.integrations.transformers.executor import TransformersExecutor
+
+    model = _llama(tokenizer, DTYPES[dtype_name], device, init_on_device=True, **SHAPES[shape_name])
+    executor = TransformersExecutor(model, tokenizer)
+    spec = load_bundled_pipeline(DEMO_PIPELINE)
+    config = ReuseConfig(pool=PoolConfig(gamma=DEMO_GAMMA), base_source="first_use")
+    # an untimed run of the first three rows on an engine that is then dropped: CUDA loads each
+    # kernel, and the allocator grows its pool, on first use; a serving process has done both
+    run_demo(replace(spec, inputs=spec.inputs[:3]), executor, DenseTransformers(executor), config, progress=False)
+    calls, _ = run_demo(spec, executor, DenseTransformers(executor), config, progress=False)
+    report = demo_json(calls, {"device": torch.cuda.get_device_name(device) if device.startswith("cuda") else device,
+                               "dtype": dtype_name, "model_shape": shape_name})
+    s = report["summary"]
+    split = sum(c.exact_tokens for c in calls), sum(c.estimated_tokens for c in calls), sum(c.prompt_tokens for c in calls)
+    rows = [(f"ttft[{shape_name}:{dtype_name}]", "INFO",
+             f"{len(calls)} calls: dense {s['total_ttft_dense_s']:.3f} s vs kvcomm {s['total_ttft_reuse_s']:.3f} s total TTFT "
+             f"({s['total_ttft_speedup']:.2f}x); tokens exact {split[0]} + estimated {split[1]} of {split[2]}")]
+    for agent in report["agents"]:
+        rows.append((f"ttft[{shape_name}:{dtype_name},{agent['agent']}]", "INFO",
+                     f"p50 dense {1000 * agent['ttft_dense_p50_s']:.1f} ms, kvcomm {1000 * agent['ttft_reuse_p50_s']:.1f} ms; "
+                     f"p95 {1000 * agent['ttft_dense_p95_s']:.1f} / {1000 * agent['ttft_reuse_p95_s']:.1f} ms"))
+    return rows, report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="torch device to check (default cuda)")
+    parser.add_argument("--tokenizer", help="a saved tokenizer folder (default: the embedded SmolLM2's)")
+    parser.add_argument("--json", help="write every row and the TTFT reports here")
+    parser.add_argument("--ttft", nargs="+", default=["1.7b:bf16", "1.7b:fp32", "8b:bf16"], metavar="SHAPE:DTYPE",
+                        help=f"model shapes ({', '.join(SHAPES)}) and dtypes ({', '.join(DTYPES)}) the TTFT step times "
+                             "(default: 1.7b:bf16 1.7b:fp32 8b:bf16)")
+    parser.add_argument("--skip", nargs="*", default=[], choices=("selfcheck", "exact", "agreement", "ttft"),
+                        help="checks to leave out")
+    args = parser.parse_args(argv)
+    from kvcomm.integrations.transformers.embedded import parse_device
+
+    try:
+        device = str(parse_device(args.device))
+    except ValueError as error:
+        print(f"gpu_core_check: {error}", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (torch's default, stated)
+    tokenizer = _tokenizer(args.tokenizer)
+    print(f"== torch {torch.__version__}, device {device}"
+          + (f" ({torch.cuda.get_device_name(device)})" if device.startswith("cuda") else ""), flush=True)
+    steps = {"selfcheck": lambda: selfcheck_rows(device), "exact": lambda: exact_rows(tokenizer, device),
+             "agreement": lambda: device_agreement_rows(tokenizer, device)}
+    rows, reports, ok = [], {}, True
+    for name, step in steps.items():
+        if name in args.skip:
+            continue
+        started = time.perf_counter()
+        try:
+            got = step()
+        except Exception:  # one step failing must not hide the others
+            got = [(name, "FAIL", _failure())]
+        got.append((f"{name} time", "INFO", f"{time.perf_counter() - started:.1f} s"))
+        for row in got:
+            print(f"{row[1]:5} {row[0]:34} {row[2]}", flush=True)
+        rows += got
+    if "ttft" not in args.skip:
+        for setting in args.ttft:
+            shape, _, dtype_name = setting.partition(":")
+            if shape not in SHAPES or dtype_name not in DTYPES:
+                parser.error(f"--ttft {setting}: expected SHAPE:DTYPE with SHAPE in {', '.join(SHAPES)} and DTYPE in {', '.join(DTYPES)}")
+            try:
+                got, reports[setting] = ttft_rows(tokenizer, device, dtype_name, shape)
+            except Exception:
+                got = [(f"ttft[{setting}]", "FAIL", _failure())]
+            for row in got:
+                print(f"{row[1]:5} {row[0]:34} {row[2]}", flush=True)
+            rows += got
+    ok = all(verdict != "FAIL" for _, verdict, _ in rows)
+    print("ALL CHECKS HOLD" if ok else "SOME CHECKS FAILED", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": [asdict_row(r) for r in rows], "ttft": reports}, indent=1, default=str))
+    return 0 if ok else 1
+
+
+def _failure() -> str:
+    """The exception being handled and the innermost frames of its traceback, on one line."""
+    return " | ".join(line.strip() for line in traceback.format_exc(limit=-4).splitlines())[-1200:]
+
+
+def asdict_row(row: tuple[str, str, str]) -> dict:
+    return dict(zip(("check", "verdict", "detail"), row))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
