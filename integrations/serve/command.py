@@ -12,7 +12,20 @@ from pathlib import Path
 
 MIDDLEWARE = "kvcomm.integrations.serve.middleware.KvcommTenantMiddleware"
 STATE_SHUTDOWN_TIMEOUT_S = 30
-"""With --state-dir: vLLM's --shutdown-timeout (seconds the engine may take to stop) unless given."""
+"""With --state-dir: vLLM's --shutdown-timeout (seconds the engine may take to stop) and
+``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` (seconds a worker process may take to exit) unless given."""
+
+WORKER_SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
+"""vLLM's grace period for a worker process at shutdown (default 5 s), then SIGTERM and, 4 s
+later, SIGKILL: under vLLM's multiprocess engine the planner saves at exit in the worker, and a
+save of a few tenants on a busy machine can take longer than that."""
+
+
+def state_environment(state_dir: str | None, environ: dict) -> None:
+    """With a state folder, give vLLM's worker processes ``STATE_SHUTDOWN_TIMEOUT_S`` to exit
+    (``WORKER_SHUTDOWN_ENV`` in ``environ``, which they inherit) unless the user set it."""
+    if state_dir:
+        environ.setdefault(WORKER_SHUTDOWN_ENV, str(STATE_SHUTDOWN_TIMEOUT_S))
 
 
 def serve_argv(
@@ -84,6 +97,7 @@ def serve_command(args, vllm_args: list[str]) -> int:
               "max_tenant_bytes": args.max_tenant_bytes, "max_total_bytes": args.max_total_bytes}
     if args.state_dir:
         engine |= {"state_dir": str(Path(args.state_dir).resolve()), "save_interval_s": args.save_interval}
+    state_environment(args.state_dir, os.environ)
     sys.argv = serve_argv(args.model, not args.no_plan, args.slots, vllm_args, engine)
     shown = [("<hidden>" if a in keys else a) for a in sys.argv]
     tenants = f"{len(keys)} API keys, one tenant each" if keys and args.tenant_per_key else "one tenant"

@@ -90,3 +90,19 @@ def test_a_state_dir_gives_the_engine_time_to_save_at_exit():
     mine = serve_argv(None, True, None, ["--shutdown-timeout", "5"], state)
     assert mine.count("--shutdown-timeout") == 1 and mine[-2:] == ["--shutdown-timeout", "5"]
     assert "--shutdown-timeout" not in serve_argv(None, True, None, [], {"gamma": 1.0})  # no state: vLLM's default
+
+
+def test_a_state_dir_gives_the_worker_process_time_to_save_at_exit():
+    """Under vLLM's multiprocess engine the save at exit runs in the worker, which vLLM gives 5 s
+    before SIGTERM and SIGKILL: with --state-dir the worker gets STATE_SHUTDOWN_TIMEOUT_S; a
+    value the user set wins, and nothing is set without a state folder."""
+    from kvcomm.integrations.serve.command import STATE_SHUTDOWN_TIMEOUT_S, WORKER_SHUTDOWN_ENV, state_environment
+
+    environ: dict = {}
+    state_environment(None, environ)
+    assert environ == {}
+    state_environment("/tmp/state", environ)
+    assert environ == {WORKER_SHUTDOWN_ENV: str(STATE_SHUTDOWN_TIMEOUT_S)}
+    mine = {WORKER_SHUTDOWN_ENV: "7"}
+    state_environment("/tmp/state", mine)
+    assert mine == {WORKER_SHUTDOWN_ENV: "7"}
