@@ -33,6 +33,7 @@ One line per check (PASS/FAIL/INFO); exit status 0 only when no check fails.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -94,7 +95,7 @@ def selfcheck_rows(device: str) -> list[tuple[str, str, str]]:
     rows = []
     for name, dtype in DTYPES.items():
         for variant in VARIANTS:
-            model = build(variant).to(dtype).to(device)
+            model = copy.deepcopy(build(variant)).to(dtype).to(device)  # build() caches: never convert its model
             try:
                 rotary, check = rotary_from_model(model)
             except RopeError as error:
@@ -103,7 +104,7 @@ def selfcheck_rows(device: str) -> list[tuple[str, str, str]]:
             share = check.max_abs_error / (check.tolerance * max(1.0, check.key_scale))
             rows.append((f"selfcheck[{variant.name},{name}]", "PASS",
                          f"max error {check.max_abs_error:.3g} = {share:.0%} of tolerance"))
-        model = build(VARIANTS[0]).to(dtype).to(device)
+        model = copy.deepcopy(build(VARIANTS[0])).to(dtype).to(device)
         right = rotary_from_model(model)[0]
         check = self_check(model, replace(right, inv_freq=right.inv_freq * 1.01))
         rows.append((f"control[{name}]", "FAIL" if check.passed else "PASS",
