@@ -128,7 +128,7 @@ def _add_dtype_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                         help="model dtype: weights, activations and KV cache (default float32)")
     parser.add_argument("--device", help="where the transformers model runs: cpu (default), cuda or cuda:N; the "
-                        "engine's pools and bases stay in host memory (vLLM places its model itself)")
+                        "engine keeps its bases and anchors in that device's memory (vLLM places its model itself)")
 
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
