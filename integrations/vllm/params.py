@@ -8,6 +8,11 @@ Schema (JSON object; every key optional, unknown keys rejected)::
         "template": "<str>",                 # agent template id (default: "default")
         "tenant":   "<str>",                 # tenant key (default: "default"); `kvcomm serve`
                                              # with API keys overwrites it with the key's tenant
+        "calibrate": false,                  # true: reuse nothing, prefill densely and learn
+                                             # everything (each shared segment whose content
+                                             # has a base becomes an anchor of its slot, up to
+                                             # V): calibration traffic that fills the pools
+                                             # (server-side planning only, not with "handle")
         "segments": [                        # shared segments, sorted, non-overlapping;
                                              # absent: detected automatically (vllm.detect)
             {"start": 12, "end": 40,         # prompt token span [start, end), end <= prompt length
@@ -30,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Collection
 
 _SLOT = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
-_KEYS = {"handle", "template", "tenant", "segments"}
+_KEYS = {"handle", "template", "tenant", "segments", "calibrate"}
 MAX_TENANT_LENGTH = 256
 _SEGMENT_KEYS = {"start", "end", "slot", "id"}
 
@@ -56,6 +61,8 @@ class KvcommParams:
     segments: tuple[SpanAnnotation, ...] | None
     """None: not given, detect shared segments automatically."""
     tenant: str = "default"
+    calibrate: bool = False
+    """Reuse nothing and learn all the dense prefill reveals (``ReuseEngine.calibration_plan``)."""
 
 
 def _int(value: Any, where: str) -> int:
@@ -92,8 +99,14 @@ def parse_params(params: Any, prompt_len: int, known_slots: Collection[str] | No
         raise KvcommParamsError(
             f"kv_transfer_params.kvcomm.tenant must be a non-empty string of at most {MAX_TENANT_LENGTH} characters"
         )
+    calibrate = body.get("calibrate", False)
+    if not isinstance(calibrate, bool):
+        raise KvcommParamsError(f"kv_transfer_params.kvcomm.calibrate must be true or false, got {calibrate!r}")
+    if calibrate and handle is not None:
+        raise KvcommParamsError("kv_transfer_params.kvcomm.calibrate applies to server-side planning; with a handle the "
+                                "caller plans (calibrate there with kvcomm.run_agent(..., calibrate=True))")
     if "segments" not in body:
-        return KvcommParams(handle, template, None, tenant)
+        return KvcommParams(handle, template, None, tenant, calibrate)
     raw = body["segments"]
     if not isinstance(raw, list):
         raise KvcommParamsError(f"kv_transfer_params.kvcomm.segments must be a list, got {type(raw).__name__}")
@@ -123,4 +136,4 @@ def parse_params(params: Any, prompt_len: int, known_slots: Collection[str] | No
                 f"[{segments[-1].start}, {segments[-1].end}); give segments sorted and non-overlapping"
             )
         segments.append(SpanAnnotation(start, end, slot, shared_id))
-    return KvcommParams(handle, template, tuple(segments), tenant)
+    return KvcommParams(handle, template, tuple(segments), tenant, calibrate)

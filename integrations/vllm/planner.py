@@ -102,13 +102,17 @@ class ServerPlanner:
         self, token_ids: list[int], params: KvcommParams, salted: bool, max_tokens: int, tenant: str | None = None,
     ) -> PlannedRequest:
         """Plan and materialize; the order captures the prompt's computed tail and the reply.
-        Without annotated segments, known shared runs are detected in the prompt."""
+        Without annotated segments, known shared runs are detected in the prompt. A
+        ``calibrate`` request is planned by ``ReuseEngine.calibration_plan``: nothing is
+        reused (so it needs no cache salt) and everything its prefill reveals is learned."""
         tenant = params.tenant if tenant is None else tenant
         if params.segments is None:
             params = dataclasses.replace(params, segments=self.runs(tenant).find(token_ids))
         prompt = annotated_prompt(token_ids, params)
         engine = self.engine(tenant)
-        if not salted:
+        if params.calibrate:
+            plan = engine.calibration_plan(prompt)
+        elif not salted:
             plan = ReusePlan(prompt)
             if engine.config.exact_prefix:
                 length, kv = engine.prefix_store.longest(prompt)

@@ -17,13 +17,17 @@ def test_valid_annotations_parse_in_order():
         {"start": 2, "end": 5, "slot": "task"}, {"start": 5, "end": 9, "slot": "planner", "id": "p1"}]}}, 10)
     assert params.template == "critic" and params.handle is None
     assert params.segments == (SpanAnnotation(2, 5, "task"), SpanAnnotation(5, 9, "planner", "p1"))
-    assert params.tenant == "default"
+    assert params.tenant == "default" and params.calibrate is False
     assert parse_params({"kvcomm": {"tenant": "team-a"}}, 10).tenant == "team-a"
+    assert parse_params({"kvcomm": {"calibrate": True}}, 10).calibrate is True
 
 
 @pytest.mark.parametrize("body, message", [
     ([1], "must be a JSON object"),
     ({"segmnts": []}, "unknown keys ['segmnts']"),
+    ({"calibrate": "yes"}, "calibrate must be true or false, got 'yes'"),
+    ({"calibrate": 1}, "calibrate must be true or false, got 1"),
+    ({"calibrate": True, "handle": "h"}, "calibrate applies to server-side planning"),
     ({"segments": "0-4"}, "segments must be a list"),
     ({"segments": [{"start": "0", "end": 4, "slot": "task"}]}, "segments[0].start must be an integer"),
     ({"segments": [{"start": True, "end": 4, "slot": "task"}]}, "segments[0].start must be an integer"),

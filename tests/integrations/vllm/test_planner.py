@@ -16,9 +16,11 @@ from kvcomm.integrations.vllm.params import parse_params
 from kvcomm.integrations.vllm.planner import ServerPlanner
 
 
-def serve(planner: ServerPlanner, executor, ids: list[int], spans: list[dict], tenant: str, max_tokens: int = 3) -> dict:
+def serve(planner: ServerPlanner, executor, ids: list[int], spans: list[dict], tenant: str, max_tokens: int = 3,
+          template: str = "agent", calibrate: bool = False) -> dict:
     """One annotated request: plan, prefill with the planned prefix, capture, learn."""
-    params = parse_params({"kvcomm": {"template": "agent", "tenant": tenant, "segments": spans}}, len(ids))
+    body = {"template": template, "tenant": tenant, "segments": spans, "calibrate": calibrate}
+    params = parse_params({"kvcomm": body}, len(ids))
     planned = planner.prepare(ids, params, salted=True, max_tokens=max_tokens)
     reuse_end = planned.plan.reuse_end
     generation = executor.generate(ids, planned.order.inject, max_tokens)
@@ -92,3 +94,19 @@ def test_metrics_count_what_the_requests_reported(planner, tiny_executor):
         assert sample(source) - before[source] == sum(s[f"{source}_tokens"] for s in summaries)
     assert REGISTRY.get_sample_value("kvcomm_tenant_bytes", {"tenant": tenant_label("m")}) == planner.registry.nbytes
     assert REGISTRY.get_sample_value("kvcomm_anchors", {"slot": "task"}) == len(planner.engine("m").pools["task"])
+
+
+def test_calibration_requests_fill_a_pool_past_what_estimating_requests_leave_it(tiny_executor):
+    """Five contents, each seen once behind template "a" (its base), then behind template "b"
+    (another lead): ordinary requests stop adding anchors to the slot once it can estimate
+    (min_compatible 2), calibration requests reuse nothing and add every one of them."""
+    pools = {}
+    for calibrate in (False, True):
+        planner = ServerPlanner(tiny_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
+        for seed in range(5):
+            serve(planner, tiny_executor, *request(seed, 20, 6), "t", template="a")
+            second = serve(planner, tiny_executor, *request(seed, 20, 11), "t", template="b", calibrate=calibrate)
+            if calibrate:
+                assert second["exact_tokens"] == second["estimated_tokens"] == 0 and second["note"].startswith("calibration")
+        pools[calibrate] = len(planner.engine("t").pools["task"])
+    assert pools[False] == 2 and pools[True] == 5, pools
