@@ -36,9 +36,11 @@ class TransformersExecutor:
     float dtype is cast to it once on injection. The model may sit on any device (``device``,
     e.g. a CUDA GPU): the KV it returns lives there too, so an engine fed by it keeps its bases,
     deviations and prefixes in that device's memory and assembles reused KV there (a prefix
-    from elsewhere is copied over once per call); ``prompt_logprobs`` come back in host memory. Raises ``RopeError`` at construction if the
-    model's RoPE cannot be realigned to within its dtype's rounding (``transformers.rotary.self_check``);
-    use ``dense_only=True`` to run such a model without reuse.
+    from elsewhere is copied over once per call); ``prompt_logprobs`` come back in host memory.
+
+    Raises ``RopeError`` at construction if the model's RoPE cannot be realigned to within its
+    dtype's rounding (``transformers.rotary.self_check``); use ``dense_only=True`` to run such
+    a model without reuse.
     """
 
     def __init__(self, model, tokenizer, dense_only: bool = False):
