@@ -179,21 +179,15 @@ def reader_prompt(executor, ids):
     return build_prompt(executor, READER, {"task": Segment(ids, slot="task")})
 
 
-def admit(executor, engine, prompt):
-    """What run_agent does on a miss (dense prefill, learn the shared segment as an anchor),
-    forced: at gamma=1 a pool of >= 2 anchors would reuse instead of admitting."""
+def add_anchor(executor, engine, prompt):
+    """Make ``prompt``'s task an anchor of pool "task": a dense prefill, learned with the task's
+    standalone base. Forced: each synthetic text is seen once here, and ``run_agent`` would make
+    a first sight the content's base under ``base_source="first_use"`` (no anchor) and, at
+    gamma=1, reuse instead of admitting once the pool holds two anchors."""
     index = next(i for i, s in enumerate(prompt.segments) if s.is_shared)
     if not engine.has_base(prompt.segments[index].shared_id):
         engine.register_base(prompt.segments[index], executor.base_kv(prompt.segments[index]))
     engine.learn(ReusePlan(prompt, learn=[index]), executor.generate(prompt.token_ids, None, 1).computed)
-
-
-def add_anchor(executor, engine, prompt):
-    """Make ``prompt``'s task an anchor of pool "task": run_agent admits while the pool holds < 2, admit after."""
-    if len(engine.pool("task")) < 2:
-        run_agent(executor, engine, prompt, 1)
-    else:
-        admit(executor, engine, prompt)
 
 
 class PlainDistancePool(AnchorPool):
