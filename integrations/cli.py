@@ -11,7 +11,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine.engine import BASE_SOURCES, ReuseConfig, ReuseEngine
+from kvcomm.engine.engine import BASE_SOURCES, MODES, ReuseConfig, ReuseEngine
 from kvcomm.engine.pipeline import PipelineError, PipelineSpec, load_bundled_pipeline, load_pipeline
 from kvcomm.core.rope import RopeError
 from kvcomm.engine.runner import run_row
@@ -36,13 +36,18 @@ def run_side_by_side(spec: PipelineSpec, executor, config: ReuseConfig, progress
 def _cmd_run(args, spec: PipelineSpec) -> int:
     from kvcomm.eval.report import compare, format_table, to_json
 
+    if args.mode in BLEND_MODES and args.backend == "vllm":
+        raise ValueError(f"--mode {args.mode} recomputes selected tokens inside the reused KV, which the transformers "
+                         "executor does and the vLLM connector does not: use --backend transformers, or --mode "
+                         f"{'kvcomm' if args.mode == 'kvblend' else 'realign'} (the same plan without the recompute)")
+    config = ReuseConfig(pool=PoolConfig(gamma=args.gamma, max_anchors=args.max_anchors), base_source=args.base_source,
+                         mode=args.mode)
     executor, model_path = load_executor(args.model, args.backend, args.dtype, args.device)
-    config = ReuseConfig(pool=PoolConfig(gamma=args.gamma, max_anchors=args.max_anchors), base_source=args.base_source)
     dense, reuse, engine = run_side_by_side(spec, executor, config, progress=not args.json)
     calls = compare(dense, reuse)
     if args.json:
         meta = {"model": model_path, "backend": args.backend, "dtype": args.dtype, "device": args.device or "cpu",
-                "gamma": args.gamma, "max_anchors": args.max_anchors,
+                "mode": args.mode, "gamma": args.gamma, "max_anchors": args.max_anchors,
                 "base_source": args.base_source,
                 "anchors": {slot: len(pool) for slot, pool in engine.pools.items()}}
         print(json.dumps(to_json(calls, meta), indent=2))
@@ -51,6 +56,9 @@ def _cmd_run(args, spec: PipelineSpec) -> int:
         print(f"anchors per slot: {', '.join(f'{s}={len(p)}' for s, p in engine.pools.items())}")
     return 0
 
+
+BLEND_MODES = ("kvblend", "cacheblend")
+"""Modes whose executor recomputes part of the injected KV (``ReusePlan.blend``): transformers only."""
 
 DEMO_PIPELINE = "review"
 DEMO_GAMMA = 1.0
@@ -150,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a pipeline JSON dense and with reuse, side by side")
     run.add_argument("pipeline", help="pipeline JSON file")
     _add_run_options(run)
+    run.add_argument("--mode", choices=MODES, default=ReuseConfig.mode,
+                     help="reuse mode (default kvcomm: anchor estimates, the most reuse); kvblend: the same plan, then "
+                     "15%% of the estimated tokens recomputed (CacheBlend's selection), lower KL at less reuse; "
+                     "realign, cacheblend, exact: the baselines (docs/evaluation.md). kvblend and cacheblend need "
+                     "--backend transformers")
     demo = sub.add_parser("demo", help="the bundled document-review pipeline through kvcomm and through stock vLLM "
                           "(prefix caching on) side by side, with a chart")
     _add_run_options(demo)

@@ -10,13 +10,14 @@ import pytest
 from kvcomm.integrations.cli import main
 
 CALL_FIELDS = {
-    "agent", "input_index", "prompt_tokens", "exact_tokens", "estimated_tokens", "computed_tokens", "reused",
-    "fallback", "ttft_dense_s", "ttft_reuse_s", "reply_equal", "note", "dense_reply", "reuse_reply",
+    "agent", "input_index", "prompt_tokens", "exact_tokens", "estimated_tokens", "computed_tokens", "recomputed_tokens",
+    "reused", "fallback", "ttft_dense_s", "ttft_reuse_s", "reply_equal", "note", "dense_reply", "reuse_reply",
 }
 SUMMARY_FIELDS = {
     "calls", "prompt_tokens", "exact_tokens", "estimated_tokens", "computed_tokens", "token_reuse_rate",
     "estimated_token_rate", "agent_reuse_rate", "fallback_rate", "reply_agreement_rate", "mean_ttft_speedup",
     "ttft_speedup_ceiling", "ttft_dense_p50_s", "ttft_dense_p95_s", "ttft_reuse_p50_s", "ttft_reuse_p95_s",
+    "recomputed_tokens", "total_ttft_dense_s", "total_ttft_reuse_s", "total_ttft_speedup",
 }
 
 

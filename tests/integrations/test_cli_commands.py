@@ -110,6 +110,11 @@ def test_run_json_numbers_follow_from_the_calls(tiny_llama, pipeline_file, token
     assert summary["reply_agreement_rate"] == pytest.approx(statistics.fmean(c["reply_equal"] for c in calls))
     with_reuse = [c for c in calls if c["exact_tokens"] + c["estimated_tokens"] > 0]
     assert summary["mean_ttft_speedup"] == pytest.approx(statistics.fmean(c["ttft_dense_s"] / c["ttft_reuse_s"] for c in with_reuse))
+    totals = {side: sum(c[f"ttft_{side}_s"] for c in calls) for side in ("dense", "reuse")}  # misses included
+    assert summary["total_ttft_dense_s"] == pytest.approx(totals["dense"])
+    assert summary["total_ttft_reuse_s"] == pytest.approx(totals["reuse"])
+    assert summary["total_ttft_speedup"] == pytest.approx(totals["dense"] / totals["reuse"])
+    assert report["mode"] == "kvcomm" and summary["recomputed_tokens"] == 0 == sum(c["recomputed_tokens"] for c in calls)
     for side in ("dense", "reuse"):
         times = [c[f"ttft_{side}_s"] for c in calls]
         assert summary[f"ttft_{side}_p50_s"] == pytest.approx(float(np.percentile(times, 50)))
@@ -147,8 +152,35 @@ def test_run_max_anchors_caps_every_pool_and_the_table_matches_its_rows(tiny_lla
     same = sum(r[-1] == "yes" for r in rows) / len(rows)
     assert f"fallback rate {fallback:.1%}" in out[4 + 2 * ROWS] and f"reply agreement {same:.1%}" in out[4 + 2 * ROWS]
     assert f"(ceiling 1/(1-rho) = {1 / (1 - rho):.2f}x)" in out[5 + 2 * ROWS]
+    dense_s, reuse_s = (sum(int(r[k]) for r in rows) / 1000 for k in (7, 9))  # the rows' TTFT columns, whole ms
+    total = re.fullmatch(r"total TTFT over all calls, misses included: dense ([\d.]+) s, reuse ([\d.]+) s = ([\d.]+)x .*",
+                         out[5 + 2 * ROWS])
+    assert total, out[5 + 2 * ROWS]
+    assert float(total[1]) == pytest.approx(dense_s, abs=0.006 + len(rows) * 5e-4)
+    assert float(total[2]) == pytest.approx(reuse_s, abs=0.006 + len(rows) * 5e-4)
+    assert out[6 + 2 * ROWS].startswith("TTFT p50 / p95: dense ")
     anchors = dict(item.split("=") for item in re.sub(r"^anchors per slot: ", "", out[-1]).split(", "))
     assert int(anchors["doc"]) == ROWS  # the default V = 20 leaves one anchor per row
+
+
+def test_run_kvblend_recomputes_part_of_what_it_injects(tiny_llama, pipeline_file, capsys):
+    report = _run_json(capsys, pipeline_file, "--model", tiny_llama, "--gamma", "1", "--mode", "kvblend")
+    assert report["mode"] == "kvblend"
+    calls = report["calls"]
+    blended = [c for c in calls if c["recomputed_tokens"]]
+    assert blended, "gamma 1: later rows estimate, and kvblend recomputes some of those tokens"
+    for call in calls:
+        assert call["exact_tokens"] + call["estimated_tokens"] + call["computed_tokens"] == call["prompt_tokens"]
+        assert call["recomputed_tokens"] <= call["computed_tokens"]
+    assert report["summary"]["recomputed_tokens"] == sum(c["recomputed_tokens"] for c in calls)
+
+
+def test_run_refuses_a_blend_mode_on_vllm_before_loading_the_model(pipeline_file, tmp_path, capsys):
+    missing = str(tmp_path / "no-such-model")  # a load would fail with another message
+    for mode, instead in (("kvblend", "kvcomm"), ("cacheblend", "realign")):
+        assert main(["run", pipeline_file, "--model", missing, "--backend", "vllm", "--mode", mode]) == 2
+        err = capsys.readouterr().err
+        assert f"--mode {mode} recomputes" in err and "--backend transformers" in err and f"--mode {instead}" in err
 
 
 def _refused(capsys, folder: str) -> dict:
