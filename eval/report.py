@@ -41,7 +41,8 @@ def compare(dense: Sequence[AgentCall], reuse: Sequence[AgentCall]) -> list[Call
         p = r.provenance
         reports.append(CallReport(
             r.agent, r.input_index, p.prompt_tokens, p.exact_tokens, p.estimated_tokens, p.computed_tokens,
-            p.recomputed_tokens, p.reused, p.fallback, d.provenance.ttft_s, p.ttft_s, d.reply_ids == r.reply_ids, p.note, d.reply, r.reply,
+            p.recomputed_tokens, p.reused, p.fallback, d.provenance.ttft_s, p.ttft_s, d.reply_ids == r.reply_ids,
+            p.note, d.reply, r.reply,
         ))
     return reports
 

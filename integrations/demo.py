@@ -169,7 +169,8 @@ def run_demo(spec: PipelineSpec, executor, baseline, config: ReuseConfig | None 
             (dense_prompt, dense, _), (prompt, reuse, p) = results["dense"], results["reuse"]
             calls.append(DemoCall(
                 agent.name, row_index, p.prompt_tokens, p.exact_tokens, p.estimated_tokens, p.computed_tokens,
-                p.recomputed_tokens, p.reused, p.fallback, dense.ttft_s, reuse.ttft_s, dense.reply_ids == reuse.reply_ids, p.note,
+                p.recomputed_tokens, p.reused, p.fallback, dense.ttft_s, reuse.ttft_s,
+                dense.reply_ids == reuse.reply_ids, p.note,
                 executor.decode(dense.reply_ids), executor.decode(reuse.reply_ids),
                 len(dense_prompt), dense.cached_tokens,
             ))

@@ -18,8 +18,8 @@ def _call(agent, row, dense, reuse, exact, estimated, computed, equal=True, cach
     prompt = exact + estimated + computed
     return DemoCall(
         agent=agent, input_index=row, prompt_tokens=prompt, exact_tokens=exact, estimated_tokens=estimated,
-        computed_tokens=computed, recomputed_tokens=0, reused=exact + estimated > 0, fallback=estimated == 0, ttft_dense_s=dense,
-        ttft_reuse_s=reuse, reply_equal=equal, note="", dense_reply="d", reuse_reply="d" if equal else "r",
+        computed_tokens=computed, recomputed_tokens=0, reused=exact + estimated > 0, fallback=estimated == 0,
+        ttft_dense_s=dense, ttft_reuse_s=reuse, reply_equal=equal, note="", dense_reply="d", reuse_reply="d" if equal else "r",
         dense_prompt_tokens=prompt, dense_cached_tokens=cached,
     )
 
