@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine.engine import BASE_SOURCES, ReuseConfig
+from kvcomm.engine.engine import BASE_SOURCES, BLEND_MODES, ReuseConfig
 from kvcomm.engine.recompute import RECOMPUTE_SELECTIONS
 from kvcomm.eval.evaluate import ALL_MODES, EMBEDDERS, EvalSettings
 from kvcomm.eval.outputs import check_out_dir
@@ -255,7 +255,7 @@ def run_eval_command(args, executor=None) -> int:
 
     if args.backend not in AVAILABLE_BACKENDS:
         return fail(f"the {args.backend} backend is not available yet; use --backend transformers")
-    if args.backend == "vllm" and (not args.no_kl or {"cacheblend", "kvblend"} & set(args.modes)):
+    if args.backend == "vllm" and (not args.no_kl or set(BLEND_MODES) & set(args.modes)):
         return fail("the vllm backend keeps no prompt log-probabilities and runs no CacheBlend recompute: "
                     "pass --no-kl and leave cacheblend and kvblend out of --modes, or use --backend transformers")
     try:

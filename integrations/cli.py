@@ -11,7 +11,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine.engine import BASE_SOURCES, MODES, ReuseConfig, ReuseEngine
+from kvcomm.engine.engine import BASE_SOURCES, BLEND_MODES, MODES, ReuseConfig, ReuseEngine
 from kvcomm.engine.pipeline import PipelineError, PipelineSpec, load_bundled_pipeline, load_pipeline
 from kvcomm.core.rope import RopeError
 from kvcomm.engine.runner import run_row
@@ -56,9 +56,6 @@ def _cmd_run(args, spec: PipelineSpec) -> int:
         print(f"anchors per slot: {', '.join(f'{s}={len(p)}' for s, p in engine.pools.items())}")
     return 0
 
-
-BLEND_MODES = ("kvblend", "cacheblend")
-"""Modes whose executor recomputes part of the injected KV (``ReusePlan.blend``): transformers only."""
 
 DEMO_PIPELINE = "review"
 DEMO_GAMMA = 1.0

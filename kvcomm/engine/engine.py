@@ -67,6 +67,9 @@ MODES = ("kvcomm", "exact", "realign", "cacheblend", "kvblend")
   disagree most (``kvcomm.engine.recompute``).
 """
 
+BLEND_MODES = ("cacheblend", "kvblend")
+"""Modes whose plans ask the executor for a selective recompute (``ReusePlan.blend``)."""
+
 BEHIND_ESTIMATE = ("realign", "learn", "stop")
 """What a "kvcomm"/"kvblend" plan does once it has estimated a piece (``ReuseConfig.behind_estimate``).
 A request that has estimated learns nothing (KV behind an estimate carries its error), so a
@@ -301,7 +304,7 @@ class ReuseEngine:
         if provide_base is None:
             plan.new_bases = [i for i, s in enumerate(prompt.segments)
                               if s.is_shared and self._held_base(s.shared_id) is None and prompt.starts[i] >= plan.reuse_end]
-        if mode in ("cacheblend", "kvblend") and plan.estimated_tokens > 0:
+        if mode in BLEND_MODES and plan.estimated_tokens > 0:
             cfg = self.config
             positions = None
             if cfg.recompute_selection == "disagreement":
