@@ -22,7 +22,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-from kvcomm.eval.metrics import percentile
 from kvcomm.eval.report import CallReport, summarize
 
 
@@ -39,10 +38,6 @@ class DemoCall(CallReport):
     dense_cached_tokens: int
 
 
-def _ratio(numerator: float, denominator: float) -> float | None:
-    return numerator / denominator if denominator > 0 else None
-
-
 def demo_summary(calls: Sequence[DemoCall]) -> dict:
     """``kvcomm.eval.report.summarize`` (its TTFT totals are the headline) plus the rows and the
     baseline's prompt tokens and cache hits."""
@@ -56,32 +51,19 @@ def demo_summary(calls: Sequence[DemoCall]) -> dict:
     }
 
 
+AGENT_KEYS = ("calls", "ttft_dense_p50_s", "ttft_dense_p95_s", "ttft_reuse_p50_s", "ttft_reuse_p95_s",
+              "total_ttft_dense_s", "total_ttft_reuse_s", "total_ttft_speedup", "prompt_tokens", "exact_tokens",
+              "estimated_tokens", "computed_tokens", "token_reuse_rate", "reply_agreement_rate")
+"""The ``summarize`` figures each per-agent row of the demo reports, in this order."""
+
+
 def demo_agents(calls: Sequence[DemoCall]) -> list[dict]:
     """One row per agent name, in first-seen order: calls, TTFT p50/p95/total of both
     systems, the reuse run's token split and reply agreement."""
     rows = []
     for name in dict.fromkeys(c.agent for c in calls):
-        mine = [c for c in calls if c.agent == name]
-        dense = [c.ttft_dense_s for c in mine]
-        reuse = [c.ttft_reuse_s for c in mine]
-        prompt = sum(c.prompt_tokens for c in mine)
-        rows.append({
-            "agent": name,
-            "calls": len(mine),
-            "ttft_dense_p50_s": percentile(dense, 50),
-            "ttft_dense_p95_s": percentile(dense, 95),
-            "ttft_reuse_p50_s": percentile(reuse, 50),
-            "ttft_reuse_p95_s": percentile(reuse, 95),
-            "total_ttft_dense_s": sum(dense),
-            "total_ttft_reuse_s": sum(reuse),
-            "total_ttft_speedup": _ratio(sum(dense), sum(reuse)),
-            "prompt_tokens": prompt,
-            "exact_tokens": sum(c.exact_tokens for c in mine),
-            "estimated_tokens": sum(c.estimated_tokens for c in mine),
-            "computed_tokens": sum(c.computed_tokens for c in mine),
-            "token_reuse_rate": sum(c.exact_tokens + c.estimated_tokens for c in mine) / prompt if prompt else 0.0,
-            "reply_agreement_rate": sum(c.reply_equal for c in mine) / len(mine),
-        })
+        summary = summarize([c for c in calls if c.agent == name])
+        rows.append({"agent": name, **{key: summary[key] for key in AGENT_KEYS}})
     return rows
 
 
