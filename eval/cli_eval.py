@@ -258,6 +258,7 @@ def run_eval_command(args, executor=None) -> int:
     if args.backend == "vllm" and (not args.no_kl or set(BLEND_MODES) & set(args.modes)):
         return fail("the vllm backend keeps no prompt log-probabilities and runs no CacheBlend recompute: "
                     "pass --no-kl and leave cacheblend and kvblend out of --modes, or use --backend transformers")
+    owned = None  # an executor loaded here, closed here
     try:
         settings = settings_from_args(args)
         out = check_out_dir(args.out)
@@ -269,23 +270,25 @@ def run_eval_command(args, executor=None) -> int:
         if settings.warm_rows and args.limit is not None and len(workload.pipeline.inputs) < limit:
             raise ValueError(f"the workload has {len(workload.pipeline.inputs)} items: --limit {args.limit} plus "
                              f"--warm-items {settings.warm_rows} needs {limit}; lower one of them")
+        floor_dtype = getattr(args, "noise_floor", None)
+        if floor_dtype is not None:  # refused before any model is loaded
+            if args.backend != "transformers":
+                raise ValueError("--noise-floor runs the model on the transformers backend; use --backend transformers")
+            if floor_dtype == getattr(args, "dtype", "float32"):
+                raise ValueError(f"--noise-floor {floor_dtype} is the --dtype itself; name another dtype, "
+                                 "e.g. --noise-floor bfloat16 with the default --dtype float32")
         model_path = getattr(args, "model", None)
         if executor is None:
             executor, model_path = load_executor(args.model, args.backend, getattr(args, "dtype", "float32"),
                                                  getattr(args, "device", None))
+            owned = executor
         meta = {"model": model_path, "backend": args.backend, "dtype": getattr(args, "dtype", "float32"),
                 "device": getattr(args, "device", None) or "cpu", "limit": args.limit,
                 "warm_items": settings.warm_rows, "workload_arg": args.workload,
                 "workload_seed": 0, "n_agents": args.agents,
                 "max_new_tokens": workload.pipeline.max_new_tokens, "kl": not args.no_kl,
                 "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        floor_dtype = getattr(args, "noise_floor", None)
         if floor_dtype is not None:
-            if args.backend != "transformers":
-                raise ValueError("--noise-floor runs the model on the transformers backend; use --backend transformers")
-            if floor_dtype == meta["dtype"]:
-                raise ValueError(f"--noise-floor {floor_dtype} is the --dtype itself; name another dtype, "
-                                 "e.g. --noise-floor bfloat16 with the default --dtype float32")
             other, _ = load_executor(args.model, "transformers", floor_dtype, getattr(args, "device", None))
             floor = dtype_noise_floor(workload, executor, other, settings.top_k, progress=not args.no_progress,
                                       rows=len(workload.pipeline.inputs) - settings.warm_rows)
@@ -297,6 +300,11 @@ def run_eval_command(args, executor=None) -> int:
     except (PipelineError, RopeError, FileNotFoundError, ValueError, KeyError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         return fail(str(message))
+    finally:
+        if owned is not None:
+            from kvcomm.integrations.executors import close_executor
+
+            close_executor(owned)
     print(f"{len(result.calls)} agent calls in {result.elapsed_s:.1f} s; wrote results.json, results.csv and plots to {out}")
     return 0
 

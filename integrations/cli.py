@@ -15,7 +15,7 @@ from kvcomm.engine.engine import BASE_SOURCES, BLEND_MODES, MODES, ReuseConfig, 
 from kvcomm.engine.pipeline import PipelineError, PipelineSpec, load_bundled_pipeline, load_pipeline
 from kvcomm.core.rope import RopeError
 from kvcomm.engine.runner import run_row
-from kvcomm.integrations.executors import BACKENDS, load_executor
+from kvcomm.integrations.executors import BACKENDS, close_executor, load_executor
 from kvcomm.integrations.serve.command import STATE_SHUTDOWN_TIMEOUT_S, serve_command
 
 
@@ -43,7 +43,10 @@ def _cmd_run(args, spec: PipelineSpec) -> int:
     config = ReuseConfig(pool=PoolConfig(gamma=args.gamma, max_anchors=args.max_anchors), base_source=args.base_source,
                          mode=args.mode)
     executor, model_path = load_executor(args.model, args.backend, args.dtype, args.device)
-    dense, reuse, engine = run_side_by_side(spec, executor, config, progress=not args.json)
+    try:
+        dense, reuse, engine = run_side_by_side(spec, executor, config, progress=not args.json)
+    finally:
+        close_executor(executor)
     calls = compare(dense, reuse)
     if args.json:
         meta = {"model": model_path, "backend": args.backend, "dtype": args.dtype, "device": args.device or "cpu",
@@ -75,9 +78,12 @@ def _cmd_demo(args, spec: PipelineSpec) -> int:
         raise ValueError(f"--chart {args.chart}: folder {chart.resolve().parent} does not exist; create it or pick another path")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM is imported: keep the demo's output readable
     executor, model_path = load_executor(args.model, args.backend, args.dtype, args.device)
-    baseline = StockVllm(executor.llm, executor.stop_ids) if args.backend == "vllm" else DenseTransformers(executor)
-    config = ReuseConfig(pool=PoolConfig(gamma=args.gamma, max_anchors=args.max_anchors), base_source=args.base_source)
-    calls, engine = run_demo(spec, executor, baseline, config)
+    try:
+        baseline = StockVllm(executor.llm, executor.stop_ids) if args.backend == "vllm" else DenseTransformers(executor)
+        config = ReuseConfig(pool=PoolConfig(gamma=args.gamma, max_anchors=args.max_anchors), base_source=args.base_source)
+        calls, engine = run_demo(spec, executor, baseline, config)
+    finally:
+        close_executor(executor)
     meta = {"model": model_path, "backend": args.backend, "dtype": args.dtype, "device": args.device or "cpu",
             "baseline": baseline.name, "gamma": args.gamma,
             "max_anchors": args.max_anchors, "base_source": args.base_source,

@@ -31,3 +31,12 @@ def load_executor(model: str | None, backend: str = "transformers", dtype: str =
 
         return VllmExecutor(make_llm(str(path), dtype=dtype), load_tokenizer(str(path))), str(path)
     return TransformersExecutor(*load_model_and_tokenizer(str(path), dtype, device)), str(path)
+
+
+def close_executor(executor) -> None:
+    """Release what ``load_executor`` started beyond the executor object: vLLM's in-process
+    engine (``VllmExecutor.close``), which must end before another can start in this process.
+    A transformers executor holds nothing of the kind (its model goes with it)."""
+    close = getattr(executor, "close", None)
+    if close is not None:
+        close()

@@ -78,12 +78,14 @@ def vllm_llm():
     prompts span several blocks and chunks), server-side planning of annotated requests on.
     Tests that send annotated requests name their own tenant (``own_tenant``)."""
     pytest.importorskip("vllm")
-    from kvcomm.integrations.vllm.engine import make_llm, transfer_config
+    from kvcomm.integrations.vllm.engine import make_llm, shutdown_llm, transfer_config
 
     import os
 
     block_size = int(os.environ.get("KVCOMM_TEST_BLOCK_SIZE", "32"))  # CPU_ATTN: multiples of 32; see docs/vllm-plugin.md
-    return make_llm(max_num_batched_tokens=64, max_num_seqs=8, block_size=block_size, kv_transfer_config=transfer_config(extra={"plan": True, "gamma": 1.0}))
+    llm = make_llm(max_num_batched_tokens=64, max_num_seqs=8, block_size=block_size, kv_transfer_config=transfer_config(extra={"plan": True, "gamma": 1.0}))
+    yield llm
+    shutdown_llm(llm)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@
 from kvcomm.core.exports import lazy_exports, names
 
 _EXPORTS = {
-    "kvcomm.integrations.vllm.engine": ("make_llm", "transfer_config", "CONNECTOR", "CONNECTOR_MODULE"),
+    "kvcomm.integrations.vllm.engine": ("make_llm", "shutdown_llm", "transfer_config", "CONNECTOR", "CONNECTOR_MODULE"),
     "kvcomm.integrations.vllm.executor": ("VllmExecutor",),
     "kvcomm.integrations.vllm.connector": ("KvcommConnector",),
     "kvcomm.integrations.vllm.params": ("KvcommParams", "KvcommParamsError", "parse_params"),

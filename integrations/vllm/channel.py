@@ -118,3 +118,9 @@ def channel(engine_id: str) -> Channel:
         if engine_id not in _CHANNELS:
             _CHANNELS[engine_id] = Channel()
         return _CHANNELS[engine_id]
+
+
+def drop_channel(engine_id: str) -> None:
+    """Forget engine ``engine_id``'s channel (its engine has shut down); absent: nothing."""
+    with _LOCK:
+        _CHANNELS.pop(engine_id, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any
 
@@ -38,6 +39,11 @@ def make_llm(model: str | None = None, in_process: bool = True, **overrides: Any
     ``if __name__ == "__main__":`` guard in scripts. ``VLLM_CPU_KVCACHE_SPACE`` (GiB) defaults
     to 1 here, and vLLM logs to stderr unless ``VLLM_LOGGING_STREAM`` says otherwise (set
     before vLLM is first imported).
+
+    In process, one engine with a KV connector at a time: vLLM keeps a single worker-side
+    connector per process and hands it to every later engine, so a second engine would run
+    with the first's connector (its layers, its channel). Refused while an earlier one is
+    alive; ``shutdown_llm`` (or ``VllmExecutor.close``) ends one.
     """
     from kvcomm.integrations.transformers.embedded import resolve_model_dir
 
@@ -51,4 +57,33 @@ def make_llm(model: str | None = None, in_process: bool = True, **overrides: Any
 
     settings = {**DEFAULTS, **overrides}
     settings.setdefault("kv_transfer_config", transfer_config())
+    if in_process and settings["kv_transfer_config"] is not None:
+        _refuse_a_second_connector()
     return LLM(model=str(resolve_model_dir(model)), **settings)
+
+
+def shutdown_llm(llm) -> None:
+    """Shut down ``llm``'s engine core and its worker now, which removes the worker's KV
+    connector from this process (vLLM does so only then, or when the engine is garbage
+    collected), and drop its kvcomm channel. ``llm`` serves nothing afterwards; a second call
+    does nothing."""
+    from kvcomm.integrations.vllm.channel import drop_channel
+
+    llm.llm_engine.engine_core.shutdown()
+    transfer = llm.llm_engine.vllm_config.kv_transfer_config
+    if transfer is not None:
+        drop_channel(str(transfer.engine_id))
+
+
+def _refuse_a_second_connector() -> None:
+    from vllm.distributed.kv_transfer import has_kv_transfer_group
+
+    if has_kv_transfer_group():
+        gc.collect()  # an engine dropped in a reference cycle still holds it until collected
+    if has_kv_transfer_group():
+        raise RuntimeError(
+            "an earlier in-process vLLM engine with a KV connector is still running in this process; vLLM keeps "
+            "one worker-side KV connector per process and would give the new engine the old one. Shut the "
+            "earlier engine down first (kvcomm.integrations.vllm.engine.shutdown_llm(llm) or "
+            "VllmExecutor.close()), or pass in_process=False to run the new one in processes of its own"
+        )

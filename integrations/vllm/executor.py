@@ -24,7 +24,7 @@ from kvcomm.engine.plan import BlendRequest
 from kvcomm.core.segments import Segment
 from kvcomm.integrations.transformers.executor import TransformersExecutor, _as_list
 from kvcomm.integrations.vllm.channel import Channel, Order, channel
-from kvcomm.integrations.vllm.engine import CONNECTOR
+from kvcomm.integrations.vllm.engine import CONNECTOR, shutdown_llm
 
 
 class VllmExecutor:
@@ -56,12 +56,30 @@ class VllmExecutor:
         self.channel: Channel = channel(str(transfer.engine_id))
         if self.channel.refusal is not None:
             raise RuntimeError(f"the kvcomm connector refused this engine at start-up: {self.channel.refusal}")
+        if self.channel.rotary is None:
+            raise RuntimeError(
+                "this engine's kvcomm connector never registered its KV caches: its worker runs another engine's "
+                "connector (vLLM keeps one per process, and an earlier in-process engine still held it). Shut "
+                "earlier engines down before starting one (kvcomm.integrations.vllm.engine.shutdown_llm), or "
+                "build engines with make_llm, which refuses a second one"
+            )
         self.rotary, self.self_check = self.channel.rotary, self.channel.rope_check  # vLLM's own, checked at start-up
         generation = config.model_config.try_get_generation_config()  # non-default fields of generation_config.json
         eos = {tokenizer.eos_token_id, *_as_list(generation.get("eos_token_id"))}
         self.stop_ids = {t for t in eos if t is not None}
         self.lead_in_ids = tokenizer.encode(tokenizer.bos_token or "\n", add_special_tokens=False)
         self.dtype = getattr(torch, str(config.model_config.dtype).replace("torch.", ""))
+
+    def close(self) -> None:
+        """Shut the engine down (``engine.shutdown_llm``): its memory and its KV connector are
+        released, so another in-process engine can start. The executor serves nothing afterwards."""
+        shutdown_llm(self.llm)
+
+    def __enter__(self) -> "VllmExecutor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _run(self, token_ids: Sequence[int], order: Order, max_tokens: int, salted: bool, on_token: OnToken | None = None):
         """Submit one request under a fresh handle and step the engine until it finishes
