@@ -78,6 +78,11 @@ class PoolConfig:
     shrinkage_min_pairs: int = 2
     """Observed (estimate, real) pairs a slot needs before its factors are used; until then
     its estimates are served unshrunk."""
+    context_temperature: float = 0.0
+    """Weight anchors also by the text before the slot: each anchor's deviation weights get the
+    factor exp(cos(request context, anchor context) / context_temperature), the contexts being
+    the embeddings of the shared content that preceded the slot (``Deviation.context``); 0
+    (default) weights by the segment's own base distances alone, as the reference does."""
     estimate_scale: float = 1.0
     """Factor on every served estimated deviation (after shrinkage; identical matches keep their
     own deviation): 1 serves the estimate, 0 serves the pool's reuse decisions with plain RoPE
@@ -114,6 +119,8 @@ class PoolConfig:
             problems.append(f"min_compatible must be an integer >= 1 (got {self.min_compatible!r})")
         if not (math.isfinite(self.estimate_scale) and self.estimate_scale >= 0):
             problems.append(f"estimate_scale must be a finite number >= 0 (got {self.estimate_scale})")
+        if not (math.isfinite(self.context_temperature) and self.context_temperature >= 0):
+            problems.append(f"context_temperature must be a finite number >= 0 (got {self.context_temperature})")
         if not 0 <= self.min_coverage <= 1:
             problems.append(f"min_coverage must be in [0, 1] (got {self.min_coverage})")
         if self.max_bytes is not None and self.max_bytes <= 0:
@@ -129,7 +136,8 @@ class Match:
     Every anchor here has a deviation for ``slot`` and at least ``covered`` tokens.
     ``identical`` means the anchor is this very segment: its deviation is used as is.
     ``distances``: per anchor, its distances to the segment on the first ``covered`` tokens,
-    as admission computed them (None: ``estimate`` computes them).
+    as admission computed them (None: ``estimate`` computes them). ``context``: the request's
+    ``Deviation.context`` for this slot (None: nothing shared precedes it).
     """
 
     slot: SlotKey
@@ -137,6 +145,7 @@ class Match:
     covered: int
     identical: bool = False
     distances: tuple[EstimateDistances, ...] | None = field(default=None, compare=False, repr=False)
+    context: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 _ENTROPY_TOLERANCE = 1e-9
@@ -185,7 +194,7 @@ class AnchorPool:
 
     def decide(
         self, slot: SlotKey, segment_id: str, base: KV, embedding: np.ndarray, commit: bool = True,
-        admission: bool = True, refusals: list[str] | None = None,
+        admission: bool = True, refusals: list[str] | None = None, context: np.ndarray | None = None,
     ) -> Match | None:
         """Reuse decision for a new segment (position-free ``base``, ``T`` tokens) in ``slot``.
 
@@ -199,7 +208,8 @@ class AnchorPool:
         counts untouched). ``admission=False`` skips the entropy test: the match the pool
         could estimate from, whether or not it would reuse (``observe`` measures it).
         ``refusals``: when given and the answer is None, the reason is appended to it, in words
-        (for provenance notes).
+        (for provenance notes). ``context``: the embedding of the shared content before the slot
+        in this request (``Deviation.context``), kept in the match for weighting.
         """
         length = base.length
         with self._lock:
@@ -227,7 +237,8 @@ class AnchorPool:
                 self._count_access(compatible, p)
             used = [(a, d) for a, d in zip(compatible, distances) if a.length >= covered]
             known = tuple(d for _, d in used if isinstance(d, EstimateDistances))
-            return Match(slot, tuple(a for a, _ in used), covered, distances=known if len(known) == len(used) else None)
+            return Match(slot, tuple(a for a, _ in used), covered, distances=known if len(known) == len(used) else None,
+                         context=context)
 
     def _distances(
         self, segment_id: str, base: KV, compatible: list[Anchor], covered: int, full: bool
@@ -330,8 +341,9 @@ class AnchorPool:
         dist = match.distances or estimate_distances_many(
             [a.base for a in match.anchors], base, [match.covered] * len(match.anchors), self.config.key_distances, self.heads,
         )
-        wk = torch.softmax(-torch.stack([d.token_keys[:n] for d in dist]) / tau, dim=0)  # [A, n]
-        wv = torch.softmax(-torch.stack([d.token_values[:n] for d in dist]) / tau, dim=0)
+        bias = self._context_bias(match, deviations, base.keys.device)  # [A, 1]
+        wk = torch.softmax(-torch.stack([d.token_keys[:n] for d in dist]) / tau + bias, dim=0)  # [A, n]
+        wv = torch.softmax(-torch.stack([d.token_values[:n] for d in dist]) / tau + bias, dim=0)
         ak, av = self._factors(match.slot, "shared", shrink, first, wk.device)
         shared = WeightedDeviations(
             shared_parts, tuple(wk[:, None, None, :, None] * ak), tuple(wv[:, None, None, :, None] * av), first,
@@ -341,13 +353,25 @@ class AnchorPool:
             # per-token RMS (L2 / sqrt(tokens compared)): a raw L2 grows with the segment's length
             # and makes the weights one-hot on long segments
             rms = [math.sqrt(d.token_keys.shape[0]) for d in dist]
-            fk = torch.softmax(-torch.stack([d.channel_keys[first:] / r for d, r in zip(dist, rms)]) / tau, dim=0)  # [A, L', H, D]
-            fv = torch.softmax(-torch.stack([d.channel_values[first:] / r for d, r in zip(dist, rms)]) / tau, dim=0)
+            fbias = bias[:, :, None, None]  # [A, 1, 1, 1]
+            fk = torch.softmax(-torch.stack([d.channel_keys[first:] / r for d, r in zip(dist, rms)]) / tau + fbias, dim=0)  # [A, L', H, D]
+            fv = torch.softmax(-torch.stack([d.channel_values[first:] / r for d, r in zip(dist, rms)]) / tau + fbias, dim=0)
             ak, av = self._factors(match.slot, "following", shrink, first, fk.device)
             following = WeightedDeviations(
                 following_parts, tuple(fk[:, :, :, None, :] * ak), tuple(fv[:, :, :, None, :] * av), first
             )
         return shared, following
+
+    def _context_bias(self, match: Match, deviations: list[Deviation], device: torch.device) -> torch.Tensor:
+        """Per-anchor logit added to the deviation weights, fp32 ``[A, 1]``: cos(request context,
+        anchor context) / ``context_temperature``; zeros when off, or when the request or any
+        anchor has no context (then no anchor is favoured over another)."""
+        t = self.config.context_temperature
+        contexts = [d.context for d in deviations]
+        if t == 0 or match.context is None or any(c is None for c in contexts):
+            return torch.zeros(len(deviations), 1, device=device)
+        similarity = np.stack(contexts) @ np.asarray(match.context, dtype=np.float32)
+        return torch.from_numpy(similarity.astype(np.float32) / t).to(device)[:, None]
 
     def disagreement(self, match: Match, base: KV) -> tuple[torch.Tensor, torch.Tensor]:
         """Per estimated token, how much the matched anchors disagree about its deviation: the

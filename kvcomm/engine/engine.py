@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from kvcomm.anchors.anchor import Deviation, kv_digest
-from kvcomm.anchors.index import Embedder, KVEmbedding
+from kvcomm.anchors.index import Embedder, KVEmbedding, context_embedding
 from kvcomm.anchors.pool import AnchorPool, PoolConfig
 from kvcomm.engine.assemble import assemble, reuse_device, reuse_layout
 from kvcomm.core.heads import ALL_HEADS, HeadShards
@@ -210,6 +210,17 @@ class ReuseEngine:
             if anchor is not None:
                 return anchor.base, anchor.embedding
         return None
+
+    def _context(self, prompt: Prompt, index: int, pool: AnchorPool):
+        """``Deviation.context`` of segment ``index`` of ``prompt``: the embeddings of the shared
+        contents before it (all held: reuse and learning stop at new content), when ``pool``
+        weights by context; else None."""
+        if pool.config.context_temperature == 0:
+            return None
+        with self._lock:
+            held = [(self._held_base(s.shared_id), len(s.token_ids)) for s in prompt.segments[:index] if s.is_shared]
+        known = [(h[1], n) for h, n in held if h is not None]
+        return context_embedding([e for e, _ in known], [n for _, n in known])
 
     def has_base(self, shared_id: str) -> bool:
         """Whether a base is held for ``shared_id`` (by the engine or by an anchor of it)."""
@@ -408,7 +419,8 @@ class ReuseEngine:
                 index += 1
                 continue
             refusals: list[str] = []
-            match = pool.decide(slot, segment.shared_id, base, embedding, refusals=refusals)
+            match = pool.decide(slot, segment.shared_id, base, embedding, refusals=refusals,
+                                context=self._context(prompt, index, pool))
             if match is None:
                 behind = self._behind_estimate(plan)
                 if behind == "realign":
@@ -544,18 +556,19 @@ class ReuseEngine:
             following, following_base = self._stored(_deep_deviation(real(nxt), self._fixed_bases[key])), self._fixed_digest(key)
         shared = _deep_deviation(real(index), base)
         slot = (prompt.template_id, segment.slot)
+        context = self._context(prompt, index, pool)
         if pool.config.shrinkage:
-            self._observe(pool, slot, segment.shared_id, base, embedding, shared, following, following_base)
-        deviation = Deviation(self._stored(shared), following, following_base, DEVIATION_FIRST_LAYER)
+            self._observe(pool, slot, segment.shared_id, base, embedding, shared, following, following_base, context)
+        deviation = Deviation(self._stored(shared), following, following_base, DEVIATION_FIRST_LAYER, context)
         pool.record(slot, segment.shared_id, base, embedding, deviation)
 
     @staticmethod
     def _observe(pool: AnchorPool, slot, segment_id: str, base: KV, embedding, shared: KV,
-                 following: KV | None, following_base: str | None) -> None:
+                 following: KV | None, following_base: str | None, context=None) -> None:
         """Before a dense segment becomes an anchor: what would the pool have estimated for it?
         Feeds the slot's shrinkage fit (``AnchorPool.observe``); the following segment only when
         every matched anchor measured its deviation against the same fixed base."""
-        match = pool.decide(slot, segment_id, base, embedding, commit=False, admission=False)
+        match = pool.decide(slot, segment_id, base, embedding, commit=False, admission=False, context=context)
         if match is None or match.identical:
             return
         same_following = following is not None and all(

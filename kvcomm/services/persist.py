@@ -117,8 +117,11 @@ def _snapshot(engine: ReuseEngine) -> tuple[dict, dict[str, torch.Tensor]]:
                     _put(tensors, f"{name}.dev{d}.shared", deviation.shared)
                     if deviation.following is not None:
                         _put(tensors, f"{name}.dev{d}.following", deviation.following)
+                    if deviation.context is not None:
+                        tensors[f"{name}.dev{d}.context"] = torch.from_numpy(np.array(deviation.context, dtype=np.float32))
                     deviations.append({"template": template, "slot": slot_name, "following": deviation.following is not None,
-                                       "following_base": deviation.following_base, "first_layer": deviation.first_layer})
+                                       "following_base": deviation.following_base, "first_layer": deviation.first_layer,
+                                       "context": deviation.context is not None})
                 anchors.append({"segment_id": anchor.segment_id, "serial": anchor.serial, "accesses": anchor.accesses,
                                 "deviations": deviations})
             fits = []
@@ -291,9 +294,12 @@ def _build(manifest: dict, tensors: dict[str, torch.Tensor], engine: ReuseEngine
                 shared = read.kv(f"{name}.dev{d}.shared", base.length, layers)
                 following = read.kv(f"{name}.dev{d}.following", layers=layers) if _field(dev, "following", bool, where) else None
                 following_base = dev.get("following_base") if isinstance(dev, dict) else None
+                context = read.embedding(f"{name}.dev{d}.context") if dev.get("context") is True else None  # absent before
+                if context is not None and context.shape != anchor.embedding.shape:
+                    read.fail(f"{name}.dev{d}.context has {context.shape[0]} dims, the anchor's embedding {anchor.embedding.shape[0]}")
                 deviation = Deviation(shared.to(dtype) if dtype else shared,
                                       following.to(dtype) if dtype and following is not None else following,
-                                      following_base if isinstance(following_base, str) else None, first_layer)
+                                      following_base if isinstance(following_base, str) else None, first_layer, context)
                 anchor.deviations[(_field(dev, "template", str, where), _field(dev, "slot", str, where))] = deviation
             anchors.append(anchor)
         if slot in pools:

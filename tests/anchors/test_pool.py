@@ -99,6 +99,8 @@ def index_size(pool: AnchorPool) -> int:
         ({"admission_distance": "cosine"}, "admission_distance must be one of relative, l2 (got 'cosine')"),
         ({"admission_temperature": 0.0}, "admission_temperature must be > 0 (got 0.0)"),
         ({"admission_temperature": float("nan")}, "admission_temperature must be > 0"),
+        ({"context_temperature": -0.1}, "context_temperature must be a finite number >= 0 (got -0.1)"),
+        ({"context_temperature": float("inf")}, "context_temperature must be a finite number >= 0"),
     ],
 )
 def test_config_rejects_bad_values_with_clear_message(kwargs, message):
@@ -644,6 +646,44 @@ def test_estimate_from_matched_anchor_equal_to_new_base_and_its_equal_twin():
     shared, _ = AnchorPool().estimate(Match(SLOT, (a, b), 3), base)
     close(shared.keys, torch.full((L, H, 3, D), 2.0))
     close(shared.values, torch.full((L, H, 3, D), 5.0))
+
+
+@pytest.mark.parametrize("t", [0.5, 0.1])
+def test_context_weighting_multiplies_each_anchors_weight_by_exp_of_context_similarity(t):
+    # Equal base distances (the same base): without context the mean deviation; with it, the
+    # weights are softmax(cos(request context, anchor context) / t), on the shared tokens and
+    # on the following segment alike.
+    base = rand_kv(3, 7)
+    ca, cb, request = emb(1.0), emb(0.0, 1.0), emb(0.8, 0.6)  # cos 0.8 and 0.6
+    a = _anchor("A", base.clone(), Deviation(const_kv(3, 1.0, 3.0), const_kv(2, 10.0, 0.0), context=ca))
+    b = _anchor("B", base.clone(), Deviation(const_kv(3, 3.0, 7.0), const_kv(2, 20.0, 0.0), context=cb), 1)
+    match = Match(SLOT, (a, b), 3, context=request)
+    wa = math.exp(0.8 / t) / (math.exp(0.8 / t) + math.exp(0.6 / t))
+    shared, following = AnchorPool(PoolConfig(context_temperature=t)).estimate(match, base)
+    close(shared.keys, torch.full((L, H, 3, D), wa * 1.0 + (1 - wa) * 3.0))
+    close(shared.values, torch.full((L, H, 3, D), wa * 3.0 + (1 - wa) * 7.0))
+    close(following.keys, torch.full((L, H, 2, D), wa * 10.0 + (1 - wa) * 20.0), atol=1e-4)
+    off, _ = AnchorPool().estimate(match, base)  # context_temperature 0: off
+    close(off.keys, torch.full((L, H, 3, D), 2.0))
+
+
+def test_context_weighting_favours_no_anchor_when_a_context_is_missing():
+    base = rand_kv(3, 7)
+    a = _anchor("A", base.clone(), Deviation(const_kv(3, 1.0, 3.0), None, context=emb(1.0)))
+    b = _anchor("B", base.clone(), Deviation(const_kv(3, 3.0, 7.0), None), 1)  # recorded without a context
+    pool = AnchorPool(PoolConfig(context_temperature=0.1))
+    for match in (Match(SLOT, (a, b), 3, context=emb(1.0)), Match(SLOT, (a, a), 3)):
+        shared, _ = pool.estimate(match, base)
+        expected = 2.0 if match.anchors[1] is b else 1.0
+        close(shared.keys, torch.full((L, H, 3, D), expected))
+
+
+def test_decide_keeps_the_requests_context_in_the_match():
+    pool = AnchorPool(PoolConfig(context_temperature=0.1))
+    add(pool, "a", const_kv(3), deviation=Deviation(const_kv(3, 1.0), None, context=emb(1.0)))
+    add(pool, "b", const_kv(3), deviation=Deviation(const_kv(3, 1.0), None, context=emb(0.0, 1.0)))
+    match = pool.decide(SLOT, "new", const_kv(3), DEFAULT_EMB, context=emb(0.0, 0.0, 1.0))
+    assert match is not None and np.array_equal(match.context, emb(0.0, 0.0, 1.0))
 
 
 def test_estimate_covers_only_the_first_covered_tokens():

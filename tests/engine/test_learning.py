@@ -449,3 +449,45 @@ def test_calibration_learns_new_content_as_a_base_and_anchors_only_in_the_anchor
     assert again.learn == ([1] if mode == "kvcomm" else [])
     engine.learn(again, place(_rand(gen, len(again.prompt)), rotary, 0))
     assert len(engine.pool("doc")) == (1 if mode == "kvcomm" else 0)
+
+
+# -- weighting by the context before the slot -----------------------------------------------
+
+
+def _task_then_doc_prompt(task: tuple[int, ...], task_id: str, doc: tuple[int, ...], doc_id: str) -> Prompt:
+    """fixed lead, shared "task", fixed middle, shared "doc", fixed tail."""
+    return Prompt("agent", (
+        Segment(tuple(range(1, 6))), Segment(task, slot="task", shared_id=task_id), Segment((30, 31, 32)),
+        Segment(doc, slot="doc", shared_id=doc_id), Segment(tuple(range(40, 44))),
+    ))
+
+
+@pytest.mark.parametrize("t", [0.0, 0.05])
+def test_deviations_and_matches_carry_the_embedding_of_the_shared_content_before_the_slot(t):
+    gen = torch.Generator().manual_seed(10)
+    rotary = _rotary()
+    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, context_temperature=t), exact_prefix=False))
+    docs = [(tuple(range(200 + 20 * i, 212 + 20 * i)), f"doc-{i}") for i in range(3)]
+    tasks = [(tuple(range(100 + 10 * i, 106 + 10 * i)), f"task-{i}") for i in range(3)]
+    plans = []
+    for (task, task_id), (doc, doc_id) in zip(tasks, docs):
+        prompt = _task_then_doc_prompt(task, task_id, doc, doc_id)
+        plan = engine.plan(prompt, lambda s: _rand(gen, len(s)))
+        plans.append(plan)
+        engine.learn(plan, place(_rand(gen, len(prompt) - plan.reuse_end), rotary, plan.reuse_end))
+    for (_, task_id), (_, doc_id) in list(zip(tasks, docs))[:2]:  # the first two rows became anchors
+        task_embedding = engine.pool("task").get(task_id).embedding
+        context = engine.pool("doc").get(doc_id).deviations[("agent", "doc")].context
+        assert engine.pool("task").get(task_id).deviations[("agent", "task")].context is None  # nothing shared before it
+        if t == 0:
+            assert context is None  # off: nothing stored
+        else:
+            assert np.allclose(context, task_embedding / np.linalg.norm(task_embedding), atol=1e-6)
+    doc_pieces = [p for p in plans[2].pieces if p.match is not None and p.match.slot == ("agent", "doc")]
+    assert len(doc_pieces) == 1  # the third row estimated its doc from the two anchors
+    request = doc_pieces[0].match.context
+    if t == 0:
+        assert request is None
+    else:
+        task, task_id = tasks[2]
+        assert np.allclose(request, engine.embedder(task, engine.stored_base(task_id)), atol=1e-6)

@@ -71,10 +71,13 @@ def _saved_state(engine: ReuseEngine, directory: Path) -> tuple[dict, str]:
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), calls=st.integers(0, 12), gamma=st.sampled_from([0.3, 1.0]),
-       max_anchors=st.integers(1, 4), dtype=st.sampled_from([None, torch.bfloat16]))
-def test_round_trip_restores_every_tensor_and_counter(seed, calls, gamma, max_anchors, dtype):
+       max_anchors=st.integers(1, 4), dtype=st.sampled_from([None, torch.bfloat16]),
+       context_temperature=st.sampled_from([0.0, 0.05]))
+def test_round_trip_restores_every_tensor_and_counter(seed, calls, gamma, max_anchors, dtype, context_temperature):
+    """Contexts of deviations included (``context_temperature`` > 0 records them)."""
     rotary = synthetic_rotary()
-    config = ReuseConfig(pool=PoolConfig(gamma=gamma, max_anchors=max_anchors), anchor_dtype=dtype, exact_prefix=False)
+    pool = PoolConfig(gamma=gamma, max_anchors=max_anchors, context_temperature=context_temperature)
+    config = ReuseConfig(pool=pool, anchor_dtype=dtype, exact_prefix=False)
     engine = ReuseEngine(rotary, config)
     feed(engine, seed, calls)
     with tempfile.TemporaryDirectory() as tmp:
