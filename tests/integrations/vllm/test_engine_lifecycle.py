@@ -36,13 +36,22 @@ try:
     refused = None
 except RuntimeError as error:
     refused = str(error)
+from vllm import LLM  # around make_llm: the second engine starts, on the first one's connector
+from kvcomm.integrations.vllm.engine import DEFAULTS, shutdown_llm, transfer_config
+rogue = LLM(model=model, **{**DEFAULTS, "block_size": 32, "max_num_batched_tokens": 64}, kv_transfer_config=transfer_config())
+try:
+    VllmExecutor(rogue, load_tokenizer(model))
+    diagnosed = None
+except RuntimeError as error:
+    diagnosed = str(error)
+shutdown_llm(rogue)
 first.close()
 with start() as second:
     verified = second.rotary is not None
     replies.append(list(second.generate(ids, None, 4).reply_ids))
     bases.append(second.base_kv(segment))
 same_base = torch.equal(bases[0].keys, bases[1].keys) and torch.equal(bases[0].values, bases[1].values)
-print(json.dumps({"refused": refused, "verified": verified, "replies": replies, "same_base": same_base}))
+print(json.dumps({"refused": refused, "diagnosed": diagnosed, "verified": verified, "replies": replies, "same_base": same_base}))
 """
 
 
@@ -63,6 +72,8 @@ def test_a_second_engine_is_refused_while_the_first_runs_and_works_after_it_clos
     result = json.loads(done.stdout.strip().splitlines()[-1])
     # While the first engine runs, a second would get its worker-side connector: refused, saying what to do.
     assert result["refused"] is not None and "shutdown_llm" in result["refused"]
+    # An engine built around make_llm gets no connector of its own: its executor says why.
+    assert result["diagnosed"] is not None and "never registered" in result["diagnosed"]
     # After close, the next engine registers its own connector: RoPE verified, KV captured through it.
     assert result["verified"]
     assert result["same_base"]
