@@ -49,7 +49,8 @@ class Deviation:
 
     @property
     def nbytes(self) -> int:
-        return self.shared.nbytes + (self.following.nbytes if self.following is not None else 0)
+        return (self.shared.nbytes + (self.following.nbytes if self.following is not None else 0)
+                + (self.context.nbytes if self.context is not None else 0))
 
 
 @dataclass

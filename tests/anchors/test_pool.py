@@ -943,3 +943,8 @@ def test_disagreement_is_the_estimates_weighted_variance_and_zero_for_an_identic
     assert match.identical
     keys, values = pool.disagreement(match, base)
     assert torch.equal(keys, torch.zeros(5)) and torch.equal(values, torch.zeros(5))
+
+
+def test_a_deviations_context_counts_in_its_bytes():
+    plain = Deviation(const_kv(3, 1.0), None)
+    assert Deviation(const_kv(3, 1.0), None, context=emb(1.0)).nbytes == plain.nbytes + EMB_DIM * 4
