@@ -37,19 +37,17 @@ class LayoutError(RuntimeError):
 
 @dataclass(frozen=True)
 class _Gather:
-    """Logical coordinates (head, row, column) inside one block of every key and value element.
+    """Where inside one block every key and value element is stored.
 
     Each tensor is ``[block_size, kv_heads, head_dim]`` int64 (on the cache's device): the
-    key (value) of token offset ``o``, head ``h``, channel ``d`` is stored at
-    ``kv_cache[block, heads[o, h, d], rows[o, h, d], columns[o, h, d]]``.
+    key (value) of token offset ``o``, head ``h``, channel ``d`` of block ``b`` is the storage
+    element ``kv_cache.storage_offset() + b * kv_cache.stride(0) + offsets[o, h, d]``. Storage
+    offsets rather than logical coordinates, so a read is one 1-D ``index_select`` (a gather
+    with four index tensors costs several times more on the CPU).
     """
 
-    key_heads: torch.Tensor
-    key_rows: torch.Tensor
-    key_columns: torch.Tensor
-    value_heads: torch.Tensor
-    value_rows: torch.Tensor
-    value_columns: torch.Tensor
+    key_offsets: torch.Tensor
+    value_offsets: torch.Tensor
 
 
 _GATHERS: dict[tuple, _Gather] = {}
@@ -111,12 +109,19 @@ class KvIO:
 
 
 def read_with(gather: _Gather, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    block_size = kv_cache.shape[2]
-    block, offset = (slots // block_size)[:, None, None], slots % block_size
-    g = gather
-    keys = kv_cache[block, g.key_heads[offset], g.key_rows[offset], g.key_columns[offset]]
-    values = kv_cache[block, g.value_heads[offset], g.value_rows[offset], g.value_columns[offset]]
+    block_size, heads, dim = gather.key_offsets.shape
+    block, offset = slots // block_size, slots % block_size
+    start = (block * kv_cache.stride(0))[:, None, None]
+    storage = _storage_view(kv_cache)
+    keys = storage.index_select(0, (start + gather.key_offsets[offset]).view(-1)).view(-1, heads, dim)
+    values = storage.index_select(0, (start + gather.value_offsets[offset]).view(-1)).view(-1, heads, dim)
     return keys, values
+
+
+def _storage_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of the storage ``kv_cache`` spans, from its first element."""
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(kv_cache.shape, kv_cache.stride()))
+    return kv_cache.as_strided((extent,), (1,))
 
 
 def _write(layer: Any, kv_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
@@ -139,12 +144,12 @@ def _learn(layer: Any, kv_cache: torch.Tensor) -> _Gather:
     values = _locate(layer, kv_cache, dim, for_keys=False)
     if bool(torch.isin(keys, values).any()):
         raise LayoutError("KV layout probe: keys and values landed on the same cache elements")
-    coords = []
+    _, head_stride, row_stride, column_stride = kv_cache.stride()
+    offsets = []
     for flat in (keys, values):
-        h, rest = flat // (block_size * twice_dim), flat % (block_size * twice_dim)
-        coords += [h, rest // twice_dim, rest % twice_dim]
-    device = kv_cache.device
-    gather = _Gather(*(c.to(device) for c in coords))
+        head, rest = flat // (block_size * twice_dim), flat % (block_size * twice_dim)
+        offsets.append((head * head_stride + rest // twice_dim * row_stride + rest % twice_dim * column_stride).to(kv_cache.device))
+    gather = _Gather(*offsets)
     _round_trip(layer, kv_cache, gather, block_shape)
     return gather
 

@@ -113,6 +113,21 @@ def test_a_strided_gpu_style_layout_is_learned_too(dtype):
     _round_trip(io, cache, 40, generator)
 
 
+def test_a_cache_carved_from_a_shared_buffer_reads_its_own_elements():
+    """vLLM carves each layer's cache out of one buffer: a view at a storage offset. Reads
+    index the storage, so they must start at the view's first element, not the buffer's."""
+    generator = torch.Generator().manual_seed(2)
+    blocks, heads, block_size, dim = 4, 2, 16, 32
+    size = blocks * block_size * heads * 2 * dim
+    buffer = torch.randn(3 * size, generator=generator)
+    cache = buffer[size : 2 * size].view(blocks, block_size, heads, 2 * dim).permute(0, 2, 1, 3)
+    assert cache.storage_offset() == size
+    outside = torch.cat([buffer[:size], buffer[2 * size :]]).clone()
+    io = KvIO(_Layer(_FlashLayoutImpl(dim)), cache)
+    _round_trip(io, cache, 50, generator)
+    assert torch.equal(torch.cat([buffer[:size], buffer[2 * size :]]), outside)
+
+
 def test_a_cache_of_another_shape_is_a_clear_error():
     layer = _cpu_layer(torch.float32, 4, 64, 16)
     with pytest.raises(LayoutError, match="logical shape"):
