@@ -155,6 +155,8 @@ class _DeviceStep:
     keys/values: injected KV ``[layers, N, kv_heads, head_dim]`` (cache dtype, contiguous
     per layer) for ``load_slots`` (``[N]``), or None; capture_slots ``[M]`` and
     capture_positions ``[M]`` (positions index the capture buffer, also on the device).
+    read_indices: where the capture slots' KV is stored, per layer geometry (``KvIO.geometry``;
+    computed by the first layer of each, reused by the rest).
     """
 
     step: StepRequest
@@ -163,6 +165,7 @@ class _DeviceStep:
     load_slots: torch.Tensor
     capture_slots: torch.Tensor
     capture_positions: torch.Tensor
+    read_indices: dict = field(default_factory=dict)
 
 
 _EMPTY = torch.zeros(0, dtype=torch.int64)
@@ -523,7 +526,10 @@ class KvcommConnector(KVConnectorBase_V1):
         for item in work:
             if item.capture_slots.numel() == 0:
                 continue
-            keys, values = io.read(item.capture_slots)
+            index = item.read_indices.get(io.geometry)
+            if index is None:
+                index = item.read_indices[io.geometry] = io.read_index(item.capture_slots)
+            keys, values = io.read_at(index)
             capture = self._capture(item.step, keys)
             capture.keys[layer].index_copy_(1, item.capture_positions, keys.transpose(0, 1).to(capture.keys.dtype))
             capture.values[layer].index_copy_(1, item.capture_positions, values.transpose(0, 1).to(capture.values.dtype))

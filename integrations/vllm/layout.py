@@ -96,25 +96,50 @@ class KvIO:
         if key not in _GATHERS:
             _GATHERS[key] = _learn(layer, kv_cache)
         self._gather = _GATHERS[key]
+        self.geometry = (key, kv_cache.stride(0))
+        """Layers with equal ``geometry`` store a slot's KV at the same storage indices
+        (relative to their first element): one ``read_index`` serves them all."""
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
         """Write ``keys``/``values`` (``[N, kv_heads, head_dim]``, the cache's dtype and
         device, contiguous) into ``slots`` (``[N]`` int64, same device)."""
         _write(self.layer, self.kv_cache, keys, values, slots)
 
+    def read_index(self, slots: torch.Tensor) -> "ReadIndex":
+        """Where the KV of ``slots`` (``[N]`` int64 on the cache's device) is stored, for
+        ``read_at`` on this layer or any of the same ``geometry``."""
+        return _read_index(self._gather, self.kv_cache.stride(0), slots)
+
+    def read_at(self, index: "ReadIndex") -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at ``index``'s slots: two ``[N, kv_heads, head_dim]`` tensors
+        (copies, cache dtype and device), one 1-D gather each."""
+        return _read_at(self.kv_cache, index)
+
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values stored at ``slots`` (``[N]`` int64 on the cache's device): two
-        ``[N, kv_heads, head_dim]`` tensors (copies, cache dtype and device), one gather each."""
-        return read_with(self._gather, self.kv_cache, slots)
+        """Keys and values stored at ``slots``: ``read_at(read_index(slots))``."""
+        return self.read_at(self.read_index(slots))
 
 
-def read_with(gather: _Gather, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    block_size, heads, dim = gather.key_offsets.shape
+@dataclass(frozen=True)
+class ReadIndex:
+    """Storage indices of the keys and of the values of ``N`` slots, each ``[N, kv_heads,
+    head_dim]`` int64, relative to the first element of a cache of one geometry."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+def _read_index(gather: _Gather, block_stride: int, slots: torch.Tensor) -> ReadIndex:
+    block_size = gather.key_offsets.shape[0]
     block, offset = slots // block_size, slots % block_size
-    start = (block * kv_cache.stride(0))[:, None, None]
+    start = (block * block_stride)[:, None, None]
+    return ReadIndex(start + gather.key_offsets[offset], start + gather.value_offsets[offset])
+
+
+def _read_at(kv_cache: torch.Tensor, index: ReadIndex) -> tuple[torch.Tensor, torch.Tensor]:
     storage = _storage_view(kv_cache)
-    keys = storage.index_select(0, (start + gather.key_offsets[offset]).view(-1)).view(-1, heads, dim)
-    values = storage.index_select(0, (start + gather.value_offsets[offset]).view(-1)).view(-1, heads, dim)
+    keys = storage.index_select(0, index.keys.view(-1)).view(index.keys.shape)
+    values = storage.index_select(0, index.values.view(-1)).view(index.values.shape)
     return keys, values
 
 
@@ -213,7 +238,7 @@ def _round_trip(layer: Any, kv_cache: torch.Tensor, gather: _Gather, block_shape
     keys = torch.randn(count, heads, twice_dim // 2, generator=generator).to(dtype).to(device)
     values = torch.randn(count, heads, twice_dim // 2, generator=generator).to(dtype).to(device)
     _write(layer, probe, keys, values, slots)
-    got_keys, got_values = read_with(gather, probe, slots)
+    got_keys, got_values = _read_at(probe, _read_index(gather, probe.stride(0), slots))
     if not (torch.equal(got_keys, keys) and torch.equal(got_values, values)):
         raise LayoutError(
             "KV layout self-check failed: KV written through the backend's do_kv_cache_update did not read back "
