@@ -101,6 +101,11 @@ def _put(tensors: dict[str, torch.Tensor], name: str, kv: KV) -> None:
     tensors[name + ".v"] = kv.values.contiguous().clone()
 
 
+def _put_embedding(tensors: dict[str, torch.Tensor], name: str, vector: np.ndarray) -> None:
+    """``vector`` as an fp32 ``[dim]`` tensor (what ``_Reader.embedding`` reads back)."""
+    tensors[name] = torch.from_numpy(np.array(vector, dtype=np.float32))
+
+
 def _snapshot(engine: ReuseEngine) -> tuple[dict, dict[str, torch.Tensor]]:
     """The manifest body and tensors of ``engine``'s pools and bases (copied under its lock)."""
     tensors: dict[str, torch.Tensor] = {}
@@ -111,14 +116,14 @@ def _snapshot(engine: ReuseEngine) -> tuple[dict, dict[str, torch.Tensor]]:
             for a, anchor in enumerate(pool.anchors):
                 name = f"pool{p}.anchor{a}"
                 _put(tensors, name + ".base", anchor.base)
-                tensors[name + ".embedding"] = torch.from_numpy(np.array(anchor.embedding, dtype=np.float32))
+                _put_embedding(tensors, name + ".embedding", anchor.embedding)
                 deviations = []
                 for d, ((template, slot_name), deviation) in enumerate(anchor.deviations.items()):
                     _put(tensors, f"{name}.dev{d}.shared", deviation.shared)
                     if deviation.following is not None:
                         _put(tensors, f"{name}.dev{d}.following", deviation.following)
                     if deviation.context is not None:
-                        tensors[f"{name}.dev{d}.context"] = torch.from_numpy(np.array(deviation.context, dtype=np.float32))
+                        _put_embedding(tensors, f"{name}.dev{d}.context", deviation.context)
                     deviations.append({"template": template, "slot": slot_name, "following": deviation.following is not None,
                                        "following_base": deviation.following_base, "first_layer": deviation.first_layer,
                                        "context": deviation.context is not None})
@@ -136,7 +141,7 @@ def _snapshot(engine: ReuseEngine) -> tuple[dict, dict[str, torch.Tensor]]:
             fixed.append({"template": template, "content": content})
         for b, (shared_id, (kv, embedding)) in enumerate(engine._bases.items()):
             _put(tensors, f"base{b}", kv)
-            tensors[f"base{b}.embedding"] = torch.from_numpy(np.array(embedding, dtype=np.float32))
+            _put_embedding(tensors, f"base{b}.embedding", embedding)
             bases.append({"shared_id": shared_id})
     return {"pools": pools, "fixed_bases": fixed, "bases": bases}, tensors
 
