@@ -1,5 +1,5 @@
 """The anchor pool: which shared segments to estimate from which earlier ones (``pool``), the
-anchors and their deviations (``anchor``, ``deviations``), KV distances (``distance``,
+anchors and their deviations (``anchor``, ``deviations``), the linear estimator (``linear``), KV distances (``distance``,
 ``distance_cache``) and the embedding index (``index``). Depends on ``kvcomm.core`` only."""
 
 from kvcomm.core.exports import lazy_exports, names
@@ -7,6 +7,7 @@ from kvcomm.core.exports import lazy_exports, names
 _EXPORTS = {
     "kvcomm.anchors.pool": ("AnchorPool", "PoolConfig", "Match"),
     "kvcomm.anchors.anchor": ("Anchor", "Deviation"),
+    "kvcomm.anchors.linear": ("LinearDeviations",),
     "kvcomm.anchors.index": ("Embedder", "EmbeddingIndex", "KVEmbedding", "kv_embedding"),
 }
 __all__ = names(_EXPORTS)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,9 +26,17 @@ from kvcomm.anchors.distance import (
 from kvcomm.anchors.deviations import WeightedDeviations
 from kvcomm.anchors.distance_cache import DistanceCache
 from kvcomm.anchors.index import EmbeddingIndex
+from kvcomm.anchors.linear import LinearDeviations
 from kvcomm.anchors.shrinkage import ShrinkageFit
 from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV
+
+
+ESTIMATORS = ("anchors", "linear")
+"""``PoolConfig.estimator`` choices."""
+
+_LINEAR_FITS_KEPT = 4
+"""Linear fits a pool keeps (the most recently used matched anchor sets)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,14 @@ class PoolConfig:
     factor exp(cos(request context, anchor context) / context_temperature), the contexts being
     the embeddings of the shared content that preceded the slot (``Deviation.context``); 0
     (default) weights by the segment's own base distances alone, as the reference does."""
+    estimator: str = "anchors"
+    """How a matched segment's shared tokens are estimated: "anchors" (the reference: the
+    matched anchors' deviations, weighted token by token) or "linear" (a ridge regression per
+    layer and KV head from a token's base key and value to its deviation, fitted on every
+    token of the matched anchors: ``kvcomm.anchors.linear``). The fixed segment after the slot
+    is estimated by the anchors in both."""
+    linear_ridge: float = 1e-4
+    """Ridge of the "linear" estimator, relative to the mean diagonal of each normal matrix."""
     estimate_scale: float = 1.0
     """Factor on every served estimated deviation (after shrinkage; identical matches keep their
     own deviation): 1 serves the estimate, 0 serves the pool's reuse decisions with plain RoPE
@@ -117,6 +134,10 @@ class PoolConfig:
         if isinstance(self.min_compatible, bool) or not isinstance(self.min_compatible, int) \
                 or self.min_compatible < 1:
             problems.append(f"min_compatible must be an integer >= 1 (got {self.min_compatible!r})")
+        if self.estimator not in ESTIMATORS:
+            problems.append(f"estimator must be one of {', '.join(ESTIMATORS)} (got {self.estimator!r})")
+        if not (math.isfinite(self.linear_ridge) and self.linear_ridge > 0):
+            problems.append(f"linear_ridge must be a finite number > 0 (got {self.linear_ridge})")
         if not (math.isfinite(self.estimate_scale) and self.estimate_scale >= 0):
             problems.append(f"estimate_scale must be a finite number >= 0 (got {self.estimate_scale})")
         if not (math.isfinite(self.context_temperature) and self.context_temperature >= 0):
@@ -168,6 +189,8 @@ class AnchorPool:
         self.distance_cache = DistanceCache()
         self.fits: dict[tuple[SlotKey, str], ShrinkageFit] = {}
         """Per (slot, "shared" or "following"): the prequential fit of its estimates (``observe``)."""
+        self._linear_fits: OrderedDict[tuple[SlotKey, tuple[int, ...]], tuple[tuple[Deviation, ...], LinearDeviations]] = OrderedDict()
+        """Recent "linear" fits: per (slot, serials of the matched anchors), the anchors' deviations it was fitted on, and the fit."""
 
     def __len__(self) -> int:
         return len(self._anchors)
@@ -322,7 +345,9 @@ class AnchorPool:
         Shared tokens are weighted per token by softmax(-d/tau) of the mean absolute base
         difference; the following fixed segment per (layer, head, channel) by softmax(-d/tau)
         of the per-token RMS base difference (L2 over the compared tokens / sqrt(their count)).
-        Keys and values each use their own distances. All position-free; the caller realigns.
+        Keys and values each use their own distances. With ``config.estimator == "linear"`` the
+        shared tokens are instead the ridge fit on the matched anchors (``_linear_fit``) applied
+        to ``base``, as one term of weight 1. All position-free; the caller realigns.
         An ``identical`` match uses its anchor's deviations with weight 1. Weights are over
         all matched anchors. With ``shrink`` and ``config.shrinkage``, each layer's weights are
         scaled by the slot's fitted factor once it has ``shrinkage_min_pairs`` pairs (``observe``).
@@ -345,9 +370,14 @@ class AnchorPool:
         wk = torch.softmax(-torch.stack([d.token_keys[:n] for d in dist]) / tau + bias, dim=0)  # [A, n]
         wv = torch.softmax(-torch.stack([d.token_values[:n] for d in dist]) / tau + bias, dim=0)
         ak, av = self._factors(match.slot, "shared", shrink, first, wk.device)
-        shared = WeightedDeviations(
-            shared_parts, tuple(wk[:, None, None, :, None] * ak), tuple(wv[:, None, None, :, None] * av), first,
-        )
+        if self.config.estimator == "linear":
+            predicted = self._linear_fit(match, deviations, first).predict(base, n)
+            one = torch.ones_like(wk[0])[None, None, :, None]  # [1, 1, n, 1]
+            shared = WeightedDeviations((predicted,), (one * ak,), (one * av,), first)
+        else:
+            shared = WeightedDeviations(
+                shared_parts, tuple(wk[:, None, None, :, None] * ak), tuple(wv[:, None, None, :, None] * av), first,
+            )
         following = None
         if following_parts is not None and len({p.length for p in following_parts}) == 1:
             # per-token RMS (L2 / sqrt(tokens compared)): a raw L2 grows with the segment's length
@@ -361,6 +391,24 @@ class AnchorPool:
                 following_parts, tuple(fk[:, :, :, None, :] * ak), tuple(fv[:, :, :, None, :] * av), first
             )
         return shared, following
+
+    def _linear_fit(self, match: Match, deviations: list[Deviation], first: int) -> LinearDeviations:
+        """The "linear" estimator fitted on ``match``'s anchors (every token of each, model layers
+        ``first..``), reused while the slot's matched anchors and their deviations are the same."""
+        key = (match.slot, tuple(a.serial for a in match.anchors))
+        with self._lock:
+            held = self._linear_fits.get(key)
+            if held is not None and all(a is b for a, b in zip(held[0], deviations)):
+                self._linear_fits.move_to_end(key)
+                return held[1]
+        fit = LinearDeviations.fit([a.base for a in match.anchors],
+                                   [_from_layer(d.shared, first - d.first_layer) for d in deviations],
+                                   first, self.config.linear_ridge)
+        with self._lock:
+            self._linear_fits[key] = (tuple(deviations), fit)
+            while len(self._linear_fits) > _LINEAR_FITS_KEPT:
+                self._linear_fits.popitem(last=False)
+        return fit
 
     def _context_bias(self, match: Match, deviations: list[Deviation], device: torch.device) -> torch.Tensor:
         """Per-anchor logit added to the deviation weights, fp32 ``[A, 1]``: cos(request context,

@@ -37,6 +37,7 @@ VARIANTS = {  # name -> (changes to the default PoolConfig, anchor dtype or None
     "bfloat16 anchors": ({}, torch.bfloat16),
     "4 candidates": ({"max_candidates": 4}, None),
     "equal weights": ({"temperature": 1e9}, None),
+    "linear": ({"estimator": "linear"}, None),
 }
 
 

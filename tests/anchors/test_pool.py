@@ -101,6 +101,8 @@ def index_size(pool: AnchorPool) -> int:
         ({"admission_temperature": float("nan")}, "admission_temperature must be > 0"),
         ({"context_temperature": -0.1}, "context_temperature must be a finite number >= 0 (got -0.1)"),
         ({"context_temperature": float("inf")}, "context_temperature must be a finite number >= 0"),
+        ({"estimator": "mean"}, "estimator must be one of anchors, linear (got 'mean')"),
+        ({"linear_ridge": 0.0}, "linear_ridge must be a finite number > 0 (got 0.0)"),
     ],
 )
 def test_config_rejects_bad_values_with_clear_message(kwargs, message):
@@ -948,3 +950,60 @@ def test_disagreement_is_the_estimates_weighted_variance_and_zero_for_an_identic
 def test_a_deviations_context_counts_in_its_bytes():
     plain = Deviation(const_kv(3, 1.0), None)
     assert Deviation(const_kv(3, 1.0), None, context=emb(1.0)).nbytes == plain.nbytes + EMB_DIM * 4
+
+
+# -- the linear estimator ----------------------------------------------------------------------
+
+
+def _linear_pool_with_three_anchors() -> AnchorPool:
+    pool = AnchorPool(PoolConfig(estimator="linear", max_candidates=0))
+    for i, t in enumerate((12, 10, 14)):
+        pool.record(SLOT, f"a{i}", rand_kv(t, i), DEFAULT_EMB, Deviation(rand_kv(t, 10 + i), rand_kv(3, 20 + i)))
+    return pool
+
+
+def test_linear_estimator_serves_the_fit_on_the_matched_anchors_and_the_anchors_following_estimate():
+    from kvcomm.anchors.linear import LinearDeviations
+
+    pool = _linear_pool_with_three_anchors()
+    new = rand_kv(9, 50)
+    match = pool.decide(SLOT, "new", new, DEFAULT_EMB)
+    assert match is not None and match.covered == 9 and len(match.anchors) == 3
+    shared, following = pool.estimate(match, new)
+    fit = LinearDeviations.fit([a.base for a in match.anchors], [a.deviations[SLOT].shared for a in match.anchors], 0, 1e-4)
+    expected = fit.predict(new, 9)
+    close(shared.keys, expected.keys)
+    close(shared.values, expected.values)
+    weighted = AnchorPool(PoolConfig(max_candidates=0))
+    weighted.restore(list(pool.anchors), pool.next_serial)
+    _, expected_following = weighted.estimate(match, new)
+    close(following.keys, expected_following.keys)
+    close(following.values, expected_following.values)
+
+
+def test_linear_estimator_refits_when_a_matched_anchor_gets_a_new_deviation():
+    pool = _linear_pool_with_three_anchors()
+    new = rand_kv(9, 50)
+    match = pool.decide(SLOT, "new", new, DEFAULT_EMB)
+    before, _ = pool.estimate(match, new)
+    again, _ = pool.estimate(match, new)
+    close(again.keys, before.keys, atol=0)
+    held = pool.get("a1")
+    pool.record(SLOT, "a1", held.base, DEFAULT_EMB, Deviation(rand_kv(10, 77), rand_kv(3, 78)))
+    match = pool.decide(SLOT, "new", new, DEFAULT_EMB)
+    after, _ = pool.estimate(match, new)
+    fresh = AnchorPool(PoolConfig(estimator="linear", max_candidates=0))
+    fresh.restore(list(pool.anchors), pool.next_serial)
+    expected, _ = fresh.estimate(match, new)
+    assert float((after.keys - before.keys).abs().max()) > 1e-3
+    close(after.keys, expected.keys)
+    close(after.values, expected.values)
+
+
+def test_an_identical_match_serves_its_own_deviation_under_the_linear_estimator():
+    pool = _linear_pool_with_three_anchors()
+    held = pool.get("a0")
+    match = pool.decide(SLOT, "a0", held.base, DEFAULT_EMB)
+    assert match.identical
+    shared, _ = pool.estimate(match, held.base)
+    close(shared.keys, held.deviations[SLOT].shared.keys, atol=0)
