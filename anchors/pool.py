@@ -189,8 +189,10 @@ class AnchorPool:
         self.distance_cache = DistanceCache()
         self.fits: dict[tuple[SlotKey, str], ShrinkageFit] = {}
         """Per (slot, "shared" or "following"): the prequential fit of its estimates (``observe``)."""
-        self._linear_fits: OrderedDict[tuple[SlotKey, tuple[int, ...]], tuple[tuple[Deviation, ...], LinearDeviations]] = OrderedDict()
-        """Recent "linear" fits: per (slot, serials of the matched anchors), the anchors' deviations it was fitted on, and the fit."""
+        self._linear_fits: OrderedDict[tuple[SlotKey, tuple[int, ...]],
+                                       tuple[tuple[Deviation, ...], LinearDeviations]] = OrderedDict()
+        """Recent "linear" fits: per (slot, serials of the matched anchors), the anchors'
+        deviations it was fitted on and the fit. Derived state: not in ``nbytes`` or saves."""
 
     def __len__(self) -> int:
         return len(self._anchors)
