@@ -109,7 +109,11 @@ class ReuseConfig:
     False: a reply becomes a base only when its request may be learned from, ``learns_from``).
     behind_estimate: one of ``BEHIND_ESTIMATE``, what a "kvcomm"/"kvblend" plan that has
     already estimated does with a segment its pool would send dense (without
-    learn_after_estimates; with it, every plan stops there and learns)."""
+    learn_after_estimates; with it, every plan stops there and learns). compute_tail: the
+    last prompt tokens always computed, never served estimated or realigned (>= 1: the first
+    reply token is read from the last prompt token's forward; more computes the end of the
+    instructions the reply follows, as CacheBlend computes the query after its chunks); an
+    exact prefix may still reach the last token but one."""
 
     pool: PoolConfig = field(default_factory=PoolConfig)
     exact_prefix: bool = True
@@ -125,6 +129,7 @@ class ReuseConfig:
     learn_after_estimates: bool = False
     reply_bases_after_estimates: bool = False
     behind_estimate: str = "realign"
+    compute_tail: int = 1
 
     def __post_init__(self) -> None:
         problems = []
@@ -145,6 +150,8 @@ class ReuseConfig:
             problems.append(f"recompute_boundary must be an integer >= 0 (got {self.recompute_boundary!r})")
         if self.behind_estimate not in BEHIND_ESTIMATE:
             problems.append(f"unknown behind_estimate {self.behind_estimate!r}; valid: {', '.join(BEHIND_ESTIMATE)}")
+        if isinstance(self.compute_tail, bool) or not isinstance(self.compute_tail, int) or self.compute_tail < 1:
+            problems.append(f"compute_tail must be an integer >= 1 (got {self.compute_tail!r})")
         if self.workspace_bytes < 0:
             problems.append(f"workspace_bytes must be >= 0 (got {self.workspace_bytes})")
         if problems:
@@ -370,9 +377,14 @@ class ReuseEngine:
                 if base is None:
                     plan.note = f"fixed segment {index} at {prompt.starts[index]} has no base yet"
                     return
-            if not _add_realigned(plan, index, base):
+            if not _add_realigned(plan, index, base, self._reuse_limit(prompt)):
                 return
             index += 1
+
+    def _reuse_limit(self, prompt: Prompt) -> int:
+        """First prompt position no estimated or realigned piece may reach: the last
+        ``config.compute_tail`` tokens are computed."""
+        return max(len(prompt) - self.config.compute_tail, 0)
 
     def _behind_estimate(self, plan: ReusePlan) -> str | None:
         """``config.behind_estimate`` once ``plan`` has estimated (so it will learn nothing), else None."""
@@ -384,17 +396,19 @@ class ReuseEngine:
         return self._behind_estimate(plan) in ("realign", "learn")
 
     def _plan_estimates(self, plan: ReusePlan, provide: BaseProvider | None) -> None:
-        prompt, last = plan.prompt, len(plan.prompt) - 1
+        prompt, last = plan.prompt, self._reuse_limit(plan.prompt)
         index = next((i for i in range(len(prompt.segments)) if prompt.end(i) > plan.exact_length), None)
         reusing = True
         while index is not None and index < len(prompt.segments):
             segment, start = prompt.segments[index], prompt.starts[index]
+            if reusing and start >= last:  # the computed tail
+                reusing = False
             if not segment.is_shared:
                 if reusing and start == plan.reuse_end and self._realigns_unlearnable(plan):
                     fixed = self._fixed_bases.get(_fixed_key(prompt, index))
                     if fixed is None:
                         plan.note = plan.note or f"fixed segment {index} at {start} has no base yet"
-                    reusing = fixed is not None and _add_realigned(plan, index, fixed)
+                    reusing = fixed is not None and _add_realigned(plan, index, fixed, last)
                 else:
                     if reusing and not plan.note:
                         plan.note = f"fixed segment {index} at {start} is not reusable on its own"
@@ -424,7 +438,7 @@ class ReuseEngine:
             if match is None:
                 behind = self._behind_estimate(plan)
                 if behind == "realign":
-                    reusing = _add_realigned(plan, index, base)
+                    reusing = _add_realigned(plan, index, base, last)
                     index += 1
                     continue
                 if behind == "learn":
@@ -441,7 +455,7 @@ class ReuseEngine:
             if covered < len(segment):
                 plan.pieces.append(piece)
                 if self._realigns_unlearnable(plan):  # the uncovered tail as its realigned base
-                    reusing = _add_realigned(plan, index, base, covered)
+                    reusing = _add_realigned(plan, index, base, last, covered)
                 else:
                     plan.note = f"slot {segment.slot!r}: {covered} of {len(segment)} tokens covered by anchors"
                     reusing = False
@@ -593,13 +607,14 @@ def _deep_deviation(real: KV, base: KV) -> KV:
               real.values[first:] - base.values[first:].to(real.values.dtype))
 
 
-def _add_realigned(plan: ReusePlan, index: int, base: KV, offset: int = 0) -> bool:
+def _add_realigned(plan: ReusePlan, index: int, base: KV, last: int, offset: int = 0) -> bool:
     """Append segment ``index``'s tokens from ``offset`` on, served as their realigned ``base``
     (position-free, the segment's own; no deviation), to ``plan``, which must reach exactly
-    there; never the last prompt token. Returns whether the whole segment is now reused (so
-    reuse may go on), False if the plan does not reach there or it was cut short."""
+    there; never a token at or past ``last`` (``ReuseEngine._reuse_limit``). Returns whether the
+    whole segment is now reused (so reuse may go on), False if the plan does not reach there or
+    it was cut short."""
     prompt = plan.prompt
-    start, last = prompt.starts[index] + offset, len(prompt) - 1
+    start = prompt.starts[index] + offset
     if start != plan.reuse_end:  # the exact prefix ends inside this segment (cut before the last token)
         return False
     end = min(len(prompt.segments[index]), base.length, last - prompt.starts[index])

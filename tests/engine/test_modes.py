@@ -54,6 +54,8 @@ def _adds_up(p) -> bool:
         ({"check_layer": -1}, "check_layer must be an integer >= 0"),
         ({"check_layer": 1.5}, "check_layer must be an integer >= 0"),
         ({"base_source": "prefill"}, "unknown base_source 'prefill'; valid: standalone, first_use"),
+        ({"compute_tail": 0}, "compute_tail must be an integer >= 1 (got 0)"),
+        ({"compute_tail": True}, "compute_tail must be an integer >= 1 (got True)"),
     ],
 )
 def test_bad_config_is_refused_clearly(kwargs, message):
@@ -123,6 +125,26 @@ def test_realign_plan_is_realigned_base_without_anchors():
     fixed = engine._fixed_bases[("t", content_id((4, 5, 6, 7)))]
     assert torch.equal(kv.keys[:, :, 8:11], rotary.rotate(fixed.keys[:, :, :3], positions(8, 3)))
     assert plan.provenance().estimated_tokens == 8 and plan.provenance().computed_tokens == 1
+
+
+@pytest.mark.parametrize("tail", [2, 3, 11, 12])
+def test_compute_tail_leaves_the_last_tokens_computed_and_serves_the_rest_unchanged(tail):
+    rotary = Rotary(torch.tensor([1.0, 0.1]), head_dim=8)
+    engines = {k: ReuseEngine(rotary, ReuseConfig(mode="realign", compute_tail=k)) for k in (1, tail)}
+    first = _synthetic_prompt("t", (10, 11, 12, 13))
+    second = _synthetic_prompt("t", (20, 21, 22, 23, 24))
+    base = _synthetic(5, 2)
+    for engine in engines.values():
+        engine.learn(engine.plan(first, lambda s: _synthetic(len(s), 1)), _synthetic(len(first), 0))
+    plans = {k: engine.plan(second, lambda s: base) for k, engine in engines.items()}
+    one, cut = plans[1], plans[tail]
+    assert one.reuse_end == len(second) - 1
+    assert cut.reuse_end == max(len(second) - tail, one.exact_length) and _adds_up(cut.provenance())
+    assert cut.provenance().computed_tokens == len(second) - cut.reuse_end
+    if cut.reuse_end:
+        full, short = engines[1].materialize(one), engines[tail].materialize(cut)
+        assert torch.equal(short.keys, full.keys[:, :, : cut.reuse_end])
+        assert torch.equal(short.values, full.values[:, :, : cut.reuse_end])
 
 
 def test_exact_mode_plans_no_estimate_and_needs_no_base():
@@ -347,3 +369,17 @@ def test_cacheblend_is_closer_to_dense_than_realign_on_smollm2(smol_executor):
         kls[ratio] = _kl(dense, generation.prompt_logprobs)
     assert kls[0.3] < kls[0.15] < kls[None], kls
     assert abs(kls[1.0]) <= 1e-4, kls
+
+
+@pytest.mark.slow
+def test_kvcomm_with_compute_tail_estimates_nothing_in_the_last_tokens(tiny_executor):
+    spec = parse_pipeline(PIPELINE)
+    tail = 6
+    engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(compute_tail=tail))
+    calls = [c for row in range(4) for c in run_row(spec, row, tiny_executor, engine)]
+    provenance = [c.provenance for c in calls]
+    assert any(p.estimated_tokens > 0 for p in provenance)
+    for p in provenance:
+        assert _adds_up(p)
+        if p.estimated_tokens:
+            assert p.reuse_end <= p.prompt_tokens - tail, p
