@@ -34,7 +34,8 @@ def token_features(base: KV, first_layer: int, n: int) -> torch.Tensor:
     index = torch.arange(n, dtype=torch.float32, device=keys.device)
     position = torch.zeros(n, POSITION_FEATURES + 2, dtype=torch.float32, device=keys.device)
     leading = min(n, POSITION_FEATURES)
-    position[torch.arange(leading), torch.arange(leading)] = 1.0
+    diagonal = torch.arange(leading, device=keys.device)
+    position[diagonal, diagonal] = 1.0
     position[:, POSITION_FEATURES] = torch.log1p(index)
     position[:, POSITION_FEATURES + 1] = 1.0
     return torch.cat([keys, values, position.expand(*keys.shape[:2], n, -1)], dim=-1)
