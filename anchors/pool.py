@@ -369,14 +369,13 @@ class AnchorPool:
             [a.base for a in match.anchors], base, [match.covered] * len(match.anchors), self.config.key_distances, self.heads,
         )
         bias = self._context_bias(match, deviations, base.keys.device)  # [A, 1]
-        wk = torch.softmax(-torch.stack([d.token_keys[:n] for d in dist]) / tau + bias, dim=0)  # [A, n]
-        wv = torch.softmax(-torch.stack([d.token_values[:n] for d in dist]) / tau + bias, dim=0)
-        ak, av = self._factors(match.slot, "shared", shrink, first, wk.device)
-        if self.config.estimator == "linear":
+        ak, av = self._factors(match.slot, "shared", shrink, first, base.keys.device)
+        if self.config.estimator == "linear":  # the layer factors are the one term's weights
             predicted = self._linear_fit(match, deviations, first).predict(base, n)
-            one = torch.ones_like(wk[0])[None, None, :, None]  # [1, 1, n, 1]
-            shared = WeightedDeviations((predicted,), (one * ak,), (one * av,), first)
+            shared = WeightedDeviations((predicted,), (ak,), (av,), first)
         else:
+            wk = torch.softmax(-torch.stack([d.token_keys[:n] for d in dist]) / tau + bias, dim=0)  # [A, n]
+            wv = torch.softmax(-torch.stack([d.token_values[:n] for d in dist]) / tau + bias, dim=0)
             shared = WeightedDeviations(
                 shared_parts, tuple(wk[:, None, None, :, None] * ak), tuple(wv[:, None, None, :, None] * av), first,
             )

@@ -360,7 +360,7 @@ class ReuseEngine:
         """Modes "realign" and "cacheblend": reuse every segment with a base as its realigned
         base (shared: its content's base; fixed: the template's stored base), in order, up to
         the first fixed segment without one. No anchors, no admission, no deviation."""
-        prompt = plan.prompt
+        prompt, last = plan.prompt, self._reuse_limit(plan.prompt)
         index = next((i for i in range(len(prompt.segments)) if prompt.end(i) > plan.exact_length), None)
         while index is not None and index < len(prompt.segments):
             segment = prompt.segments[index]
@@ -377,7 +377,7 @@ class ReuseEngine:
                 if base is None:
                     plan.note = f"fixed segment {index} at {prompt.starts[index]} has no base yet"
                     return
-            if not _add_realigned(plan, index, base, self._reuse_limit(prompt)):
+            if not _add_realigned(plan, index, base, last):
                 return
             index += 1
 
