@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from bench_reuse import add_anchor, alternate, bar, ms, reader_prompt, synthetic_ids, table  # this folder is on sys.path when the script runs
+from bench_reuse import add_anchor, alternate, bar, ms, reader_prompt, shared_index, synthetic_ids, table  # this folder is on sys.path when the script runs
 from kvcomm.anchors.pool import AnchorPool, PoolConfig
 from kvcomm.engine.engine import ReuseConfig, ReuseEngine
 from kvcomm.core.divergence import kl_topk_other, topk_reference
@@ -73,7 +73,7 @@ WRITER = parse_pipeline({"agents": [{"name": "writer", "system": "You are agent 
 def first_use_base(executor, ids) -> KV:
     """The position-free KV of text ``ids`` in WRITER's prompt (the base ``first_use`` keeps)."""
     prompt = build_prompt(executor, WRITER, {"task": Segment(ids, slot="task")})
-    index = next(i for i, s in enumerate(prompt.segments) if s.is_shared)
+    index = shared_index(prompt)
     start = prompt.starts[index]
     computed = executor.generate(prompt.token_ids, None, 1).computed
     return to_position_free(computed.span(start, start + len(ids)), executor.rotary, start)
@@ -113,7 +113,7 @@ def main(argv=None):
     for seed in bar(range(args.anchors), desc="fill anchors"):
         ids = synthetic_ids(executor, seed, args.tokens)
         prompt = reader_prompt(executor, ids)
-        index = next(i for i, s in enumerate(prompt.segments) if s.is_shared)
+        index = shared_index(prompt)
         engine.register_base(prompt.segments[index], base_of(ids, prompt.segments[index]))
         add_anchor(executor, engine, prompt)
     pools = {name: converted(pool, dataclasses.replace(pool.config, **changes), dtype)
@@ -124,7 +124,7 @@ def main(argv=None):
     for probe in bar(range(args.probes), desc="probes"):
         ids = synthetic_ids(executor, 1000 + probe, args.tokens)
         prompt = reader_prompt(executor, ids)
-        index = next(i for i, s in enumerate(prompt.segments) if s.is_shared)
+        index = shared_index(prompt)
         base = base_of(ids, prompt.segments[index])
         engine.register_base(prompt.segments[index], base)
         dense = executor.generate(prompt.token_ids, None, 1, keep_logprobs=True)

@@ -179,12 +179,17 @@ def reader_prompt(executor, ids):
     return build_prompt(executor, READER, {"task": Segment(ids, slot="task")})
 
 
+def shared_index(prompt):
+    """Index of the first shared segment of ``prompt`` (the task, in READER's prompts)."""
+    return next(i for i, s in enumerate(prompt.segments) if s.is_shared)
+
+
 def add_anchor(executor, engine, prompt):
     """Make ``prompt``'s task an anchor of pool "task": a dense prefill, learned with the task's
     standalone base. Forced: each synthetic text is seen once here, and ``run_agent`` would make
     a first sight the content's base under ``base_source="first_use"`` (no anchor) and, at
     gamma=1, reuse instead of admitting once the pool holds two anchors."""
-    index = next(i for i, s in enumerate(prompt.segments) if s.is_shared)
+    index = shared_index(prompt)
     if not engine.has_base(prompt.segments[index].shared_id):
         engine.register_base(prompt.segments[index], executor.base_kv(prompt.segments[index]))
     engine.learn(ReusePlan(prompt, learn=[index]), executor.generate(prompt.token_ids, None, 1).computed)
