@@ -12,6 +12,11 @@ the engine's own RoPE against it), the tensor file's size and checksum, every te
 presence, shape and dtype, and the pools' invariants. Any failure raises ``PersistError``
 and leaves the engine as it was; on success pools, shared-content bases and fixed-segment
 bases are replaced together, under the engine's lock. The exact prefix store is not saved.
+
+Restored KV (bases, deviations, fixed bases) goes to the device the loader names, which must
+be the one the engine's model hands it KV on: the engine works where its KV lives, so a GPU
+engine given host-memory anchors would mix devices in its next estimate. Shrinkage sums
+stay in host memory, as the engine keeps them.
 """
 
 from __future__ import annotations
@@ -234,8 +239,9 @@ def _read_tensors(manifest: dict, directory: Path) -> dict[str, torch.Tensor]:
 class _Reader:
     """Takes tensors by name from a loaded file, checking shapes and dtypes as it goes."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], head_dim: int, where: Path):
+    def __init__(self, tensors: dict[str, torch.Tensor], head_dim: int, where: Path, device: torch.device):
         self.tensors, self.head_dim, self.where, self.used = tensors, head_dim, where, set()
+        self.device = device
         self.shape: tuple[int, int] | None = None  # (layers, kv_heads), the same for every KV
 
     def fail(self, message: str):
@@ -262,7 +268,7 @@ class _Reader:
         expected = self.shape if layers is None else (layers, self.shape[1])
         if tuple(keys.shape[:2]) != expected or keys.shape[2] == 0 or (length is not None and keys.shape[2] != length):
             self.fail(f"{name} has shape {tuple(keys.shape)}, inconsistent with the rest of the save")
-        return KV(keys, values)
+        return KV(keys.to(self.device), values.to(self.device))
 
     def embedding(self, name: str) -> np.ndarray:
         tensor = self.tensor(name)
@@ -278,8 +284,8 @@ def _field(obj: object, key: str, kind: type, where: Path):
     return value
 
 
-def _build(manifest: dict, tensors: dict[str, torch.Tensor], engine: ReuseEngine, where: Path):
-    read = _Reader(tensors, engine.rotary.head_dim, where)
+def _build(manifest: dict, tensors: dict[str, torch.Tensor], engine: ReuseEngine, where: Path, device: torch.device):
+    read = _Reader(tensors, engine.rotary.head_dim, where, device)
     dtype = engine.config.anchor_dtype
     pools: dict[str, AnchorPool] = {}
     for p, entry in enumerate(_field(manifest, "pools", list, where)):
@@ -338,15 +344,24 @@ def _build(manifest: dict, tensors: dict[str, torch.Tensor], engine: ReuseEngine
     return pools, fixed, bases
 
 
-def load_engine(directory: str | os.PathLike, engine: ReuseEngine, fingerprint: ModelFingerprint) -> LoadSummary:
+def load_engine(directory: str | os.PathLike, engine: ReuseEngine, fingerprint: ModelFingerprint,
+                device: torch.device | str = "cpu") -> LoadSummary:
     """Replace ``engine``'s pools and bases with the save in ``directory``, made by the model
-    ``fingerprint`` names (this engine's model). Raises ``PersistError`` (engine unchanged)
-    for another model or a corrupt, truncated or incomplete save."""
+    ``fingerprint`` names (this engine's model), their KV on ``device``: the device the
+    engine's model computes its KV on (``cuda:0`` for a model on the first GPU). Raises
+    ``PersistError`` (engine unchanged) for another model or a corrupt, truncated or
+    incomplete save, and ``ValueError`` for a device torch cannot use here."""
+    try:  # an unknown or absent device fails here, before anything is read
+        device = torch.device(device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as error:  # torch raises both for devices it cannot use
+        raise ValueError(f"cannot restore a kvcomm save onto device {str(device)!r}: {error}; name the device "
+                         "the model runs on (cpu, cuda, cuda:N)") from None
     directory = Path(directory)
     manifest = _read_manifest(directory)
     _check_fingerprint(manifest, fingerprint, engine, directory / MANIFEST)
     tensors = _read_tensors(manifest, directory)
-    pools, fixed, bases = _build(manifest, tensors, engine, directory / MANIFEST)
+    pools, fixed, bases = _build(manifest, tensors, engine, directory / MANIFEST, device)
     with engine._lock:
         engine.pools, engine._fixed_bases, engine._bases = pools, fixed, bases
     size = sum(t.nbytes for t in tensors.values())

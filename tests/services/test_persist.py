@@ -165,6 +165,38 @@ def _refused(directory: Path, target: ReuseEngine, before, match: str, fingerpri
     assert _state(target) == before
 
 
+def _restored_kv(engine: ReuseEngine) -> list[torch.Tensor]:
+    """Every KV tensor a load restores: anchors' bases and deviations, content bases, fixed bases."""
+    kvs = [kv for kv, _ in engine._bases.values()] + list(engine._fixed_bases.values())
+    for pool in engine.pools.values():
+        for anchor in pool.anchors:
+            kvs.append(anchor.base)
+            for deviation in anchor.deviations.values():
+                kvs += [kv for kv in (deviation.shared, deviation.following) if kv is not None]
+    return [t for kv in kvs for t in (kv.keys, kv.values)]
+
+
+def test_load_puts_the_kv_on_the_named_device(saved):
+    """An engine whose model runs on a GPU works on the GPU: its restored KV must be there too,
+    or its next estimate mixes devices. "meta" stands in for a second device on a CPU machine."""
+    directory, target, _ = saved
+    load_engine(directory, target, synthetic_fingerprint(target.rotary), device="meta")
+    restored = _restored_kv(target)
+    assert restored and {t.device.type for t in restored} == {"meta"}
+    fits = [t for pool in target.pools.values() for fit in pool.fits.values() for t in (fit.cross, fit.real_sq)]
+    assert all(t.device.type == "cpu" for t in fits)  # small statistics stay in host memory
+    load_engine(directory, target, synthetic_fingerprint(target.rotary))
+    assert {t.device.type for t in _restored_kv(target)} == {"cpu"}
+
+
+@pytest.mark.parametrize("device", ["no-such-device", "cuda:63"])
+def test_a_device_torch_cannot_use_is_refused_before_anything_loads(saved, device):
+    directory, target, before = saved
+    with pytest.raises(ValueError, match=r"cannot restore a kvcomm save onto device .*name the device"):
+        load_engine(directory, target, synthetic_fingerprint(target.rotary), device=device)
+    assert _state(target) == before
+
+
 def test_another_model_is_refused(saved):
     directory, target, before = saved
     good = synthetic_fingerprint(target.rotary)
