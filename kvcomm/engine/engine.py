@@ -14,7 +14,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -113,7 +113,11 @@ class ReuseConfig:
     last prompt tokens always computed, never served estimated or realigned (>= 1: the first
     reply token is read from the last prompt token's forward; more computes the end of the
     instructions the reply follows, as CacheBlend computes the query after its chunks); an
-    exact prefix may still reach the last token but one."""
+    exact prefix may still reach the last token but one. compute_trailing_text: reuse ends
+    with the last shared segment a plan reuses; the template text after it (the instructions,
+    or the label before content that is computed) is computed, not served realigned or
+    estimated: it reads the content before it, and its stored KV was computed behind other
+    content (default False: served, as before)."""
 
     pool: PoolConfig = field(default_factory=PoolConfig)
     exact_prefix: bool = True
@@ -130,6 +134,7 @@ class ReuseConfig:
     reply_bases_after_estimates: bool = False
     behind_estimate: str = "realign"
     compute_tail: int = 1
+    compute_trailing_text: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -152,6 +157,8 @@ class ReuseConfig:
             problems.append(f"unknown behind_estimate {self.behind_estimate!r}; valid: {', '.join(BEHIND_ESTIMATE)}")
         if isinstance(self.compute_tail, bool) or not isinstance(self.compute_tail, int) or self.compute_tail < 1:
             problems.append(f"compute_tail must be an integer >= 1 (got {self.compute_tail!r})")
+        if not isinstance(self.compute_trailing_text, bool):
+            problems.append(f"compute_trailing_text must be true or false (got {self.compute_trailing_text!r})")
         if self.workspace_bytes < 0:
             problems.append(f"workspace_bytes must be >= 0 (got {self.workspace_bytes})")
         if problems:
@@ -319,6 +326,8 @@ class ReuseEngine:
             self._plan_estimates(plan, provide_base)
         else:
             self._plan_realigned(plan, provide_base)
+        if self.config.compute_trailing_text:
+            _drop_trailing_text(plan)
         if provide_base is None:
             plan.new_bases = [i for i, s in enumerate(prompt.segments)
                               if s.is_shared and self._held_base(s.shared_id) is None and prompt.starts[i] >= plan.reuse_end]
@@ -622,6 +631,18 @@ def _add_realigned(plan: ReusePlan, index: int, base: KV, last: int, offset: int
         return False
     plan.pieces.append(EstimatedPiece(index, start, base.span(offset, end), None, None))
     return end == len(prompt.segments[index])
+
+
+def _drop_trailing_text(plan: ReusePlan) -> None:
+    """Cut ``plan`` after its last reused shared segment: the fixed template text it would
+    serve after that (fixed pieces, a piece's following segment) is computed instead."""
+    segments, end = plan.prompt.segments, plan.reuse_end
+    while plan.pieces and not segments[plan.pieces[-1].segment_index].is_shared:
+        plan.pieces.pop()
+    if plan.pieces and plan.pieces[-1].following_base is not None:
+        plan.pieces[-1] = replace(plan.pieces[-1], following_start=None, following_base=None)
+    if plan.reuse_end < end:
+        plan.note = f"template text after the last reused shared segment is computed (from {plan.reuse_end})"
 
 
 def _new_content_note(segment: Segment) -> str:

@@ -56,6 +56,7 @@ def _adds_up(p) -> bool:
         ({"base_source": "prefill"}, "unknown base_source 'prefill'; valid: standalone, first_use"),
         ({"compute_tail": 0}, "compute_tail must be an integer >= 1 (got 0)"),
         ({"compute_tail": True}, "compute_tail must be an integer >= 1 (got True)"),
+        ({"compute_trailing_text": 1}, "compute_trailing_text must be true or false (got 1)"),
     ],
 )
 def test_bad_config_is_refused_clearly(kwargs, message):
@@ -145,6 +146,25 @@ def test_compute_tail_leaves_the_last_tokens_computed_and_serves_the_rest_unchan
         full, short = engines[1].materialize(one), engines[tail].materialize(cut)
         assert torch.equal(short.keys, full.keys[:, :, : cut.reuse_end])
         assert torch.equal(short.values, full.values[:, :, : cut.reuse_end])
+
+
+def test_compute_trailing_text_ends_reuse_with_the_shared_segment():
+    """The fixed text after the last shared segment is computed; what is served before it is
+    bit for bit what the plan without the option serves."""
+    rotary = Rotary(torch.tensor([1.0, 0.1]), head_dim=8)
+    engines = {on: ReuseEngine(rotary, ReuseConfig(mode="realign", compute_trailing_text=on)) for on in (False, True)}
+    first = _synthetic_prompt("t", (10, 11, 12, 13))
+    second = _synthetic_prompt("t", (20, 21, 22, 23, 24))
+    base = _synthetic(5, 2)
+    for engine in engines.values():
+        engine.learn(engine.plan(first, lambda s: _synthetic(len(s), 1)), _synthetic(len(first), 0))
+    served, cut = (engines[on].plan(second, lambda s: base) for on in (False, True))
+    assert served.reuse_end == len(second) - 1  # the fixed text (4, 5, 6) is served realigned
+    assert cut.reuse_end == 3 + 5 and _adds_up(cut.provenance()) and "template text" in cut.note
+    assert cut.provenance().computed_tokens == 4
+    full, short = engines[False].materialize(served), engines[True].materialize(cut)
+    assert torch.equal(short.keys, full.keys[:, :, : cut.reuse_end])
+    assert torch.equal(short.values, full.values[:, :, : cut.reuse_end])
 
 
 def test_exact_mode_plans_no_estimate_and_needs_no_base():
@@ -383,3 +403,22 @@ def test_kvcomm_with_compute_tail_estimates_nothing_in_the_last_tokens(tiny_exec
         assert _adds_up(p)
         if p.estimated_tokens:
             assert p.reuse_end <= p.prompt_tokens - tail, p
+
+
+@pytest.mark.slow
+def test_kvcomm_with_compute_trailing_text_serves_no_template_text_after_shared_content(tiny_executor):
+    """Estimates go on (with their following segments between shared segments), but a served
+    prefix always ends with a shared segment's token."""
+    spec = parse_pipeline(PIPELINE)
+    engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(compute_trailing_text=True))
+    plans = []
+    plan = engine.plan
+    engine.plan = lambda *args: plans.append(plan(*args)) or plans[-1]
+    for row in range(4):
+        run_row(spec, row, tiny_executor, engine)
+    estimated = [p for p in plans if p.estimated_tokens > 0]
+    assert estimated
+    for p in estimated:
+        last = p.pieces[-1]
+        assert p.prompt.segments[last.segment_index].is_shared and last.following_base is None
+        assert p.reuse_end == last.start + last.base.length
