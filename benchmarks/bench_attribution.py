@@ -13,6 +13,8 @@ as served. Reported per agent and overall:
   them, and the first ``--head`` tokens of every shared segment, a cut across the first two):
   its share of the reused tokens, the mean KL with that kind dense, and the share of the
   served KL it removes (1 - sum KL with it dense / sum KL served);
+- "all but the task": every reused token but the task's given its dense KV (what is left when
+  only the workload's input is served);
 - "all dense": every reused token's KV replaced, a check that the replacement reproduces
   dense (its KL is float noise).
 
@@ -102,6 +104,7 @@ class AttributingExecutor:
         dense_logprobs, dense = self._first_token(token_ids, None)
         reference = topk_reference(dense_logprobs)
         ranges = kind_ranges(plan, self.input_slots, self.head)
+        ranges["all but the task"] = [r for kind in KINDS[1:4] for r in ranges[kind]]
         ranges["all dense"] = [(plan.exact_length, plan.reuse_end)]
         kl = {"served": float(kl_topk_other(reference, self._first_token(token_ids, served)[0])[0])}
         for kind, spans in ranges.items():
@@ -124,7 +127,7 @@ def summary_rows(records: list[dict]) -> list[list[str]]:
         served = sum(r["kl"]["served"] for r in group)
         reused = sum(r["reused"] for r in group)
         rows.append([agent, len(group), "served", "100%", f"{served / len(group):.2e}", "-"])
-        for kind in (*KINDS, "all dense"):
+        for kind in (*KINDS, "all but the task", "all dense"):
             with_dense = sum(r["kl"][kind] for r in group)
             share = sum(r["tokens"][kind] for r in group) / reused
             removed = 1 - with_dense / served if served > 0 else float("nan")

@@ -107,6 +107,10 @@ class ReuseConfig:
     reply_bases_after_estimates: register a reply's base even when its request estimated (the
     reply's KV then carries the estimate's error into every later use of that base; default
     False: a reply becomes a base only when its request may be learned from, ``learns_from``).
+    decode_reply_bases: a reply's base is the KV its producer decoded it with (default True);
+    False: a reply is content like any other, its base taken where other content's is
+    (``base_source``: a reader that computes it cleanly, or a standalone prefill), so a reply
+    is computed by its readers until then.
     behind_estimate: one of ``BEHIND_ESTIMATE``, what a "kvcomm"/"kvblend" plan that has
     already estimated does with a segment its pool would send dense (without
     learn_after_estimates; with it, every plan stops there and learns). compute_tail: the
@@ -132,6 +136,7 @@ class ReuseConfig:
     workspace_bytes: int = 512 << 20
     learn_after_estimates: bool = False
     reply_bases_after_estimates: bool = False
+    decode_reply_bases: bool = True
     behind_estimate: str = "realign"
     compute_tail: int = 1
     compute_trailing_text: bool = False
@@ -157,6 +162,8 @@ class ReuseConfig:
             problems.append(f"unknown behind_estimate {self.behind_estimate!r}; valid: {', '.join(BEHIND_ESTIMATE)}")
         if isinstance(self.compute_tail, bool) or not isinstance(self.compute_tail, int) or self.compute_tail < 1:
             problems.append(f"compute_tail must be an integer >= 1 (got {self.compute_tail!r})")
+        if not isinstance(self.decode_reply_bases, bool):
+            problems.append(f"decode_reply_bases must be true or false (got {self.decode_reply_bases!r})")
         if not isinstance(self.compute_trailing_text, bool):
             problems.append(f"compute_trailing_text must be true or false (got {self.compute_trailing_text!r})")
         if self.workspace_bytes < 0:
@@ -271,9 +278,11 @@ class ReuseEngine:
         return plan.estimated_tokens == 0 or self.config.learn_after_estimates
 
     def learns_reply_from(self, plan: ReusePlan) -> bool:
-        """Whether the reply generated after ``plan`` may become its content's base:
-        ``learns_from(plan)``, or any plan with ``config.reply_bases_after_estimates``."""
-        return self.learns_from(plan) or self.config.reply_bases_after_estimates
+        """Whether the reply generated after ``plan`` may become its content's base (its decode
+        KV): with ``config.decode_reply_bases``, when ``learns_from(plan)`` or
+        ``config.reply_bases_after_estimates``."""
+        cfg = self.config
+        return cfg.decode_reply_bases and (self.learns_from(plan) or cfg.reply_bases_after_estimates)
 
     @property
     def uses_bases(self) -> bool:

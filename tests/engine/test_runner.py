@@ -25,3 +25,20 @@ def test_a_reply_becomes_a_base_after_an_estimate_only_when_asked(tiny_executor,
     assert reuse.estimated_tokens == len(DOC)  # the document realigned from its base
     assert second.reply_ids != first.reply_ids
     assert engine.has_base(Segment(second.reply_ids, slot="_").shared_id) is after_estimates
+
+
+def test_without_decode_reply_bases_a_reply_is_computed_until_a_clean_reader_takes_its_base(tiny_executor):
+    """decode_reply_bases=False: the producer's decode KV is not the reply's base, even from a
+    clean request; the first reader that computes it cleanly gives it one, which later
+    readers reuse."""
+    config = ReuseConfig(mode="realign", exact_prefix=False, decode_reply_bases=False, reply_bases_after_estimates=True)
+    engine = ReuseEngine(tiny_executor.rotary, config)
+    produced, clean = run_agent(tiny_executor, engine, _prompt((500, 501)), 3)
+    assert clean.estimated_tokens == 0 and produced.reply_ids
+    reply = Segment(produced.reply_ids, slot="reply")
+    assert not engine.has_base(reply.shared_id)  # a clean request, and asked even after estimates: still none
+    reader = Prompt("asker", (Segment((310, 311)), reply, Segment((700, 701))))
+    _, first_read = run_agent(tiny_executor, engine, reader, 2)
+    assert first_read.estimated_tokens == 0 and engine.has_base(reply.shared_id)  # computed, its base learned
+    _, second_read = run_agent(tiny_executor, engine, Prompt("asker", (Segment((310, 311)), reply, Segment((702, 703)))), 2)
+    assert second_read.estimated_tokens == len(reply)
