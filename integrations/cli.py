@@ -11,7 +11,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine.engine import BASE_SOURCES, BLEND_MODES, MODES, ReuseConfig, ReuseEngine
+from kvcomm.engine.engine import BASE_SOURCES, BLEND_MODES, MODES, REUSE_SCOPES, ReuseConfig, ReuseEngine, scope_settings
 from kvcomm.engine.pipeline import PipelineError, PipelineSpec, load_bundled_pipeline, load_pipeline
 from kvcomm.core.rope import RopeError
 from kvcomm.engine.runner import run_row
@@ -41,7 +41,7 @@ def _cmd_run(args, spec: PipelineSpec) -> int:
                          "executor does and the vLLM connector does not: use --backend transformers, or --mode "
                          f"{'kvcomm' if args.mode == 'kvblend' else 'realign'} (the same plan without the recompute)")
     config = ReuseConfig(pool=PoolConfig(gamma=args.gamma, max_anchors=args.max_anchors), base_source=args.base_source,
-                         mode=args.mode)
+                         mode=args.mode, **scope_settings(args.reuse_scope))
     executor, model_path = load_executor(args.model, args.backend, args.dtype, args.device)
     try:
         dense, reuse, engine = run_side_by_side(spec, executor, config, progress=not args.json)
@@ -80,13 +80,14 @@ def _cmd_demo(args, spec: PipelineSpec) -> int:
     executor, model_path = load_executor(args.model, args.backend, args.dtype, args.device)
     try:
         baseline = StockVllm(executor.llm, executor.stop_ids) if args.backend == "vllm" else DenseTransformers(executor)
-        config = ReuseConfig(pool=PoolConfig(gamma=args.gamma, max_anchors=args.max_anchors), base_source=args.base_source)
+        config = ReuseConfig(pool=PoolConfig(gamma=args.gamma, max_anchors=args.max_anchors), base_source=args.base_source,
+                             **scope_settings(args.reuse_scope))
         calls, engine = run_demo(spec, executor, baseline, config)
     finally:
         close_executor(executor)
     meta = {"model": model_path, "backend": args.backend, "dtype": args.dtype, "device": args.device or "cpu",
             "baseline": baseline.name, "gamma": args.gamma,
-            "max_anchors": args.max_anchors, "base_source": args.base_source,
+            "max_anchors": args.max_anchors, "base_source": args.base_source, "reuse_scope": args.reuse_scope,
             "anchors": {slot: len(pool) for slot, pool in engine.pools.items()}, "chart": str(chart.resolve())}
     report = demo_json(calls, meta)
     write_chart(report, chart, baseline.name)
@@ -151,8 +152,16 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-source", choices=BASE_SOURCES, default=ReuseConfig.base_source,
                         help="new shared content's base KV: a standalone prefill, or its KV in the first prompt "
                         "that computes it (no extra forward pass)")
+    _add_scope_option(parser)
     parser.add_argument("--limit", type=int, help="run only the first N input rows")
     parser.add_argument("--json", action="store_true", help="print one JSON object (schema: docs/reference.md)")
+
+
+def _add_scope_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--reuse-scope", choices=tuple(REUSE_SCOPES), default="all",
+                        help="what is served from stored KV: all (default: template text, inputs, replies), content "
+                        "(the template text after the shared content computed), inputs (replies computed too: the "
+                        "closest to dense, the least reuse; docs/anchor-pool.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--slots", nargs="+", help="the slot names annotations may use (default: any)")
     serve.add_argument("--gamma", type=float, default=PoolConfig.gamma, help="admission entropy threshold factor")
     serve.add_argument("--max-anchors", type=int, default=PoolConfig.max_anchors, help="V, anchors per pool")
+    _add_scope_option(serve)
     serve.add_argument("--max-tenant-bytes", type=int, help="byte cap of each tenant's pools, bases and prefixes")
     serve.add_argument("--max-total-bytes", type=int, help="byte cap of all tenants together")
     serve.add_argument("--state-dir", help="keep anchor pools and bases here across restarts (restored at start, "

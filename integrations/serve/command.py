@@ -69,6 +69,17 @@ def api_keys(vllm_args: list[str]) -> list[str]:
     return keys or [k for k in [os.environ.get("VLLM_API_KEY", "")] if k]
 
 
+def engine_settings(args) -> dict:
+    """The connector's extra config from `kvcomm serve`'s own options (None values: the defaults)."""
+    engine = {"gamma": args.gamma, "max_anchors": args.max_anchors,
+              "max_tenant_bytes": args.max_tenant_bytes, "max_total_bytes": args.max_total_bytes}
+    if args.reuse_scope != "all":
+        engine["reuse_scope"] = args.reuse_scope
+    if args.state_dir:
+        engine |= {"state_dir": str(Path(args.state_dir).resolve()), "save_interval_s": args.save_interval}
+    return engine
+
+
 def serve_command(args, vllm_args: list[str]) -> int:
     """`kvcomm serve`: check the options, set the environment, and run vLLM's API server with ``serve_argv``."""
     import os
@@ -93,10 +104,7 @@ def serve_command(args, vllm_args: list[str]) -> int:
     setup_multiprocess_prometheus()  # the connector's metrics live in the engine-core and worker processes
     if not args.save_interval > 0:
         raise ValueError(f"--save-interval must be a positive number of seconds, got {args.save_interval}")
-    engine = {"gamma": args.gamma, "max_anchors": args.max_anchors,
-              "max_tenant_bytes": args.max_tenant_bytes, "max_total_bytes": args.max_total_bytes}
-    if args.state_dir:
-        engine |= {"state_dir": str(Path(args.state_dir).resolve()), "save_interval_s": args.save_interval}
+    engine = engine_settings(args)
     state_environment(args.state_dir, os.environ)
     sys.argv = serve_argv(args.model, not args.no_plan, args.slots, vllm_args, engine)
     shown = [("<hidden>" if a in keys else a) for a in sys.argv]

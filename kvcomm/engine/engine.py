@@ -70,6 +70,31 @@ MODES = ("kvcomm", "exact", "realign", "cacheblend", "kvblend")
 BLEND_MODES = ("cacheblend", "kvblend")
 """Modes whose plans ask the executor for a selective recompute (``ReusePlan.blend``)."""
 
+REUSE_SCOPES: dict[str, dict[str, bool]] = {
+    "all": {},
+    "content": {"compute_trailing_text": True},
+    "inputs": {"compute_trailing_text": True, "decode_reply_bases": False},
+}
+"""What a plan serves from stored KV, as ``ReuseConfig`` settings (``kvcomm run/demo/serve
+--reuse-scope``; measured in docs/measurements/2026-12-05-where-the-error-is.md):
+
+- ``all`` (default): every token with a base: the template's text, the shared inputs, the
+  other agents' replies (their producers' decode KV as base).
+- ``content``: shared content only; the template text after the last reused shared segment
+  (the instructions the reply follows) is computed (``compute_trailing_text``).
+- ``inputs``: also each reply computed by its readers until one that computed it cleanly
+  gives it a base (``decode_reply_bases`` False): in a pipeline of agents that estimate, the
+  workload's own inputs are what is reused.
+"""
+
+
+def scope_settings(scope: str) -> dict[str, bool]:
+    """The ``ReuseConfig`` settings of reuse scope ``scope`` (one of ``REUSE_SCOPES``)."""
+    if scope not in REUSE_SCOPES:
+        raise ValueError(f"unknown reuse scope {scope!r}; valid: {', '.join(REUSE_SCOPES)}")
+    return dict(REUSE_SCOPES[scope])
+
+
 BEHIND_ESTIMATE = ("realign", "learn", "stop")
 """What a "kvcomm"/"kvblend" plan does once it has estimated a piece (``ReuseConfig.behind_estimate``).
 A request that has estimated learns nothing (KV behind an estimate carries its error), so a

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from kvcomm.integrations.cli import build_parser, main
@@ -47,7 +48,7 @@ def test_serve_refuses_a_non_positive_byte_cap(capsys):
     assert "--max-tenant-bytes must be a positive number of bytes" in capsys.readouterr().err
 
 
-def _connector(**parallel):
+def _connector(kv_extra=None, **parallel):
     """The kvcomm connector built by vLLM's own config classes with ``parallel`` settings
     (what vLLM's scheduler does at engine start); no engine runs."""
     from vllm.config import ParallelConfig, VllmConfig
@@ -57,7 +58,7 @@ def _connector(**parallel):
     from kvcomm.integrations.vllm.connector import KvcommConnector
     from kvcomm.integrations.vllm.engine import transfer_config
 
-    config = VllmConfig(parallel_config=ParallelConfig(**parallel), kv_transfer_config=transfer_config())
+    config = VllmConfig(parallel_config=ParallelConfig(**parallel), kv_transfer_config=transfer_config(extra=kv_extra))
     full = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.float32)
     groups = [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], full)]
     return KvcommConnector(config, KVConnectorRole.SCHEDULER, KVCacheConfig(num_blocks=0, kv_cache_tensors=[], kv_cache_groups=groups))
@@ -76,6 +77,21 @@ def test_the_connector_refuses_pipeline_parallel_engines_and_accepts_both_execut
     assert _connector(distributed_executor_backend="mp").refused is None
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # vLLM's default: the worker in a process of its own
     assert _connector(distributed_executor_backend="uni").refused is None
+
+
+def test_serve_passes_the_reuse_scope_to_the_connector_and_it_refuses_an_unknown_one_at_start():
+    from kvcomm.engine.engine import ReuseConfig, scope_settings
+    from kvcomm.integrations.serve.command import engine_settings
+
+    parse = build_parser().parse_known_args
+    assert "reuse_scope" not in engine_settings(parse(["serve"])[0])  # the default: nothing to pass
+    extra = engine_settings(parse(["serve", "--reuse-scope", "inputs"])[0])
+    assert extra["reuse_scope"] == "inputs"
+    config = ReuseConfig(**scope_settings(extra["reuse_scope"]))
+    assert config.compute_trailing_text and not config.decode_reply_bases
+    assert ReuseConfig(**scope_settings("content")).decode_reply_bases
+    with pytest.raises(ValueError, match="unknown reuse scope 'everything'; valid: all, content, inputs"):
+        _connector(kv_extra={"reuse_scope": "everything"})
 
 
 def test_a_state_dir_gives_the_engine_time_to_save_at_exit():
