@@ -4,7 +4,7 @@ requests that reuse nothing, against a plugin-free vLLM engine in the same run.
 
     OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind \\
     .venv/bin/python benchmarks/bench_vllm.py [--rows 5] [--passes 3] [--min-document-tokens 1000]
-                                              [--max-new-tokens 12] [--repeats 10] [--json]
+                                              [--max-new-tokens 12] [--reuse-scope all] [--repeats 10] [--json]
     .venv/bin/python benchmarks/bench_vllm.py --data-path [--repeats N] [--tokens 1000]
 
 **Pipeline section.** The bundled review pipeline (`kvcomm demo`'s: four agents read one
@@ -43,7 +43,7 @@ import statistics
 import time
 
 from bench_reuse import interleave, synthetic_ids  # this folder is on sys.path when the script runs
-from kvcomm.engine.engine import BASE_SOURCES
+from kvcomm.engine.engine import BASE_SOURCES, REUSE_SCOPES
 
 OVERHEAD_GOAL = 1.02
 """Plugin median over plugin-free median that the no-reuse overhead should stay under."""
@@ -228,6 +228,8 @@ def main() -> None:
     parser.add_argument("--gamma", type=float, help="PoolConfig.gamma (default: the demo's)")
     parser.add_argument("--base-source", choices=BASE_SOURCES, default="first_use",
                         help="ReuseConfig.base_source (default first_use, the demo's and the server's)")
+    parser.add_argument("--reuse-scope", choices=tuple(REUSE_SCOPES), default="all",
+                        help="what plans serve from stored KV (kvcomm.engine.engine.REUSE_SCOPES; default all)")
     parser.add_argument("--repeats", type=int, default=10, help="overhead samples per prompt and engine")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--data-path", action="store_true", help="time only the connector's data path (see above)")
@@ -244,7 +246,7 @@ def main() -> None:
 
     from kvcomm.anchors.pool import PoolConfig
     from kvcomm.core.segments import Segment
-    from kvcomm.engine.engine import ReuseConfig
+    from kvcomm.engine.engine import ReuseConfig, scope_settings
     from kvcomm.engine.pipeline import load_bundled_pipeline
     from kvcomm.engine.runner import build_prompt
     from kvcomm.eval.demo_report import format_demo
@@ -257,7 +259,7 @@ def main() -> None:
     spec = long_documents(spec, executor.encode, "document", args.min_document_tokens)
     spec = dataclasses.replace(spec, inputs=spec.inputs[: args.rows], max_new_tokens=args.max_new_tokens)
     gamma = DEMO_GAMMA if args.gamma is None else args.gamma
-    config = ReuseConfig(pool=PoolConfig(gamma=gamma), base_source=args.base_source)
+    config = ReuseConfig(pool=PoolConfig(gamma=gamma), base_source=args.base_source, **scope_settings(args.reuse_scope))
     passes = []
     for n in range(args.passes):
         executor.llm.reset_prefix_cache()
