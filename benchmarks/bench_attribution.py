@@ -90,23 +90,26 @@ class AttributingExecutor:
         return getattr(self.inner, name)
 
     def generate(self, token_ids, prefix, max_new_tokens, started, **options):
-        generation = self.inner.generate(token_ids, prefix, max_new_tokens, started, **options)
         plan, self.plan = self.plan, None
-        if self.active and prefix is not None and plan is not None and plan.pieces:
-            self.records.append(self._attribute(token_ids, prefix.clone(), plan))
+        attribute = self.active and prefix is not None and plan is not None and bool(plan.pieces)
+        if attribute:
+            options["keep_logprobs"] = True  # the call's own first-token distribution is the served one
+        generation = self.inner.generate(token_ids, prefix, max_new_tokens, started, **options)
+        if attribute:  # still inside the engine's ``materialized``: ``prefix`` is valid, and only read
+            self.records.append(self._attribute(token_ids, prefix, plan, generation.prompt_logprobs[-1:]))
         return generation
 
     def _first_token(self, token_ids, prefix: KV | None):
         generation = self.inner.generate(token_ids, prefix, 1, time.perf_counter(), keep_logprobs=True)
         return generation.prompt_logprobs[-1:], generation.computed
 
-    def _attribute(self, token_ids, served: KV, plan: ReusePlan) -> dict:
+    def _attribute(self, token_ids, served: KV, plan: ReusePlan, served_logprobs: torch.Tensor) -> dict:
         dense_logprobs, dense = self._first_token(token_ids, None)
         reference = topk_reference(dense_logprobs)
         ranges = kind_ranges(plan, self.input_slots, self.head)
         ranges["all but the task"] = [r for kind in KINDS[1:4] for r in ranges[kind]]
         ranges["all dense"] = [(plan.exact_length, plan.reuse_end)]
-        kl = {"served": float(kl_topk_other(reference, self._first_token(token_ids, served)[0])[0])}
+        kl = {"served": float(kl_topk_other(reference, served_logprobs)[0])}
         for kind, spans in ranges.items():
             altered = served.clone()
             for start, end in spans:
