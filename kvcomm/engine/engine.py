@@ -132,6 +132,11 @@ class ReuseConfig:
     reply_bases_after_estimates: register a reply's base even when its request estimated (the
     reply's KV then carries the estimate's error into every later use of that base; default
     False: a reply becomes a base only when its request may be learned from, ``learns_from``).
+    bases_after_estimates: new content's base is the KV of the first request that computes it,
+    even when that request estimated content before it (its error then reaches every later
+    use of the base; nothing else is learned from such a request; default False). With
+    ``decode_reply_bases`` False this is what lets a reply's second reader reuse it when
+    every reader estimates the task.
     decode_reply_bases: a reply's base is the KV its producer decoded it with (default True);
     False: a reply is content like any other, its base taken where other content's is
     (``base_source``: a reader that computes it cleanly, or a standalone prefill), so a reply
@@ -161,6 +166,7 @@ class ReuseConfig:
     workspace_bytes: int = 512 << 20
     learn_after_estimates: bool = False
     reply_bases_after_estimates: bool = False
+    bases_after_estimates: bool = False
     decode_reply_bases: bool = True
     behind_estimate: str = "realign"
     compute_tail: int = 1
@@ -189,6 +195,8 @@ class ReuseConfig:
             problems.append(f"compute_tail must be an integer >= 1 (got {self.compute_tail!r})")
         if not isinstance(self.decode_reply_bases, bool):
             problems.append(f"decode_reply_bases must be true or false (got {self.decode_reply_bases!r})")
+        if not isinstance(self.bases_after_estimates, bool):
+            problems.append(f"bases_after_estimates must be true or false (got {self.bases_after_estimates!r})")
         if not isinstance(self.compute_trailing_text, bool):
             problems.append(f"compute_trailing_text must be true or false (got {self.compute_trailing_text!r})")
         if self.workspace_bytes < 0:
@@ -581,12 +589,13 @@ class ReuseEngine:
             return to_position_free(kv, self.rotary, start)
 
         if not self.learns_from(plan):
-            return  # computed behind estimated KV: its errors would become every later estimate's
+            # Computed behind estimated KV: its errors would become every later estimate's.
+            if self.config.bases_after_estimates:
+                with self._lock:
+                    self._take_new_bases(plan, real)
+            return
         with self._lock:
-            for index in plan.new_bases:
-                segment = prompt.segments[index]
-                if self._held_base(segment.shared_id) is None:
-                    self.register_base(segment, real(index).clone())
+            self._take_new_bases(plan, real)
             if self.config.exact_prefix and plan.estimated_tokens == 0:
                 full = computed if plan.exact_kv is None else KV.cat([plan.exact_kv, computed.to(plan.exact_kv.keys.dtype)])
                 self.prefix_store.put(prompt, full)
@@ -598,6 +607,13 @@ class ReuseEngine:
                     self._fixed_bases[key] = real(index).clone()
             for index in plan.learn:
                 self._record(prompt, index, real)
+
+    def _take_new_bases(self, plan: ReusePlan, real: Callable[[int], KV]) -> None:
+        """Register the computed KV of each content in ``plan.new_bases`` still without a base."""
+        for index in plan.new_bases:
+            segment = plan.prompt.segments[index]
+            if self._held_base(segment.shared_id) is None:
+                self.register_base(segment, real(index).clone())
 
     def _record(self, prompt: Prompt, index: int, real: Callable[[int], KV]) -> None:
         """Record segment ``index``'s deviation against the base its anchor holds (a new

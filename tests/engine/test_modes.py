@@ -58,6 +58,7 @@ def _adds_up(p) -> bool:
         ({"compute_tail": True}, "compute_tail must be an integer >= 1 (got True)"),
         ({"compute_trailing_text": 1}, "compute_trailing_text must be true or false (got 1)"),
         ({"decode_reply_bases": "no"}, "decode_reply_bases must be true or false (got 'no')"),
+        ({"bases_after_estimates": None}, "bases_after_estimates must be true or false (got None)"),
     ],
 )
 def test_bad_config_is_refused_clearly(kwargs, message):

@@ -42,3 +42,24 @@ def test_without_decode_reply_bases_a_reply_is_computed_until_a_clean_reader_tak
     assert first_read.estimated_tokens == 0 and engine.has_base(reply.shared_id)  # computed, its base learned
     _, second_read = run_agent(tiny_executor, engine, Prompt("asker", (Segment((310, 311)), reply, Segment((702, 703)))), 2)
     assert second_read.estimated_tokens == len(reply)
+
+
+@pytest.mark.parametrize("after_estimates", [False, True])
+def test_a_reader_that_estimated_gives_a_reply_its_base_only_when_asked(tiny_executor, after_estimates):
+    """decode_reply_bases=False with every reader estimating the document: bases_after_estimates
+    lets the first reader's computed KV of the reply become its base, so the next reader reuses
+    the reply; without it the reply stays computed."""
+    config = ReuseConfig(mode="realign", exact_prefix=False, decode_reply_bases=False,
+                         bases_after_estimates=after_estimates)
+    engine = ReuseEngine(tiny_executor.rotary, config)
+    produced, _ = run_agent(tiny_executor, engine, _prompt((500, 501)), 3)
+    reply = Segment(produced.reply_ids, slot="reply")
+
+    def reader(tail: tuple[int, ...]) -> Prompt:
+        return Prompt("reader", (Segment((300, 301)), Segment(DOC, slot="doc", shared_id="doc"), reply, Segment(tail)))
+
+    _, first_read = run_agent(tiny_executor, engine, reader((700, 701)), 2)
+    assert first_read.estimated_tokens == len(DOC)  # the document realigned, the reply computed behind it
+    assert engine.has_base(reply.shared_id) is after_estimates
+    _, second_read = run_agent(tiny_executor, engine, reader((702, 703)), 2)
+    assert second_read.estimated_tokens == len(DOC) + (len(reply) if after_estimates else 0)
