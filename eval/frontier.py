@@ -28,6 +28,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcomm.engine.engine import REUSE_SCOPES
 from kvcomm.eval.metrics import bootstrap_ratio_interval
 
 POOLED = "pooled"
@@ -43,6 +44,9 @@ ONLY_FOR = {
 """Settings that change only these modes' runs: other modes' labels leave them out."""
 SETTING_DEFAULTS = {"embedder": "kv", "warm_rows": 0}
 """What a result written before one of those settings existed ran with."""
+COMPUTED_POSITIONS = ("compute_trailing_text", "decode_reply_bases", "compute_tail")
+"""``--reuse`` fields that change which prompt positions a run computes behind its reused KV,
+and so which positions its KL mean averages over."""
 KL_INTERVAL = {"draws": 2000, "seed": 0, "level": 0.95}
 """The bootstrap behind each point's KL interval: inputs resampled with replacement."""
 
@@ -70,6 +74,8 @@ class Point:
     """Mean over calls of KL(dense || mode) at the last prompt position (the first reply token), nats."""
     kl_last_ci: tuple[float, float] | None = None
     """95% bootstrap interval of ``kl_last_mean`` over the run's inputs (as ``kl_ci``)."""
+    computed_positions: str = "{}"
+    """The run's ``--reuse`` settings that change which positions it computes (``_computed_positions``)."""
 
     def interval(self, metric: str) -> tuple[float, float] | None:
         """The interval of ``metric`` (a ``KL_METRICS`` key)."""
@@ -118,6 +124,7 @@ def load_results(folders: list[str | os.PathLike]) -> tuple[list[Point], list[Fl
                 row.get("reply_agreement"), row.get("accuracy"), (row.get("accuracy_ci_low"), row.get("accuracy_ci_high")),
                 row.get("noise_kl_mean"), _kl_interval(data.get("calls") or [], row["mode"], row["setting"], "kl_sum"),
                 row.get("kl_last_mean"), _kl_interval(data.get("calls") or [], row["mode"], row["setting"], "kl_last"),
+                _computed_positions(settings),
             ))
         floor = data.get("dtype_noise_floor") or settings.get("dtype_noise_floor")
         if floor:
@@ -147,12 +154,27 @@ def _value(settings: dict, name: str):
 
 
 def _setting(value) -> str:
-    """A run setting as a label part: pool overrides as name=value, nothing as "default"."""
+    """A run setting as a label part: overrides as name=value (``--reuse`` ones that make up a
+    reuse scope by the scope's name), nothing as "default"."""
     if not value:
         return "default"
     if isinstance(value, list):
-        return " ".join(f"{k}={v}" for k, v in value)
+        pairs = dict(value)
+        parts = []
+        matching = [name for name, fields in REUSE_SCOPES.items()
+                    if fields and all(pairs.get(k, not v) == v for k, v in fields.items())]
+        scope = max(matching, key=lambda name: len(REUSE_SCOPES[name]), default=None)  # the most specific
+        if scope is not None:
+            parts.append(f"scope {scope}")
+            pairs = {k: v for k, v in pairs.items() if k not in REUSE_SCOPES[scope]}
+        return " ".join(parts + [f"{k}={v}" for k, v in pairs.items()])
     return str(value)
+
+
+def _computed_positions(settings: dict) -> str:
+    """The run's ``COMPUTED_POSITIONS`` overrides, as a comparable string."""
+    reuse = dict(settings.get("reuse") or [])
+    return json.dumps({k: reuse[k] for k in COMPUTED_POSITIONS if k in reuse}, sort_keys=True)
 
 
 def _dedup_dense(points: list[Point]) -> list[Point]:
@@ -207,6 +229,10 @@ def markdown(points: list[Point], floors: list[Floor]) -> str:
                              f"{_fmt(f.kl_median, '.1e')}, same top-1 {_fmt(f.top1, '.1%')}")
         if notes:
             lines += ["Noise floors: " + "; ".join(notes) + ".", ""]
+        if len({p.computed_positions for p in mine if p.mode != "dense"}) > 1:
+            lines += ["These runs compute different prompt positions behind their reused KV (reuse scope or "
+                      "compute_tail), and the KL mean averages over the positions each computes: compare them "
+                      "by first-token KL and reply agreement, which every run measures at the same positions.", ""]
         lines += ["| mode / setting | token reuse (exact + estimated) | KL mean [95% CI] | first-token KL [95% CI] | top-1 "
                   "| reply eq | accuracy [95% CI] | frontier (KL mean / first token) |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -237,14 +263,16 @@ def plot(points: list[Point], floors: list[Floor], path: str | os.PathLike) -> P
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
     workloads = list(dict.fromkeys(p.workload for p in points))
-    fig, axes = plt.subplots(len(workloads), len(KL_METRICS), figsize=(6.5 * len(KL_METRICS), 4.3 * len(workloads)),
+    most = max(sum(1 for p in points if p.workload == w) for w in workloads)
+    row_height = 4.3 + 0.16 * (most + 1)  # the axes and, below them, a legend line per point
+    fig, axes = plt.subplots(len(workloads), len(KL_METRICS), figsize=(6.5 * len(KL_METRICS), row_height * len(workloads)),
                              squeeze=False)
     for row, workload in zip(axes, workloads):
         for ax, metric in zip(row, KL_METRICS):
             _panel(ax, workload, points, floors if metric == "kl_mean" else [], metric)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # the legends sit below the axes
     plt.close(fig)
     return path
 
@@ -275,7 +303,7 @@ def _panel(ax, workload: str, points: list[Point], floors: list[Floor], metric: 
     ax.set_ylabel(KL_METRICS[metric])
     ax.set_title(f"{workload}: {KL_METRICS[metric]} (outlined: frontier; bars: 95% over inputs)", fontsize=9)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, loc="best")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1, frameon=False)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
