@@ -160,7 +160,8 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 def _add_scope_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reuse-scope", choices=tuple(REUSE_SCOPES), default="all",
                         help="what is served from stored KV: all (default: template text, inputs, replies), content "
-                        "(the template text after the shared content computed), inputs (replies computed too: the "
+                        "(the template text after the shared content computed), reader-replies (also each reply computed by "
+                        "its first reader and reused by the later ones), inputs (replies computed by every reader: the "
                         "closest to dense, the least reuse; docs/anchor-pool.md)")
 
 

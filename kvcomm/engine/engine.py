@@ -73,6 +73,7 @@ BLEND_MODES = ("cacheblend", "kvblend")
 REUSE_SCOPES: dict[str, dict[str, bool]] = {
     "all": {},
     "content": {"compute_trailing_text": True},
+    "reader-replies": {"compute_trailing_text": True, "decode_reply_bases": False, "bases_after_estimates": True},
     "inputs": {"compute_trailing_text": True, "decode_reply_bases": False},
 }
 """What a plan serves from stored KV, as ``ReuseConfig`` settings (``kvcomm run/demo/serve
@@ -82,6 +83,9 @@ REUSE_SCOPES: dict[str, dict[str, bool]] = {
   other agents' replies (their producers' decode KV as base).
 - ``content``: shared content only; the template text after the last reused shared segment
   (the instructions the reply follows) is computed (``compute_trailing_text``).
+- ``reader-replies``: ``content``, and a reply's base is not its producer's decode KV but
+  its first reader's computation of it (``decode_reply_bases`` False,
+  ``bases_after_estimates``): the first reader computes it, later readers reuse it.
 - ``inputs``: also each reply computed by its readers until one that computed it cleanly
   gives it a base (``decode_reply_bases`` False): in a pipeline of agents that estimate, the
   workload's own inputs are what is reused.

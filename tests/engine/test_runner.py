@@ -4,7 +4,7 @@ replies become bases."""
 import pytest
 
 from kvcomm.core.segments import Prompt, Segment
-from kvcomm.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine import ReuseConfig, ReuseEngine, scope_settings
 from kvcomm.engine.runner import run_agent
 
 DOC = tuple(range(1000, 1040))
@@ -44,13 +44,13 @@ def test_without_decode_reply_bases_a_reply_is_computed_until_a_clean_reader_tak
     assert second_read.estimated_tokens == len(reply)
 
 
-@pytest.mark.parametrize("after_estimates", [False, True])
-def test_a_reader_that_estimated_gives_a_reply_its_base_only_when_asked(tiny_executor, after_estimates):
+@pytest.mark.parametrize("scope", ["inputs", "reader-replies"])
+def test_a_reader_that_estimated_gives_a_reply_its_base_only_when_asked(tiny_executor, scope):
     """decode_reply_bases=False with every reader estimating the document: bases_after_estimates
-    lets the first reader's computed KV of the reply become its base, so the next reader reuses
-    the reply; without it the reply stays computed."""
-    config = ReuseConfig(mode="realign", exact_prefix=False, decode_reply_bases=False,
-                         bases_after_estimates=after_estimates)
+    (scope reader-replies) lets the first reader's computed KV of the reply become its base, so
+    the next reader reuses the reply; without it (scope inputs) the reply stays computed."""
+    config = ReuseConfig(mode="realign", exact_prefix=False, **scope_settings(scope))
+    after_estimates = config.bases_after_estimates
     engine = ReuseEngine(tiny_executor.rotary, config)
     produced, _ = run_agent(tiny_executor, engine, _prompt((500, 501)), 3)
     reply = Segment(produced.reply_ids, slot="reply")

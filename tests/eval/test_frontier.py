@@ -114,15 +114,18 @@ def test_first_token_kl_has_its_own_frontier(tmp_path):
 
 
 def test_runs_of_a_reuse_scope_are_named_by_it_and_their_kl_means_flagged_as_not_comparable(tmp_path):
-    inputs = [["compute_trailing_text", True], ["decode_reply_bases", False], ["bases_after_estimates", True]]
+    inputs = [["compute_trailing_text", True], ["decode_reply_bases", False], ["anchor_dtype", None]]
     a = _write(tmp_path / "a", "mmlu", [_row("dense", "", 0.0, 0.0), _row("kvcomm", "gamma=1,V=20", 0.75, 4e-3)])
     b = _write(tmp_path / "b", "mmlu", [_row("kvcomm", "gamma=1,V=20", 0.65, 1e-2)], reuse=[["compute_trailing_text", True]])
     c = _write(tmp_path / "c", "mmlu", [_row("kvcomm", "gamma=1,V=20", 0.5, 7e-4)], reuse=inputs)
     points, _ = load_results([a, b, c])
     assert [p.label for p in points] == [
         "dense", "kvcomm gamma=1,V=20 (reuse default)", "kvcomm gamma=1,V=20 (reuse scope content)",
-        "kvcomm gamma=1,V=20 (reuse scope inputs bases_after_estimates=True)"]
+        "kvcomm gamma=1,V=20 (reuse scope inputs anchor_dtype=None)"]
     assert "compare them by first-token KL" in markdown(points, [])
+    replies = [["compute_trailing_text", True], ["decode_reply_bases", False], ["bases_after_estimates", True]]
+    e = _write(tmp_path / "e", "mmlu", [_row("kvcomm", "gamma=1,V=20", 0.6, 9e-4)], reuse=replies)
+    assert load_results([a, e])[0][-1].label == "kvcomm gamma=1,V=20 (reuse scope reader-replies)"  # not inputs'
     # runs that compute the same positions (another --reuse field) get no such note
     d = _write(tmp_path / "d", "mmlu", [_row("kvcomm", "gamma=1,V=20", 0.5, 7e-4)], reuse=[["behind_estimate", "stop"]])
     assert "compare them by first-token KL" not in markdown(load_results([a, d])[0], [])
