@@ -44,7 +44,7 @@ ONLY_FOR = {
 """Settings that change only these modes' runs: other modes' labels leave them out."""
 SETTING_DEFAULTS = {"embedder": "kv", "warm_rows": 0}
 """What a result written before one of those settings existed ran with."""
-COMPUTED_POSITIONS = ("compute_trailing_text", "decode_reply_bases", "compute_tail")
+COMPUTED_POSITIONS = ("compute_trailing_text", "decode_reply_bases", "bases_after_estimates", "compute_tail")
 """``--reuse`` fields that change which prompt positions a run computes behind its reused KV,
 and so which positions its KL mean averages over."""
 KL_INTERVAL = {"draws": 2000, "seed": 0, "level": 0.95}

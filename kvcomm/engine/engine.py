@@ -86,9 +86,9 @@ REUSE_SCOPES: dict[str, dict[str, bool]] = {
 - ``reader-replies``: ``content``, and a reply's base is not its producer's decode KV but
   its first reader's computation of it (``decode_reply_bases`` False,
   ``bases_after_estimates``): the first reader computes it, later readers reuse it.
-- ``inputs``: also each reply computed by its readers until one that computed it cleanly
-  gives it a base (``decode_reply_bases`` False): in a pipeline of agents that estimate, the
-  workload's own inputs are what is reused.
+- ``inputs``: ``content``, and each reply computed by its readers until one that computed
+  it cleanly gives it a base (``decode_reply_bases`` False): in a pipeline of agents that
+  estimate, the workload's own inputs are what is reused.
 """
 
 
