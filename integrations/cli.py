@@ -11,7 +11,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine.engine import BASE_SOURCES, BLEND_MODES, MODES, REUSE_SCOPES, ReuseConfig, ReuseEngine, scope_settings
+from kvcomm.engine.engine import (BASE_SOURCES, BLEND_MODES, DEFAULT_REUSE_SCOPE, MODES, REUSE_SCOPES, ReuseConfig,
+                                   ReuseEngine, scope_settings)
 from kvcomm.engine.pipeline import PipelineError, PipelineSpec, load_bundled_pipeline, load_pipeline
 from kvcomm.core.rope import RopeError
 from kvcomm.engine.runner import run_row
@@ -158,7 +159,7 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_scope_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--reuse-scope", choices=tuple(REUSE_SCOPES), default="all",
+    parser.add_argument("--reuse-scope", choices=tuple(REUSE_SCOPES), default=DEFAULT_REUSE_SCOPE,
                         help="what is served from stored KV: all (default: template text, inputs, replies), content "
                         "(the template text after the shared content computed), reader-replies (also each reply computed by "
                         "its first reader and reused by the later ones), inputs (replies computed by every reader: the "

@@ -5,7 +5,7 @@ on an executor (``executor``, ``runner``, ``pipeline``, ``handles``). Start at `
 from kvcomm.core.exports import lazy_exports, names
 
 _EXPORTS = {
-    "kvcomm.engine.engine": ("ReuseEngine", "ReuseConfig", "BASE_SOURCES", "MODES", "REUSE_SCOPES", "scope_settings"),
+    "kvcomm.engine.engine": ("ReuseEngine", "ReuseConfig", "BASE_SOURCES", "MODES", "REUSE_SCOPES", "DEFAULT_REUSE_SCOPE", "scope_settings"),
     "kvcomm.engine.plan": ("ReusePlan", "Provenance", "EstimatedPiece", "BlendRequest"),
     "kvcomm.engine.executor": ("Executor", "Generation"),
     "kvcomm.engine.pipeline": (

@@ -92,6 +92,10 @@ REUSE_SCOPES: dict[str, dict[str, bool]] = {
 """
 
 
+DEFAULT_REUSE_SCOPE = "all"
+"""The scope of every entry point (CLI, connector, benchmarks) when none is named."""
+
+
 def scope_settings(scope: str) -> dict[str, bool]:
     """The ``ReuseConfig`` settings of reuse scope ``scope`` (one of ``REUSE_SCOPES``)."""
     if scope not in REUSE_SCOPES:
@@ -197,12 +201,9 @@ class ReuseConfig:
             problems.append(f"unknown behind_estimate {self.behind_estimate!r}; valid: {', '.join(BEHIND_ESTIMATE)}")
         if isinstance(self.compute_tail, bool) or not isinstance(self.compute_tail, int) or self.compute_tail < 1:
             problems.append(f"compute_tail must be an integer >= 1 (got {self.compute_tail!r})")
-        if not isinstance(self.decode_reply_bases, bool):
-            problems.append(f"decode_reply_bases must be true or false (got {self.decode_reply_bases!r})")
-        if not isinstance(self.bases_after_estimates, bool):
-            problems.append(f"bases_after_estimates must be true or false (got {self.bases_after_estimates!r})")
-        if not isinstance(self.compute_trailing_text, bool):
-            problems.append(f"compute_trailing_text must be true or false (got {self.compute_trailing_text!r})")
+        for name in ("decode_reply_bases", "bases_after_estimates", "compute_trailing_text"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be true or false (got {getattr(self, name)!r})")
         if self.workspace_bytes < 0:
             problems.append(f"workspace_bytes must be >= 0 (got {self.workspace_bytes})")
         if problems:
