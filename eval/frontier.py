@@ -4,8 +4,10 @@ Every mode/setting of every result folder (pooled over seeds) is a point (token 
 mean KL(dense || mode)); runs of the same workload that differ in flags such as
 ``--base-source`` are told apart by those flags. A point is on the frontier when no other
 point of its workload reuses at least as many tokens at a KL at most as large (one of the two
-strictly). The noise floors drawn next to the points are the chunked-prefill floor each run
-measures and, where a run measured it (``--noise-floor``), the same model in another dtype.
+strictly); a KL mean is weighed only against those of runs that compute the same prompt
+positions (a reuse scope or ``compute_tail`` changes them). The noise floors drawn next to
+the points are the chunked-prefill floor each run measures and, where a run measured it
+(``--noise-floor``), the same model in another dtype.
 Each KL comes with a 95% bootstrap interval over the run's inputs (``KL_INTERVAL``): at a few
 dozen inputs a handful of calls decide the mean, and two points whose intervals overlap are
 not told apart by it (``kvcomm paired`` compares them call by call). Two KLs, two frontiers:
@@ -194,14 +196,19 @@ KL_METRICS = {"kl_mean": "mean KL over computed positions", "kl_last_mean": "mea
 
 
 def on_frontier(point: Point, points: list[Point], metric: str = "kl_mean") -> bool:
-    """No other point of the workload has reuse >= and KL (``metric``, one of ``KL_METRICS``)
-    <= this one's, one strictly."""
+    """No other comparable point of the workload has reuse >= and KL (``metric``, one of
+    ``KL_METRICS``) <= this one's, one strictly. Every point's first-token KL is comparable; a
+    KL mean only with those of runs that compute the same positions (``computed_positions``;
+    the dense reference, with no KL of its own, with every run)."""
     mine = getattr(point, metric)
     if mine is None:
         return False
     for other in points:
         theirs = getattr(other, metric)
         if other is point or other.workload != point.workload or theirs is None:
+            continue
+        if metric == "kl_mean" and "dense" not in (point.mode, other.mode) and \
+                other.computed_positions != point.computed_positions:
             continue
         if other.token_reuse >= point.token_reuse and theirs <= mine and \
                 (other.token_reuse > point.token_reuse or theirs < mine):
@@ -232,7 +239,8 @@ def markdown(points: list[Point], floors: list[Floor]) -> str:
         if len({p.computed_positions for p in mine if p.mode != "dense"}) > 1:
             lines += ["These runs compute different prompt positions behind their reused KV (reuse scope or "
                       "compute_tail), and the KL mean averages over the positions each computes: compare them "
-                      "by first-token KL and reply agreement, which every run measures at the same positions.", ""]
+                      "by first-token KL and reply agreement, which every run measures at the same positions. "
+                      "The KL-mean frontier is marked among runs that compute the same positions.", ""]
         lines += ["| mode / setting | token reuse (exact + estimated) | KL mean [95% CI] | first-token KL [95% CI] | top-1 "
                   "| reply eq | accuracy [95% CI] | frontier (KL mean / first token) |",
                   "|---|---|---|---|---|---|---|---|"]

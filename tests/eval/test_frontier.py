@@ -129,3 +129,24 @@ def test_runs_of_a_reuse_scope_are_named_by_it_and_their_kl_means_flagged_as_not
     # runs that compute the same positions (another --reuse field) get no such note
     d = _write(tmp_path / "d", "mmlu", [_row("kvcomm", "gamma=1,V=20", 0.5, 7e-4)], reuse=[["behind_estimate", "stop"]])
     assert "compare them by first-token KL" not in markdown(load_results([a, d])[0], [])
+
+
+def test_a_kl_mean_is_weighed_only_against_runs_computing_the_same_positions(tmp_path):
+    # scope inputs reuses less at a far lower KL mean over other positions: it hides nothing of
+    # the default scope's KL-mean frontier, while their first-token KLs still compete
+    a = _write(tmp_path / "a", "mmlu", [_row("dense", "", 0.0, 0.0), _row("realign", "", 0.75, 5e-3, kl_last=5e-2),
+                                        _row("kvcomm", "gamma=1", 0.75, 4e-3, kl_last=3e-2)])
+    b = _write(tmp_path / "b", "mmlu", [_row("realign", "", 0.5, 7e-4, kl_last=8e-4), _row("kvcomm", "gamma=1", 0.5, 6e-4, kl_last=7e-4)],
+               reuse=[["compute_trailing_text", True], ["decode_reply_bases", False]])
+    c = _write(tmp_path / "c", "mmlu", [_row("kvcomm", "gamma=0.3", 0.4, 9e-4, kl_last=1e-3)],
+               reuse=[["compute_trailing_text", True], ["decode_reply_bases", False]])
+    points, _ = load_results([a, b, c])
+    by_label = {p.label: p for p in points}
+    mean = {label for label, p in by_label.items() if on_frontier(p, points)}
+    assert mean == {"dense", "kvcomm gamma=1 (reuse default)", "kvcomm gamma=1 (reuse scope inputs)"}
+    first = {label for label, p in by_label.items() if on_frontier(p, points, "kl_last_mean")}
+    assert first == {"dense", "kvcomm gamma=1 (reuse default)", "kvcomm gamma=1 (reuse scope inputs)"}
+    assert not on_frontier(by_label["realign (reuse default)"], points)  # same positions as kvcomm's, dominated
+    # the lower-reuse inputs run at a higher KL mean is dominated within its own scope only
+    assert not on_frontier(by_label["kvcomm gamma=0.3 (reuse scope inputs)"], points)
+    assert "marked among runs that compute the same positions" in markdown(points, [])
