@@ -593,14 +593,13 @@ class ReuseEngine:
             kv = computed.span(start - begin, prompt.end(index) - begin)
             return to_position_free(kv, self.rotary, start)
 
-        if not self.learns_from(plan):
-            # Computed behind estimated KV: its errors would become every later estimate's.
-            if self.config.bases_after_estimates:
-                with self._lock:
-                    self._take_new_bases(plan, real)
+        clean = self.learns_from(plan)
+        if not clean and not self.config.bases_after_estimates:
             return
         with self._lock:
             self._take_new_bases(plan, real)
+            if not clean:
+                return  # computed behind estimated KV: its errors would become every later estimate's
             if self.config.exact_prefix and plan.estimated_tokens == 0:
                 full = computed if plan.exact_kv is None else KV.cat([plan.exact_kv, computed.to(plan.exact_kv.keys.dtype)])
                 self.prefix_store.put(prompt, full)
