@@ -43,7 +43,8 @@ import statistics
 import time
 
 from bench_reuse import interleave, synthetic_ids  # this folder is on sys.path when the script runs
-from kvcomm.engine.engine import BASE_SOURCES, DEFAULT_REUSE_SCOPE, REUSE_SCOPES
+from kvcomm.engine.engine import BASE_SOURCES
+from kvcomm.integrations.cli import add_reuse_scope_option
 
 OVERHEAD_GOAL = 1.02
 """Plugin median over plugin-free median that the no-reuse overhead should stay under."""
@@ -228,8 +229,7 @@ def main() -> None:
     parser.add_argument("--gamma", type=float, help="PoolConfig.gamma (default: the demo's)")
     parser.add_argument("--base-source", choices=BASE_SOURCES, default="first_use",
                         help="ReuseConfig.base_source (default first_use, the demo's and the server's)")
-    parser.add_argument("--reuse-scope", choices=tuple(REUSE_SCOPES), default=DEFAULT_REUSE_SCOPE,
-                        help=f"what plans serve from stored KV (kvcomm.engine.engine.REUSE_SCOPES; default {DEFAULT_REUSE_SCOPE})")
+    add_reuse_scope_option(parser)
     parser.add_argument("--repeats", type=int, default=10, help="overhead samples per prompt and engine")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--data-path", action="store_true", help="time only the connector's data path (see above)")

@@ -153,12 +153,13 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-source", choices=BASE_SOURCES, default=ReuseConfig.base_source,
                         help="new shared content's base KV: a standalone prefill, or its KV in the first prompt "
                         "that computes it (no extra forward pass)")
-    _add_scope_option(parser)
+    add_reuse_scope_option(parser)
     parser.add_argument("--limit", type=int, help="run only the first N input rows")
     parser.add_argument("--json", action="store_true", help="print one JSON object (schema: docs/reference.md)")
 
 
-def _add_scope_option(parser: argparse.ArgumentParser) -> None:
+def add_reuse_scope_option(parser: argparse.ArgumentParser) -> None:
+    """``--reuse-scope``, one of ``REUSE_SCOPES`` (kvcomm run, demo, serve and bench_vllm.py)."""
     parser.add_argument("--reuse-scope", choices=tuple(REUSE_SCOPES), default=DEFAULT_REUSE_SCOPE,
                         help="what is served from stored KV: all (default: template text, inputs, replies), content "
                         "(the template text after the shared content computed), reader-replies (also each reply computed by "
@@ -191,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--slots", nargs="+", help="the slot names annotations may use (default: any)")
     serve.add_argument("--gamma", type=float, default=PoolConfig.gamma, help="admission entropy threshold factor")
     serve.add_argument("--max-anchors", type=int, default=PoolConfig.max_anchors, help="V, anchors per pool")
-    _add_scope_option(serve)
+    add_reuse_scope_option(serve)
     serve.add_argument("--max-tenant-bytes", type=int, help="byte cap of each tenant's pools, bases and prefixes")
     serve.add_argument("--max-total-bytes", type=int, help="byte cap of all tenants together")
     serve.add_argument("--state-dir", help="keep anchor pools and bases here across restarts (restored at start, "
