@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine.engine import BASE_SOURCES, BLEND_MODES, ReuseConfig
+from kvcomm.engine.engine import BASE_SOURCES, BLEND_MODES, DEFAULT_REUSE_SCOPE, REUSE_SCOPES, ReuseConfig
 from kvcomm.engine.recompute import RECOMPUTE_SELECTIONS
 from kvcomm.eval.evaluate import ALL_MODES, EMBEDDERS, EvalSettings
 from kvcomm.eval.outputs import check_out_dir
@@ -41,6 +41,16 @@ def parse_modes(text: str) -> tuple[str, ...]:
     if len(set(modes)) != len(modes):
         raise argparse.ArgumentTypeError(f"a mode is listed twice in {text!r}")
     return tuple(modes)
+
+
+def parse_scopes(text: str) -> tuple[str, ...]:
+    scopes = _items(text, "--reuse-scope")
+    unknown = [s for s in scopes if s not in REUSE_SCOPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown reuse scope {unknown[0]!r}; valid: {', '.join(REUSE_SCOPES)}")
+    if len(set(scopes)) != len(scopes):
+        raise argparse.ArgumentTypeError(f"a reuse scope is listed twice in {text!r}")
+    return tuple(scopes)
 
 
 def parse_gammas(text: str) -> tuple[float, ...]:
@@ -126,6 +136,10 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("--modes", type=parse_modes, default=ALL_MODES,
                         help=f"comma-separated subset of {','.join(ALL_MODES)} (default: all); dense always runs as the reference")
+    parser.add_argument("--reuse-scope", type=parse_scopes, default=(DEFAULT_REUSE_SCOPE,), metavar="SCOPES",
+                        help=f"reuse scopes every reuse mode runs in, comma-separated, one run each against the same dense "
+                             f"reference ({', '.join(REUSE_SCOPES)}; default {DEFAULT_REUSE_SCOPE}; what each serves from "
+                             "stored KV: `kvcomm run --help`, docs/anchor-pool.md)")
     parser.add_argument("--gammas", type=parse_gammas, default=(PoolConfig.gamma,),
                         help=f"kvcomm admission thresholds, comma-separated (default {PoolConfig.gamma})")
     parser.add_argument("--max-anchors", type=parse_max_anchors, default=(PoolConfig.max_anchors,),
@@ -184,6 +198,7 @@ def settings_from_args(args) -> EvalSettings:
         recompute_boundary=args.recompute_boundary, top_k=args.top_k,
         timing_pass=not args.single_pass, pool=tuple(getattr(args, "pool", ())), embedder=getattr(args, "embedder", "kv"),
         reuse=tuple(getattr(args, "reuse", ())), warm_rows=getattr(args, "warm_items", 0),
+        scopes=getattr(args, "reuse_scope", (DEFAULT_REUSE_SCOPE,)),
     )
 
 

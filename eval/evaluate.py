@@ -4,7 +4,8 @@ For every seed the input rows are shuffled with that seed (which samples become 
 depends on the order), run once densely (no engine: the reference), then once per reuse mode
 and setting, each with a fresh ``ReuseEngine``, in the same order. Only the anchor modes
 (``kvcomm``, ``kvblend``) depend on the anchor-pool settings, so they run once per (gamma, V);
-the other modes once per seed.
+the other modes once per seed. Every reuse mode runs once per reuse scope asked for
+(``EvalSettings.scopes``), all against the one dense reference.
 
 Per agent call, against dense prefill of the *same prompt* the mode saw (teacher forced):
 
@@ -37,7 +38,7 @@ import torch
 from tqdm import tqdm
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.engine import DEFAULT_REUSE_SCOPE, REUSE_SCOPES, ReuseConfig, ReuseEngine, scope_settings
 from kvcomm.core.divergence import KL_TOP_K, TopK, kl_topk_other, top1_matches, topk_reference
 from kvcomm.engine.runner import AgentCall, run_row
 
@@ -68,7 +69,9 @@ class EvalSettings:
     (one extra prefill per call). ``timing_pass``: with KL on, take TTFT from a separate pass
     without logprobs (see ``evaluate``). ``warm_up``: run the first row densely once,
     unrecorded, before anything is timed. ``warm_rows``: the workload's last N rows calibrate
-    every fresh reuse engine and are not evaluated (see ``evaluate``)."""
+    every fresh reuse engine and are not evaluated (see ``evaluate``). ``scopes``: the reuse
+    scopes (``REUSE_SCOPES``) every reuse mode runs in, one run each; unless it is the default
+    scope alone, each run's setting names its scope."""
 
     modes: tuple[str, ...] = ALL_MODES
     gammas: tuple[float, ...] = (PoolConfig.gamma,)
@@ -93,10 +96,11 @@ class EvalSettings:
     """One of ``EMBEDDERS``: the anchor embedding of every reuse run."""
     reuse: tuple[tuple[str, object], ...] = ()
     """Further ``ReuseConfig`` fields of every reuse run, as (name, value) pairs (any but
-    ``FIXED_REUSE_FIELDS``)."""
+    ``FIXED_REUSE_FIELDS``, and none a listed scope sets)."""
+    scopes: tuple[str, ...] = (DEFAULT_REUSE_SCOPE,)
 
     def __post_init__(self) -> None:
-        for name in ("modes", "gammas", "max_anchors", "seeds", "pool", "reuse"):
+        for name in ("modes", "gammas", "max_anchors", "seeds", "pool", "reuse", "scopes"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         problems = []
         if not self.modes:
@@ -118,11 +122,20 @@ class EvalSettings:
         unknown_reuse = [k for k, _ in self.reuse if k not in reuse_fields]
         if unknown_reuse:
             problems.append(f"unknown reuse setting {unknown_reuse[0]!r}; valid: {', '.join(sorted(reuse_fields))}")
-        if not unknown_pool and not unknown_reuse:
+        unknown_scope = [s for s in self.scopes if s not in REUSE_SCOPES]
+        if not self.scopes or unknown_scope or len(set(self.scopes)) != len(self.scopes):
+            problems.append(f"scopes must be distinct reuse scopes, at least one (got {list(self.scopes)}; "
+                            f"valid: {', '.join(REUSE_SCOPES)})")
+        clashes = [(k, s) for s in self.scopes if s in REUSE_SCOPES for k, _ in self.reuse if k in REUSE_SCOPES[s]]
+        if clashes:
+            problems.append(f"reuse setting {clashes[0][0]!r} is set by reuse scope {clashes[0][1]!r}: "
+                            "drop the setting or the scope")
+        if not unknown_pool and not unknown_reuse and not unknown_scope and not clashes:
             try:  # the pool and reuse configs own these rules
-                ReuseConfig(pool=PoolConfig(min_estimate_anchors=self.min_estimate_anchors, **dict(self.pool)),
-                            base_source=self.base_source, mode="kvblend", recompute_selection=self.recompute_selection,
-                            recompute_boundary=self.recompute_boundary, **dict(self.reuse))
+                for scope in self.scopes:
+                    ReuseConfig(pool=PoolConfig(min_estimate_anchors=self.min_estimate_anchors, **dict(self.pool)),
+                                base_source=self.base_source, mode="kvblend", recompute_selection=self.recompute_selection,
+                                recompute_boundary=self.recompute_boundary, **dict(self.reuse), **scope_settings(scope))
             except (ValueError, TypeError) as error:
                 problems.append(str(error))
         if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in self.seeds):
@@ -143,13 +156,16 @@ class EvalSettings:
     def runs(self) -> list["RunSpec"]:
         """The reuse runs of one seed, in order (dense excluded: it always runs first)."""
         out = []
+        named = self.scopes != (DEFAULT_REUSE_SCOPE,)
         for mode in self.modes:
             if mode == DENSE:
                 continue
-            if mode in ("kvcomm", "kvblend"):
-                out += [RunSpec(mode, g, v) for g in self.gammas for v in self.max_anchors]
-            else:
-                out.append(RunSpec(mode, None, None))
+            for scope in self.scopes:
+                scope = scope if named else None
+                if mode in ("kvcomm", "kvblend"):
+                    out += [RunSpec(mode, g, v, scope) for g in self.gammas for v in self.max_anchors]
+                else:
+                    out.append(RunSpec(mode, None, None, scope))
         return out
 
     def config(self, run: "RunSpec") -> ReuseConfig:
@@ -161,20 +177,25 @@ class EvalSettings:
         selection = self.recompute_selection if run.mode == "kvblend" else ReuseConfig.recompute_selection
         return ReuseConfig(pool=pool, mode=run.mode, recompute_ratio=self.recompute_ratio, check_layer=self.check_layer,
                            recompute_selection=selection, recompute_boundary=self.recompute_boundary,
-                           base_source=self.base_source, **dict(self.reuse))
+                           base_source=self.base_source, **dict(self.reuse),
+                           **scope_settings(run.scope or self.scopes[0]))
 
 
 @dataclass(frozen=True)
 class RunSpec:
+    """One reuse run of a seed: its mode, anchor-pool setting (anchor modes only) and reuse
+    scope (None: the evaluation's only scope, the default)."""
+
     mode: str
     gamma: float | None = None
     max_anchors: int | None = None
+    scope: str | None = None
 
     @property
     def setting(self) -> str:
-        if self.gamma is None and self.max_anchors is None:
-            return ""
-        return f"gamma={self.gamma:g},V={self.max_anchors}"
+        """The run's settings as the results name them: "gamma=1,V=20", "scope=inputs", both, or ""."""
+        parts = [] if self.gamma is None and self.max_anchors is None else [f"gamma={self.gamma:g}", f"V={self.max_anchors}"]
+        return ",".join(parts + ([f"scope={self.scope}"] if self.scope is not None else []))
 
     @property
     def label(self) -> str:

@@ -24,13 +24,14 @@ writes ``FOLDER/frontier.md`` (a table per workload) and ``FOLDER/frontier.png``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcomm.engine.engine import REUSE_SCOPES
+from kvcomm.engine.engine import REUSE_SCOPES, ReuseConfig
 from kvcomm.eval.metrics import bootstrap_ratio_interval
 
 POOLED = "pooled"
@@ -76,8 +77,8 @@ class Point:
     """Mean over calls of KL(dense || mode) at the last prompt position (the first reply token), nats."""
     kl_last_ci: tuple[float, float] | None = None
     """95% bootstrap interval of ``kl_last_mean`` over the run's inputs (as ``kl_ci``)."""
-    computed_positions: str = "{}"
-    """The run's ``--reuse`` settings that change which positions it computes (``_computed_positions``)."""
+    computed_positions: str = ""
+    """The point's settings that change which positions it computes (``_computed_positions``)."""
 
     def interval(self, metric: str) -> tuple[float, float] | None:
         """The interval of ``metric`` (a ``KL_METRICS`` key)."""
@@ -126,7 +127,7 @@ def load_results(folders: list[str | os.PathLike]) -> tuple[list[Point], list[Fl
                 row.get("reply_agreement"), row.get("accuracy"), (row.get("accuracy_ci_low"), row.get("accuracy_ci_high")),
                 row.get("noise_kl_mean"), _kl_interval(data.get("calls") or [], row["mode"], row["setting"], "kl_sum"),
                 row.get("kl_last_mean"), _kl_interval(data.get("calls") or [], row["mode"], row["setting"], "kl_last"),
-                _computed_positions(settings),
+                _computed_positions(settings, row.get("scope")),
             ))
         floor = data.get("dtype_noise_floor") or settings.get("dtype_noise_floor")
         if floor:
@@ -173,10 +174,12 @@ def _setting(value) -> str:
     return str(value)
 
 
-def _computed_positions(settings: dict) -> str:
-    """The run's ``COMPUTED_POSITIONS`` overrides, as a comparable string."""
-    reuse = dict(settings.get("reuse") or [])
-    return json.dumps({k: reuse[k] for k in COMPUTED_POSITIONS if k in reuse}, sort_keys=True)
+def _computed_positions(settings: dict, scope: str | None) -> str:
+    """The ``COMPUTED_POSITIONS`` settings of a run's point (its ``--reuse`` settings and the
+    point's reuse scope, if it names one), as a comparable string."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ReuseConfig) if f.name in COMPUTED_POSITIONS}
+    reuse = {**defaults, **dict(settings.get("reuse") or []), **(REUSE_SCOPES.get(scope, {}) if scope else {})}
+    return json.dumps({k: reuse[k] for k in COMPUTED_POSITIONS}, sort_keys=True)
 
 
 def _dedup_dense(points: list[Point]) -> list[Point]:

@@ -16,7 +16,7 @@ from kvcomm.eval.summary import aggregate
 
 
 CSV_FIELDS = (
-    "mode", "setting", "gamma", "max_anchors", "seed", "rows", "calls", "accuracy", "accuracy_ci_low",
+    "mode", "setting", "gamma", "max_anchors", "scope", "seed", "rows", "calls", "accuracy", "accuracy_ci_low",
     "accuracy_ci_high", "token_reuse_rate", "exact_token_rate", "estimated_token_rate", "agent_reuse_rate",
     "fallback_rate", "reply_agreement", "kl_mean", "noise_kl_mean", "kl_last_mean", "noise_kl_last_mean", "kl_max",
     "noise_kl_max", "top1_agreement", "noise_top1_agreement", "prompt_tokens", "exact_tokens", "estimated_tokens",

@@ -82,7 +82,8 @@ def aggregate(result: EvalResult) -> list[dict]:
 
 
 def _aggregate_row(result: EvalResult, run: RunSpec, seed, calls, runs: Sequence[RunResult]) -> dict:
-    row = {"mode": run.mode, "setting": run.setting, "gamma": run.gamma, "max_anchors": run.max_anchors, "seed": seed}
+    row = {"mode": run.mode, "setting": run.setting, "gamma": run.gamma, "max_anchors": run.max_anchors, "scope": run.scope,
+           "seed": seed}
     row.update(summarize_calls(calls, result.agents, result.decider))
     row["pool_bytes"] = statistics.fmean(r.pool_bytes for r in runs) if runs else None
     row["anchors"] = {slot: statistics.fmean(r.anchors.get(slot, 0) for r in runs) for slot in sorted({s for r in runs for s in r.anchors})}
