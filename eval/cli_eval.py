@@ -33,24 +33,23 @@ def _items(text: str, what: str) -> list[str]:
     return items
 
 
-def parse_modes(text: str) -> tuple[str, ...]:
-    modes = _items(text, "--modes")
-    unknown = [m for m in modes if m not in ALL_MODES]
+def _names(text: str, option: str, kind: str, valid) -> tuple[str, ...]:
+    """A comma-separated list of distinct names from ``valid`` (``kind``: what one is called)."""
+    names = _items(text, option)
+    unknown = [n for n in names if n not in valid]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown mode {unknown[0]!r}; valid modes: {', '.join(ALL_MODES)}")
-    if len(set(modes)) != len(modes):
-        raise argparse.ArgumentTypeError(f"a mode is listed twice in {text!r}")
-    return tuple(modes)
+        raise argparse.ArgumentTypeError(f"unknown {kind} {unknown[0]!r}; valid {kind}s: {', '.join(valid)}")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"a {kind} is listed twice in {text!r}")
+    return tuple(names)
+
+
+def parse_modes(text: str) -> tuple[str, ...]:
+    return _names(text, "--modes", "mode", ALL_MODES)
 
 
 def parse_scopes(text: str) -> tuple[str, ...]:
-    scopes = _items(text, "--reuse-scope")
-    unknown = [s for s in scopes if s not in REUSE_SCOPES]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown reuse scope {unknown[0]!r}; valid: {', '.join(REUSE_SCOPES)}")
-    if len(set(scopes)) != len(scopes):
-        raise argparse.ArgumentTypeError(f"a reuse scope is listed twice in {text!r}")
-    return tuple(scopes)
+    return _names(text, "--reuse-scope", "reuse scope", tuple(REUSE_SCOPES))
 
 
 def parse_gammas(text: str) -> tuple[float, ...]:
