@@ -161,10 +161,11 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 def add_reuse_scope_option(parser: argparse.ArgumentParser) -> None:
     """``--reuse-scope``, one of ``REUSE_SCOPES`` (kvcomm run, demo, serve and bench_vllm.py)."""
     parser.add_argument("--reuse-scope", choices=tuple(REUSE_SCOPES), default=DEFAULT_REUSE_SCOPE,
-                        help="what is served from stored KV: all (default: template text, inputs, replies), content "
-                        "(the template text after the shared content computed), reader-replies (also each reply computed by "
-                        "its first reader and reused by the later ones), inputs (replies computed by every reader: the "
-                        "closest to dense, the least reuse; docs/anchor-pool.md)")
+                        help="what is served from stored KV: all (default: template text, inputs, replies), "
+                        "all-reader-replies (all, but each reply computed by its first reader and reused by the later "
+                        "ones as that reader computed it), content (the template text after the shared content computed), "
+                        "reader-replies (content, replies as in all-reader-replies), inputs (replies computed by every "
+                        "reader: the closest to dense, the least reuse; docs/anchor-pool.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:

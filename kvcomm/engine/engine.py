@@ -72,6 +72,7 @@ BLEND_MODES = ("cacheblend", "kvblend")
 
 REUSE_SCOPES: dict[str, dict[str, bool]] = {
     "all": {},
+    "all-reader-replies": {"decode_reply_bases": False, "bases_after_estimates": True},
     "content": {"compute_trailing_text": True},
     "reader-replies": {"compute_trailing_text": True, "decode_reply_bases": False, "bases_after_estimates": True},
     "inputs": {"compute_trailing_text": True, "decode_reply_bases": False},
@@ -81,11 +82,13 @@ REUSE_SCOPES: dict[str, dict[str, bool]] = {
 
 - ``all`` (default): every token with a base: the template's text, the shared inputs, the
   other agents' replies (their producers' decode KV as base).
+- ``all-reader-replies``: ``all``, but a reply's base is not its producer's decode KV but its
+  first reader's computation of it (``decode_reply_bases`` False, ``bases_after_estimates``):
+  the first reader computes it (and, reuse being a prefix, what follows it), later readers
+  reuse it.
 - ``content``: shared content only; the template text after the last reused shared segment
   (the instructions the reply follows) is computed (``compute_trailing_text``).
-- ``reader-replies``: ``content``, and a reply's base is not its producer's decode KV but
-  its first reader's computation of it (``decode_reply_bases`` False,
-  ``bases_after_estimates``): the first reader computes it, later readers reuse it.
+- ``reader-replies``: ``content`` with ``all-reader-replies``' reply bases.
 - ``inputs``: ``content``, and each reply computed by its readers until one that computed
   it cleanly gives it a base (``decode_reply_bases`` False): in a pipeline of agents that
   estimate, the workload's own inputs are what is reused.

@@ -44,10 +44,10 @@ def test_without_decode_reply_bases_a_reply_is_computed_until_a_clean_reader_tak
     assert second_read.estimated_tokens == len(reply)
 
 
-@pytest.mark.parametrize("scope", ["inputs", "reader-replies"])
+@pytest.mark.parametrize("scope", ["inputs", "reader-replies", "all-reader-replies"])
 def test_a_reader_that_estimated_gives_a_reply_its_base_only_when_asked(tiny_executor, scope):
     """decode_reply_bases=False with every reader estimating the document: bases_after_estimates
-    (scope reader-replies) lets the first reader's computed KV of the reply become its base, so
+    (scopes reader-replies, all-reader-replies) lets the first reader's computed KV of the reply become its base, so
     the next reader reuses the reply; without it (scope inputs) the reply stays computed."""
     config = ReuseConfig(mode="realign", exact_prefix=False, **scope_settings(scope))
     after_estimates = config.bases_after_estimates

@@ -90,7 +90,7 @@ def test_serve_passes_the_reuse_scope_to_the_connector_and_it_refuses_an_unknown
     config = ReuseConfig(**scope_settings(extra["reuse_scope"]))
     assert config.compute_trailing_text and not config.decode_reply_bases
     assert ReuseConfig(**scope_settings("content")).decode_reply_bases
-    with pytest.raises(ValueError, match="unknown reuse scope 'everything'; valid: all, content, reader-replies, inputs"):
+    with pytest.raises(ValueError, match="unknown reuse scope 'everything'; valid: all, all-reader-replies, content, reader-replies, inputs"):
         _connector(kv_extra={"reuse_scope": "everything"})
 
 
