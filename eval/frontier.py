@@ -118,7 +118,8 @@ def load_results(folders: list[str | os.PathLike]) -> tuple[list[Point], list[Fl
                 continue
             label = f"{row['mode']} {row['setting']}".strip()
             suffix = ", ".join(f"{k.replace('_', ' ')} {_setting(_value(settings, k))}" for k in varying
-                               if row["mode"] in ONLY_FOR.get(k, (row["mode"],)))
+                               if row["mode"] in ONLY_FOR.get(k, (row["mode"],))
+                               and not (k == "reuse" and row.get("scope") and not _value(settings, k)))  # named by its setting
             if suffix and row["mode"] != "dense":
                 label += f" ({suffix})"
             points.append(Point(

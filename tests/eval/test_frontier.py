@@ -128,6 +128,10 @@ def test_runs_of_a_reuse_scope_are_named_by_it_and_their_kl_means_flagged_as_not
     assert load_results([a, e])[0][-1].label == "kvcomm gamma=1,V=20 (reuse scope reader-replies)"  # not inputs'
     served = _write(tmp_path / "f", "mmlu", [_row("kvcomm", "gamma=1,V=20", 0.7, 3e-3)], reuse=replies[1:])
     assert load_results([a, served])[0][-1].label == "kvcomm gamma=1,V=20 (reuse scope all-reader-replies)"
+    # a run of `kvcomm eval --reuse-scope` names its scope in its setting, not as a --reuse default
+    row = {**_row("kvcomm", "gamma=1,V=20,scope=inputs", 0.5, 7e-4), "scope": "inputs"}
+    named = _write(tmp_path / "g", "mmlu", [row], scopes=["all", "inputs"])
+    assert load_results([b, named])[0][-1].label == "kvcomm gamma=1,V=20,scope=inputs"
     # runs that compute the same positions (another --reuse field) get no such note
     d = _write(tmp_path / "d", "mmlu", [_row("kvcomm", "gamma=1,V=20", 0.5, 7e-4)], reuse=[["behind_estimate", "stop"]])
     assert "compare them by first-token KL" not in markdown(load_results([a, d])[0], [])
