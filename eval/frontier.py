@@ -179,7 +179,7 @@ def _computed_positions(settings: dict, scope: str | None) -> str:
     """The ``COMPUTED_POSITIONS`` settings of a run's point (its ``--reuse`` settings and the
     point's reuse scope, if it names one), as a comparable string."""
     defaults = {f.name: f.default for f in dataclasses.fields(ReuseConfig) if f.name in COMPUTED_POSITIONS}
-    reuse = {**defaults, **dict(settings.get("reuse") or []), **(REUSE_SCOPES.get(scope, {}) if scope else {})}
+    reuse = {**defaults, **dict(settings.get("reuse") or []), **REUSE_SCOPES.get(scope, {})}
     return json.dumps({k: reuse[k] for k in COMPUTED_POSITIONS}, sort_keys=True)
 
 
