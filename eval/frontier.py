@@ -270,6 +270,17 @@ def _kl_cell(point: Point, metric: str) -> str:
 def plot(points: list[Point], floors: list[Floor], path: str | os.PathLike) -> Path:
     """A row per workload: KL mean (dtype floors as dashed lines) and first-token KL against token
     reuse, log KL axes, 95% intervals as error bars, frontier points outlined."""
+    fig = figure(points, floors)
+    import matplotlib.pyplot as plt
+    path = Path(path)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # the legends sit below the axes
+    plt.close(fig)
+    return path
+
+
+def figure(points: list[Point], floors: list[Floor]):
+    """The chart ``plot`` saves, as a matplotlib figure: a row of ``KL_METRICS`` panels per
+    workload. A label has one colour in every panel, so a setting can be followed across them."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -279,17 +290,26 @@ def plot(points: list[Point], floors: list[Floor], path: str | os.PathLike) -> P
     row_height = 4.3 + 0.16 * (most + 1)  # the axes and, below them, a legend line per point
     fig, axes = plt.subplots(len(workloads), len(KL_METRICS), figsize=(6.5 * len(KL_METRICS), row_height * len(workloads)),
                              squeeze=False)
+    colors = label_colors(points)
     for row, workload in zip(axes, workloads):
         for ax, metric in zip(row, KL_METRICS):
-            _panel(ax, workload, points, floors if metric == "kl_mean" else [], metric)
+            _panel(ax, workload, points, floors if metric == "kl_mean" else [], metric, colors)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120, bbox_inches="tight")  # the legends sit below the axes
-    plt.close(fig)
-    return path
+    return fig
 
 
-def _panel(ax, workload: str, points: list[Point], floors: list[Floor], metric: str) -> None:
+def label_colors(points: list[Point]) -> dict[str, str]:
+    """A colour per point label, in the order labels first appear (``tab10``, ``tab20`` past ten
+    labels; past twenty, colours repeat and the modes' markers still tell points apart)."""
+    from matplotlib import colormaps
+    from matplotlib.colors import to_hex
+
+    labels = list(dict.fromkeys(p.label for p in points if p.mode != "dense"))
+    palette = colormaps["tab10" if len(labels) <= 10 else "tab20"].colors
+    return {label: to_hex(palette[i % len(palette)]) for i, label in enumerate(labels)}
+
+
+def _panel(ax, workload: str, points: list[Point], floors: list[Floor], metric: str, colors: dict[str, str]) -> None:
     markers = {"realign": "s", "cacheblend": "^", "kvcomm": "o", "kvblend": "P", "exact": "D"}
     mine = [p for p in points if p.workload == workload and p.mode != "dense" and getattr(p, metric) is not None]
     positive = [getattr(p, metric) for p in mine if getattr(p, metric) > 0] + \
@@ -307,7 +327,7 @@ def _panel(ax, workload: str, points: list[Point], floors: list[Floor], metric: 
         ci = p.interval(metric)
         # a percentile interval need not hold the point itself (a skewed resample distribution)
         spread = None if ci is None else [[max(0.0, y - max(ci[0], clip))], [max(0.0, max(ci[1], clip) - y)]]
-        ax.errorbar([p.token_reuse], [y], yerr=spread, fmt=markers.get(p.mode, "o"), markersize=8, capsize=3,
+        ax.errorbar([p.token_reuse], [y], yerr=spread, fmt=markers.get(p.mode, "o"), markersize=8, capsize=3, color=colors[p.label],
                     markeredgecolor="black" if on_frontier(p, points, metric) else "none", label=p.label)
     ax.set_yscale("log")
     ax.set_xlim(-0.02, 1.02)

@@ -1,10 +1,11 @@
 """The KL-vs-reuse frontier report (kvcomm.eval.frontier) over result folders."""
 
+import dataclasses
 import json
 
 import pytest
 
-from kvcomm.eval.frontier import load_results, main, markdown, on_frontier, plot
+from kvcomm.eval.frontier import figure, load_results, main, markdown, on_frontier, plot
 
 
 def _row(mode, setting, reuse, kl, seed="pooled", kl_last=None):
@@ -156,3 +157,22 @@ def test_a_kl_mean_is_weighed_only_against_runs_computing_the_same_positions(tmp
     # the lower-reuse inputs run at a higher KL mean is dominated within its own scope only
     assert not on_frontier(by_label["kvcomm gamma=0.3 (reuse scope inputs)"], points)
     assert "marked among runs that compute the same positions" in markdown(points, [])
+
+
+def test_a_label_has_one_colour_in_every_panel(tmp_path):
+    # gsm lacks the cacheblend point and kvcomm's first-token KL: a per-panel colour cycle would
+    # give the shared labels other colours there
+    mmlu = _write(tmp_path / "a", "mmlu", [_row("dense", "", 0.0, 0.0), _row("cacheblend", "r=0.15", 0.6, 1e-3),
+                                           _row("realign", "", 0.9, 1e-3), _row("kvcomm", "gamma=1", 0.8, 2e-3)])
+    gsm = _write(tmp_path / "b", "gsm", [_row("realign", "", 0.7, 1e-2), _row("kvcomm", "gamma=1", 0.6, 9e-3)])
+    points, _ = load_results([mmlu, gsm])
+    points = [dataclasses.replace(p, kl_last_mean=None) if (p.workload, p.mode) == ("gsm", "kvcomm") else p for p in points]
+    fig = figure(points, [])
+    seen: dict[str, set[str]] = {}
+    for ax in fig.axes:
+        for container in ax.containers:
+            seen.setdefault(container.get_label(), set()).add(container.lines[0].get_color())
+    assert sorted(seen) == ["cacheblend r=0.15", "kvcomm gamma=1", "realign"]
+    assert all(len(colours) == 1 for colours in seen.values()), seen
+    assert len({next(iter(c)) for c in seen.values()}) == 3  # and the labels' colours differ
+    assert [len(ax.containers) for ax in fig.axes] == [3, 3, 2, 1]  # mmlu: both panels; gsm: KL mean, first-token KL
