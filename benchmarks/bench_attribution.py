@@ -39,7 +39,8 @@ import torch
 from bench_reuse import bar, table  # this folder is on sys.path when the script runs
 from kvcomm.core.divergence import kl_topk_other, topk_reference
 from kvcomm.core.kv import KV
-from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.config import ReuseConfig
+from kvcomm.engine.engine import ReuseEngine
 from kvcomm.engine.plan import ReusePlan
 from kvcomm.engine.runner import run_row
 from kvcomm.eval.cli_eval import load_executor

@@ -31,7 +31,8 @@ from kvcomm.anchors.anchor import Deviation
 from kvcomm.anchors.distance import EstimateDistances, admission_logits, value_l2
 from kvcomm.anchors.index import kv_embedding, normalize
 from kvcomm.anchors.pool import AnchorPool, PoolConfig
-from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.config import ReuseConfig
+from kvcomm.engine.engine import ReuseEngine
 from kvcomm.eval.report import compare, summarize
 from kvcomm.integrations.cli import run_side_by_side
 from kvcomm.core.kv import KV

@@ -43,7 +43,7 @@ import statistics
 import time
 
 from bench_reuse import interleave, synthetic_ids  # this folder is on sys.path when the script runs
-from kvcomm.engine.engine import BASE_SOURCES
+from kvcomm.engine.config import BASE_SOURCES
 from kvcomm.integrations.cli import add_reuse_scope_option
 
 OVERHEAD_GOAL = 1.02
@@ -246,7 +246,7 @@ def main() -> None:
 
     from kvcomm.anchors.pool import PoolConfig
     from kvcomm.core.segments import Segment
-    from kvcomm.engine.engine import ReuseConfig, scope_settings
+    from kvcomm.engine.config import ReuseConfig, scope_settings
     from kvcomm.engine.pipeline import load_bundled_pipeline
     from kvcomm.engine.runner import build_prompt
     from kvcomm.eval.demo_report import format_demo

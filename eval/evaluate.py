@@ -38,7 +38,8 @@ import torch
 from tqdm import tqdm
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine.engine import DEFAULT_REUSE_SCOPE, REUSE_SCOPES, ReuseConfig, ReuseEngine, scope_settings
+from kvcomm.engine.config import DEFAULT_REUSE_SCOPE, REUSE_SCOPES, ReuseConfig, scope_settings
+from kvcomm.engine.engine import ReuseEngine
 from kvcomm.core.divergence import KL_TOP_K, TopK, kl_topk_other, top1_matches, topk_reference
 from kvcomm.engine.runner import AgentCall, run_row
 

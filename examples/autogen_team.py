@@ -26,7 +26,8 @@ from autogen_agentchat.agents import AssistantAgent
 from autogen_agentchat.teams import RoundRobinGroupChat
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.config import ReuseConfig
+from kvcomm.engine.engine import ReuseEngine
 from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
 from kvcomm.integrations.chat.backend import ChatBackend, ChatCall
 from kvcomm.integrations.chat.segments import ChatTurn, template_id

@@ -11,8 +11,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine.engine import (BASE_SOURCES, BLEND_MODES, DEFAULT_REUSE_SCOPE, MODES, REUSE_SCOPES, ReuseConfig,
-                                   ReuseEngine, scope_settings)
+from kvcomm.engine.config import BASE_SOURCES, BLEND_MODES, DEFAULT_REUSE_SCOPE, MODES, REUSE_SCOPES, ReuseConfig, scope_settings
+from kvcomm.engine.engine import ReuseEngine
 from kvcomm.engine.pipeline import PipelineError, PipelineSpec, load_bundled_pipeline, load_pipeline
 from kvcomm.core.rope import RopeError
 from kvcomm.engine.runner import run_row

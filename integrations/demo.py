@@ -26,7 +26,9 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.config import ReuseConfig
+
+from kvcomm.engine.engine import ReuseEngine
 from kvcomm.eval.demo_report import DemoCall
 from kvcomm.engine.pipeline import PipelineSpec
 from kvcomm.engine.runner import build_prompt, run_agent

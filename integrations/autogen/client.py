@@ -27,7 +27,7 @@ from autogen_core.models import (
 from autogen_core.tools import Tool, ToolSchema
 from pydantic import BaseModel
 
-from kvcomm.engine.engine import ReuseConfig
+from kvcomm.engine.config import ReuseConfig
 from kvcomm.engine.handles import ContextHandle
 from kvcomm.integrations.chat.backend import Cancelled, ChatBackend, ChatCall, ChatReply
 from kvcomm.integrations.chat.segments import ChatTurn

@@ -15,7 +15,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.config import ReuseConfig
+
+from kvcomm.engine.engine import ReuseEngine
 from kvcomm.engine.executor import OnToken
 from kvcomm.engine.handles import ContextHandle, ContextRegistry
 from kvcomm.engine.plan import Provenance

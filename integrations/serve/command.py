@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvcomm.engine.engine import DEFAULT_REUSE_SCOPE
+from kvcomm.engine.config import DEFAULT_REUSE_SCOPE
 
 
 MIDDLEWARE = "kvcomm.integrations.serve.middleware.KvcommTenantMiddleware"

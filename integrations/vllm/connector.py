@@ -70,7 +70,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.logger import init_logger
 
 from kvcomm.core.rope import RopeError
-from kvcomm.engine.engine import DEFAULT_REUSE_SCOPE, scope_settings
+from kvcomm.engine.config import DEFAULT_REUSE_SCOPE, scope_settings
 from kvcomm.integrations.vllm.channel import Capture, Channel, channel
 from kvcomm.integrations.vllm.layout import KvIO, LayoutError
 from kvcomm.integrations.vllm.messages import Finished, KvcommWorkerMetadata, PlanAsk

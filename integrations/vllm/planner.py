@@ -24,7 +24,9 @@ import dataclasses
 import threading
 from dataclasses import dataclass
 
-from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.config import ReuseConfig
+
+from kvcomm.engine.engine import ReuseEngine
 from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV, to_position_free
 from kvcomm.engine.plan import ReusePlan

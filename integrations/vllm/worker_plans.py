@@ -102,7 +102,7 @@ def make_planner(vllm_config: "VllmConfig", channel: Channel) -> ServerPlanner:
     each rank keeps its state in ``state_dir/tp{size}-rank{rank}`` (a state saved under
     another tensor-parallel size is not loaded)."""
     from kvcomm.anchors.pool import PoolConfig
-    from kvcomm.engine.engine import DEFAULT_REUSE_SCOPE, ReuseConfig, scope_settings
+    from kvcomm.engine.config import DEFAULT_REUSE_SCOPE, ReuseConfig, scope_settings
 
     rotary = channel.rotary
     if rotary is None:

@@ -1,11 +1,13 @@
-"""The reuse engine: plans which prompt tokens are exact, estimated or computed (``engine``,
-``plan``, ``recompute``), builds their KV (``assemble``, ``workspace``, ``prefix_store``), and runs agent calls
-on an executor (``executor``, ``runner``, ``pipeline``, ``handles``). Start at ``runner.run_agent``."""
+"""The reuse engine: plans which prompt tokens are exact, estimated or computed (``engine``, set
+up by ``config``; ``plan``, ``recompute``), builds their KV (``assemble``, ``workspace``,
+``prefix_store``), and runs agent calls on an executor (``executor``, ``runner``, ``pipeline``,
+``handles``). Start at ``runner.run_agent``."""
 
 from kvcomm.core.exports import lazy_exports, names
 
 _EXPORTS = {
-    "kvcomm.engine.engine": ("ReuseEngine", "ReuseConfig", "BASE_SOURCES", "MODES", "REUSE_SCOPES", "DEFAULT_REUSE_SCOPE", "scope_settings"),
+    "kvcomm.engine.engine": ("ReuseEngine",),
+    "kvcomm.engine.config": ("ReuseConfig", "BASE_SOURCES", "MODES", "REUSE_SCOPES", "DEFAULT_REUSE_SCOPE", "scope_settings"),
     "kvcomm.engine.plan": ("ReusePlan", "Provenance", "EstimatedPiece", "BlendRequest"),
     "kvcomm.engine.executor": ("Executor", "Generation"),
     "kvcomm.engine.pipeline": (

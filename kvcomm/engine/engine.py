@@ -14,203 +14,27 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable
 
 import torch
 
 from kvcomm.anchors.anchor import Deviation, kv_digest
 from kvcomm.anchors.index import Embedder, KVEmbedding, context_embedding
-from kvcomm.anchors.pool import AnchorPool, PoolConfig
+from kvcomm.anchors.pool import AnchorPool
 from kvcomm.engine.assemble import assemble, reuse_device, reuse_layout
+from kvcomm.engine.config import BLEND_MODES, ReuseConfig
 from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV, place, to_position_free
 from kvcomm.engine.plan import BlendRequest, EstimatedPiece, ReusePlan
 from kvcomm.engine.prefix_store import PrefixStore
-from kvcomm.engine.recompute import RECOMPUTE_SELECTIONS, disagreement_positions
+from kvcomm.engine.recompute import disagreement_positions
 from kvcomm.core.rope import RopeError, Rotary
 from kvcomm.core.segments import Prompt, Segment, content_id
 from kvcomm.engine.workspace import KVWorkspace
 
 BaseProvider = Callable[[Segment], KV]
 """Computes a shared segment's position-free base KV, ``[layers, kv_heads, T, head_dim]``."""
-
-
-BASE_SOURCES = ("standalone", "first_use")
-"""Where new shared content's base KV comes from (``ReuseConfig.base_source``).
-
-- ``first_use`` (default): the first request that contains it computes it densely (reuse
-  stops there) and its KV there, de-rotated, becomes the base; no extra forward pass, so a
-  miss costs what dense costs.
-- ``standalone`` (KVCOMM's base): the executor prefills it alone behind a short lead-in when
-  the request that first sees it is planned; that request can estimate it already, but pays
-  one more forward pass over the content first.
-
-Replies get their base from the producer's decode either way. How the two compare in
-quality and reuse: docs/measurements/2026-12-02-frontier.md.
-"""
-
-MODES = ("kvcomm", "exact", "realign", "cacheblend", "kvblend")
-"""Reuse modes (dense prefill is no mode: it is running without an engine).
-
-- ``kvcomm``: exact prefix + anchor-estimated shared segments (KVCOMM); behind the first
-  estimate, what the anchors cannot estimate is served realigned (``BEHIND_ESTIMATE``).
-- ``exact``: exact prefix reuse only (prefix store, template first segment); never estimates.
-- ``realign``: every shared segment (and every fixed segment with a stored base) is reused
-  as its RoPE-realigned base KV, no deviation, no anchors; reuse stops at the first fixed
-  segment without a stored base.
-- ``cacheblend``: ``realign``, then the executor recomputes the ``recompute_ratio`` of the
-  estimated tokens whose keys deviate most at ``check_layer`` (CacheBlend, Yao et al. 2024).
-- ``kvblend``: ``kvcomm``'s plan (exact prefix + anchor estimates, the same decisions), then
-  a selective recompute of ``recompute_ratio`` of its estimated tokens, picked as
-  ``recompute_selection`` says: CacheBlend's rule as in ``cacheblend``, or where the anchors
-  disagree most (``kvcomm.engine.recompute``).
-"""
-
-BLEND_MODES = ("cacheblend", "kvblend")
-"""Modes whose plans ask the executor for a selective recompute (``ReusePlan.blend``)."""
-
-REUSE_SCOPES: dict[str, dict[str, bool]] = {
-    "all": {},
-    "all-reader-replies": {"decode_reply_bases": False, "bases_after_estimates": True},
-    "content": {"compute_trailing_text": True},
-    "reader-replies": {"compute_trailing_text": True, "decode_reply_bases": False, "bases_after_estimates": True},
-    "inputs": {"compute_trailing_text": True, "decode_reply_bases": False},
-}
-"""What a plan serves from stored KV, as ``ReuseConfig`` settings (``kvcomm run/demo/serve
---reuse-scope``; measured in docs/measurements/2026-12-05-where-the-error-is.md):
-
-- ``all`` (default): every token with a base: the template's text, the shared inputs, the
-  other agents' replies (their producers' decode KV as base).
-- ``all-reader-replies``: ``all``, but a reply's base is not its producer's decode KV but its
-  first reader's computation of it (``decode_reply_bases`` False, ``bases_after_estimates``):
-  the first reader computes it (and, reuse being a prefix, what follows it), later readers
-  reuse it.
-- ``content``: shared content only; the template text after the last reused shared segment
-  (the instructions the reply follows) is computed (``compute_trailing_text``).
-- ``reader-replies``: ``content`` with ``all-reader-replies``' reply bases.
-- ``inputs``: ``content``, and each reply computed by its readers until one that computed
-  it cleanly gives it a base (``decode_reply_bases`` False): in a pipeline of agents that
-  estimate, the workload's own inputs are what is reused.
-"""
-
-
-DEFAULT_REUSE_SCOPE = "all"
-"""The scope of every entry point (CLI, connector, benchmarks) when none is named."""
-
-
-def scope_settings(scope: str) -> dict[str, bool]:
-    """The ``ReuseConfig`` settings of reuse scope ``scope`` (one of ``REUSE_SCOPES``)."""
-    if scope not in REUSE_SCOPES:
-        raise ValueError(f"unknown reuse scope {scope!r}; valid: {', '.join(REUSE_SCOPES)}")
-    return dict(REUSE_SCOPES[scope])
-
-
-BEHIND_ESTIMATE = ("realign", "learn", "stop")
-"""What a "kvcomm"/"kvblend" plan does once it has estimated a piece (``ReuseConfig.behind_estimate``).
-A request that has estimated learns nothing (KV behind an estimate carries its error), so a
-dense fallback there teaches the pool nothing.
-
-- ``realign`` (default): a segment the pool would send dense, the uncovered tail of a partly
-  covered one and a fixed segment without the anchors' following deviations are served as
-  their realigned bases (no offset), as mode "realign" serves them, and reuse goes on (up to
-  new content without a base, or a fixed segment with no stored base).
-- ``learn``: a segment the pool would send dense drops the plan's estimates (its exact prefix
-  stays), so the request is computed cleanly from there and the segment becomes an anchor,
-  as KVCOMM prefills an agent with an unshareable placeholder densely; uncovered tails and
-  fixed segments as ``realign``.
-- ``stop``: reuse stops at the first of them; everything after is computed and not learned.
-"""
-
-
-@dataclass(frozen=True)
-class ReuseConfig:
-    """pool: admission and estimation settings (per slot family). exact_prefix: serve exact
-    prefix hits. prefix_store_bytes: budget of the exact prefix store. anchor_dtype: dtype
-    anchor deviations are stored in (None: the KV's own; bfloat16/float16 halve their
-    memory); an anchor's base is its content's one base, held with the engine's, in the KV's dtype.
-    mode: one of ``MODES``. recompute_ratio, check_layer: CacheBlend's share of estimated
-    tokens to recompute, in (0, 1], and the decoder layer (0-based) whose key deviation
-    selects them (modes "cacheblend" and "kvblend" only). recompute_selection: one of
-    ``RECOMPUTE_SELECTIONS``, how "kvblend" picks them ("disagreement": mode "kvblend" only,
-    the first ``recompute_boundary`` tokens of every estimated span, then where the anchors
-    disagree most; "check_layer": CacheBlend's rule). base_source: one of ``BASE_SOURCES``, read by
-    callers that drive an executor (``runner.run_agent``) to decide whether to hand ``plan``
-    a ``BaseProvider``. workspace_bytes: most memory ``materialized`` keeps between requests
-    for reuse (``KVWorkspace``; 0 keeps none). learn_after_estimates: also learn bases,
-    fixed bases, anchors and reply bases from KV computed behind estimated pieces (default
-    False: only from KV whose whole preceding context was exact or computed).
-    reply_bases_after_estimates: register a reply's base even when its request estimated (the
-    reply's KV then carries the estimate's error into every later use of that base; default
-    False: a reply becomes a base only when its request may be learned from, ``learns_from``).
-    bases_after_estimates: new content's base is the KV of the first request that computes it,
-    even when that request estimated content before it (its error then reaches every later
-    use of the base; nothing else is learned from such a request; default False). With
-    ``decode_reply_bases`` False this is what lets a reply's second reader reuse it when
-    every reader estimates the task.
-    decode_reply_bases: a reply's base is the KV its producer decoded it with (default True);
-    False: a reply is content like any other, its base taken where other content's is
-    (``base_source``: a reader that computes it cleanly, or a standalone prefill), so a reply
-    is computed by its readers until then.
-    behind_estimate: one of ``BEHIND_ESTIMATE``, what a "kvcomm"/"kvblend" plan that has
-    already estimated does with a segment its pool would send dense (without
-    learn_after_estimates; with it, every plan stops there and learns). compute_tail: the
-    last prompt tokens always computed, never served estimated or realigned (>= 1: the first
-    reply token is read from the last prompt token's forward; more computes the end of the
-    instructions the reply follows, as CacheBlend computes the query after its chunks); an
-    exact prefix may still reach the last token but one. compute_trailing_text: reuse ends
-    with the last shared segment a plan reuses; the template text after it (the instructions,
-    or the label before content that is computed) is computed, not served realigned or
-    estimated: it reads the content before it, and its stored KV was computed behind other
-    content (default False: served, as before)."""
-
-    pool: PoolConfig = field(default_factory=PoolConfig)
-    exact_prefix: bool = True
-    prefix_store_bytes: int = 1 << 30
-    anchor_dtype: torch.dtype | None = None
-    mode: str = "kvcomm"
-    recompute_ratio: float = 0.15
-    check_layer: int = 1
-    recompute_selection: str = "check_layer"
-    recompute_boundary: int = 1
-    base_source: str = "first_use"
-    workspace_bytes: int = 512 << 20
-    learn_after_estimates: bool = False
-    reply_bases_after_estimates: bool = False
-    bases_after_estimates: bool = False
-    decode_reply_bases: bool = True
-    behind_estimate: str = "realign"
-    compute_tail: int = 1
-    compute_trailing_text: bool = False
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.mode not in MODES:
-            hint = " (dense prefill is running without an engine)" if self.mode == "dense" else ""
-            problems.append(f"unknown mode {self.mode!r}{hint}; valid modes: {', '.join(MODES)}")
-        if self.base_source not in BASE_SOURCES:
-            problems.append(f"unknown base_source {self.base_source!r}; valid: {', '.join(BASE_SOURCES)}")
-        if not 0 < self.recompute_ratio <= 1:
-            problems.append(f"recompute_ratio must be in (0, 1] (got {self.recompute_ratio})")
-        if isinstance(self.check_layer, bool) or not isinstance(self.check_layer, int) or self.check_layer < 0:
-            problems.append(f"check_layer must be an integer >= 0 (got {self.check_layer!r})")
-        if self.recompute_selection not in RECOMPUTE_SELECTIONS:
-            problems.append(f"unknown recompute_selection {self.recompute_selection!r}; valid: {', '.join(RECOMPUTE_SELECTIONS)}")
-        elif self.recompute_selection == "disagreement" and self.mode != "kvblend":
-            problems.append(f"recompute_selection 'disagreement' needs anchor estimates: mode 'kvblend', not {self.mode!r}")
-        if isinstance(self.recompute_boundary, bool) or not isinstance(self.recompute_boundary, int) or self.recompute_boundary < 0:
-            problems.append(f"recompute_boundary must be an integer >= 0 (got {self.recompute_boundary!r})")
-        if self.behind_estimate not in BEHIND_ESTIMATE:
-            problems.append(f"unknown behind_estimate {self.behind_estimate!r}; valid: {', '.join(BEHIND_ESTIMATE)}")
-        if isinstance(self.compute_tail, bool) or not isinstance(self.compute_tail, int) or self.compute_tail < 1:
-            problems.append(f"compute_tail must be an integer >= 1 (got {self.compute_tail!r})")
-        for name in ("decode_reply_bases", "bases_after_estimates", "compute_trailing_text"):
-            if not isinstance(getattr(self, name), bool):
-                problems.append(f"{name} must be true or false (got {getattr(self, name)!r})")
-        if self.workspace_bytes < 0:
-            problems.append(f"workspace_bytes must be >= 0 (got {self.workspace_bytes})")
-        if problems:
-            raise ValueError("invalid reuse config: " + "; ".join(problems))
 
 
 class ReuseEngine:

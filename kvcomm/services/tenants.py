@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvcomm.anchors.index import Embedder
-from kvcomm.engine.engine import BaseProvider, ReuseConfig, ReuseEngine
+from kvcomm.engine.config import ReuseConfig
+from kvcomm.engine.engine import BaseProvider, ReuseEngine
 from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV
 from kvcomm.engine.plan import ReusePlan

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.config import ReuseConfig
+from kvcomm.engine.engine import ReuseEngine
 from kvcomm.engine.pipeline import parse_pipeline
 from kvcomm.engine.plan import ReusePlan
 from kvcomm.engine.runner import run_agent, run_row

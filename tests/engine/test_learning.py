@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from kvcomm.anchors.anchor import Deviation
 from kvcomm.anchors.pool import AnchorPool, PoolConfig
-from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.config import ReuseConfig
+from kvcomm.engine.engine import ReuseEngine
 from kvcomm.core.kv import KV, place
 from kvcomm.core.rope import Rotary
 from kvcomm.core.segments import Prompt, Segment, content_id

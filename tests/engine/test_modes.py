@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from kvcomm.engine.engine import MODES, ReuseConfig, ReuseEngine
+from kvcomm.engine.config import MODES, ReuseConfig
+
+from kvcomm.engine.engine import ReuseEngine
 from kvcomm.core.kv import KV, positions
 from kvcomm.engine.pipeline import parse_pipeline
 from kvcomm.engine.plan import BlendRequest

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.config import ReuseConfig
+
+from kvcomm.engine.engine import ReuseEngine
 from kvcomm.engine.pipeline import parse_pipeline
 from kvcomm.engine.plan import BlendRequest, ratio_count
 from kvcomm.engine.runner import run_agent, run_row

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from kvcomm.anchors.pool import PoolConfig
 from kvcomm.core.heads import ALL_HEADS
-from kvcomm.engine.engine import ReuseConfig
+from kvcomm.engine.config import ReuseConfig
 from kvcomm.engine.pipeline import load_demo_pipeline
 from kvcomm.engine.runner import run_row
 from support.one_thread import one_thread  # noqa: F401 (autouse: the recording runs single-threaded, as each rank does)

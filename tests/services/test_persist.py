@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.config import ReuseConfig
+from kvcomm.engine.engine import ReuseEngine
 from kvcomm.core.fingerprint import ModelFingerprint, model_fingerprint, rope_digest
 from kvcomm.core.kv import KV
 from kvcomm.services.persist import MANIFEST, PersistError, load_engine, save_engine

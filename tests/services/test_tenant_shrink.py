@@ -15,7 +15,7 @@ from kvcomm.core.heads import HeadShards
 from kvcomm.core.kv import KV
 from kvcomm.core.rope import Rotary
 from kvcomm.core.segments import Segment
-from kvcomm.engine.engine import ReuseConfig
+from kvcomm.engine.config import ReuseConfig
 from kvcomm.engine.pipeline import parse_pipeline
 from kvcomm.engine.runner import run_agent
 from kvcomm.services.tenants import TenantEngine, TenantRegistry

@@ -11,7 +11,7 @@ import torch
 from scipy.stats import binomtest
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine.engine import ReuseConfig
+from kvcomm.engine.config import ReuseConfig
 from kvcomm.engine.pipeline import parse_pipeline
 from kvcomm.core.rope import Rotary
 from kvcomm.engine.runner import run_agent, run_row

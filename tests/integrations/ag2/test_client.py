@@ -6,7 +6,8 @@ import pytest
 from autogen import ConversableAgent
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.config import ReuseConfig
+from kvcomm.engine.engine import ReuseEngine
 from kvcomm.integrations.ag2.client import KvcommAG2Client
 from kvcomm.integrations.chat.backend import ChatBackend
 

@@ -11,7 +11,8 @@ from autogen_core import CancellationToken
 from autogen_core.models import AssistantMessage, SystemMessage, UserMessage
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.config import ReuseConfig
+from kvcomm.engine.engine import ReuseEngine
 from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
 from kvcomm.integrations.chat.backend import ChatBackend
 from support.chat_streaming import assert_concurrent_calls_equal_sequential, collect_stream

@@ -6,7 +6,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.config import ReuseConfig
+from kvcomm.engine.engine import ReuseEngine
 from kvcomm.integrations.chat.guard_metrics import export
 from kvcomm.engine.pipeline import parse_pipeline
 from kvcomm.services.quality_guard import GuardConfig, QualityGuard

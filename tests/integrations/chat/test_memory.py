@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine.engine import ReuseConfig, ReuseEngine
+from kvcomm.engine.config import ReuseConfig
+from kvcomm.engine.engine import ReuseEngine
 from kvcomm.integrations.chat.backend import ANCHOR_BYTES, ChatBackend
 from kvcomm.integrations.chat.segments import ChatTurn
 from support.one_thread import one_thread  # noqa: F401 (autouse fixture)

@@ -9,7 +9,7 @@ import json
 import logging
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine.engine import ReuseConfig
+from kvcomm.engine.config import ReuseConfig
 from kvcomm.core.fingerprint import model_fingerprint
 from kvcomm.integrations.serve.state import TENANT_FILE, PlannerState
 from kvcomm.integrations.vllm.planner import ServerPlanner

@@ -80,7 +80,7 @@ def test_the_connector_refuses_pipeline_parallel_engines_and_accepts_both_execut
 
 
 def test_serve_passes_the_reuse_scope_to_the_connector_and_it_refuses_an_unknown_one_at_start():
-    from kvcomm.engine.engine import ReuseConfig, scope_settings
+    from kvcomm.engine.config import ReuseConfig, scope_settings
     from kvcomm.integrations.serve.command import engine_settings
 
     parse = build_parser().parse_known_args

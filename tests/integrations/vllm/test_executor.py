@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvcomm.anchors.pool import PoolConfig
-from kvcomm.engine.engine import ReuseConfig
+from kvcomm.engine.config import ReuseConfig
 from kvcomm.core.kv import KV
 from kvcomm.engine.pipeline import load_demo_pipeline
 
