@@ -1,11 +1,13 @@
-"""The anchor pool: which shared segments to estimate from which earlier ones (``pool``), the
-anchors and their deviations (``anchor``, ``deviations``), the linear estimator (``linear``), KV distances (``distance``,
-``distance_cache``) and the embedding index (``index``). Depends on ``kvcomm.core`` only."""
+"""The anchor pool: which shared segments to estimate from which earlier ones (``pool``, set up
+by ``config``), the anchors and their deviations (``anchor``, ``deviations``), the linear
+estimator (``linear``), KV distances (``distance``, ``distance_cache``) and the embedding index
+(``index``). Depends on ``kvcomm.core`` only."""
 
 from kvcomm.core.exports import lazy_exports, names
 
 _EXPORTS = {
-    "kvcomm.anchors.pool": ("AnchorPool", "PoolConfig", "Match"),
+    "kvcomm.anchors.pool": ("AnchorPool", "Match"),
+    "kvcomm.anchors.config": ("PoolConfig",),
     "kvcomm.anchors.anchor": ("Anchor", "Deviation"),
     "kvcomm.anchors.linear": ("LinearDeviations",),
     "kvcomm.anchors.index": ("Embedder", "EmbeddingIndex", "KVEmbedding", "kv_embedding"),

@@ -34,7 +34,8 @@ import time
 import torch
 
 from bench_reuse import add_anchor, alternate, bar, ms, reader_prompt, shared_index, synthetic_ids, table  # this folder is on sys.path when the script runs
-from kvcomm.anchors.pool import AnchorPool, PoolConfig
+from kvcomm.anchors.config import PoolConfig
+from kvcomm.anchors.pool import AnchorPool
 from kvcomm.engine.config import ReuseConfig
 from kvcomm.engine.engine import ReuseEngine
 from kvcomm.core.divergence import kl_topk_other, topk_reference

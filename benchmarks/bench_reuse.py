@@ -30,7 +30,8 @@ from tqdm import tqdm
 from kvcomm.anchors.anchor import Deviation
 from kvcomm.anchors.distance import EstimateDistances, admission_logits, value_l2
 from kvcomm.anchors.index import kv_embedding, normalize
-from kvcomm.anchors.pool import AnchorPool, PoolConfig
+from kvcomm.anchors.config import PoolConfig
+from kvcomm.anchors.pool import AnchorPool
 from kvcomm.engine.config import ReuseConfig
 from kvcomm.engine.engine import ReuseEngine
 from kvcomm.eval.report import compare, summarize

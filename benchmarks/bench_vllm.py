@@ -244,7 +244,7 @@ def main() -> None:
         print(json.dumps(data_path(args.repeats, args.tokens)))
         return
 
-    from kvcomm.anchors.pool import PoolConfig
+    from kvcomm.anchors.config import PoolConfig
     from kvcomm.core.segments import Segment
     from kvcomm.engine.config import ReuseConfig, scope_settings
     from kvcomm.engine.pipeline import load_bundled_pipeline

@@ -135,7 +135,7 @@ def exact_rows(tokenizer, device: str) -> list[tuple[str, str, str]]:
 def _pipeline_decisions(executor, mode: str) -> list[tuple]:
     from support.two_agent_case import PIPELINE
 
-    from kvcomm.anchors.pool import PoolConfig
+    from kvcomm.anchors.config import PoolConfig
     from kvcomm.engine.config import ReuseConfig
     from kvcomm.engine.engine import ReuseEngine
     from kvcomm.engine.pipeline import parse_pipeline
@@ -168,7 +168,7 @@ def device_agreement_rows(tokenizer, device: str) -> list[tuple[str, str, str]]:
 
 
 def ttft_rows(tokenizer, device: str, dtype_name: str, shape_name: str) -> tuple[list[tuple[str, str, str]], dict]:
-    from kvcomm.anchors.pool import PoolConfig
+    from kvcomm.anchors.config import PoolConfig
     from kvcomm.engine.config import ReuseConfig
     from kvcomm.engine.pipeline import load_bundled_pipeline
     from kvcomm.eval.demo_report import demo_json

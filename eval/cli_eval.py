@@ -15,7 +15,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from kvcomm.anchors.pool import PoolConfig
+from kvcomm.anchors.config import PoolConfig
 from kvcomm.engine.config import BASE_SOURCES, BLEND_MODES, DEFAULT_REUSE_SCOPE, REUSE_SCOPES, ReuseConfig
 from kvcomm.engine.recompute import RECOMPUTE_SELECTIONS
 from kvcomm.eval.evaluate import ALL_MODES, EMBEDDERS, EvalSettings

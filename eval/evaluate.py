@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from kvcomm.anchors.pool import PoolConfig
+from kvcomm.anchors.config import PoolConfig
 from kvcomm.engine.config import DEFAULT_REUSE_SCOPE, REUSE_SCOPES, ReuseConfig, scope_settings
 from kvcomm.engine.engine import ReuseEngine
 from kvcomm.core.divergence import KL_TOP_K, TopK, kl_topk_other, top1_matches, topk_reference

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvcomm.anchors.pool import PoolConfig
+from kvcomm.anchors.config import PoolConfig
 from kvcomm.engine.config import BASE_SOURCES, BLEND_MODES, DEFAULT_REUSE_SCOPE, MODES, REUSE_SCOPES, ReuseConfig, scope_settings
 from kvcomm.engine.engine import ReuseEngine
 from kvcomm.engine.pipeline import PipelineError, PipelineSpec, load_bundled_pipeline, load_pipeline

@@ -101,7 +101,7 @@ def make_planner(vllm_config: "VllmConfig", channel: Channel) -> ServerPlanner:
     all heads would be over the cap, for caps that ``size`` divides), and
     each rank keeps its state in ``state_dir/tp{size}-rank{rank}`` (a state saved under
     another tensor-parallel size is not loaded)."""
-    from kvcomm.anchors.pool import PoolConfig
+    from kvcomm.anchors.config import PoolConfig
     from kvcomm.engine.config import DEFAULT_REUSE_SCOPE, ReuseConfig, scope_settings
 
     rotary = channel.rotary

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcomm.anchors.pool import PoolConfig
+from kvcomm.anchors.config import PoolConfig
 from kvcomm.engine.recompute import RECOMPUTE_SELECTIONS
 
 BASE_SOURCES = ("standalone", "first_use")

@@ -17,7 +17,8 @@ import kvcomm.core.blocks as blocks
 from kvcomm.anchors.anchor import Deviation
 from kvcomm.anchors.distance import estimate_distances, estimate_distances_many, value_l2, value_l2_many
 from kvcomm.anchors.distance_cache import DistanceCache
-from kvcomm.anchors.pool import AnchorPool, PoolConfig
+from kvcomm.anchors.config import PoolConfig
+from kvcomm.anchors.pool import AnchorPool
 from kvcomm.core.heads import HeadShards
 from kvcomm.core.kv import KV
 

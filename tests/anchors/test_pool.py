@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvcomm.anchors.anchor import Anchor, Deviation
-from kvcomm.anchors.pool import AnchorPool, Match, PoolConfig
+from kvcomm.anchors.config import PoolConfig
+from kvcomm.anchors.pool import AnchorPool, Match
 from kvcomm.core.kv import KV
 
 L, H, D = 2, 1, 4

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcomm.anchors.anchor import Deviation
-from kvcomm.anchors.pool import AnchorPool, PoolConfig
+from kvcomm.anchors.config import PoolConfig
+from kvcomm.anchors.pool import AnchorPool
 from kvcomm.anchors.shrinkage import ShrinkageFit
 from kvcomm.engine import ReuseConfig, ReuseEngine
 from kvcomm.core.kv import KV

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from kvcomm.core.divergence import kl_topk_other, top1_matches, topk_reference
 from kvcomm.engine.config import ReuseConfig
 from kvcomm.engine.engine import ReuseEngine
-from kvcomm.anchors.pool import PoolConfig
+from kvcomm.anchors.config import PoolConfig
 from kvcomm.integrations.transformers import rotary as hf_rotary
 from kvcomm.integrations.transformers.embedded import DTYPES, parse_dtype
 from kvcomm.integrations.transformers.rotary import (

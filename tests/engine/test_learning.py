@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcomm.anchors.anchor import Deviation
-from kvcomm.anchors.pool import AnchorPool, PoolConfig
+from kvcomm.anchors.config import PoolConfig
+from kvcomm.anchors.pool import AnchorPool
 from kvcomm.engine.config import ReuseConfig
 from kvcomm.engine.engine import ReuseEngine
 from kvcomm.core.kv import KV, place

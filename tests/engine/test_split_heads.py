@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from kvcomm.anchors.pool import PoolConfig
+from kvcomm.anchors.config import PoolConfig
 from kvcomm.core.heads import ALL_HEADS
 from kvcomm.engine.config import ReuseConfig
 from kvcomm.engine.pipeline import load_demo_pipeline

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from kvcomm.anchors.pool import PoolConfig
+from kvcomm.anchors.config import PoolConfig
 from kvcomm.engine.config import ReuseConfig
 from kvcomm.engine.engine import ReuseEngine
 from kvcomm.core.fingerprint import ModelFingerprint, model_fingerprint, rope_digest

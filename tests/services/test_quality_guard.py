@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from kvcomm.anchors.pool import PoolConfig
+from kvcomm.anchors.config import PoolConfig
 from kvcomm.engine.config import ReuseConfig
 from kvcomm.engine.engine import ReuseEngine
 from kvcomm.engine.pipeline import parse_pipeline

@@ -10,7 +10,7 @@ import random
 import numpy as np
 import torch
 
-from kvcomm.anchors.pool import PoolConfig
+from kvcomm.anchors.config import PoolConfig
 from kvcomm.core.heads import HeadShards
 from kvcomm.core.kv import KV
 from kvcomm.core.rope import Rotary

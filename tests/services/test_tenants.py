@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.stats import binomtest
 
-from kvcomm.anchors.pool import PoolConfig
+from kvcomm.anchors.config import PoolConfig
 from kvcomm.engine.config import ReuseConfig
 from kvcomm.engine.pipeline import parse_pipeline
 from kvcomm.core.rope import Rotary

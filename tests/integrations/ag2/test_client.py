@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from autogen import ConversableAgent
 
-from kvcomm.anchors.pool import PoolConfig
+from kvcomm.anchors.config import PoolConfig
 from kvcomm.engine.config import ReuseConfig
 from kvcomm.engine.engine import ReuseEngine
 from kvcomm.integrations.ag2.client import KvcommAG2Client

@@ -10,7 +10,7 @@ from autogen_agentchat.teams import RoundRobinGroupChat
 from autogen_core import CancellationToken
 from autogen_core.models import AssistantMessage, SystemMessage, UserMessage
 
-from kvcomm.anchors.pool import PoolConfig
+from kvcomm.anchors.config import PoolConfig
 from kvcomm.engine.config import ReuseConfig
 from kvcomm.engine.engine import ReuseEngine
 from kvcomm.integrations.autogen.client import KvcommChatCompletionClient

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcomm.anchors.pool import PoolConfig
+from kvcomm.anchors.config import PoolConfig
 from kvcomm.engine.config import ReuseConfig
 from kvcomm.engine.engine import ReuseEngine
 from kvcomm.integrations.chat.backend import ANCHOR_BYTES, ChatBackend

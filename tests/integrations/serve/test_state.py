@@ -8,7 +8,7 @@ import dataclasses
 import json
 import logging
 
-from kvcomm.anchors.pool import PoolConfig
+from kvcomm.anchors.config import PoolConfig
 from kvcomm.engine.config import ReuseConfig
 from kvcomm.core.fingerprint import model_fingerprint
 from kvcomm.integrations.serve.state import TENANT_FILE, PlannerState

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvcomm.anchors.pool import PoolConfig
+from kvcomm.anchors.config import PoolConfig
 from kvcomm.engine.config import ReuseConfig
 from kvcomm.core.kv import KV
 from kvcomm.engine.pipeline import load_demo_pipeline

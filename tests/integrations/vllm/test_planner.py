@@ -8,7 +8,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from kvcomm.anchors.pool import PoolConfig
+from kvcomm.anchors.config import PoolConfig
 from kvcomm.engine.config import ReuseConfig
 from kvcomm.services.tenants import tenant_label
 from kvcomm.integrations.vllm.channel import Capture
