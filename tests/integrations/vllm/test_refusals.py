@@ -14,7 +14,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from kvcomm.integrations.vllm.connector import KvcommConnector, config_refusal  # noqa: E402
+from kvcomm.integrations.vllm.connector import KvcommConnector  # noqa: E402
+from kvcomm.integrations.vllm.refusals import config_refusal  # noqa: E402
 
 
 def _group(spec):

@@ -1,0 +1,103 @@
+"""What the connector refuses to run on, decided at start-up and never inside a forward: engine
+configurations (``config_refusal``), attention layers (``layer_refusal``), and, under tensor
+parallelism, any rank's refusal for all of them (``refusal_of_any_rank``). Each reason says what
+to change."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+SUPPORTED_BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")
+"""Attention backends whose KV the connector reads and writes (by ``get_name()``)."""
+SUPPORTED_EXECUTORS = (None, "uni", "mp")
+"""vLLM executor backends the connector runs under (None: not decided yet, vLLM's default)."""
+
+
+def config_refusal(tensor_parallel_size: int, pipeline_parallel_size: int, executor_backend: Any,
+                   cache_dtype: str, kv_cache_groups: list | None, total_kv_heads: int | None = None) -> str | None:
+    """Why the connector cannot run on this engine configuration, or None if it can.
+
+    kv_cache_groups: ``KVCacheConfig.kv_cache_groups`` (None when not known yet, as in the
+    scheduler-less worker roles). total_kv_heads: the model's KV heads before tensor
+    parallelism splits them (None: not known). Each reason says what to change.
+    """
+    if pipeline_parallel_size != 1:
+        return (f"kvcomm supports pipeline_parallel_size 1 only (this engine has {pipeline_parallel_size}); "
+                "start vLLM with pipeline_parallel_size 1 (tensor parallelism is supported)")
+    if tensor_parallel_size != 1 and total_kv_heads is not None and total_kv_heads % tensor_parallel_size:
+        return (f"kvcomm needs the model's {total_kv_heads} KV heads split evenly over tensor_parallel_size "
+                f"{tensor_parallel_size} (vLLM replicates heads otherwise); pick a tensor_parallel_size that divides "
+                f"{total_kv_heads}")
+    if executor_backend not in SUPPORTED_EXECUTORS:
+        return (f"kvcomm supports vLLM's executor backends {', '.join(map(repr, SUPPORTED_EXECUTORS[1:]))} only, this "
+                f"engine's is {executor_backend!r}; pass distributed_executor_backend='mp' (vLLM's default) or 'uni'")
+    if str(cache_dtype) != "auto":
+        return (f"kvcomm reads and writes unquantized KV caches only, this engine has kv_cache_dtype={cache_dtype!r} "
+                "(captured fp8 KV would need its scales); start vLLM with kv_cache_dtype='auto'")
+    if kv_cache_groups is None:
+        return None
+    if len(kv_cache_groups) != 1:
+        kinds = sorted({type(g.kv_cache_spec).__name__ for g in kv_cache_groups})
+        return (f"kvcomm supports models with one KV cache group, this one has {len(kv_cache_groups)} ({', '.join(kinds)}: "
+                "hybrid, sliding-window or mixed layers); serve a model whose layers all use full attention")
+    return _spec_refusal(kv_cache_groups[0].kv_cache_spec)
+
+
+def _spec_refusal(spec: Any) -> str | None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    name = type(spec).__name__
+    if type(spec) is not FullAttentionSpec:
+        hint = "MLA attention" if "MLA" in name else "this kind of attention"
+        return (f"kvcomm supports full (causal, unwindowed) attention KV caches only, this model's cache is {name} "
+                f"({hint} is not supported); serve a model with standard multi-head or grouped-query attention")
+    if spec.sliding_window is not None or spec.attention_chunk_size is not None:
+        return ("kvcomm does not support sliding-window or chunked-local attention layers; serve a model whose "
+                "layers all use full attention")
+    if getattr(spec, "non_causal", False):
+        return "kvcomm supports causal attention only; this model's attention is non-causal"
+    if int(getattr(spec, "kv_quant_mode", 0)) != 0:
+        return "kvcomm reads and writes unquantized KV caches only; start vLLM with kv_cache_dtype='auto'"
+    if spec.head_size_v != spec.head_size:
+        return (f"kvcomm needs equal key and value head sizes, this model has {spec.head_size} and "
+                f"{spec.head_size_v}")
+    return None
+
+
+def layer_refusal(name: str, layer: Any) -> str | None:
+    """Why the connector cannot read and write attention layer ``name`` (a vLLM attention
+    module), or None if it can."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    if isinstance(layer, MLAAttention):
+        return f"attention layer {name} is MLA, which kvcomm does not support; serve a model without MLA"
+    backend = layer.get_attn_backend() if hasattr(layer, "get_attn_backend") else None
+    backend_name = backend.get_name() if backend is not None else type(layer).__name__
+    if backend_name not in SUPPORTED_BACKENDS:
+        return (f"attention layer {name} runs on backend {backend_name}, which kvcomm does not support; start vLLM with "
+                f"attention_backend set to one of {', '.join(SUPPORTED_BACKENDS)}")
+    if getattr(backend, "forward_includes_kv_cache_update", False):
+        return f"attention backend {backend_name} writes its KV cache inside its forward; kvcomm needs do_kv_cache_update"
+    if getattr(layer, "sliding_window", None) is not None:
+        return f"attention layer {name} uses a sliding window, which kvcomm does not support"
+    if getattr(layer, "kv_sharing_target_layer_name", None) is not None:
+        return f"attention layer {name} shares another layer's KV cache, which kvcomm does not support"
+    return None
+
+
+def refusal_of_any_rank(refused: str | None, vllm_config: "VllmConfig") -> str | None:
+    """Under tensor parallelism every rank must be on or off together (each holds only its
+    heads of every request): the first rank's refusal, else None. Called by all ranks at once."""
+    if vllm_config.parallel_config.tensor_parallel_size == 1:
+        return refused
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    reasons: list[str | None] = [None] * group.world_size
+    dist.all_gather_object(reasons, refused, group=group.cpu_group)
+    return next((f"tensor-parallel rank {rank}: {reason}" if rank != group.rank_in_group else reason
+                 for rank, reason in enumerate(reasons) if reason is not None), None)
