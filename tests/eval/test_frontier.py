@@ -3,6 +3,7 @@
 import dataclasses
 import json
 
+import matplotlib.pyplot as plt
 import pytest
 
 from kvcomm.eval.frontier import figure, load_results, main, markdown, on_frontier, plot
@@ -176,3 +177,4 @@ def test_a_label_has_one_colour_in_every_panel(tmp_path):
     assert all(len(colours) == 1 for colours in seen.values()), seen
     assert len({next(iter(c)) for c in seen.values()}) == 3  # and the labels' colours differ
     assert [len(ax.containers) for ax in fig.axes] == [3, 3, 2, 1]  # mmlu: both panels; gsm: KL mean, first-token KL
+    plt.close(fig)
