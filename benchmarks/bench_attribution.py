@@ -39,10 +39,10 @@ import torch
 from bench_reuse import bar, table  # this folder is on sys.path when the script runs
 from kvcomm.core.divergence import kl_topk_other, topk_reference
 from kvcomm.core.kv import KV
-from kvcomm.engine.config import ReuseConfig
-from kvcomm.engine.engine import ReuseEngine
-from kvcomm.engine.plan import ReusePlan
-from kvcomm.engine.runner import run_row
+from kvcomm.reuse.config import ReuseConfig
+from kvcomm.reuse.engine import ReuseEngine
+from kvcomm.reuse.plan import ReusePlan
+from kvcomm.reuse.runner import run_row
 from kvcomm.eval.cli_eval import load_executor
 from kvcomm.eval.workloads import load_workload
 

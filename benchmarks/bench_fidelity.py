@@ -36,13 +36,13 @@ import torch
 from bench_reuse import add_anchor, alternate, bar, ms, reader_prompt, shared_index, synthetic_ids, table  # this folder is on sys.path when the script runs
 from kvcomm.anchors.config import PoolConfig
 from kvcomm.anchors.pool import AnchorPool
-from kvcomm.engine.config import ReuseConfig
-from kvcomm.engine.engine import ReuseEngine
+from kvcomm.reuse.config import ReuseConfig
+from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.core.divergence import kl_topk_other, topk_reference
 from kvcomm.core.kv import KV, place, to_position_free
 from kvcomm.core.segments import Segment
-from kvcomm.engine.pipeline import parse_pipeline
-from kvcomm.engine.runner import build_prompt
+from kvcomm.reuse.pipeline import parse_pipeline
+from kvcomm.reuse.runner import build_prompt
 
 VARIANTS = {  # name -> (changes to the default PoolConfig, anchor dtype or None for the KV's own)
     "default": ({}, None),

@@ -32,14 +32,14 @@ from kvcomm.anchors.distance import EstimateDistances, admission_logits, value_l
 from kvcomm.anchors.index import kv_embedding, normalize
 from kvcomm.anchors.config import PoolConfig
 from kvcomm.anchors.pool import AnchorPool
-from kvcomm.engine.config import ReuseConfig
-from kvcomm.engine.engine import ReuseEngine
+from kvcomm.reuse.config import ReuseConfig
+from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.eval.report import compare, summarize
-from kvcomm.integrations.cli import run_side_by_side
+from kvcomm.cli import run_side_by_side
 from kvcomm.core.kv import KV
-from kvcomm.engine.pipeline import load_demo_pipeline, parse_pipeline
-from kvcomm.engine.plan import ReusePlan
-from kvcomm.engine.runner import build_prompt, run_agent
+from kvcomm.reuse.pipeline import load_demo_pipeline, parse_pipeline
+from kvcomm.reuse.plan import ReusePlan
+from kvcomm.reuse.runner import build_prompt, run_agent
 from kvcomm.core.segments import Segment
 
 med = statistics.median
@@ -460,7 +460,7 @@ def main(argv=None):
     if args.backend == "vllm":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        from kvcomm.integrations.vllm.engine import make_llm
+        from kvcomm.integrations.vllm.llm import make_llm
         from kvcomm.integrations.vllm.executor import VllmExecutor
 
         executor = VllmExecutor(make_llm(), load_tokenizer())

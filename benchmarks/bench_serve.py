@@ -35,8 +35,8 @@ from pathlib import Path
 import httpx
 
 from kvcomm.core.segments import Segment
-from kvcomm.engine.pipeline import PipelineSpec, load_demo_pipeline
-from kvcomm.engine.runner import build_prompt
+from kvcomm.reuse.pipeline import PipelineSpec, load_demo_pipeline
+from kvcomm.reuse.runner import build_prompt
 
 SERVERS = ("kvcomm in-process", "kvcomm multiprocess", "stock in-process", "stock multiprocess")
 KEYS = ("bench-tenant-a", "bench-tenant-b")
@@ -47,7 +47,7 @@ STARTUP_TIMEOUT_S = 600
 def server_command(name: str, port: int, model_dir: Path) -> list[str]:
     """The command line of server ``name`` (one of ``SERVERS``) on ``port``."""
     if name.startswith("kvcomm"):
-        return [sys.executable, "-m", "kvcomm.integrations.cli", "serve", "--gamma", "1", "--port", str(port),
+        return [sys.executable, "-m", "kvcomm.cli", "serve", "--gamma", "1", "--port", str(port),
                 *COMMON, "--api-key", *KEYS]
     argv = ["vllm", "--model", str(model_dir), "--port", str(port), *COMMON, "--api-key", *KEYS,
             "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching"]

@@ -10,7 +10,7 @@ requests that reuse nothing, against a plugin-free vLLM engine in the same run.
 **Pipeline section.** The bundled review pipeline (`kvcomm demo`'s: four agents read one
 shared document per row behind their own system prompt and instructions, later agents also
 read earlier replies), each document extended to at least ``--min-document-tokens`` tokens
-with the next rows' opening paragraphs. It runs through ``kvcomm.integrations.demo.run_demo``
+with the next rows' opening paragraphs. It runs through ``kvcomm.eval.demo.run_demo``
 (the demo's machinery: calls alternate between the systems agent by agent, in alternating
 order), ``--passes`` times; each pass starts from nothing (a fresh ``ReuseEngine``, vLLM's
 prefix cache reset, its own baseline ``cache_salt``), so the first rows of every pass form the
@@ -43,8 +43,8 @@ import statistics
 import time
 
 from bench_reuse import interleave, synthetic_ids  # this folder is on sys.path when the script runs
-from kvcomm.engine.config import BASE_SOURCES
-from kvcomm.integrations.cli import add_reuse_scope_option
+from kvcomm.reuse.config import BASE_SOURCES
+from kvcomm.cli import add_reuse_scope_option
 
 OVERHEAD_GOAL = 1.02
 """Plugin median over plugin-free median that the no-reuse overhead should stay under."""
@@ -69,7 +69,7 @@ def _stock_worker(connection) -> None:
     from vllm import LLM
 
     from kvcomm.integrations.transformers.embedded import embedded_model_dir
-    from kvcomm.integrations.vllm.engine import DEFAULTS
+    from kvcomm.integrations.vllm.llm import DEFAULTS
 
     llm = LLM(model=str(embedded_model_dir()), **DEFAULTS)
     connection.send("ready")
@@ -185,7 +185,7 @@ def data_path(repeats: int, tokens: int) -> dict:
     engine: no opt-in (vLLM's prefix cache reset), opted in and fully captured (reset), and
     all but the last token injected."""
     from kvcomm.integrations.transformers.embedded import load_tokenizer
-    from kvcomm.integrations.vllm.engine import make_llm
+    from kvcomm.integrations.vllm.llm import make_llm
     from kvcomm.integrations.vllm.executor import VllmExecutor
 
     executor = VllmExecutor(make_llm(max_num_batched_tokens=64), load_tokenizer())
@@ -246,13 +246,13 @@ def main() -> None:
 
     from kvcomm.anchors.config import PoolConfig
     from kvcomm.core.segments import Segment
-    from kvcomm.engine.config import ReuseConfig, scope_settings
-    from kvcomm.engine.pipeline import load_bundled_pipeline
-    from kvcomm.engine.runner import build_prompt
+    from kvcomm.reuse.config import ReuseConfig, scope_settings
+    from kvcomm.reuse.pipeline import load_bundled_pipeline
+    from kvcomm.reuse.runner import build_prompt
     from kvcomm.eval.demo_report import format_demo
-    from kvcomm.integrations.cli import DEMO_GAMMA, DEMO_PIPELINE
-    from kvcomm.integrations.demo import BASELINE_SALT, StockVllm, run_demo
-    from kvcomm.integrations.executors import load_executor
+    from kvcomm.cli import DEMO_GAMMA, DEMO_PIPELINE
+    from kvcomm.eval.demo import BASELINE_SALT, StockVllm, run_demo
+    from kvcomm.integrations.runtimes import load_executor
 
     executor, model_path = load_executor(None, "vllm")
     spec = load_bundled_pipeline(DEMO_PIPELINE)

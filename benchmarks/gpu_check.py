@@ -118,7 +118,7 @@ def _worker(name: str, mode: str) -> dict:
     from vllm import LLM
 
     from kvcomm.integrations.transformers.embedded import load_tokenizer, resolve_model_dir
-    from kvcomm.integrations.vllm.engine import make_llm
+    from kvcomm.integrations.vllm.llm import make_llm
     from kvcomm.core.kv import KV
 
     config = CONFIGS[name]

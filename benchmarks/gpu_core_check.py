@@ -136,10 +136,10 @@ def _pipeline_decisions(executor, mode: str) -> list[tuple]:
     from support.two_agent_case import PIPELINE
 
     from kvcomm.anchors.config import PoolConfig
-    from kvcomm.engine.config import ReuseConfig
-    from kvcomm.engine.engine import ReuseEngine
-    from kvcomm.engine.pipeline import parse_pipeline
-    from kvcomm.engine.runner import run_row
+    from kvcomm.reuse.config import ReuseConfig
+    from kvcomm.reuse.engine import ReuseEngine
+    from kvcomm.reuse.pipeline import parse_pipeline
+    from kvcomm.reuse.runner import run_row
 
     spec = parse_pipeline(PIPELINE)
     engine = ReuseEngine(executor.rotary, ReuseConfig(mode=mode, pool=PoolConfig(gamma=1.0)))
@@ -169,11 +169,11 @@ def device_agreement_rows(tokenizer, device: str) -> list[tuple[str, str, str]]:
 
 def ttft_rows(tokenizer, device: str, dtype_name: str, shape_name: str) -> tuple[list[tuple[str, str, str]], dict]:
     from kvcomm.anchors.config import PoolConfig
-    from kvcomm.engine.config import ReuseConfig
-    from kvcomm.engine.pipeline import load_bundled_pipeline
+    from kvcomm.reuse.config import ReuseConfig
+    from kvcomm.reuse.pipeline import load_bundled_pipeline
     from kvcomm.eval.demo_report import demo_json
-    from kvcomm.integrations.cli import DEMO_GAMMA, DEMO_PIPELINE
-    from kvcomm.integrations.demo import DenseTransformers, run_demo
+    from kvcomm.cli import DEMO_GAMMA, DEMO_PIPELINE
+    from kvcomm.eval.demo import DenseTransformers, run_demo
     from kvcomm.integrations.transformers.executor import TransformersExecutor
 
     model = _llama(tokenizer, DTYPES[dtype_name], device, init_on_device=True, **SHAPES[shape_name])

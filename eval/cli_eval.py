@@ -16,8 +16,8 @@ import torch
 from tqdm import tqdm
 
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.engine.config import BASE_SOURCES, BLEND_MODES, DEFAULT_REUSE_SCOPE, REUSE_SCOPES, ReuseConfig
-from kvcomm.engine.recompute import RECOMPUTE_SELECTIONS
+from kvcomm.reuse.config import BASE_SOURCES, BLEND_MODES, DEFAULT_REUSE_SCOPE, REUSE_SCOPES, ReuseConfig
+from kvcomm.reuse.recompute import RECOMPUTE_SELECTIONS
 from kvcomm.eval.evaluate import ALL_MODES, EMBEDDERS, EvalSettings
 from kvcomm.eval.outputs import check_out_dir
 from kvcomm.integrations.transformers.embedded import DTYPES
@@ -214,7 +214,7 @@ def config_setting(text: str) -> tuple[str, object]:
 
 def load_executor(model: str | None, backend: str = "transformers", dtype: str = "float32", device: str | None = None):
     """(executor, model path) for ``model`` or the embedded model on ``backend`` in ``dtype`` on ``device``."""
-    from kvcomm.integrations.executors import load_executor as load
+    from kvcomm.integrations.runtimes import load_executor as load
 
     return load(model, backend, dtype, device)
 
@@ -232,7 +232,7 @@ def dtype_noise_floor(workload, executor, other, top_k: int = 20, progress: bool
     (also measured against ``executor``) is read against.
     """
     from kvcomm.core.divergence import kl_topk_other, top1_matches, topk_reference
-    from kvcomm.engine.runner import run_row
+    from kvcomm.reuse.runner import run_row
 
     spec = workload.pipeline
     kls, tops, prompts = [], [], 0
@@ -260,7 +260,7 @@ def run_eval_command(args, executor=None) -> int:
     """The ``eval`` command. ``executor``: use this one instead of loading ``--model``
     (tests). Returns 0, or 2 with a message on stderr for a usage or input problem."""
     from kvcomm.eval.outputs import run_evaluation
-    from kvcomm.engine.pipeline import PipelineError
+    from kvcomm.reuse.pipeline import PipelineError
     from kvcomm.core.rope import RopeError
 
     def fail(message: str) -> int:
@@ -316,7 +316,7 @@ def run_eval_command(args, executor=None) -> int:
         return fail(str(message))
     finally:
         if owned is not None:
-            from kvcomm.integrations.executors import close_executor
+            from kvcomm.integrations.runtimes import close_executor
 
             close_executor(owned)
     print(f"{len(result.calls)} agent calls in {result.elapsed_s:.1f} s; wrote results.json, results.csv and plots to {out}")

@@ -38,10 +38,10 @@ import torch
 from tqdm import tqdm
 
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.engine.config import DEFAULT_REUSE_SCOPE, REUSE_SCOPES, ReuseConfig, scope_settings
-from kvcomm.engine.engine import ReuseEngine
+from kvcomm.reuse.config import DEFAULT_REUSE_SCOPE, REUSE_SCOPES, ReuseConfig, scope_settings
+from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.core.divergence import KL_TOP_K, TopK, kl_topk_other, top1_matches, topk_reference
-from kvcomm.engine.runner import AgentCall, run_row
+from kvcomm.reuse.runner import AgentCall, run_row
 
 DENSE = "dense"
 REUSE_MODES = ("exact", "realign", "cacheblend", "kvcomm", "kvblend")

@@ -31,7 +31,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcomm.engine.config import REUSE_SCOPES, ReuseConfig
+from kvcomm.reuse.config import REUSE_SCOPES, ReuseConfig
 from kvcomm.eval.metrics import bootstrap_ratio_interval
 
 POOLED = "pooled"

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from kvcomm.eval.metrics import percentile
-from kvcomm.engine.runner import AgentCall
+from kvcomm.reuse.runner import AgentCall
 
 
 @dataclass(frozen=True)

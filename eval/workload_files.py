@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from types import MappingProxyType
 
 from kvcomm.core.textfile import parse_json, read_utf8
-from kvcomm.engine.pipeline import PipelineError, parse_pipeline
+from kvcomm.reuse.pipeline import PipelineError, parse_pipeline
 
 from .scorers import SCORERS, _reference_number
 from .workloads import DEFAULT_MAX_NEW_TOKENS, Workload, WorkloadError, _finish, _order

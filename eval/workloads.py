@@ -1,6 +1,6 @@
 """Built-in evaluation workloads as declarative pipelines, with gold references and a scorer.
 
-A :class:`Workload` is a :class:`kvcomm.engine.pipeline.PipelineSpec` (agents + one input row per item,
+A :class:`Workload` is a :class:`kvcomm.reuse.pipeline.PipelineSpec` (agents + one input row per item,
 key ``"task"``), the gold reference of every row, and a scorer of the final agent's reply.
 
 Topology (KVCOMM's): ``n_agents`` agents ``agent1..agentN`` in a fully connected DAG -- agent
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from types import MappingProxyType
 
-from kvcomm.engine.pipeline import MAX_NEW_TOKENS_LIMIT, PipelineSpec, parse_pipeline
+from kvcomm.reuse.pipeline import MAX_NEW_TOKENS_LIMIT, PipelineSpec, parse_pipeline
 
 from .retrieval import RETRIEVAL_DEPTHS, retrieval_item
 from .scorers import choice_letter, contains, humaneval_pass, number

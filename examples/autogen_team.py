@@ -26,11 +26,11 @@ from autogen_agentchat.agents import AssistantAgent
 from autogen_agentchat.teams import RoundRobinGroupChat
 
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.engine.config import ReuseConfig
-from kvcomm.engine.engine import ReuseEngine
+from kvcomm.reuse.config import ReuseConfig
+from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
-from kvcomm.integrations.chat.backend import ChatBackend, ChatCall
-from kvcomm.integrations.chat.segments import ChatTurn, template_id
+from kvcomm.integrations.local.backend import ChatBackend, ChatCall
+from kvcomm.integrations.local.segments import ChatTurn, template_id
 from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer
 from kvcomm.integrations.transformers.executor import TransformersExecutor
 

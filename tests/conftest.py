@@ -78,7 +78,7 @@ def vllm_llm():
     prompts span several blocks and chunks), server-side planning of annotated requests on.
     Tests that send annotated requests name their own tenant (``own_tenant``)."""
     pytest.importorskip("vllm")
-    from kvcomm.integrations.vllm.engine import make_llm, shutdown_llm, transfer_config
+    from kvcomm.integrations.vllm.llm import make_llm, shutdown_llm, transfer_config
 
     import os
 

@@ -55,7 +55,7 @@ def test_the_core_imports_no_model_framework():
     found = _probe()
     modules = found["modules"]
     # The walk really saw the core (both source folders), and nothing outside it.
-    assert {"kvcomm.engine.engine", "kvcomm.core.rope", "kvcomm.engine.runner", "kvcomm.anchors", "kvcomm.anchors.pool"} <= set(modules)
+    assert {"kvcomm.reuse.engine", "kvcomm.core.rope", "kvcomm.reuse.runner", "kvcomm.anchors", "kvcomm.anchors.pool"} <= set(modules)
     assert len(modules) >= 20 and not any(m.startswith(NOT_CORE) for m in modules)
     assert not found["loaded"], (
         f"importing the core loaded {found['loaded']}; first importer of each, per module: {found['culprits']}. "

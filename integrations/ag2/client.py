@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcomm.integrations.chat.backend import ChatBackend, ChatCall
-from kvcomm.integrations.chat.segments import ChatTurn
+from kvcomm.integrations.local.backend import ChatBackend, ChatCall
+from kvcomm.integrations.local.segments import ChatTurn
 
 _ids = itertools.count()
 

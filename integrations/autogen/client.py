@@ -1,7 +1,7 @@
 """An autogen-core ``ChatCompletionClient`` served by kvcomm in process (AutoGen 0.7).
 
 Give every agent of a team the same client: they then share one executor and one reuse
-engine, and each agent reuses the KV of what the others wrote (see ``chat.backend``).
+engine, and each agent reuses the KV of what the others wrote (see ``local.backend``).
 
     client = KvcommChatCompletionClient()            # embedded SmolLM2, with reuse
     dense = KvcommChatCompletionClient(reuse=False)  # the same model, dense prefill
@@ -27,10 +27,10 @@ from autogen_core.models import (
 from autogen_core.tools import Tool, ToolSchema
 from pydantic import BaseModel
 
-from kvcomm.engine.config import ReuseConfig
-from kvcomm.engine.handles import ContextHandle
-from kvcomm.integrations.chat.backend import Cancelled, ChatBackend, ChatCall, ChatReply
-from kvcomm.integrations.chat.segments import ChatTurn
+from kvcomm.reuse.config import ReuseConfig
+from kvcomm.reuse.handles import ContextHandle
+from kvcomm.integrations.local.backend import Cancelled, ChatBackend, ChatCall, ChatReply
+from kvcomm.integrations.local.segments import ChatTurn
 
 if TYPE_CHECKING:
     from kvcomm.integrations.remote.backend import RemoteChatBackend

@@ -3,7 +3,7 @@
 Same contract as the in-process ``ChatBackend`` (``complete``, ``calls``, ``summary``,
 ``count_tokens``, ...), but the model, the reuse engine and the anchor pools live in the
 server. The conversation is rendered here, per message, with the model's tokenizer and chat
-template (``chat.segments``, the in-process rendering); the request is a greedy
+template (``local.segments``, the in-process rendering); the request is a greedy
 ``/v1/completions`` call whose prompt is those token ids, with every shared message annotated
 as a span in ``kv_transfer_params["kvcomm"]`` (``remote.wire``). The server plans, reuses and
 learns; its response says where the prompt's KV came from, logged as a ``ChatCall``.
@@ -33,8 +33,8 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
-from kvcomm.integrations.chat.backend import ChatCall, ChatReply, slot_reuse, summarize
-from kvcomm.integrations.chat.segments import ChatPrompt, ChatTurn, parse_tool_calls, render_chat, supports_tools
+from kvcomm.integrations.local.backend import ChatCall, ChatReply, slot_reuse, summarize
+from kvcomm.integrations.local.segments import ChatPrompt, ChatTurn, parse_tool_calls, render_chat, supports_tools
 from kvcomm.integrations.remote import wire
 
 log = logging.getLogger(__name__)

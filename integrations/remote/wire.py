@@ -1,6 +1,6 @@
 """What the remote chat backend sends to ``kvcomm serve`` and reads back (OpenAI ``/v1/completions``).
 
-The client renders the conversation locally (``chat.segments``), so the request's prompt is
+The client renders the conversation locally (``local.segments``), so the request's prompt is
 token ids and each shared message is a span ``[start, end)`` of them, annotated in
 ``kv_transfer_params["kvcomm"]`` (schema: ``vllm.params``). The server plans those spans with
 its own reuse engine and answers with ``{"kvcomm": {"prompt_tokens", "exact_tokens",
@@ -18,8 +18,8 @@ import hashlib
 import re
 from typing import Any
 
-from kvcomm.engine.plan import Provenance
-from kvcomm.integrations.chat.segments import ChatPrompt
+from kvcomm.reuse.plan import Provenance
+from kvcomm.integrations.local.segments import ChatPrompt
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _BAD = re.compile(r"[^A-Za-z0-9_.-]")

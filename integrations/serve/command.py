@@ -1,6 +1,6 @@
 """The `kvcomm serve` command: vLLM's OpenAI API server with the kvcomm connector and tenant
 middleware (``serve_argv``), the API keys it accepts (``api_keys``), and the command itself
-(``serve_command``; its options are parsed by ``kvcomm.integrations.cli``)."""
+(``serve_command``; its options are parsed by ``kvcomm.cli``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvcomm.engine.config import DEFAULT_REUSE_SCOPE
+from kvcomm.reuse.config import DEFAULT_REUSE_SCOPE
 
 
 MIDDLEWARE = "kvcomm.integrations.serve.middleware.KvcommTenantMiddleware"
@@ -37,7 +37,7 @@ def serve_argv(
     of annotated requests on unless ``plan`` is False; ``engine``: more ``kv_connector_extra_config``
     such as gamma, max_anchors, byte caps) and kvcomm's tenant middleware; ``vllm_args`` pass through and win."""
     from kvcomm.integrations.transformers.embedded import resolve_model_dir
-    from kvcomm.integrations.vllm.engine import CONNECTOR, CONNECTOR_MODULE
+    from kvcomm.integrations.vllm.llm import CONNECTOR, CONNECTOR_MODULE
 
     extra: dict = {"plan": plan, **(engine or {})}
     if slots:

@@ -15,10 +15,10 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from kvcomm.engine.executor import Generation, OnToken
+from kvcomm.reuse.executor import Generation, OnToken
 from kvcomm.core.kv import KV, to_position_free
-from kvcomm.engine.pipeline import Slot
-from kvcomm.engine.plan import BlendRequest
+from kvcomm.reuse.pipeline import Slot
+from kvcomm.reuse.plan import BlendRequest
 from kvcomm.core.segments import Segment
 from kvcomm.integrations.transformers.rotary import rotary_from_model
 

@@ -1,11 +1,11 @@
 """The vLLM plugin: the V1 KV connector (``connector``; loaded by module path,
-``engine.CONNECTOR_MODULE``), its pieces (``layout``, ``channel``, ``params``, ``planner``,
-``detect``, ``metrics``), an in-process ``vllm.LLM`` with it (``engine.make_llm``) and the executor on it."""
+``llm.CONNECTOR_MODULE``), its pieces (``layout``, ``channel``, ``params``, ``planner``,
+``detect``, ``metrics``), an in-process ``vllm.LLM`` with it (``llm.make_llm``) and the executor on it."""
 
 from kvcomm.core.exports import lazy_exports, names
 
 _EXPORTS = {
-    "kvcomm.integrations.vllm.engine": ("make_llm", "shutdown_llm", "transfer_config", "CONNECTOR", "CONNECTOR_MODULE"),
+    "kvcomm.integrations.vllm.llm": ("make_llm", "shutdown_llm", "transfer_config", "CONNECTOR", "CONNECTOR_MODULE"),
     "kvcomm.integrations.vllm.executor": ("VllmExecutor",),
     "kvcomm.integrations.vllm.connector": ("KvcommConnector",),
     "kvcomm.integrations.vllm.params": ("KvcommParams", "KvcommParamsError", "parse_params"),

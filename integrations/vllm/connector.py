@@ -1,7 +1,7 @@
 """kvcomm's vLLM V1 KV connector: inject reused KV, capture real KV, on any standard backend.
 
 Load it with ``KVTransferConfig(kv_connector="KvcommConnector", kv_role="kv_both",
-kv_connector_module_path="kvcomm.integrations.vllm.connector")`` (``vllm.engine.make_llm``
+kv_connector_module_path="kvcomm.integrations.vllm.connector")`` (``vllm.llm.make_llm``
 does). No patching of vLLM.
 
 Per request, an ``Order`` says which KV to inject for prompt positions ``[0, P)`` and which
@@ -70,7 +70,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.logger import init_logger
 
 from kvcomm.core.rope import RopeError
-from kvcomm.engine.config import DEFAULT_REUSE_SCOPE, scope_settings
+from kvcomm.reuse.config import DEFAULT_REUSE_SCOPE, scope_settings
 from kvcomm.integrations.vllm.channel import Capture, Channel, channel
 from kvcomm.integrations.vllm.layout import KvIO, LayoutError
 from kvcomm.integrations.vllm.messages import Finished, KvcommWorkerMetadata, PlanAsk

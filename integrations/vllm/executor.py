@@ -18,13 +18,13 @@ from typing import Sequence
 
 import torch
 
-from kvcomm.engine.executor import Generation, OnToken
+from kvcomm.reuse.executor import Generation, OnToken
 from kvcomm.core.kv import KV, to_position_free
-from kvcomm.engine.plan import BlendRequest
+from kvcomm.reuse.plan import BlendRequest
 from kvcomm.core.segments import Segment
 from kvcomm.integrations.transformers.executor import TransformersExecutor, _as_list
 from kvcomm.integrations.vllm.channel import Channel, Order, channel
-from kvcomm.integrations.vllm.engine import CONNECTOR, shutdown_llm
+from kvcomm.integrations.vllm.llm import CONNECTOR, shutdown_llm
 
 
 class VllmExecutor:
@@ -46,7 +46,7 @@ class VllmExecutor:
         config = llm.llm_engine.vllm_config
         transfer = config.kv_transfer_config
         if transfer is None or transfer.kv_connector != CONNECTOR:
-            raise ValueError("the vllm.LLM must load the kvcomm connector; build it with kvcomm.integrations.vllm.engine.make_llm")
+            raise ValueError("the vllm.LLM must load the kvcomm connector; build it with kvcomm.integrations.vllm.llm.make_llm")
         import vllm.envs as envs
 
         if envs.VLLM_ENABLE_V1_MULTIPROCESSING:
@@ -60,7 +60,7 @@ class VllmExecutor:
             raise RuntimeError(
                 "this engine's kvcomm connector never registered its KV caches: its worker runs another engine's "
                 "connector (vLLM keeps one per process, and an earlier in-process engine still held it). Shut "
-                "earlier engines down before starting one (kvcomm.integrations.vllm.engine.shutdown_llm), or "
+                "earlier engines down before starting one (kvcomm.integrations.vllm.llm.shutdown_llm), or "
                 "build engines with make_llm, which refuses a second one"
             )
         self.rotary, self.self_check = self.channel.rotary, self.channel.rope_check  # vLLM's own, checked at start-up
@@ -71,7 +71,7 @@ class VllmExecutor:
         self.dtype = getattr(torch, str(config.model_config.dtype).replace("torch.", ""))
 
     def close(self) -> None:
-        """Shut the engine down (``engine.shutdown_llm``): its memory and its KV connector are
+        """Shut the engine down (``llm.shutdown_llm``): its memory and its KV connector are
         released, so another in-process engine can start. The executor serves nothing afterwards."""
         shutdown_llm(self.llm)
 

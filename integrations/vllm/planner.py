@@ -24,12 +24,12 @@ import dataclasses
 import threading
 from dataclasses import dataclass
 
-from kvcomm.engine.config import ReuseConfig
+from kvcomm.reuse.config import ReuseConfig
 
-from kvcomm.engine.engine import ReuseEngine
+from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV, to_position_free
-from kvcomm.engine.plan import ReusePlan
+from kvcomm.reuse.plan import ReusePlan
 from kvcomm.core.rope import Rotary
 from kvcomm.core.segments import Prompt, Segment
 from kvcomm.services.tenants import TenantRegistry

@@ -102,7 +102,7 @@ def make_planner(vllm_config: "VllmConfig", channel: Channel) -> ServerPlanner:
     each rank keeps its state in ``state_dir/tp{size}-rank{rank}`` (a state saved under
     another tensor-parallel size is not loaded)."""
     from kvcomm.anchors.config import PoolConfig
-    from kvcomm.engine.config import DEFAULT_REUSE_SCOPE, ReuseConfig, scope_settings
+    from kvcomm.reuse.config import DEFAULT_REUSE_SCOPE, ReuseConfig, scope_settings
 
     rotary = channel.rotary
     if rotary is None:
@@ -120,7 +120,7 @@ def make_planner(vllm_config: "VllmConfig", channel: Channel) -> ServerPlanner:
         state_dir = os.path.join(state_dir, f"tp{heads.size}-rank{heads.rank}")  # each rank saves its own heads
     if state_dir:
         from kvcomm.core.fingerprint import model_fingerprint
-        from kvcomm.integrations.serve.state import PlannerState
+        from kvcomm.integrations.vllm.state import PlannerState
         from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer
 
         model, tokenizer = load_model_and_tokenizer(str(vllm_config.model_config.model))

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 def lazy_exports(package: str, exports: Mapping[str, Sequence[str]]) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for ``package`` (its ``__name__``) re-exporting, for each
-    module path in ``exports``, the names listed (``{"kvcomm.engine.engine": ("ReuseEngine",)}``).
+    module path in ``exports``, the names listed (``{"kvcomm.reuse.engine": ("ReuseEngine",)}``).
     A name is imported from its module on first access and then cached on the package."""
     where = {name: module for module, names in exports.items() for name in names}
 

@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from kvcomm.anchors.anchor import Anchor, Deviation
 from kvcomm.anchors.pool import AnchorPool
 from kvcomm.anchors.shrinkage import ShrinkageFit
-from kvcomm.engine.engine import ReuseEngine
+from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.core.fingerprint import ModelFingerprint, rope_digest
 from kvcomm.core.kv import KV
 

@@ -39,9 +39,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcomm.engine.engine import ReuseEngine
+from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.core.divergence import kl_topk_other, topk_reference
-from kvcomm.engine.plan import ReusePlan
+from kvcomm.reuse.plan import ReusePlan
+from kvcomm.reuse.runner import execute, run_agent
 from kvcomm.core.segments import Prompt
 
 log = logging.getLogger("kvcomm.services.quality_guard")
@@ -133,6 +134,25 @@ class QualityGuard:
 
     # -- per request ---------------------------------------------------------------------------
 
+    def run_agent(
+        self, executor, engine: ReuseEngine | None, prompt: Prompt, max_new_tokens: int, keep_logprobs: bool = False,
+        on_token=None, calibrate: bool = False,
+    ):
+        """``kvcomm.run_agent`` under this guard: the plan is cut at slots it disabled
+        (``restrict``), and a sampled request that estimated KV is also prefilled densely to
+        record its first-token KL (``shadow``). Dense and calibration calls pass unguarded."""
+        if engine is None or calibrate:
+            return run_agent(executor, engine, prompt, max_new_tokens, keep_logprobs, on_token, calibrate)
+        started = time.perf_counter()
+        plan = engine.plan(prompt, engine.base_provider(executor))
+        self.restrict(engine, plan)
+        slots = self.sample(plan)
+        generation = execute(executor, engine, plan, max_new_tokens, started, keep_logprobs or bool(slots), on_token)
+        engine.learn(plan, generation.computed, generation.reply_ids, generation.reply_kv)
+        if slots:
+            self.shadow(executor, engine, prompt, generation.prompt_logprobs[-1], slots)
+        return generation, plan.provenance(generation.ttft_s)
+
     def restrict(self, engine: ReuseEngine, plan: ReusePlan) -> None:
         """Cut ``plan`` (before materializing) at its first piece whose shared segment's slot
         is disabled; everything from there on is computed densely."""
@@ -164,8 +184,7 @@ class QualityGuard:
         started = time.perf_counter()
         generation = executor.generate(prompt.token_ids, None, 1, started, keep_logprobs=True)
         if self.config.learn:
-            provider = executor.base_kv if engine.config.base_source == "standalone" else None
-            engine.learn(engine.calibration_plan(prompt, provider), generation.computed)
+            engine.learn(engine.calibration_plan(prompt, engine.base_provider(executor)), generation.computed)
         dense = generation.prompt_logprobs[-1]
         kl = float(kl_topk_other(topk_reference(dense[None].float(), self.config.top_k), reuse_logprobs[None].float())[0])
         with self._lock:

@@ -25,14 +25,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvcomm.anchors.index import Embedder
-from kvcomm.engine.config import ReuseConfig
-from kvcomm.engine.engine import BaseProvider, ReuseEngine
+from kvcomm.reuse.config import ReuseConfig
+from kvcomm.reuse.engine import BaseProvider, ReuseEngine
 from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV
-from kvcomm.engine.plan import ReusePlan
+from kvcomm.reuse.plan import ReusePlan
 from kvcomm.core.rope import Rotary
 from kvcomm.core.segments import Prompt, Segment
-from kvcomm.engine.workspace import KVWorkspace
+from kvcomm.reuse.workspace import KVWorkspace
 
 MAX_TENANT_KEY_LENGTH = 256
 
@@ -86,12 +86,12 @@ class TenantEngine(ReuseEngine):
         with self._held_without_shrink():
             return super().plan(prompt, provide_base)
 
-    def learn(self, plan: ReusePlan, computed: KV) -> None:
+    def learn(self, plan: ReusePlan, computed: KV, reply_ids: tuple[int, ...] = (), reply_kv: KV | None = None) -> None:
         with self._held_without_shrink():  # new content's bases are registered, then learned from
             # A base evicted under memory pressure since planning cannot be learned from:
             # skip that segment (it stays a dense sample) rather than fail the request.
             plan.learn = [i for i in plan.learn if self.has_base(plan.prompt.segments[i].shared_id)]
-            super().learn(plan, computed)
+            super().learn(plan, computed, reply_ids, reply_kv)
 
     def register_base(self, segment: Segment, base: KV) -> KV:
         held = super().register_base(segment, base)

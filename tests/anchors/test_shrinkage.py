@@ -12,7 +12,7 @@ from kvcomm.anchors.anchor import Deviation
 from kvcomm.anchors.config import PoolConfig
 from kvcomm.anchors.pool import AnchorPool
 from kvcomm.anchors.shrinkage import ShrinkageFit
-from kvcomm.engine import ReuseConfig, ReuseEngine
+from kvcomm.reuse import ReuseConfig, ReuseEngine
 from kvcomm.core.kv import KV
 from kvcomm.core.rope import Rotary
 from kvcomm.core.segments import Prompt, Segment

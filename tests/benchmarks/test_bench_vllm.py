@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcomm.engine.pipeline import parse_pipeline
+from kvcomm.reuse.pipeline import parse_pipeline
 from kvcomm.eval.demo_report import DemoCall
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"

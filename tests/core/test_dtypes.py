@@ -24,17 +24,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcomm.core.divergence import kl_topk_other, top1_matches, topk_reference
-from kvcomm.engine.config import ReuseConfig
-from kvcomm.engine.engine import ReuseEngine
+from kvcomm.reuse.config import ReuseConfig
+from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.anchors.config import PoolConfig
 from kvcomm.integrations.transformers import rotary as hf_rotary
 from kvcomm.integrations.transformers.embedded import DTYPES, parse_dtype
 from kvcomm.integrations.transformers.rotary import (
     MODEL_ROPE_ROUNDING, SELF_CHECK_TOLERANCE, rotary_from_model, self_check, self_check_tolerance,
 )
-from kvcomm.engine.pipeline import parse_pipeline
+from kvcomm.reuse.pipeline import parse_pipeline
 from kvcomm.core.rope import RopeError, Rotary
-from kvcomm.engine.runner import run_agent
+from kvcomm.reuse.runner import run_agent
 from .test_rope import BY_NAME, HEAD_DIM, TINY, VARIANTS, build, reference_rotate, rotaries
 from support.two_agent_case import PIPELINE, agent_prompt
 
@@ -287,7 +287,7 @@ def test_dtype_names_and_bad_dtype():
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_selfcheck_command_in_low_precision(dtype, capsys):
-    from kvcomm.integrations.cli import main
+    from kvcomm.cli import main
 
     assert main(["selfcheck", "--dtype", dtype, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -298,7 +298,7 @@ def test_selfcheck_command_in_low_precision(dtype, capsys):
 
 
 def test_selfcheck_command_refuses_an_unknown_dtype(capsys):
-    from kvcomm.integrations.cli import main
+    from kvcomm.cli import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["selfcheck", "--dtype", "float64"])
@@ -431,7 +431,7 @@ def test_dtype_noise_floor_of_the_eval_command(tiny_executor):
 
 @pytest.mark.slow
 def test_run_command_in_bf16(capsys):
-    from kvcomm.integrations.cli import main
+    from kvcomm.cli import main
 
     short = str(importlib.resources.files("kvcomm") / "data" / "demo_pipeline.json")
     assert main(["run", short, "--limit", "2", "--gamma", "1.0", "--base-source", "standalone",

@@ -17,7 +17,7 @@ from kvcomm.eval.evaluate import ALL_MODES, POOLED, EvalSettings, evaluate
 from kvcomm.core.divergence import TopK, kl_topk_other, top1_matches, topk_reference
 from kvcomm.eval.metrics import percentile, wilson_interval
 from kvcomm.eval.outputs import check_out_dir, format_table, write_outputs
-from kvcomm.engine.pipeline import parse_pipeline
+from kvcomm.reuse.pipeline import parse_pipeline
 
 @pytest.fixture(autouse=True)
 def _one_thread():
@@ -347,7 +347,7 @@ def test_end_to_end_on_smollm2_has_checks_that_can_fail(smol_executor):
     information (the tiny random model scores 0 everywhere): dense is right on some rows,
     kvcomm reuses and is still right on some of them, its KL is far above the dense-vs-dense
     noise floor, and the reported pool bytes are the bytes of the tensors the pools hold."""
-    from kvcomm.engine.engine import ReuseEngine
+    from kvcomm.reuse.engine import ReuseEngine
 
     engines: list[ReuseEngine] = []
 
@@ -468,7 +468,7 @@ def test_the_embedder_setting_reaches_every_reuse_engine(tiny_executor, monkeypa
     import numpy as np
 
     import kvcomm.eval.evaluate as evaluate_module
-    from kvcomm.engine.engine import ReuseEngine
+    from kvcomm.reuse.engine import ReuseEngine
     from kvcomm.integrations.transformers.sentence_embedder import SentenceEmbedder
 
     made = []

@@ -72,7 +72,7 @@ def test_equal_reuse_at_higher_kl_is_dominated_and_workloads_never_mix(tmp_path)
 
 
 def test_kvcomm_frontier_command(tmp_path, capsys):
-    from kvcomm.integrations.cli import main as cli
+    from kvcomm.cli import main as cli
 
     a = _write(tmp_path / "a", "humaneval", [_row("dense", "", 0.0, 0.0), _row("kvcomm", "gamma=1,V=20", 0.6, 1e-3)])
     assert cli(["frontier", str(a), "--out", str(tmp_path / "fr")]) == 0

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvcomm.integrations.cli import main
+from kvcomm.cli import main
 
 CALL_FIELDS = {
     "agent", "input_index", "prompt_tokens", "exact_tokens", "estimated_tokens", "computed_tokens", "recomputed_tokens",

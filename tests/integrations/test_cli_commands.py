@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcomm.integrations.cli import main
+from kvcomm.cli import main
 from support.one_thread import one_thread  # noqa: F401 (autouse fixture)
 
 PIPELINE = {
@@ -88,8 +88,8 @@ def test_run_json_numbers_follow_from_the_calls(tiny_llama, pipeline_file, token
     # the reader's prompt holds no earlier reply: its length is the chat template's own
     from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer
     from kvcomm.integrations.transformers.executor import TransformersExecutor
-    from kvcomm.engine.pipeline import parse_pipeline
-    from kvcomm.engine.runner import _content, build_prompt
+    from kvcomm.reuse.pipeline import parse_pipeline
+    from kvcomm.reuse.runner import _content, build_prompt
 
     executor = TransformersExecutor(*load_model_and_tokenizer(tiny_llama))
     spec = parse_pipeline(PIPELINE)

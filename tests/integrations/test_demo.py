@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kvcomm.eval.demo_report import DemoCall, demo_agents, demo_json, demo_summary, format_demo, write_chart
-from kvcomm.integrations.demo import DenseTransformers, run_demo
-from kvcomm.engine.pipeline import load_bundled_pipeline, parse_pipeline
+from kvcomm.eval.demo import DenseTransformers, run_demo
+from kvcomm.reuse.pipeline import load_bundled_pipeline, parse_pipeline
 
 
 def _call(agent, row, dense, reuse, exact, estimated, computed, equal=True, cached=0):
@@ -131,7 +131,7 @@ def test_run_demo_records_match_the_prompts_each_system_ran(tiny_executor):
 @pytest.mark.slow
 def test_demo_end_to_end_through_vllm(tmp_path, capsys):
     pytest.importorskip("vllm")
-    from kvcomm.integrations.cli import main
+    from kvcomm.cli import main
 
     chart = tmp_path / "demo.png"
     assert main(["demo", "--limit", "1", "--json", "--chart", str(chart)]) == 0

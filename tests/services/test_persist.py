@@ -20,14 +20,14 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.engine.config import ReuseConfig
-from kvcomm.engine.engine import ReuseEngine
+from kvcomm.reuse.config import ReuseConfig
+from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.core.fingerprint import ModelFingerprint, model_fingerprint, rope_digest
 from kvcomm.core.kv import KV
 from kvcomm.services.persist import MANIFEST, PersistError, load_engine, save_engine
-from kvcomm.engine.pipeline import parse_pipeline
+from kvcomm.reuse.pipeline import parse_pipeline
 from kvcomm.core.rope import Rotary
-from kvcomm.engine.runner import run_row
+from kvcomm.reuse.runner import run_row
 from kvcomm.core.segments import Prompt, Segment
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for support.* when run as a script

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.engine.config import ReuseConfig
-from kvcomm.engine.engine import ReuseEngine
-from kvcomm.engine.pipeline import parse_pipeline
-from kvcomm.engine.plan import ReusePlan
+from kvcomm.reuse.config import ReuseConfig
+from kvcomm.reuse.engine import ReuseEngine
+from kvcomm.reuse.pipeline import parse_pipeline
+from kvcomm.reuse.plan import ReusePlan
 from kvcomm.services.quality_guard import GuardConfig, QualityGuard
 from kvcomm.core.rope import Rotary
-from kvcomm.engine.runner import run_agent, run_row
+from kvcomm.reuse.runner import run_agent, run_row
 from kvcomm.core.segments import Prompt, Segment
 from support.one_thread import one_thread  # noqa: F401 (autouse fixture)
 from support.two_agent_case import PIPELINE, agent_prompt
@@ -26,7 +26,7 @@ SPEC = parse_pipeline({**PIPELINE, "max_new_tokens": 2})
 def _run(executor, guard: QualityGuard | None, gamma: float = 1.0, base_source: str = "first_use"):
     engine = ReuseEngine(executor.rotary, ReuseConfig(pool=PoolConfig(gamma=gamma), base_source=base_source))
     started = time.perf_counter()
-    calls = [c for row in range(len(SPEC.inputs)) for c in run_row(SPEC, row, executor, engine, guard=guard)]
+    calls = [c for row in range(len(SPEC.inputs)) for c in run_row(SPEC, row, executor, engine, step=guard.run_agent if guard else run_agent)]
     return engine, calls, time.perf_counter() - started
 
 
@@ -75,8 +75,8 @@ def test_exact_reuse_measures_zero_kl(smol_executor):
     guard = QualityGuard(GuardConfig(fraction=1.0, budget=1e-3, min_samples=1))
     prompt = agent_prompt(smol_executor, SPEC.agents[1], {"doc": SPEC.inputs[0]["doc"], "reader": "A river."})
     for _ in range(2):
-        run_agent(smol_executor, engine, prompt, 2, guard=guard)
-    _, provenance = run_agent(smol_executor, engine, prompt, 2, guard=guard)
+        guard.run_agent(smol_executor, engine, prompt, 2)
+    _, provenance = guard.run_agent(smol_executor, engine, prompt, 2)
     assert provenance.estimated_tokens > 0
     metrics = guard.metrics()
     assert metrics["shadowed"] == 1

@@ -15,9 +15,9 @@ from kvcomm.core.heads import HeadShards
 from kvcomm.core.kv import KV
 from kvcomm.core.rope import Rotary
 from kvcomm.core.segments import Segment
-from kvcomm.engine.config import ReuseConfig
-from kvcomm.engine.pipeline import parse_pipeline
-from kvcomm.engine.runner import run_agent
+from kvcomm.reuse.config import ReuseConfig
+from kvcomm.reuse.pipeline import parse_pipeline
+from kvcomm.reuse.runner import run_agent
 from kvcomm.services.tenants import TenantEngine, TenantRegistry
 from support.one_thread import one_thread  # noqa: F401 (autouse fixture)
 from support.two_agent_case import PIPELINE, agent_prompt

@@ -11,10 +11,10 @@ import torch
 from scipy.stats import binomtest
 
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.engine.config import ReuseConfig
-from kvcomm.engine.pipeline import parse_pipeline
+from kvcomm.reuse.config import ReuseConfig
+from kvcomm.reuse.pipeline import parse_pipeline
 from kvcomm.core.rope import Rotary
-from kvcomm.engine.runner import run_agent, run_row
+from kvcomm.reuse.runner import run_agent, run_row
 from kvcomm.services.tenants import TenantRegistry, tenant_label
 from support.one_thread import one_thread  # noqa: F401 (autouse fixture)
 from support.two_agent_case import PIPELINE, agent_prompt

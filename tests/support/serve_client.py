@@ -72,13 +72,13 @@ class Server:
 
 
 def start_server(log: Path, keys: tuple[str, ...], *args: str, multiprocess: bool = False) -> Server:
-    """`python -m kvcomm.integrations.cli serve` with test settings; waits for /health and /v1/models.
+    """`python -m kvcomm.cli serve` with test settings; waits for /health and /v1/models.
     ``keys``: vLLM's ``--api-key`` values; empty: no key at all (keyless mode, no authentication).
     ``multiprocess``: vLLM's default engine (its worker in a process of its own, the
     environment variable unset); False: the worker in the engine-core process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
     port = free_port()
-    command = [sys.executable, "-m", "kvcomm.integrations.cli", "serve", "--gamma", "1", "--port", str(port),
+    command = [sys.executable, "-m", "kvcomm.cli", "serve", "--gamma", "1", "--port", str(port),
                "--host", "127.0.0.1", "--max-model-len", "1024", "--block-size", "32", "--max-num-seqs", "8",
                *(("--api-key", *keys) if keys else ()), *args]
     # One OpenMP thread: on a small shared CPU, threads waiting at barriers for a descheduled

@@ -16,7 +16,7 @@ import os
 import torch
 
 from kvcomm.core.kv import KV
-from kvcomm.engine.engine import ReuseEngine
+from kvcomm.reuse.engine import ReuseEngine
 
 
 def decisions(plan) -> dict:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvcomm.engine.pipeline import AgentSpec
-from kvcomm.engine.runner import build_prompt
+from kvcomm.reuse.pipeline import AgentSpec
+from kvcomm.reuse.runner import build_prompt
 from kvcomm.core.segments import Prompt, Segment
 
 PIPELINE = {

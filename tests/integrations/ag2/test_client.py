@@ -6,10 +6,10 @@ import pytest
 from autogen import ConversableAgent
 
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.engine.config import ReuseConfig
-from kvcomm.engine.engine import ReuseEngine
+from kvcomm.reuse.config import ReuseConfig
+from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.integrations.ag2.client import KvcommAG2Client
-from kvcomm.integrations.chat.backend import ChatBackend
+from kvcomm.integrations.local.backend import ChatBackend
 
 WRITER, REVIEWER = "You answer briefly.", "You review the answer in one sentence."
 TASKS = ["Name a fruit.", "Which planet is the largest one?", "Give me a short word for happy.", "Name a capital city in Europe."]

@@ -11,10 +11,10 @@ from autogen_core import CancellationToken
 from autogen_core.models import AssistantMessage, SystemMessage, UserMessage
 
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.engine.config import ReuseConfig
-from kvcomm.engine.engine import ReuseEngine
+from kvcomm.reuse.config import ReuseConfig
+from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
-from kvcomm.integrations.chat.backend import ChatBackend
+from kvcomm.integrations.local.backend import ChatBackend
 from support.chat_streaming import assert_concurrent_calls_equal_sequential, collect_stream
 
 WRITER, REVIEWER = "You answer briefly.", "You review the answer in one sentence."
@@ -180,7 +180,7 @@ def test_a_guarded_team_is_shadowed_and_exported(tiny_executor):
     never acts at a huge budget (same replies as unguarded), and its numbers reach Prometheus."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from kvcomm.integrations.chat.guard_metrics import export
+    from kvcomm.integrations.local.guard_metrics import export
     from kvcomm.services.quality_guard import GuardConfig, QualityGuard
 
     guard = QualityGuard(GuardConfig(fraction=1.0, budget=1e9, min_samples=1))

@@ -21,11 +21,11 @@ from autogen_core import FunctionCall
 from autogen_core.models import RequestUsage, SystemMessage, UserMessage
 from autogen_core.tools import FunctionTool
 
-from kvcomm.engine.engine import ReuseEngine
+from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.integrations.autogen.client import KvcommChatCompletionClient, to_turns, tool_schemas
-from kvcomm.integrations.chat.backend import ChatBackend
+from kvcomm.integrations.local.backend import ChatBackend
 from support.one_thread import one_thread  # noqa: F401 (autouse fixture)
-from ..chat.test_segments import TOOL_TEMPLATE
+from ..local.test_segments import TOOL_TEMPLATE
 
 SYSTEM = "You are a calculator. Use the tools."
 TASK = "What is 2 + 3?"

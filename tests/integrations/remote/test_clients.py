@@ -161,7 +161,7 @@ def test_server_model_checks_and_refusals(server):
     from autogen_core.models import UserMessage
 
     from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
-    from kvcomm.integrations.chat.segments import ChatTurn
+    from kvcomm.integrations.local.segments import ChatTurn
     from kvcomm.integrations.remote.backend import RemoteChatBackend, RemoteError
 
     backend = RemoteChatBackend(**server)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcomm.integrations.chat.segments import ChatTurn, render_chat
+from kvcomm.integrations.local.segments import ChatTurn, render_chat
 from kvcomm.integrations.remote.wire import completion_body, provenance, wire_slot
 from kvcomm.integrations.vllm.params import _SLOT, parse_params
 

@@ -18,8 +18,8 @@ import uuid
 
 import pytest
 
-from kvcomm.engine.pipeline import load_demo_pipeline
-from kvcomm.engine.runner import _content, build_prompt
+from kvcomm.reuse.pipeline import load_demo_pipeline
+from kvcomm.reuse.runner import _content, build_prompt
 from kvcomm.services.tenants import tenant_label
 from .test_http import SOURCES, annotations, executor, metrics, provenance  # noqa: F401 (fixture)
 from .test_persistence_http import run_row

@@ -12,8 +12,8 @@ import pytest
 
 from conftest import SERVER_KEYS, SPARE_KEYS
 from kvcomm.integrations.serve.middleware import salt_of, tenant_of
-from kvcomm.engine.pipeline import load_demo_pipeline
-from kvcomm.engine.runner import _content, build_prompt
+from kvcomm.reuse.pipeline import load_demo_pipeline
+from kvcomm.reuse.runner import _content, build_prompt
 
 pytestmark = pytest.mark.slow
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from kvcomm.integrations.serve.state import TENANT_FILE
+from kvcomm.integrations.vllm.state import TENANT_FILE
 from kvcomm.services.persist import MANIFEST
-from kvcomm.engine.pipeline import load_demo_pipeline
-from kvcomm.engine.runner import _content, build_prompt
+from kvcomm.reuse.pipeline import load_demo_pipeline
+from kvcomm.reuse.runner import _content, build_prompt
 from kvcomm.core.segments import Segment
 from kvcomm.services.tenants import tenant_label
 from .test_http import annotations, executor, provenance  # noqa: F401 (fixture)

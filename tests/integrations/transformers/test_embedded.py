@@ -163,7 +163,7 @@ def test_parse_device_takes_cpu_and_visible_cuda_devices_and_refuses_the_rest(mo
 
 
 def test_load_executor_refuses_a_device_for_vllm_before_loading_anything() -> None:
-    from kvcomm.integrations.executors import load_executor
+    from kvcomm.integrations.runtimes import load_executor
 
     with pytest.raises(ValueError, match="--device cuda applies to --backend transformers; vLLM runs its model on its own"):
         load_executor(None, "vllm", "float32", "cuda")

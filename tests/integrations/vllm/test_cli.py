@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from kvcomm.integrations.cli import build_parser, main
+from kvcomm.cli import build_parser, main
 from kvcomm.integrations.serve.command import serve_argv
 
 
@@ -56,7 +56,7 @@ def _connector(kv_extra=None, **parallel):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     from kvcomm.integrations.vllm.connector import KvcommConnector
-    from kvcomm.integrations.vllm.engine import transfer_config
+    from kvcomm.integrations.vllm.llm import transfer_config
 
     config = VllmConfig(parallel_config=ParallelConfig(**parallel), kv_transfer_config=transfer_config(extra=kv_extra))
     full = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.float32)
@@ -80,7 +80,7 @@ def test_the_connector_refuses_pipeline_parallel_engines_and_accepts_both_execut
 
 
 def test_serve_passes_the_reuse_scope_to_the_connector_and_it_refuses_an_unknown_one_at_start():
-    from kvcomm.engine.config import ReuseConfig, scope_settings
+    from kvcomm.reuse.config import ReuseConfig, scope_settings
     from kvcomm.integrations.serve.command import engine_settings
 
     parse = build_parser().parse_known_args

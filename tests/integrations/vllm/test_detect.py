@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from kvcomm.integrations.vllm.detect import RunIndex
 from kvcomm.integrations.vllm.params import SpanAnnotation
-from kvcomm.engine.pipeline import Slot, load_demo_pipeline
-from kvcomm.engine.runner import run_row
+from kvcomm.reuse.pipeline import Slot, load_demo_pipeline
+from kvcomm.reuse.runner import run_row
 
 DEMO_FIGURES = (13, 34)
 """(found as whole runs, found whole or by interior) of the 36 slot contents, with SmolLM2's

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.engine.config import ReuseConfig
+from kvcomm.reuse.config import ReuseConfig
 from kvcomm.core.kv import KV
-from kvcomm.engine.pipeline import load_demo_pipeline
+from kvcomm.reuse.pipeline import load_demo_pipeline
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +78,7 @@ def test_streaming_and_cancellation(vllm_executor):
 
 def test_demo_pipeline_conformance(vllm_executor, smol_executor):
     """Same decisions, same dense replies; reuse replies agree with the reference's."""
-    from kvcomm.integrations.cli import run_side_by_side
+    from kvcomm.cli import run_side_by_side
 
     spec = load_demo_pipeline()
     spec = dataclasses.replace(spec, inputs=spec.inputs[:3], max_new_tokens=12)  # short replies: CI time

@@ -18,7 +18,7 @@ def _forbid_transformers_model(monkeypatch) -> None:
 
 def test_eval_vllm_backend_builds_its_executor_from_a_tokenizer_alone(monkeypatch):
     from kvcomm.eval import cli_eval
-    from kvcomm.integrations.vllm import engine, executor
+    from kvcomm.integrations.vllm import executor, llm
 
     built = {}
 
@@ -27,7 +27,7 @@ def test_eval_vllm_backend_builds_its_executor_from_a_tokenizer_alone(monkeypatc
             built.update(llm=llm, tokenizer=tokenizer)
 
     _forbid_transformers_model(monkeypatch)
-    monkeypatch.setattr(engine, "make_llm", lambda path, dtype: ("llm", path, dtype))
+    monkeypatch.setattr(llm, "make_llm", lambda path, dtype: ("llm", path, dtype))
     monkeypatch.setattr(executor, "VllmExecutor", FakeExecutor)
     loaded, path = cli_eval.load_executor(None, "vllm", "bfloat16")
     assert isinstance(loaded, FakeExecutor)

@@ -21,7 +21,7 @@ def _scheduler_connector():
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     from kvcomm.integrations.vllm.connector import KvcommConnector
-    from kvcomm.integrations.vllm.engine import transfer_config
+    from kvcomm.integrations.vllm.llm import transfer_config
 
     config = VllmConfig(kv_transfer_config=transfer_config(extra={"plan": True}))
     full = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.float32)

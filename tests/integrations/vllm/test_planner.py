@@ -9,7 +9,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.engine.config import ReuseConfig
+from kvcomm.reuse.config import ReuseConfig
 from kvcomm.services.tenants import tenant_label
 from kvcomm.integrations.vllm.channel import Capture
 from kvcomm.integrations.vllm.params import parse_params

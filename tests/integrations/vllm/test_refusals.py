@@ -88,7 +88,7 @@ def test_the_connector_asks_vllm_for_piecewise_cuda_graphs():
     """vLLM turns FULL_AND_PIECEWISE into PIECEWISE when the connector class says so."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from kvcomm.integrations.vllm.engine import transfer_config
+    from kvcomm.integrations.vllm.llm import transfer_config
 
     assert KVConnectorFactory.get_connector_class(transfer_config()) is KvcommConnector
     assert KvcommConnector.requires_piecewise_for_cudagraph({}) is True
@@ -98,7 +98,7 @@ _REFUSED_ENGINE = r"""
 import json, sys
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
-from kvcomm.integrations.vllm.engine import make_llm, transfer_config
+from kvcomm.integrations.vllm.llm import make_llm, transfer_config
 strict = sys.argv[1] == "strict"
 try:
     llm = make_llm(sys.argv[2], block_size=32, max_num_batched_tokens=64,

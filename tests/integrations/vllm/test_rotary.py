@@ -162,7 +162,7 @@ _UNSUPPORTED_ROPE_ENGINE = r"""
 import json, sys
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
-from kvcomm.integrations.vllm.engine import make_llm, transfer_config
+from kvcomm.integrations.vllm.llm import make_llm, transfer_config
 strict = sys.argv[1] == "strict"
 rope = {"rope_type": "dynamic", "alpha": 2.0, "rope_theta": 100000.0}
 try:

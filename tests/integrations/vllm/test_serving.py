@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvcomm.engine.pipeline import load_demo_pipeline
-from kvcomm.engine.runner import build_prompt, _content
+from kvcomm.reuse.pipeline import load_demo_pipeline
+from kvcomm.reuse.runner import build_prompt, _content
 from kvcomm.core.segments import Segment
 
 pytestmark = pytest.mark.slow

@@ -1,11 +1,11 @@
-"""Running one agent call through an executor and an engine (kvcomm.engine.runner): which
+"""Running one agent call through an executor and an engine (kvcomm.reuse.runner): which
 replies become bases."""
 
 import pytest
 
 from kvcomm.core.segments import Prompt, Segment
-from kvcomm.engine import ReuseConfig, ReuseEngine, scope_settings
-from kvcomm.engine.runner import run_agent
+from kvcomm.reuse import ReuseConfig, ReuseEngine, scope_settings
+from kvcomm.reuse.runner import run_agent
 
 DOC = tuple(range(1000, 1040))
 

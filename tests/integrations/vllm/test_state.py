@@ -9,9 +9,9 @@ import json
 import logging
 
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.engine.config import ReuseConfig
+from kvcomm.reuse.config import ReuseConfig
 from kvcomm.core.fingerprint import model_fingerprint
-from kvcomm.integrations.serve.state import TENANT_FILE, PlannerState
+from kvcomm.integrations.vllm.state import TENANT_FILE, PlannerState
 from kvcomm.integrations.vllm.planner import ServerPlanner
 from kvcomm.services.tenants import tenant_label
 from support.one_thread import one_thread  # noqa: F401 (autouse fixture)
@@ -50,7 +50,7 @@ def test_a_restarted_planner_restores_every_tenant_and_plans_the_same(tiny_execu
 
     other_model = dataclasses.replace(fingerprint, checkpoint="another checkpoint")
     elsewhere = _planner(tiny_executor)
-    with caplog.at_level(logging.ERROR, logger="kvcomm.integrations.serve.state"):
+    with caplog.at_level(logging.ERROR, logger="kvcomm.integrations.vllm.state"):
         refused = PlannerState(elsewhere, tmp_path, other_model).restore()
     assert all(text.startswith("not restored") for text in refused.values()) and "starts cold" in caplog.text
     assert elsewhere.registry.tenants == () or all(not e.pools for e in elsewhere.engines.values())

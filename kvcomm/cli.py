@@ -11,12 +11,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.engine.config import BASE_SOURCES, BLEND_MODES, DEFAULT_REUSE_SCOPE, MODES, REUSE_SCOPES, ReuseConfig, scope_settings
-from kvcomm.engine.engine import ReuseEngine
-from kvcomm.engine.pipeline import PipelineError, PipelineSpec, load_bundled_pipeline, load_pipeline
+from kvcomm.reuse.config import BASE_SOURCES, BLEND_MODES, DEFAULT_REUSE_SCOPE, MODES, REUSE_SCOPES, ReuseConfig, scope_settings
+from kvcomm.reuse.engine import ReuseEngine
+from kvcomm.reuse.pipeline import PipelineError, PipelineSpec, load_bundled_pipeline, load_pipeline
 from kvcomm.core.rope import RopeError
-from kvcomm.engine.runner import run_row
-from kvcomm.integrations.executors import BACKENDS, close_executor, load_executor
+from kvcomm.reuse.runner import run_row
+from kvcomm.integrations.runtimes import BACKENDS, close_executor, load_executor
 from kvcomm.integrations.serve.command import STATE_SHUTDOWN_TIMEOUT_S, serve_command
 
 
@@ -67,12 +67,12 @@ DEMO_CHART = "kvcomm-demo.png"
 
 
 def _cmd_demo(args, spec: PipelineSpec) -> int:
-    """The demo: ``spec`` through the baseline and through kvcomm (``integrations/demo.py``);
+    """The demo: ``spec`` through the baseline and through kvcomm (``eval/demo.py``);
     prints the per-agent table and headline figures (or ``--json``) and writes the chart."""
     import os
 
     from kvcomm.eval.demo_report import demo_json, format_demo, write_chart
-    from kvcomm.integrations.demo import DenseTransformers, StockVllm, run_demo
+    from kvcomm.eval.demo import DenseTransformers, StockVllm, run_demo
 
     chart = Path(args.chart)
     if not chart.resolve().parent.is_dir():
@@ -234,7 +234,7 @@ def _demo_environment(argv: list[str]) -> None:
         return
     env = {**DEMO_THREADS, **os.environ, "KVCOMM_DEMO_REEXEC": "1"}
     sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "kvcomm.integrations.cli", *argv], env)
+    os.execve(sys.executable, [sys.executable, "-m", "kvcomm.cli", *argv], env)
 
 
 def main(argv: list[str] | None = None) -> int:

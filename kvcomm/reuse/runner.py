@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import Callable, Mapping
 
 import torch
 
-from kvcomm.engine.engine import ReuseEngine
-from kvcomm.engine.executor import Executor, OnToken
-from kvcomm.core.kv import to_position_free
-from kvcomm.engine.pipeline import AgentSpec, PipelineSpec, Slot
-from kvcomm.engine.plan import Provenance
+from kvcomm.reuse.engine import ReuseEngine
+from kvcomm.reuse.executor import Executor, Generation, OnToken
+from kvcomm.reuse.pipeline import AgentSpec, PipelineSpec, Slot
+from kvcomm.reuse.plan import Provenance, ReusePlan
 from kvcomm.core.segments import Prompt, Segment
-
-if TYPE_CHECKING:
-    from kvcomm.services.quality_guard import QualityGuard
 
 
 @dataclass(frozen=True)
@@ -63,63 +59,70 @@ def _content(executor: Executor, text: str) -> Segment | None:
 
 def run_agent(
     executor: Executor, engine: ReuseEngine | None, prompt: Prompt, max_new_tokens: int, keep_logprobs: bool = False,
-    on_token: OnToken | None = None, guard: QualityGuard | None = None, calibrate: bool = False,
-):
-    """One call: plan and materialize (with an engine), generate, learn. Returns (Generation, Provenance).
+    on_token: OnToken | None = None, calibrate: bool = False,
+) -> tuple[Generation, Provenance]:
+    """One call: plan, materialize + generate, learn. Returns (Generation, Provenance).
 
-    keep_logprobs: ask the executor for ``Generation.prompt_logprobs`` (computed positions only).
-    on_token: passed to the executor (streaming, cancellation; see ``OnToken``).
-    guard: a quality guard (shadow mode): it cuts reuse of slots it disabled and, for the
-    requests it samples, also runs the dense prefill and records the first-token KL.
-    calibrate: compute the prompt densely and learn everything from it
-    (``ReuseEngine.calibration_plan``; the guard is not consulted).
+    engine None: a dense call. keep_logprobs: ask the executor for ``Generation.prompt_logprobs``
+    (computed positions only). on_token: passed to the executor (streaming, cancellation; see
+    ``OnToken``). calibrate: compute the prompt densely and learn everything from it
+    (``ReuseEngine.calibration_plan``). A quality guard runs the same step with its checks
+    around it (``QualityGuard.run_agent``).
     """
     started = time.perf_counter()
-    options: dict = {"keep_logprobs": True} if keep_logprobs else {}
-    if on_token is not None:
-        options["on_token"] = on_token
     if engine is None:
-        generation = executor.generate(prompt.token_ids, None, max_new_tokens, started, **options)
-        shared = sum(len(s) for s in prompt.segments if s.is_shared)
-        return generation, Provenance(len(prompt), 0, 0, len(prompt), shared, 0, False, "dense", generation.ttft_s)
-    provider = executor.base_kv if engine.config.base_source == "standalone" else None
-    plan = engine.calibration_plan(prompt, provider) if calibrate else engine.plan(prompt, provider)
-    shadow = ()
-    if guard is not None and not calibrate:
-        guard.restrict(engine, plan)
-        shadow = guard.sample(plan)
-        if shadow:
-            options["keep_logprobs"] = True
+        generation = executor.generate(prompt.token_ids, None, max_new_tokens, started, **_options(keep_logprobs, on_token))
+        return generation, dense_provenance(prompt, generation.ttft_s)
+    plan = (engine.calibration_plan if calibrate else engine.plan)(prompt, engine.base_provider(executor))
+    generation = execute(executor, engine, plan, max_new_tokens, started, keep_logprobs, on_token)
+    engine.learn(plan, generation.computed, generation.reply_ids, generation.reply_kv)
+    return generation, plan.provenance(generation.ttft_s)
+
+
+def execute(
+    executor: Executor, engine: ReuseEngine, plan: ReusePlan, max_new_tokens: int, started: float,
+    keep_logprobs: bool = False, on_token: OnToken | None = None,
+) -> Generation:
+    """Materialize ``plan``'s reused prefix and generate on it; the positions a selective
+    recompute (``plan.blend``) recomputed are recorded in ``plan.recompute``."""
+    options = _options(keep_logprobs, on_token)
     if plan.blend is not None:
         options["blend"] = plan.blend
     with engine.materialized(plan) as prefix:  # executors copy the prefix into their own cache
-        generation = executor.generate(prompt.token_ids, prefix, max_new_tokens, started, **options)
+        generation = executor.generate(plan.prompt.token_ids, prefix, max_new_tokens, started, **options)
     if plan.blend is not None:
         plan.recompute = tuple(generation.recomputed)
-    engine.learn(plan, generation.computed)
-    if (generation.reply_kv is not None and engine.uses_bases and engine.learns_reply_from(plan)
-            and engine.learns_at(len(prompt) + generation.reply_kv.length)):
-        reply = Segment(generation.reply_ids, slot="_")
-        engine.register_base(reply, to_position_free(generation.reply_kv, engine.rotary, len(prompt)))
-    if shadow:
-        guard.shadow(executor, engine, prompt, generation.prompt_logprobs[-1], shadow)
-    return generation, plan.provenance(generation.ttft_s)
+    return generation
+
+
+def _options(keep_logprobs: bool, on_token: OnToken | None) -> dict:
+    """The optional ``Executor.generate`` arguments that are set (executors without them keep working)."""
+    options: dict = {"keep_logprobs": True} if keep_logprobs else {}
+    if on_token is not None:
+        options["on_token"] = on_token
+    return options
+
+
+def dense_provenance(prompt: Prompt, ttft_s: float | None) -> Provenance:
+    """The provenance of a call computed densely without an engine."""
+    shared = sum(len(s) for s in prompt.segments if s.is_shared)
+    return Provenance(len(prompt), 0, 0, len(prompt), shared, 0, False, "dense", ttft_s)
 
 
 def run_row(
     spec: PipelineSpec, row_index: int, executor: Executor, engine: ReuseEngine | None,
-    on_call: Callable[[AgentCall], None] | None = None, keep_logprobs: bool = False,
-    guard: QualityGuard | None = None, calibrate: bool = False,
+    on_call: Callable[[AgentCall], None] | None = None, keep_logprobs: bool = False, calibrate: bool = False,
+    step: Callable[..., tuple[Generation, Provenance]] = run_agent,
 ) -> list[AgentCall]:
     """Run every agent, in order, on input row ``row_index``; ``keep_logprobs`` fills each
-    call's ``prompt_logprobs``; ``guard`` and ``calibrate`` go to every ``run_agent``."""
+    call's ``prompt_logprobs``; ``calibrate`` goes to every call; ``step`` runs one agent call
+    (``run_agent``, or e.g. a quality guard's ``QualityGuard.run_agent``)."""
     row = spec.inputs[row_index]
     shared: dict[str, Segment | None] = {name: _content(executor, row[name]) for name in spec.input_slots}
     calls = []
     for agent in spec.agents:
         prompt = build_prompt(executor, agent, shared)
-        generation, provenance = run_agent(executor, engine, prompt, spec.max_new_tokens, keep_logprobs, guard=guard,
-                                           calibrate=calibrate)
+        generation, provenance = step(executor, engine, prompt, spec.max_new_tokens, keep_logprobs, calibrate=calibrate)
         reply_ids = generation.reply_ids
         shared[agent.name] = Segment(reply_ids, slot="_") if reply_ids else None
         logprobs = generation.prompt_logprobs if keep_logprobs else None

@@ -6,12 +6,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.engine.config import ReuseConfig
-from kvcomm.engine.engine import ReuseEngine
-from kvcomm.integrations.chat.guard_metrics import export
-from kvcomm.engine.pipeline import parse_pipeline
+from kvcomm.reuse.config import ReuseConfig
+from kvcomm.reuse.engine import ReuseEngine
+from kvcomm.integrations.local.guard_metrics import export
+from kvcomm.reuse.pipeline import parse_pipeline
 from kvcomm.services.quality_guard import GuardConfig, QualityGuard
-from kvcomm.engine.runner import run_row
+from kvcomm.reuse.runner import run_row
 from kvcomm.services.tenants import tenant_label
 from support.one_thread import one_thread  # noqa: F401 (autouse fixture)
 from support.two_agent_case import PIPELINE
@@ -22,7 +22,7 @@ SPEC = parse_pipeline({**PIPELINE, "max_new_tokens": 2})
 def _guarded_run(executor, guard: QualityGuard) -> None:
     engine = ReuseEngine(executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
     for row in range(len(SPEC.inputs)):
-        run_row(SPEC, row, executor, engine, guard=guard)
+        run_row(SPEC, row, executor, engine, step=guard.run_agent)
 
 
 def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:

@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from kvcomm.engine.config import MODES, ReuseConfig
+from kvcomm.reuse.config import MODES, ReuseConfig
 
-from kvcomm.engine.engine import ReuseEngine
+from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.core.kv import KV, positions
-from kvcomm.engine.pipeline import parse_pipeline
-from kvcomm.engine.plan import BlendRequest
+from kvcomm.reuse.pipeline import parse_pipeline
+from kvcomm.reuse.plan import BlendRequest
 from kvcomm.core.rope import Rotary
-from kvcomm.engine.runner import run_agent, run_row
+from kvcomm.reuse.runner import run_agent, run_row
 from kvcomm.core.segments import Prompt, Segment, content_id
 from support.two_agent_case import PIPELINE as TWO_AGENT_PIPELINE, agent_prompt
 

@@ -2,7 +2,7 @@
 
 Every agent of a team talks to the same backend, so one agent's reply KV (registered as a
 base when it is produced) and the anchors its context builds up serve the next agent. A
-call renders the conversation per message (``chat.segments``), runs ``run_agent`` (plan,
+call renders the conversation per message (``local.segments``), runs ``run_agent`` (plan,
 materialize, generate, learn, register the reply as a base) and logs where the prompt's KV
 came from. Calls are serialized: the executor runs one request at a time.
 """
@@ -15,16 +15,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from kvcomm.engine.config import ReuseConfig
+from kvcomm.reuse.config import ReuseConfig
 
-from kvcomm.engine.engine import ReuseEngine
-from kvcomm.engine.executor import OnToken
-from kvcomm.engine.handles import ContextHandle, ContextRegistry
-from kvcomm.engine.plan import Provenance
+from kvcomm.reuse.engine import ReuseEngine
+from kvcomm.reuse.executor import OnToken
+from kvcomm.reuse.handles import ContextHandle, ContextRegistry
+from kvcomm.reuse.plan import Provenance
 from kvcomm.services.quality_guard import QualityGuard
-from kvcomm.engine.runner import run_agent
+from kvcomm.reuse.runner import run_agent
 from kvcomm.core.segments import Segment, content_id
-from kvcomm.integrations.chat.segments import ChatPrompt, ChatTurn, parse_tool_calls, render_chat, supports_tools
+from kvcomm.integrations.local.segments import ChatPrompt, ChatTurn, parse_tool_calls, render_chat, supports_tools
 
 FinishReason = str  # "stop" | "length" | "function_calls" | "cancelled"
 
@@ -88,11 +88,11 @@ class ChatBackend:
     max_log: how many recent calls ``calls`` keeps (and ``summary`` totals). max_context:
     prompt + reply token limit (default: the model's, from its config or vLLM's). guard: a
     ``QualityGuard`` (shadow mode) for every call with reuse; export it with
-    ``kvcomm.integrations.chat.guard_metrics.export``.
+    ``kvcomm.integrations.local.guard_metrics.export``.
 
     anchor_bytes: cap on the bytes all anchor pools of ``engine`` hold together (default
     ``ANCHOR_BYTES``; None: unbounded). Chat slots are named per author and message index
-    (``chat.segments``), so every new message of a conversation opens a pool of its own and
+    (``local.segments``), so every new message of a conversation opens a pool of its own and
     a per-pool V bound does not bound the total. After every call (and ``retain``) the
     largest pool gives up one anchor by its own eviction rule until the total fits, and
     pools left empty are dropped (unless ``guard`` tracks their slot), so the number of
@@ -204,7 +204,8 @@ class ChatBackend:
 
             # executors without streaming support still serve callers that pass no on_token
             hook = watch if on_token is not None else None
-            generation, provenance = run_agent(self.executor, self.engine, prompt, budget, on_token=hook, guard=self.guard)
+            call = run_agent if self.guard is None else self.guard.run_agent
+            generation, provenance = call(self.executor, self.engine, prompt, budget, on_token=hook)
             self._cap_anchors()
             text = self.executor.decode(generation.reply_ids)
             registered = self._keep_reply(generation, text)

@@ -84,6 +84,6 @@ def _refuse_a_second_connector() -> None:
         raise RuntimeError(
             "an earlier in-process vLLM engine with a KV connector is still running in this process; vLLM keeps "
             "one worker-side KV connector per process and would give the new engine the old one. Shut the "
-            "earlier engine down first (kvcomm.integrations.vllm.engine.shutdown_llm(llm) or "
+            "earlier engine down first (kvcomm.integrations.vllm.llm.shutdown_llm(llm) or "
             "VllmExecutor.close()), or pass in_process=False to run the new one in processes of its own"
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcomm.engine.plan import ReusePlan, ratio_count
+from kvcomm.reuse.plan import ReusePlan, ratio_count
 
 RECOMPUTE_SELECTIONS = ("check_layer", "disagreement")
 """How mode "kvblend" picks the tokens it recomputes: CacheBlend's check-layer key deviation

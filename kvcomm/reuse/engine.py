@@ -22,16 +22,16 @@ import torch
 from kvcomm.anchors.anchor import Deviation, kv_digest
 from kvcomm.anchors.index import Embedder, KVEmbedding, context_embedding
 from kvcomm.anchors.pool import AnchorPool
-from kvcomm.engine.assemble import assemble, reuse_device, reuse_layout
-from kvcomm.engine.config import BLEND_MODES, ReuseConfig
+from kvcomm.reuse.assemble import assemble, reuse_device, reuse_layout
+from kvcomm.reuse.config import BLEND_MODES, ReuseConfig
 from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV, place, to_position_free
-from kvcomm.engine.plan import BlendRequest, EstimatedPiece, ReusePlan
-from kvcomm.engine.prefix_store import PrefixStore
-from kvcomm.engine.recompute import disagreement_positions
+from kvcomm.reuse.plan import BlendRequest, EstimatedPiece, ReusePlan
+from kvcomm.reuse.prefix_store import PrefixStore
+from kvcomm.reuse.recompute import disagreement_positions
 from kvcomm.core.rope import RopeError, Rotary
 from kvcomm.core.segments import Prompt, Segment, content_id
-from kvcomm.engine.workspace import KVWorkspace
+from kvcomm.reuse.workspace import KVWorkspace
 
 BaseProvider = Callable[[Segment], KV]
 """Computes a shared segment's position-free base KV, ``[layers, kv_heads, T, head_dim]``."""
@@ -148,6 +148,12 @@ class ReuseEngine:
         ``config.reply_bases_after_estimates``."""
         cfg = self.config
         return cfg.decode_reply_bases and (self.learns_from(plan) or cfg.reply_bases_after_estimates)
+
+    def base_provider(self, executor) -> BaseProvider | None:
+        """What ``plan`` gets to compute new content's base: the executor's standalone prefill
+        (``executor.base_kv``) when ``config.base_source`` is "standalone", else None (the base
+        comes from the request that first computes the content)."""
+        return executor.base_kv if self.config.base_source == "standalone" else None
 
     @property
     def uses_bases(self) -> bool:
@@ -406,9 +412,25 @@ class ReuseEngine:
 
     # -- learn -------------------------------------------------------------------------------
 
-    def learn(self, plan: ReusePlan, computed: KV) -> None:
+    def learn(self, plan: ReusePlan, computed: KV, reply_ids: tuple[int, ...] = (), reply_kv: KV | None = None) -> None:
         """Record what the dense forward revealed; ``computed`` is the real, rotated KV of
-        prompt tokens ``[plan.reuse_end, len(prompt))``. Costs no forward pass."""
+        prompt tokens ``[plan.reuse_end, len(prompt))``. Costs no forward pass.
+
+        reply_ids, reply_kv: the reply generated after the prompt and its real KV at positions
+        ``[len(prompt), len(prompt) + len(reply_ids))`` (None: not all of it was computed, e.g. a
+        cancelled call); the reply becomes shared content with that KV, de-rotated, as its base
+        when ``learns_reply_from(plan)``."""
+        self._learn_prompt(plan, computed)
+        if reply_kv is not None and reply_ids and self.uses_bases and self.learns_reply_from(plan):
+            n = len(plan.prompt)
+            if reply_kv.length != len(reply_ids):
+                raise ValueError(f"reply KV has {reply_kv.length} tokens, the reply {len(reply_ids)}")
+            if self.learns_at(n + len(reply_ids)):
+                reply = Segment(tuple(reply_ids), slot="_")
+                if not self.has_base(reply.shared_id):
+                    self.register_base(reply, to_position_free(reply_kv, self.rotary, n))
+
+    def _learn_prompt(self, plan: ReusePlan, computed: KV) -> None:
         prompt, begin = plan.prompt, plan.reuse_end
         if computed.length != len(prompt) - begin:
             raise ValueError(f"learn needs KV of {len(prompt) - begin} computed tokens, got {computed.length}")

@@ -1,4 +1,4 @@
-"""Tests for kvcomm.engine.pipeline: template parsing, validation messages, the demo file, and fuzzing."""
+"""Tests for kvcomm.reuse.pipeline: template parsing, validation messages, the demo file, and fuzzing."""
 from __future__ import annotations
 
 import copy
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcomm.engine.pipeline import (AgentSpec, PipelineError, PipelineSpec, Slot, load_demo_pipeline,
+from kvcomm.reuse.pipeline import (AgentSpec, PipelineError, PipelineSpec, Slot, load_demo_pipeline,
                              load_pipeline, parse_pipeline, parse_template)
 
 EXAMPLE = {

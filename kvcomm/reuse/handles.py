@@ -18,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
-from kvcomm.engine.engine import BaseProvider, ReuseEngine
+from kvcomm.reuse.engine import BaseProvider, ReuseEngine
 from kvcomm.core.kv import KV
 from kvcomm.core.segments import Segment
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcomm.engine.workspace import KVWorkspace
+from kvcomm.reuse.workspace import KVWorkspace
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

@@ -11,9 +11,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcomm.engine.engine import ReuseEngine
-from kvcomm.integrations.chat.backend import ChatBackend
-from kvcomm.integrations.chat.segments import ChatTurn, parse_tool_calls, render_chat, supports_tools
+from kvcomm.reuse.engine import ReuseEngine
+from kvcomm.integrations.local.backend import ChatBackend
+from kvcomm.integrations.local.segments import ChatTurn, parse_tool_calls, render_chat, supports_tools
 from kvcomm.core.segments import content_id
 
 TOOL_TEMPLATE = (

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.engine.recompute import RECOMPUTE_SELECTIONS
+from kvcomm.reuse.recompute import RECOMPUTE_SELECTIONS
 
 BASE_SOURCES = ("standalone", "first_use")
 """Where new shared content's base KV comes from (``ReuseConfig.base_source``).
@@ -38,7 +38,7 @@ MODES = ("kvcomm", "exact", "realign", "cacheblend", "kvblend")
 - ``kvblend``: ``kvcomm``'s plan (exact prefix + anchor estimates, the same decisions), then
   a selective recompute of ``recompute_ratio`` of its estimated tokens, picked as
   ``recompute_selection`` says: CacheBlend's rule as in ``cacheblend``, or where the anchors
-  disagree most (``kvcomm.engine.recompute``).
+  disagree most (``kvcomm.reuse.recompute``).
 """
 
 BLEND_MODES = ("cacheblend", "kvblend")

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.engine.config import ReuseConfig
-from kvcomm.engine.engine import ReuseEngine
-from kvcomm.engine.pipeline import parse_pipeline
-from kvcomm.engine.plan import ReusePlan
-from kvcomm.engine.runner import run_agent, run_row
+from kvcomm.reuse.config import ReuseConfig
+from kvcomm.reuse.engine import ReuseEngine
+from kvcomm.reuse.pipeline import parse_pipeline
+from kvcomm.reuse.plan import ReusePlan
+from kvcomm.reuse.runner import run_agent, run_row
 from kvcomm.core.segments import Prompt
 from support.two_agent_case import PIPELINE, agent_prompt
 
@@ -122,7 +122,7 @@ def _synthetic_engine(tau: float = 0.7, key_distances: bool = False, anchors: in
     """A real engine on synthetic KV, no model: ``anchors`` anchors of a 40-token ``task`` segment
     between fixed segments. Returns (engine, rotary, prompt(i), rand(tokens) -> KV)."""
     from kvcomm.core.kv import KV
-    from kvcomm.engine.plan import ReusePlan
+    from kvcomm.reuse.plan import ReusePlan
     from kvcomm.core.rope import Rotary
     from kvcomm.core.segments import Segment
 

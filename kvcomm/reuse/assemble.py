@@ -11,7 +11,7 @@ import torch
 from kvcomm.anchors.deviations import WeightedDeviations
 from kvcomm.core.blocks import block_layers
 from kvcomm.core.kv import KV, positions
-from kvcomm.engine.plan import ReusePlan
+from kvcomm.reuse.plan import ReusePlan
 from kvcomm.core.rope import Rotary
 
 

@@ -26,12 +26,12 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from kvcomm.engine.config import ReuseConfig
+from kvcomm.reuse.config import ReuseConfig
 
-from kvcomm.engine.engine import ReuseEngine
+from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.eval.demo_report import DemoCall
-from kvcomm.engine.pipeline import PipelineSpec
-from kvcomm.engine.runner import build_prompt, run_agent
+from kvcomm.reuse.pipeline import PipelineSpec
+from kvcomm.reuse.runner import build_prompt, run_agent
 from kvcomm.core.segments import Segment
 
 BASELINE_SALT = "kvcomm-demo-baseline"

@@ -8,8 +8,8 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from kvcomm.core.kv import KV
-from kvcomm.engine.pipeline import Slot
-from kvcomm.engine.plan import BlendRequest
+from kvcomm.reuse.pipeline import Slot
+from kvcomm.reuse.plan import BlendRequest
 from kvcomm.core.rope import Rotary
 from kvcomm.core.segments import Segment
 

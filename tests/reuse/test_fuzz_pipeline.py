@@ -10,7 +10,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvcomm.engine.pipeline import PipelineError, PipelineSpec, load_pipeline, loads_pipeline
+from kvcomm.reuse.pipeline import PipelineError, PipelineSpec, load_pipeline, loads_pipeline
 
 FAST = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcomm.engine.config import ReuseConfig
+from kvcomm.reuse.config import ReuseConfig
 
-from kvcomm.engine.engine import ReuseEngine
-from kvcomm.engine.pipeline import parse_pipeline
-from kvcomm.engine.plan import BlendRequest, ratio_count
-from kvcomm.engine.runner import run_agent, run_row
+from kvcomm.reuse.engine import ReuseEngine
+from kvcomm.reuse.pipeline import parse_pipeline
+from kvcomm.reuse.plan import BlendRequest, ratio_count
+from kvcomm.reuse.runner import run_agent, run_row
 from support.two_agent_case import PIPELINE as TWO_AGENT_PIPELINE, agent_prompt
 
 PIPELINE = {**TWO_AGENT_PIPELINE, "max_new_tokens": 6}

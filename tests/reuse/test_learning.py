@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from kvcomm.anchors.anchor import Deviation
 from kvcomm.anchors.config import PoolConfig
 from kvcomm.anchors.pool import AnchorPool
-from kvcomm.engine.config import ReuseConfig
-from kvcomm.engine.engine import ReuseEngine
+from kvcomm.reuse.config import ReuseConfig
+from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.core.kv import KV, place
 from kvcomm.core.rope import Rotary
 from kvcomm.core.segments import Prompt, Segment, content_id
@@ -197,7 +197,7 @@ def _token_prompt(doc_tokens: int, doc_start: int = 1000, shared_id: str | None 
 
 
 def test_dynamic_ntk_prompt_past_the_exact_length_teaches_nothing(dynamic_executor):
-    from kvcomm.engine.runner import run_agent
+    from kvcomm.reuse.runner import run_agent
 
     limit = dynamic_executor.rotary.max_exact_length
     assert limit is not None and limit < 80
@@ -215,7 +215,7 @@ def test_dynamic_ntk_prompt_past_the_exact_length_gets_no_stored_kv(dynamic_exec
     every key dense computes with the grown frequencies: not even the template's lead.
     Standalone bases: three short prompts with three new docs then make anchors (first_use
     bases would only take each doc's base)."""
-    from kvcomm.engine.runner import run_agent
+    from kvcomm.reuse.runner import run_agent
 
     engine = ReuseEngine(dynamic_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), base_source="standalone"))
     for start in (1000, 2000, 3000):

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.engine.config import ReuseConfig
-from kvcomm.engine.engine import ReuseEngine
-from kvcomm.integrations.chat.backend import ANCHOR_BYTES, ChatBackend
-from kvcomm.integrations.chat.segments import ChatTurn
+from kvcomm.reuse.config import ReuseConfig
+from kvcomm.reuse.engine import ReuseEngine
+from kvcomm.integrations.local.backend import ANCHOR_BYTES, ChatBackend
+from kvcomm.integrations.local.segments import ChatTurn
 from support.one_thread import one_thread  # noqa: F401 (autouse fixture)
 
 AGENTS = {"writer": "You answer briefly.", "reviewer": "You review the answer in one sentence."}

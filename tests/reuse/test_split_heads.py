@@ -18,9 +18,9 @@ import torch.multiprocessing as mp
 
 from kvcomm.anchors.config import PoolConfig
 from kvcomm.core.heads import ALL_HEADS
-from kvcomm.engine.config import ReuseConfig
-from kvcomm.engine.pipeline import load_demo_pipeline
-from kvcomm.engine.runner import run_row
+from kvcomm.reuse.config import ReuseConfig
+from kvcomm.reuse.pipeline import load_demo_pipeline
+from kvcomm.reuse.runner import run_row
 from support.one_thread import one_thread  # noqa: F401 (autouse: the recording runs single-threaded, as each rank does)
 from support.split_heads import RecordingEngine, replay
 
