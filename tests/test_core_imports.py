@@ -1,5 +1,5 @@
 """The core (``kvcomm.*`` and ``kvcomm.anchors.*``, i.e. every module except those under
-``kvcomm.integrations`` and ``kvcomm.eval``) imports no model framework: transformers, vLLM
+``kvcomm.integrations``, ``kvcomm.eval`` and ``kvcomm.cli``) imports no model framework: transformers, vLLM
 and AutoGen / AG2 are the integrations' business. Checked in a fresh interpreter, where
 nothing else has imported them yet."""
 
@@ -12,7 +12,7 @@ import textwrap
 
 FORBIDDEN = ("transformers", "vllm", "autogen", "autogen_core", "autogen_agentchat", "autogen_ext", "sentence_transformers")
 """Top-level packages the core must not import (``autogen`` is AG2's import name)."""
-NOT_CORE = ("kvcomm.integrations", "kvcomm.eval")
+NOT_CORE = ("kvcomm.integrations", "kvcomm.eval", "kvcomm.cli")
 CORE_ROOTS = ("kvcomm", "kvcomm.anchors")
 """Installed from separate folders (``kvcomm/``, ``anchors/``), so each is walked on its own."""
 
