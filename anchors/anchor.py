@@ -28,17 +28,12 @@ class Deviation:
     first_layer: model layers below it are not stored and the realigned base is served there
         as it is. The engine records from layer 1: layer 0's K/V depend only on each token and
         its position, so its deviation is rounding.
-    context: ``[dim]`` float32, L2-normalized: the embedding of the shared content that preceded
-        the slot when the deviation was measured (``kvcomm.anchors.index.context_embedding``);
-        None when none preceded it. The deviation is a property of that context
-        (``PoolConfig.context_temperature`` weights anchors by it).
     """
 
     shared: KV
     following: KV | None
     following_base: str | None = None
     first_layer: int = 0
-    context: np.ndarray | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.first_layer < 0:
@@ -49,8 +44,7 @@ class Deviation:
 
     @property
     def nbytes(self) -> int:
-        return (self.shared.nbytes + (self.following.nbytes if self.following is not None else 0)
-                + (self.context.nbytes if self.context is not None else 0))
+        return self.shared.nbytes + (self.following.nbytes if self.following is not None else 0)
 
 
 @dataclass

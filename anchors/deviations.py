@@ -77,22 +77,3 @@ class WeightedDeviations:
             for start in range(0, layers, block):
                 self.add_to(target[start : start + block], name, start, min(start + block, layers))
         return onto
-
-    def spread(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """How much the anchors disagree, per head and token: ``sum_a w_a * |part_a - mean|^2``
-        summed over layers and channels, with ``mean = sum_a w_a * part_a`` (the weights of
-        every element sum to 1 over the anchors, so this is their weighted variance).
-
-        Returns (keys, values), fp32 ``[kv_heads, T]`` each, T the first part's token count;
-        zeros for one anchor. Per head: a caller holding a share of the heads gathers them."""
-        mean = self.add_into()
-        out = []
-        for name in ("keys", "values"):
-            center = getattr(mean, name)[self.first_layer :]
-            length = center.shape[2]
-            total = torch.zeros(center.shape[1], length, dtype=torch.float32, device=center.device)
-            for part, w in zip(self.parts, self.key_weights if name == "keys" else self.value_weights):
-                gap = getattr(part, name)[:, :, :length].float() - center
-                total += (gap.square_() * w).sum(dim=(0, 3))
-            out.append(total)
-        return out[0], out[1]

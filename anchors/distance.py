@@ -18,10 +18,6 @@ from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV
 
 
-ADMISSION_DISTANCES = ("relative", "l2")
-"""How admission turns value distances into the logits of p = softmax(logits) (see ``admission_logits``)."""
-
-
 def value_l2(anchor: KV, new: KV, n: int, heads: HeadShards = ALL_HEADS) -> torch.Tensor:
     """Scalar L2 norm of the value difference on the first ``n`` tokens (the reference's
     admission distance), fp64: per-channel fp32 sums of squares, added in fp64 (a single fp32
@@ -46,25 +42,21 @@ def value_l2_many(anchors: Sequence[KV], new: KV, ns: Sequence[int], heads: Head
     return [channel.double().sum().sqrt() for channel in channels]
 
 
-def admission_logits(l2: torch.Tensor, counts: torch.Tensor, kind: str, temperature: float) -> torch.Tensor:
-    """Logits of the admission distribution over ``A`` compatible anchors, fp64 ``[A]``.
+def admission_logits(l2: torch.Tensor, counts: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits of the admission distribution over ``A`` compatible anchors, fp64 ``[A]``:
+    ``-(r / r_min) / temperature`` with ``r = l2 / sqrt(counts)``, the per-element RMS value
+    difference.
 
     l2: ``[A]`` value L2 distances (``value_l2``), each over ``counts[a]`` compared elements
         (layers * kv_heads * tokens compared * head_dim; anchors may be compared on different
         token counts).
-    kind "l2": ``-l2`` (the reference): on long segments these are thousands apart in absolute
-        terms, so p is one-hot and gamma decides nothing; shorter anchors also look nearer.
-    kind "relative": ``-(r / r_min) / temperature`` with ``r = l2 / sqrt(counts)``, the
-        per-element RMS difference: length-normalized (anchors compared on fewer tokens are
-        not favoured) and scale-free (no dependence on the model's value magnitude), so
-        ``temperature`` reads as "an anchor ``temperature`` (e.g. 0.75%) farther than the nearest
-        gets ``1/e`` of its weight". An anchor at RMS distance 0 (same values) takes all the
-        mass, shared with any other at distance 0.
+    Length-normalized (anchors compared on fewer tokens are not favoured) and scale-free (no
+    dependence on the model's value magnitude), so ``temperature`` reads as "an anchor
+    ``temperature`` (e.g. 0.75%) farther than the nearest gets ``1/e`` of its weight". An anchor
+    at RMS distance 0 (same values) takes all the mass, shared with any other at distance 0.
+    (The reference's ``-l2`` is one-hot on segments longer than a few tokens, which makes gamma
+    inert: docs/decisions.md, 2026-11-29.)
     """
-    if kind == "l2":
-        return -l2.double()
-    if kind != "relative":
-        raise ValueError(f"unknown admission distance {kind!r}; valid: {', '.join(ADMISSION_DISTANCES)}")
     rms = l2.double() / counts.double().sqrt()
     nearest = rms.min().clamp_min(torch.finfo(torch.float64).tiny)
     return -(rms / nearest) / temperature
@@ -90,16 +82,14 @@ class EstimateDistances:
 
 def estimate_distances(anchor: KV, new: KV, n: int, heads: HeadShards = ALL_HEADS) -> EstimateDistances:
     """``estimate_distances_many`` for one anchor."""
-    return estimate_distances_many([anchor], new, [n], heads=heads)[0]
+    return estimate_distances_many([anchor], new, [n], heads)[0]
 
 
 def estimate_distances_many(
-    anchors: Sequence[KV], new: KV, ns: Sequence[int], keys: bool = True, heads: HeadShards = ALL_HEADS,
+    anchors: Sequence[KV], new: KV, ns: Sequence[int], heads: HeadShards = ALL_HEADS,
 ) -> list[EstimateDistances]:
-    """Both kinds of distance for each anchor vs ``new`` on its first ``ns[i]`` tokens.
-
-    ``keys=False`` reads values only and reports the value distances for keys too (half the
-    memory traffic; see ``PoolConfig.key_distances``).
+    """Both kinds of distance for each anchor vs ``new`` on its first ``ns[i]`` tokens, from
+    base values only (reported for keys too: key deviations are weighted by value distances).
 
     Both compare the same token pairs the shared estimate combines, so the following segment
     is weighted by exactly the content that was matched. Per anchor, equal to
@@ -122,9 +112,7 @@ def estimate_distances_many(
     channel = torch.empty(len(anchors), 2, layers, local_heads, dim, dtype=torch.float32, device=device)
     block = block_layers(layers, local_heads * max(ns) * dim * 4, device)
     scratch = torch.empty(block * local_heads * max(ns) * dim, dtype=torch.float32, device=device)
-    for i, name in enumerate(("keys", "values")):
-        if not keys and name == "keys":
-            continue
+    for i, name in ((1, "values"),):
         b = getattr(new, name)
         sources = [getattr(anchor, name) for anchor in anchors]
         for start in range(0, layers, block):
@@ -139,9 +127,8 @@ def estimate_distances_many(
                 torch.sub(_fp32(source[start:end, :, :n]), new_blocks[n], out=d)
                 torch.sum(d.abs_(), 3, out=token[j][i, start:end])
                 torch.sum(d.mul_(d), 2, out=channel[j, i, start:end])
-    if not keys:
-        for j in range(len(anchors)):
-            token[j][0], channel[j, 0] = token[j][1], channel[j, 1]
+    for j in range(len(anchors)):
+        token[j][0], channel[j, 0] = token[j][1], channel[j, 1]
     count = len(anchors)
     gathered = heads.gather([*token, *channel[:, 1]], [2] * count + [1] * count)
     out = []

@@ -37,16 +37,6 @@ class KVEmbedding:
         return normalize(pooled.flatten().cpu().numpy())
 
 
-def context_embedding(embeddings: Sequence[np.ndarray], lengths: Sequence[int]) -> np.ndarray | None:
-    """The context a slot sits in: the mean of the embeddings of the shared contents before it,
-    each weighted by its length in tokens, L2-normalized, ``[dim]`` float32; None when nothing
-    shared precedes the slot."""
-    if not embeddings:
-        return None
-    weights = np.asarray(lengths, dtype=np.float32)[:, None]
-    return normalize((np.stack([np.asarray(e, dtype=np.float32) for e in embeddings]) * weights).sum(axis=0))
-
-
 def normalize(vector: np.ndarray) -> np.ndarray:
     vector = np.ascontiguousarray(vector, dtype=np.float32).reshape(-1)
     norm = float(np.linalg.norm(vector))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,20 +20,22 @@ import torch
 
 from kvcomm.anchors.anchor import Anchor, Deviation, SlotKey
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.anchors.distance import (
-    EstimateDistances, admission_logits, estimate_distances_many, value_l2_many,
-)
+from kvcomm.anchors.distance import EstimateDistances, admission_logits, estimate_distances_many, value_l2_many
 from kvcomm.anchors.deviations import WeightedDeviations
 from kvcomm.anchors.distance_cache import DistanceCache
 from kvcomm.anchors.index import EmbeddingIndex
-from kvcomm.anchors.linear import LinearDeviations
 from kvcomm.anchors.shrinkage import ShrinkageFit
 from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV
 
 
-_LINEAR_FITS_KEPT = 4
-"""Linear fits a pool keeps (the most recently used matched anchor sets)."""
+SHRINKAGE_MIN_PAIRS = 2
+"""Observed (estimate, real) pairs a slot needs before its shrinkage factors are used; until
+then its estimates are served unshrunk."""
+
+ADMISSION_TEMPERATURE = 0.0075
+"""Relative distance scale of admission: an anchor this fraction farther than the nearest gets
+1/e of its weight in p (``admission_logits``)."""
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,7 @@ class Match:
     Every anchor here has a deviation for ``slot`` and at least ``covered`` tokens.
     ``identical`` means the anchor is this very segment: its deviation is used as is.
     ``distances``: per anchor, its distances to the segment on the first ``covered`` tokens,
-    as admission computed them (None: ``estimate`` computes them). ``context``: the request's
-    ``Deviation.context`` for this slot (None: nothing shared precedes it).
+    as admission computed them (None: ``estimate`` computes them).
     """
 
     slot: SlotKey
@@ -53,7 +53,6 @@ class Match:
     covered: int
     identical: bool = False
     distances: tuple[EstimateDistances, ...] | None = field(default=None, compare=False, repr=False)
-    context: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 _ENTROPY_TOLERANCE = 1e-9
@@ -76,10 +75,6 @@ class AnchorPool:
         self.distance_cache = DistanceCache()
         self.fits: dict[tuple[SlotKey, str], ShrinkageFit] = {}
         """Per (slot, "shared" or "following"): the prequential fit of its estimates (``observe``)."""
-        self._linear_fits: OrderedDict[tuple[SlotKey, tuple[int, ...]],
-                                       tuple[tuple[Deviation, ...], LinearDeviations]] = OrderedDict()
-        """Recent "linear" fits: per (slot, serials of the matched anchors), the anchors'
-        deviations it was fitted on and the fit. Derived state: not in ``nbytes`` or saves."""
 
     def __len__(self) -> int:
         return len(self._anchors)
@@ -106,22 +101,21 @@ class AnchorPool:
 
     def decide(
         self, slot: SlotKey, segment_id: str, base: KV, embedding: np.ndarray, commit: bool = True,
-        admission: bool = True, refusals: list[str] | None = None, context: np.ndarray | None = None,
+        admission: bool = True, refusals: list[str] | None = None,
     ) -> Match | None:
         """Reuse decision for a new segment (position-free ``base``, ``T`` tokens) in ``slot``.
 
         Returns None when the sample must be densely prefilled and become an anchor: the
         fewer than ``config.min_compatible`` anchors are compatible (have a deviation for
-        ``slot`` and, without partial coverage, >= T tokens), the anchors would cover fewer than
-        ``min_coverage * T`` tokens, or the entropy of the admission distribution
-        p (``config.admission_distance``) over the compatible anchors exceeds
+        ``slot``), the anchors would cover fewer than ``min_coverage * T`` tokens (the longest
+        compatible anchor's length), or the entropy of the admission distribution p
+        (``admission_logits``) over the compatible anchors exceeds
         gamma * log(#compatible). Otherwise the anchors carrying the top-p mass of p get an
         access (only when ``commit``: a decision asked for learning alone leaves access
         counts untouched). ``admission=False`` skips the entropy test: the match the pool
         could estimate from, whether or not it would reuse (``observe`` measures it).
         ``refusals``: when given and the answer is None, the reason is appended to it, in words
-        (for provenance notes). ``context``: the embedding of the shared content before the slot
-        in this request (``Deviation.context``), kept in the match for weighting.
+        (for provenance notes).
         """
         length = base.length
         with self._lock:
@@ -130,10 +124,7 @@ class AnchorPool:
                 same.accesses += int(commit)
                 self.accesses_granted += int(commit)
                 return Match(slot, (same,), length, identical=True)
-            compatible = [
-                a for a in self._anchors.values()
-                if slot in a.deviations and (self.config.partial_coverage or a.length >= length)
-            ]
+            compatible = [a for a in self._anchors.values() if slot in a.deviations]
             if len(compatible) < self.config.min_compatible:
                 return _refused(refusals, f"{len(compatible)} compatible anchors, {self.config.min_compatible} needed")
             compatible = self._narrow(compatible, embedding)
@@ -149,8 +140,7 @@ class AnchorPool:
                 self._count_access(compatible, p)
             used = [(a, d) for a, d in zip(compatible, distances) if a.length >= covered]
             known = tuple(d for _, d in used if isinstance(d, EstimateDistances))
-            return Match(slot, tuple(a for a, _ in used), covered, distances=known if len(known) == len(used) else None,
-                         context=context)
+            return Match(slot, tuple(a for a, _ in used), covered, distances=known if len(known) == len(used) else None)
 
     def _distances(
         self, segment_id: str, base: KV, compatible: list[Anchor], covered: int, full: bool
@@ -164,7 +154,7 @@ class AnchorPool:
         found: list[EstimateDistances | None] = [cache.get(segment_id, base, a.serial, n) for a, n in zip(compatible, ns)]
         todo = [i for i, a in enumerate(compatible) if found[i] is None and full and a.length >= covered]
         for i, d in zip(todo, estimate_distances_many(
-            [compatible[i].base for i in todo], base, [ns[i] for i in todo], self.config.key_distances, self.heads,
+            [compatible[i].base for i in todo], base, [ns[i] for i in todo], self.heads,
         )):
             found[i] = d
             cache.put(segment_id, base, compatible[i].serial, ns[i], d)
@@ -178,19 +168,15 @@ class AnchorPool:
         counts = [min(base.length, a.length) for a in compatible]
         l2 = torch.stack(l2 if l2 is not None else value_l2_many([a.base for a in compatible], base, counts, self.heads))
         per_token = base.values.shape[0] * base.values.shape[1] * self.heads.size * base.values.shape[3]
-        cfg = self.config
-        logits = admission_logits(l2, torch.tensor(counts, device=l2.device) * per_token, cfg.admission_distance,
-                                  cfg.admission_temperature)
+        logits = admission_logits(l2, torch.tensor(counts, device=l2.device) * per_token, ADMISSION_TEMPERATURE)
         # fp64 and a rounding tolerance: in fp32 a uniform p has an entropy just above
         # log(n), so gamma = 1 (which must always reuse) would never reuse.
         return torch.softmax(logits, dim=0)
 
-    def _coverage(self, compatible: list[Anchor], length: int) -> int:
-        """Tokens to estimate: all ``length`` if enough anchors are that long, else the longest
-        head that ``min_estimate_anchors`` of them (all, if fewer) cover."""
-        lengths = sorted((a.length for a in compatible), reverse=True)
-        need = len(lengths) if self.config.min_estimate_anchors == 0 else min(self.config.min_estimate_anchors, len(lengths))
-        return min(length, lengths[need - 1])
+    @staticmethod
+    def _coverage(compatible: list[Anchor], length: int) -> int:
+        """Tokens to estimate: the head of the segment the longest compatible anchor covers."""
+        return min(length, max(a.length for a in compatible))
 
     def _narrow(self, compatible: list[Anchor], embedding: np.ndarray) -> list[Anchor]:
         k = self.config.max_candidates
@@ -231,15 +217,15 @@ class AnchorPool:
     ) -> tuple[WeightedDeviations, WeightedDeviations | None]:
         """The weighted deviations that estimate a matched segment (shared, following or None).
 
-        Shared tokens are weighted per token by softmax(-d/tau) of the mean absolute base
+        Shared tokens are weighted per token by softmax(-d/tau) of the mean absolute base-value
         difference; the following fixed segment per (layer, head, channel) by softmax(-d/tau)
-        of the per-token RMS base difference (L2 over the compared tokens / sqrt(their count)).
-        Keys and values each use their own distances. With ``config.estimator == "linear"`` the
-        shared tokens are instead the ridge fit on the matched anchors (``_linear_fit``) applied
-        to ``base``, as one term of weight 1. All position-free; the caller realigns.
-        An ``identical`` match uses its anchor's deviations with weight 1. Weights are over
-        all matched anchors. With ``shrink`` and ``config.shrinkage``, each layer's weights are
-        scaled by the slot's fitted factor once it has ``shrinkage_min_pairs`` pairs (``observe``).
+        of the per-token RMS base-value difference (L2 over the compared tokens / sqrt(their
+        count)). Keys and values share the value distances (half the distance work; the
+        reference's key distances tied them: docs/measurements/2026-11-history.md). All
+        position-free; the caller realigns. An ``identical`` match uses its anchor's deviations
+        with weight 1. Weights are over all matched anchors. With ``shrink`` and
+        ``config.shrinkage``, each layer's weights are scaled by the slot's fitted factor once it
+        has ``SHRINKAGE_MIN_PAIRS`` pairs (``observe``).
         """
         n = min(match.covered, base.length)  # a plan cuts a segment that ends the prompt short
         deviations = [a.deviations[match.slot] for a in match.anchors]
@@ -253,94 +239,39 @@ class AnchorPool:
                     None if following_parts is None else WeightedDeviations(following_parts, (one,), (one,), first))
         tau = self.config.temperature
         dist = match.distances or estimate_distances_many(
-            [a.base for a in match.anchors], base, [match.covered] * len(match.anchors), self.config.key_distances, self.heads,
+            [a.base for a in match.anchors], base, [match.covered] * len(match.anchors), self.heads,
         )
-        bias = self._context_bias(match, deviations, base.keys.device)  # [A, 1]
         ak, av = self._factors(match.slot, "shared", shrink, first, base.keys.device)
-        if self.config.estimator == "linear":  # the layer factors are the one term's weights
-            predicted = self._linear_fit(match, deviations, first).predict(base, n)
-            shared = WeightedDeviations((predicted,), (ak,), (av,), first)
-        else:
-            wk = torch.softmax(-torch.stack([d.token_keys[:n] for d in dist]) / tau + bias, dim=0)  # [A, n]
-            wv = torch.softmax(-torch.stack([d.token_values[:n] for d in dist]) / tau + bias, dim=0)
-            shared = WeightedDeviations(
-                shared_parts, tuple(wk[:, None, None, :, None] * ak), tuple(wv[:, None, None, :, None] * av), first,
-            )
+        wk = torch.softmax(-torch.stack([d.token_keys[:n] for d in dist]) / tau, dim=0)  # [A, n]
+        wv = torch.softmax(-torch.stack([d.token_values[:n] for d in dist]) / tau, dim=0)
+        shared = WeightedDeviations(
+            shared_parts, tuple(wk[:, None, None, :, None] * ak), tuple(wv[:, None, None, :, None] * av), first,
+        )
         following = None
         if following_parts is not None and len({p.length for p in following_parts}) == 1:
             # per-token RMS (L2 / sqrt(tokens compared)): a raw L2 grows with the segment's length
             # and makes the weights one-hot on long segments
             rms = [math.sqrt(d.token_keys.shape[0]) for d in dist]
-            fbias = bias[:, :, None, None]  # [A, 1, 1, 1]
-            fk = torch.softmax(-torch.stack([d.channel_keys[first:] / r for d, r in zip(dist, rms)]) / tau + fbias, dim=0)  # [A, L', H, D]
-            fv = torch.softmax(-torch.stack([d.channel_values[first:] / r for d, r in zip(dist, rms)]) / tau + fbias, dim=0)
+            fk = torch.softmax(-torch.stack([d.channel_keys[first:] / r for d, r in zip(dist, rms)]) / tau, dim=0)  # [A, L', H, D]
+            fv = torch.softmax(-torch.stack([d.channel_values[first:] / r for d, r in zip(dist, rms)]) / tau, dim=0)
             ak, av = self._factors(match.slot, "following", shrink, first, fk.device)
             following = WeightedDeviations(
                 following_parts, tuple(fk[:, :, :, None, :] * ak), tuple(fv[:, :, :, None, :] * av), first
             )
         return shared, following
 
-    def _linear_fit(self, match: Match, deviations: list[Deviation], first: int) -> LinearDeviations:
-        """The "linear" estimator fitted on ``match``'s anchors (every token of each, model layers
-        ``first..``), reused while the slot's matched anchors and their deviations are the same."""
-        key = (match.slot, tuple(a.serial for a in match.anchors))
-        with self._lock:
-            held = self._linear_fits.get(key)
-            if held is not None and all(a is b for a, b in zip(held[0], deviations)):
-                self._linear_fits.move_to_end(key)
-                return held[1]
-        fit = LinearDeviations.fit([a.base for a in match.anchors],
-                                   [_from_layer(d.shared, first - d.first_layer) for d in deviations],
-                                   first, self.config.linear_ridge)
-        with self._lock:
-            self._linear_fits[key] = (tuple(deviations), fit)
-            while len(self._linear_fits) > _LINEAR_FITS_KEPT:
-                self._linear_fits.popitem(last=False)
-        return fit
-
-    def _context_bias(self, match: Match, deviations: list[Deviation], device: torch.device) -> torch.Tensor:
-        """Per-anchor logit added to the deviation weights, fp32 ``[A, 1]``: cos(request context,
-        anchor context) / ``context_temperature``; zeros when off, or when the request or any
-        anchor has no context (then no anchor is favoured over another)."""
-        t = self.config.context_temperature
-        contexts = [d.context for d in deviations]
-        if t == 0 or match.context is None or any(c is None for c in contexts):
-            return torch.zeros(len(deviations), 1, device=device)
-        similarity = np.stack(contexts) @ np.asarray(match.context, dtype=np.float32)
-        return torch.from_numpy(similarity.astype(np.float32) / t).to(device)[:, None]
-
-    def disagreement(self, match: Match, base: KV) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per estimated token, how much the matched anchors disagree about its deviation: the
-        weighted variance of their (unshrunk) deviations under the estimate's own weights,
-        summed over layers, heads and channels. A token the anchors disagree on is one the
-        estimate is unsure of: selective recompute (mode "kvblend", selection "disagreement")
-        takes those.
-
-        Returns (keys, values), fp32 ``[n + T_f]`` each: the ``n = min(covered, base.length)``
-        shared tokens, then the ``T_f`` tokens of the following fixed segment when the match
-        estimates one (``estimate_terms``); zeros for an identical match or one anchor. The
-        same numbers in every process of a head split (per-head partials gathered, then summed)."""
-        shared, following = self.estimate_terms(match, base, shrink=False)
-        terms = [shared] + ([following] if following is not None else [])
-        if len(match.anchors) == 1:
-            zeros = torch.zeros(sum(t.parts[0].length for t in terms), device=base.keys.device)
-            return zeros, zeros.clone()
-        partials = [spread for term in terms for spread in term.spread()]  # [heads, T] each
-        summed = [p.sum(dim=0) for p in self.heads.gather(partials, [0] * len(partials))]
-        return torch.cat(summed[0::2]), torch.cat(summed[1::2])
-
     def _factors(self, slot: SlotKey, part: str, shrink: bool, first_layer: int,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-layer (key, value) factors broadcastable against per-anchor weights: fp32
-        ``[layers - first_layer, 1, 1, 1]`` each (model layers ``first_layer..``), or scalars
-        when not shrinking (yet). ``shrink``: the served estimate (fitted factors times
-        ``estimate_scale``); False: the raw one. On ``device`` (the weights')."""
+        ``[layers - first_layer, 1, 1, 1]`` each (model layers ``first_layer..``), or scalar ones
+        when not shrinking (yet). ``shrink``: the served estimate (fitted factors); False: the
+        raw one. On ``device`` (the weights')."""
         fit = self.fits.get((slot, part)) if shrink and self.config.shrinkage else None
-        factors = fit.factors(self.config.shrinkage_min_pairs) if fit is not None else None
-        scale = torch.tensor(self.config.estimate_scale if shrink else 1.0, dtype=torch.float32, device=device)
+        factors = fit.factors(SHRINKAGE_MIN_PAIRS) if fit is not None else None
         if factors is None:
-            return scale, scale
-        return tuple(f.to(device)[first_layer:, None, None, None] * scale for f in factors)
+            one = torch.ones((), dtype=torch.float32, device=device)
+            return one, one
+        return tuple(f.to(device)[first_layer:, None, None, None] for f in factors)
 
     def observe(self, match: Match, base: KV, real_shared: KV, real_following: KV | None = None) -> None:
         """Fit the slot's shrinkage on one segment seen densely: compare what ``match`` would have

@@ -46,13 +46,10 @@ from kvcomm.reuse.runner import build_prompt
 
 VARIANTS = {  # name -> (changes to the default PoolConfig, anchor dtype or None for the KV's own)
     "default": ({}, None),
-    "key distances": ({"key_distances": True}, None),
     "float16 anchors": ({}, torch.float16),
     "bfloat16 anchors": ({}, torch.bfloat16),
     "4 candidates": ({"max_candidates": 4}, None),
     "equal weights": ({"temperature": 1e9}, None),
-    "linear": ({"estimator": "linear"}, None),
-    "realigned": ({"estimate_scale": 0.0}, None),
 }
 
 

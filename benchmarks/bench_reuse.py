@@ -31,7 +31,7 @@ from kvcomm.anchors.anchor import Deviation
 from kvcomm.anchors.distance import EstimateDistances, admission_logits, value_l2
 from kvcomm.anchors.index import kv_embedding, normalize
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.anchors.pool import AnchorPool
+from kvcomm.anchors.pool import ADMISSION_TEMPERATURE, AnchorPool
 from kvcomm.reuse.config import ReuseConfig
 from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.eval.report import compare, summarize
@@ -221,8 +221,8 @@ def _plain_distances(anchor, new, n):
 
 
 def bench_segment(executor, args):
-    pool_config = PoolConfig(gamma=1.0, key_distances=args.key_distances, max_candidates=args.max_candidates)
-    engine = ReuseEngine(executor.rotary, ReuseConfig(pool=pool_config, anchor_dtype=getattr(torch, args.anchor_dtype)))
+    pool_config = PoolConfig(gamma=1.0, max_candidates=args.max_candidates)
+    engine = ReuseEngine(executor.rotary, ReuseConfig(pool=pool_config))
     pool = engine.pool("task")
     counts = args.seg_anchors
     texts = [synthetic_ids(executor, seed, args.seg_tokens) for seed in range(max(counts) + len(counts))]
@@ -239,11 +239,10 @@ def bench_segment(executor, args):
         if args.baseline:
             variants["before"] = PlainDistancePool(pool.config)
             variants["before"].restore(list(pool.anchors), pool.next_serial)
-        cfg = pool.config
         n = torch.tensor([min(len(segment), a.length) for a in pool.anchors])
         l2 = torch.stack([value_l2(a.base, base, int(m)) for a, m in zip(pool.anchors, n)])
         per_token = base.values.shape[0] * base.values.shape[1] * base.values.shape[3]
-        p = torch.softmax(admission_logits(l2, n * per_token, cfg.admission_distance, cfg.admission_temperature), 0)
+        p = torch.softmax(admission_logits(l2, n * per_token, ADMISSION_TEMPERATURE), 0)
         entropy = float(-(p * p.clamp_min(1e-300).log()).sum())
 
         def reuse(variant, cold, lent=True):  # -> (plan, materialize, tail) seconds; the tail generates with the materialized prefix
@@ -283,7 +282,7 @@ def bench_segment(executor, args):
                      ms(r.get("before_work_s")), ratio(r.get("before_over_now")), ms(r["tail_s"]),
                      f"{r['work_fraction']:.0%}", ms(r["dense_s"]), ratio(r["speedup"])])
     print(f"\n== 3. Reuse-path work, {args.seg_tokens}-token shared segment on SmolLM2 (gamma=1.0, "
-          f"key_distances={args.key_distances}, max_candidates={args.max_candidates}, anchors in {args.anchor_dtype}, median of "
+          f"max_candidates={args.max_candidates}, median of "
           f"{args.seg_reps}; the new segment's base KV registered beforehand)")
     print(table(["anchors", "prompt", "base prefill", "plan", "materialize", "work", "<0.1s", "work (cached)", "work (new memory)",
                  "work before", "before/now", "tail (1 tok)", "work/TTFT", "dense TTFT", "dense/reuse"], rows))
@@ -420,12 +419,8 @@ def main(argv=None):
     parser.add_argument("--anchors", default="2,4,8", help="section 3: anchor counts, comma-separated (default 2,4,8)")
     parser.add_argument("--baseline", action="store_true", help="section 3: also time the session-7 distance computation "
                         "side by side (before/now ratio)")
-    parser.add_argument("--key-distances", action="store_true", help="section 3: PoolConfig(key_distances=True), "
-                        "key deviations weighted by base-key distances (the reference; twice the distance work)")
     parser.add_argument("--max-candidates", type=int, default=PoolConfig.max_candidates,
                         help="section 3: PoolConfig.max_candidates, the most anchors one estimate uses (0: all)")
-    parser.add_argument("--anchor-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                        help="section 3: ReuseConfig.anchor_dtype (the dtype anchor bases and deviations are stored in)")
     parser.add_argument("--backend", choices=("transformers", "vllm"), default="transformers",
                         help="executor for sections 1-3: the transformers reference, or vLLM in-process with the "
                         "kvcomm connector (dense calls start from an empty prefix cache in sections 2-3)")

@@ -246,7 +246,7 @@ def main() -> None:
 
     from kvcomm.anchors.config import PoolConfig
     from kvcomm.core.segments import Segment
-    from kvcomm.reuse.config import ReuseConfig, scope_settings
+    from kvcomm.reuse.config import ReuseConfig
     from kvcomm.reuse.pipeline import load_bundled_pipeline
     from kvcomm.reuse.runner import build_prompt
     from kvcomm.eval.demo_report import format_demo
@@ -259,7 +259,7 @@ def main() -> None:
     spec = long_documents(spec, executor.encode, "document", args.min_document_tokens)
     spec = dataclasses.replace(spec, inputs=spec.inputs[: args.rows], max_new_tokens=args.max_new_tokens)
     gamma = DEMO_GAMMA if args.gamma is None else args.gamma
-    config = ReuseConfig(pool=PoolConfig(gamma=gamma), base_source=args.base_source, **scope_settings(args.reuse_scope))
+    config = ReuseConfig(pool=PoolConfig(gamma=gamma), base_source=args.base_source, scope=args.reuse_scope)
     passes = []
     for n in range(args.passes):
         executor.llm.reset_prefix_cache()

@@ -16,8 +16,9 @@ import torch
 from tqdm import tqdm
 
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.reuse.config import BASE_SOURCES, BLEND_MODES, DEFAULT_REUSE_SCOPE, REUSE_SCOPES, ReuseConfig
-from kvcomm.reuse.recompute import RECOMPUTE_SELECTIONS
+from kvcomm.reuse.config import BASE_SOURCES, ReuseConfig
+from kvcomm.reuse.scopes import DEFAULT_SCOPE, SCOPES
+from kvcomm.reuse.strategies import RECOMPUTE_MODES
 from kvcomm.eval.evaluate import ALL_MODES, EMBEDDERS, EvalSettings
 from kvcomm.eval.outputs import check_out_dir
 from kvcomm.integrations.transformers.embedded import DTYPES
@@ -49,7 +50,7 @@ def parse_modes(text: str) -> tuple[str, ...]:
 
 
 def parse_scopes(text: str) -> tuple[str, ...]:
-    return _names(text, "--reuse-scope", "reuse scope", tuple(REUSE_SCOPES))
+    return _names(text, "--reuse-scope", "reuse scope", tuple(SCOPES))
 
 
 def parse_gammas(text: str) -> tuple[float, ...]:
@@ -135,9 +136,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("--modes", type=parse_modes, default=ALL_MODES,
                         help=f"comma-separated subset of {','.join(ALL_MODES)} (default: all); dense always runs as the reference")
-    parser.add_argument("--reuse-scope", type=parse_scopes, default=(DEFAULT_REUSE_SCOPE,), metavar="SCOPES",
+    parser.add_argument("--reuse-scope", type=parse_scopes, default=(DEFAULT_SCOPE,), metavar="SCOPES",
                         help=f"reuse scopes every reuse mode runs in, comma-separated, one run each against the same dense "
-                             f"reference ({', '.join(REUSE_SCOPES)}; default {DEFAULT_REUSE_SCOPE}; what each serves from "
+                             f"reference ({', '.join(SCOPES)}; default {DEFAULT_SCOPE}; what each serves from "
                              "stored KV: `kvcomm run --help`, docs/anchor-pool.md)")
     parser.add_argument("--gammas", type=parse_gammas, default=(PoolConfig.gamma,),
                         help=f"kvcomm admission thresholds, comma-separated (default {PoolConfig.gamma})")
@@ -145,26 +146,13 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         help=f"kvcomm V (anchors per pool), comma-separated (default {PoolConfig.max_anchors})")
     parser.add_argument("--seeds", type=parse_seeds, default=(0,),
                         help="input-order shuffle seeds, comma-separated (default 0)")
-    parser.add_argument("--min-estimate-anchors", type=nonnegative_int, default=PoolConfig.min_estimate_anchors,
-                        help="kvcomm: estimate only the head this many compatible anchors cover, 0 = all of them "
-                             f"(default {PoolConfig.min_estimate_anchors}: as far as the longest anchor reaches)")
     parser.add_argument("--base-source", choices=BASE_SOURCES, default=ReuseConfig.base_source,
                         help="new shared content's base KV: a standalone prefill, or its KV in the first prompt that "
                              f"computes it (default {ReuseConfig.base_source})")
     parser.add_argument("--pool", type=config_setting, action="append", default=[], metavar="NAME=VALUE",
                         help="a further PoolConfig field of the kvcomm and kvblend runs, VALUE in JSON (e.g. --pool shrinkage=false "
                              "--pool min_coverage=0.3); repeatable")
-    parser.add_argument("--reuse", type=config_setting, action="append", default=[], metavar="NAME=VALUE",
-                        help="a further ReuseConfig field of every reuse run, VALUE in JSON (e.g. --reuse "
-                             "behind_estimate=stop); repeatable")
     parser.add_argument("--recompute-ratio", type=ratio, default=0.15, help="cacheblend and kvblend recompute ratio (default 0.15)")
-    parser.add_argument("--check-layer", type=nonnegative_int, default=1, help="cacheblend and kvblend check layer (default 1)")
-    parser.add_argument("--recompute-selection", choices=RECOMPUTE_SELECTIONS, default=ReuseConfig.recompute_selection,
-                        help="how kvblend picks the tokens it recomputes: CacheBlend's check-layer deviation, or where the "
-                             f"anchors disagree most after each span's first tokens (default {ReuseConfig.recompute_selection})")
-    parser.add_argument("--recompute-boundary", type=nonnegative_int, default=ReuseConfig.recompute_boundary,
-                        help="with --recompute-selection disagreement: first tokens of every estimated span always "
-                             f"recomputed (default {ReuseConfig.recompute_boundary})")
     parser.add_argument("--embedder", choices=EMBEDDERS, default="kv",
                         help="anchor embedding the pool narrows its candidates by: the segment's pooled base values "
                              "(kv, default) or all-MiniLM-L6-v2 over its decoded text (minilm)")
@@ -192,17 +180,15 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
 def settings_from_args(args) -> EvalSettings:
     return EvalSettings(
         modes=args.modes, gammas=args.gammas, max_anchors=args.max_anchors, seeds=args.seeds,
-        min_estimate_anchors=args.min_estimate_anchors, base_source=args.base_source,
-        recompute_ratio=args.recompute_ratio, check_layer=args.check_layer, recompute_selection=args.recompute_selection,
-        recompute_boundary=args.recompute_boundary, top_k=args.top_k,
+        base_source=args.base_source, recompute_ratio=args.recompute_ratio, top_k=args.top_k,
         timing_pass=not args.single_pass, pool=tuple(getattr(args, "pool", ())), embedder=getattr(args, "embedder", "kv"),
-        reuse=tuple(getattr(args, "reuse", ())), warm_rows=getattr(args, "warm_items", 0),
-        scopes=getattr(args, "reuse_scope", (DEFAULT_REUSE_SCOPE,)),
+        warm_rows=getattr(args, "warm_items", 0),
+        scopes=getattr(args, "reuse_scope", (DEFAULT_SCOPE,)),
     )
 
 
 def config_setting(text: str) -> tuple[str, object]:
-    """A ``--pool`` or ``--reuse`` ``NAME=VALUE``, the value in JSON (a bare word is taken as a string)."""
+    """A ``--pool`` ``NAME=VALUE``, the value in JSON (a bare word is taken as a string)."""
     name, sep, value = text.partition("=")
     if not sep or not name.strip():
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE (e.g. shrinkage=false), got {text!r}")
@@ -269,7 +255,7 @@ def run_eval_command(args, executor=None) -> int:
 
     if args.backend not in AVAILABLE_BACKENDS:
         return fail(f"the {args.backend} backend is not available yet; use --backend transformers")
-    if args.backend == "vllm" and (not args.no_kl or set(BLEND_MODES) & set(args.modes)):
+    if args.backend == "vllm" and (not args.no_kl or set(RECOMPUTE_MODES) & set(args.modes)):
         return fail("the vllm backend keeps no prompt log-probabilities and runs no CacheBlend recompute: "
                     "pass --no-kl and leave cacheblend and kvblend out of --modes, or use --backend transformers")
     owned = None  # an executor loaded here, closed here

@@ -38,19 +38,18 @@ import torch
 from tqdm import tqdm
 
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.reuse.config import DEFAULT_REUSE_SCOPE, REUSE_SCOPES, ReuseConfig, scope_settings
+from kvcomm.reuse.config import ReuseConfig
+from kvcomm.reuse.scopes import DEFAULT_SCOPE, SCOPES
+from kvcomm.reuse.strategies import MODES
 from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.core.divergence import KL_TOP_K, TopK, kl_topk_other, top1_matches, topk_reference
 from kvcomm.reuse.runner import AgentCall, run_row
 
 DENSE = "dense"
 REUSE_MODES = ("exact", "realign", "cacheblend", "kvcomm", "kvblend")
+"""``MODES``, in the order the results list them."""
 ALL_MODES = (DENSE, *REUSE_MODES)
 POOLED = "pooled"
-FIXED_REUSE_FIELDS = frozenset({"pool", "mode", "recompute_ratio", "check_layer", "recompute_selection", "recompute_boundary",
-                                "base_source", "anchor_dtype"})
-"""``ReuseConfig`` fields ``EvalSettings.reuse`` cannot set: those with their own eval settings,
-and ``anchor_dtype`` (a torch dtype, not a JSON value)."""
 EMBEDDERS = ("kv", "minilm")
 """How the anchor pool narrows its candidates: ``kv`` pools the segment's base values
 (``KVEmbedding``, the engine default); ``minilm`` embeds the segment's decoded text with
@@ -64,28 +63,21 @@ all-MiniLM-L6-v2 (``SentenceEmbedder``)."""
 class EvalSettings:
     """What to run. ``modes`` may include "dense" (always run, as the reference, anyway).
     ``gammas`` x ``max_anchors`` is the grid for the anchor modes "kvcomm" and "kvblend"; the
-    other modes use the first of each. ``min_estimate_anchors``: ``PoolConfig.min_estimate_anchors``
-    of every run. ``base_source``: ``ReuseConfig.base_source`` of every reuse mode. ``top_k``: tokens
+    other modes use the first of each. ``base_source``: ``ReuseConfig.base_source`` of every reuse mode. ``top_k``: tokens
     kept per position for the KL bound. ``noise``: also measure the dense-vs-dense noise floor
     (one extra prefill per call). ``timing_pass``: with KL on, take TTFT from a separate pass
     without logprobs (see ``evaluate``). ``warm_up``: run the first row densely once,
     unrecorded, before anything is timed. ``warm_rows``: the workload's last N rows calibrate
     every fresh reuse engine and are not evaluated (see ``evaluate``). ``scopes``: the reuse
-    scopes (``REUSE_SCOPES``) every reuse mode runs in, one run each; unless it is the default
+    scopes (``SCOPES``) every reuse mode runs in, one run each; unless it is the default
     scope alone, each run's setting names its scope."""
 
     modes: tuple[str, ...] = ALL_MODES
     gammas: tuple[float, ...] = (PoolConfig.gamma,)
     max_anchors: tuple[int, ...] = (PoolConfig.max_anchors,)
     seeds: tuple[int, ...] = (0,)
-    min_estimate_anchors: int = PoolConfig.min_estimate_anchors
     base_source: str = ReuseConfig.base_source
-    recompute_ratio: float = 0.15
-    check_layer: int = 1
-    recompute_selection: str = ReuseConfig.recompute_selection
-    """How "kvblend" picks the tokens it recomputes (``ReuseConfig.recompute_selection``);
-    "cacheblend" always uses its check layer."""
-    recompute_boundary: int = ReuseConfig.recompute_boundary
+    recompute_ratio: float = ReuseConfig.recompute_ratio
     top_k: int = KL_TOP_K
     noise: bool = True
     timing_pass: bool = True
@@ -95,13 +87,10 @@ class EvalSettings:
     """Further ``PoolConfig`` fields of the kvcomm runs, as (name, value) pairs."""
     embedder: str = "kv"
     """One of ``EMBEDDERS``: the anchor embedding of every reuse run."""
-    reuse: tuple[tuple[str, object], ...] = ()
-    """Further ``ReuseConfig`` fields of every reuse run, as (name, value) pairs (any but
-    ``FIXED_REUSE_FIELDS``, and none a listed scope sets)."""
-    scopes: tuple[str, ...] = (DEFAULT_REUSE_SCOPE,)
+    scopes: tuple[str, ...] = (DEFAULT_SCOPE,)
 
     def __post_init__(self) -> None:
-        for name in ("modes", "gammas", "max_anchors", "seeds", "pool", "reuse", "scopes"):
+        for name in ("modes", "gammas", "max_anchors", "seeds", "pool", "scopes"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         problems = []
         if not self.modes:
@@ -115,28 +104,17 @@ class EvalSettings:
             problems.append(f"gammas must be finite numbers >= 0, at least one (got {list(self.gammas)})")
         if not self.max_anchors or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in self.max_anchors):
             problems.append(f"max_anchors must be integers >= 1, at least one (got {list(self.max_anchors)})")
-        fields = {f.name for f in dataclasses.fields(PoolConfig)} - {"gamma", "max_anchors", "min_estimate_anchors"}
+        fields = {f.name for f in dataclasses.fields(PoolConfig)} - {"gamma", "max_anchors"}
         unknown_pool = [k for k, _ in self.pool if k not in fields]
         if unknown_pool:
             problems.append(f"unknown pool setting {unknown_pool[0]!r}; valid: {', '.join(sorted(fields))}")
-        reuse_fields = {f.name for f in dataclasses.fields(ReuseConfig)} - FIXED_REUSE_FIELDS
-        unknown_reuse = [k for k, _ in self.reuse if k not in reuse_fields]
-        if unknown_reuse:
-            problems.append(f"unknown reuse setting {unknown_reuse[0]!r}; valid: {', '.join(sorted(reuse_fields))}")
-        unknown_scope = [s for s in self.scopes if s not in REUSE_SCOPES]
+        unknown_scope = [s for s in self.scopes if s not in SCOPES]
         if not self.scopes or unknown_scope or len(set(self.scopes)) != len(self.scopes):
             problems.append(f"scopes must be distinct reuse scopes, at least one (got {list(self.scopes)}; "
-                            f"valid: {', '.join(REUSE_SCOPES)})")
-        clashes = [(k, s) for s in self.scopes if s in REUSE_SCOPES for k, _ in self.reuse if k in REUSE_SCOPES[s]]
-        if clashes:
-            problems.append(f"reuse setting {clashes[0][0]!r} is set by reuse scope {clashes[0][1]!r}: "
-                            "drop the setting or the scope")
-        if not unknown_pool and not unknown_reuse and not unknown_scope and not clashes:
+                            f"valid: {', '.join(SCOPES)})")
+        if not unknown_pool:
             try:  # the pool and reuse configs own these rules
-                for scope in self.scopes:
-                    ReuseConfig(pool=PoolConfig(min_estimate_anchors=self.min_estimate_anchors, **dict(self.pool)),
-                                base_source=self.base_source, mode="kvblend", recompute_selection=self.recompute_selection,
-                                recompute_boundary=self.recompute_boundary, **dict(self.reuse), **scope_settings(scope))
+                ReuseConfig(pool=PoolConfig(**dict(self.pool)), base_source=self.base_source)
             except (ValueError, TypeError) as error:
                 problems.append(str(error))
         if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in self.seeds):
@@ -157,13 +135,13 @@ class EvalSettings:
     def runs(self) -> list["RunSpec"]:
         """The reuse runs of one seed, in order (dense excluded: it always runs first)."""
         out = []
-        named = self.scopes != (DEFAULT_REUSE_SCOPE,)
+        named = self.scopes != (DEFAULT_SCOPE,)
         for mode in self.modes:
             if mode == DENSE:
                 continue
             for scope in self.scopes:
                 scope = scope if named else None
-                if mode in ("kvcomm", "kvblend"):
+                if MODES[mode].estimates:
                     out += [RunSpec(mode, g, v, scope) for g in self.gammas for v in self.max_anchors]
                 else:
                     out.append(RunSpec(mode, None, None, scope))
@@ -173,13 +151,10 @@ class EvalSettings:
         pool = PoolConfig(
             gamma=run.gamma if run.gamma is not None else self.gammas[0],
             max_anchors=run.max_anchors if run.max_anchors is not None else self.max_anchors[0],
-            min_estimate_anchors=self.min_estimate_anchors, **dict(self.pool),
+            **dict(self.pool),
         )
-        selection = self.recompute_selection if run.mode == "kvblend" else ReuseConfig.recompute_selection
-        return ReuseConfig(pool=pool, mode=run.mode, recompute_ratio=self.recompute_ratio, check_layer=self.check_layer,
-                           recompute_selection=selection, recompute_boundary=self.recompute_boundary,
-                           base_source=self.base_source, **dict(self.reuse),
-                           **scope_settings(run.scope or self.scopes[0]))
+        return ReuseConfig(pool=pool, mode=run.mode, scope=run.scope or self.scopes[0],
+                           recompute_ratio=self.recompute_ratio, base_source=self.base_source)
 
 
 @dataclass(frozen=True)

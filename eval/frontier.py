@@ -31,14 +31,16 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcomm.reuse.config import REUSE_SCOPES, ReuseConfig
+from kvcomm.reuse.scopes import SCOPES, Scope
 from kvcomm.eval.metrics import bootstrap_ratio_interval
 
 POOLED = "pooled"
 DISTINGUISHING = ("base_source", "min_estimate_anchors", "recompute_ratio", "recompute_selection", "recompute_boundary", "dtype",
                   "pool", "embedder", "reuse", "warm_rows")
 """Run settings that make two results' points different configurations (shown in labels when
-they differ between the runs of one workload)."""
+they differ between the runs of one workload). ``min_estimate_anchors``, ``recompute_selection``,
+``recompute_boundary`` and ``reuse`` are settings of results written before those variants were
+removed; the chart still reads such results."""
 ONLY_FOR = {
     "pool": ("kvcomm", "kvblend"), "min_estimate_anchors": ("kvcomm", "kvblend"), "embedder": ("kvcomm", "kvblend"),
     "recompute_ratio": ("cacheblend", "kvblend"), "recompute_selection": ("cacheblend", "kvblend"),
@@ -48,8 +50,12 @@ ONLY_FOR = {
 SETTING_DEFAULTS = {"embedder": "kv", "warm_rows": 0}
 """What a result written before one of those settings existed ran with."""
 COMPUTED_POSITIONS = ("compute_trailing_text", "decode_reply_bases", "bases_after_estimates", "compute_tail")
-"""``--reuse`` fields that change which prompt positions a run computes behind its reused KV,
-and so which positions its KL mean averages over."""
+"""Scope fields (and the removed ``compute_tail``) that change which prompt positions a run
+computes behind its reused KV, and so which positions its KL mean averages over; results
+written before scopes were presets carry them as ``reuse`` overrides."""
+
+_OLD_DEFAULTS = {**dataclasses.asdict(Scope()), "compute_tail": 1}
+"""What a result's ``reuse`` overrides were relative to."""
 KL_INTERVAL = {"draws": 2000, "seed": 0, "level": 0.95}
 """The bootstrap behind each point's KL interval: inputs resampled with replacement."""
 
@@ -158,29 +164,35 @@ def _value(settings: dict, name: str):
 
 
 def _setting(value) -> str:
-    """A run setting as a label part: overrides as name=value (``--reuse`` ones that make up a
-    reuse scope by the scope's name), nothing as "default"."""
+    """A run setting as a label part: overrides as name=value (old ``reuse`` overrides that make
+    up a reuse scope by the scope's name), nothing as "default"."""
     if not value:
         return "default"
     if isinstance(value, list):
         pairs = dict(value)
         parts = []
-        matching = [name for name, fields in REUSE_SCOPES.items()
-                    if fields and all(pairs.get(k, not v) == v for k, v in fields.items())]
-        scope = max(matching, key=lambda name: len(REUSE_SCOPES[name]), default=None)  # the most specific
+        matching = [name for name, scope in SCOPES.items() if _overrides(scope)
+                    and all(pairs.get(k) == v for k, v in _overrides(scope).items())]
+        scope = max(matching, key=lambda name: len(_overrides(SCOPES[name])), default=None)  # the most specific
         if scope is not None:
             parts.append(f"scope {scope}")
-            pairs = {k: v for k, v in pairs.items() if k not in REUSE_SCOPES[scope]}
+            pairs = {k: v for k, v in pairs.items() if k not in _overrides(SCOPES[scope])}
         return " ".join(parts + [f"{k}={v}" for k, v in pairs.items()])
     return str(value)
 
 
+def _overrides(scope: Scope) -> dict:
+    """A scope's fields that differ from scope ``all``'s."""
+    return {k: v for k, v in dataclasses.asdict(scope).items() if _OLD_DEFAULTS[k] != v}
+
+
 def _computed_positions(settings: dict, scope: str | None) -> str:
-    """The ``COMPUTED_POSITIONS`` settings of a run's point (its ``--reuse`` settings and the
-    point's reuse scope, if it names one), as a comparable string."""
-    defaults = {f.name: f.default for f in dataclasses.fields(ReuseConfig) if f.name in COMPUTED_POSITIONS}
-    reuse = {**defaults, **dict(settings.get("reuse") or []), **REUSE_SCOPES.get(scope, {})}
-    return json.dumps({k: reuse[k] for k in COMPUTED_POSITIONS}, sort_keys=True)
+    """The ``COMPUTED_POSITIONS`` settings of a run's point (its scope, else the evaluation's
+    first scope, "all" for results that name none; plus any old ``reuse`` overrides), as a
+    comparable string."""
+    scope = scope or (settings.get("scopes") or ["all"])[0]
+    values = {**_OLD_DEFAULTS, **dict(settings.get("reuse") or []), **_overrides(SCOPES.get(scope, Scope()))}
+    return json.dumps({k: values[k] for k in COMPUTED_POSITIONS}, sort_keys=True)
 
 
 def _dedup_dense(points: list[Point]) -> list[Point]:

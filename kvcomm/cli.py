@@ -11,7 +11,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.reuse.config import BASE_SOURCES, BLEND_MODES, DEFAULT_REUSE_SCOPE, MODES, REUSE_SCOPES, ReuseConfig, scope_settings
+from kvcomm.reuse.config import BASE_SOURCES, ReuseConfig
+from kvcomm.reuse.scopes import DEFAULT_SCOPE, SCOPES
+from kvcomm.reuse.strategies import MODES, RECOMPUTE_MODES
 from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.reuse.pipeline import PipelineError, PipelineSpec, load_bundled_pipeline, load_pipeline
 from kvcomm.core.rope import RopeError
@@ -37,12 +39,12 @@ def run_side_by_side(spec: PipelineSpec, executor, config: ReuseConfig, progress
 def _cmd_run(args, spec: PipelineSpec) -> int:
     from kvcomm.eval.report import compare, format_table, to_json
 
-    if args.mode in BLEND_MODES and args.backend == "vllm":
+    if args.mode in RECOMPUTE_MODES and args.backend == "vllm":
         raise ValueError(f"--mode {args.mode} recomputes selected tokens inside the reused KV, which the transformers "
                          "executor does and the vLLM connector does not: use --backend transformers, or --mode "
                          f"{'kvcomm' if args.mode == 'kvblend' else 'realign'} (the same plan without the recompute)")
     config = ReuseConfig(pool=PoolConfig(gamma=args.gamma, max_anchors=args.max_anchors), base_source=args.base_source,
-                         mode=args.mode, **scope_settings(args.reuse_scope))
+                         mode=args.mode, scope=args.reuse_scope)
     executor, model_path = load_executor(args.model, args.backend, args.dtype, args.device)
     try:
         dense, reuse, engine = run_side_by_side(spec, executor, config, progress=not args.json)
@@ -82,7 +84,7 @@ def _cmd_demo(args, spec: PipelineSpec) -> int:
     try:
         baseline = StockVllm(executor.llm, executor.stop_ids) if args.backend == "vllm" else DenseTransformers(executor)
         config = ReuseConfig(pool=PoolConfig(gamma=args.gamma, max_anchors=args.max_anchors), base_source=args.base_source,
-                             **scope_settings(args.reuse_scope))
+                             scope=args.reuse_scope)
         calls, engine = run_demo(spec, executor, baseline, config)
     finally:
         close_executor(executor)
@@ -159,8 +161,8 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_reuse_scope_option(parser: argparse.ArgumentParser) -> None:
-    """``--reuse-scope``, one of ``REUSE_SCOPES`` (kvcomm run, demo, serve and bench_vllm.py)."""
-    parser.add_argument("--reuse-scope", choices=tuple(REUSE_SCOPES), default=DEFAULT_REUSE_SCOPE,
+    """``--reuse-scope``, one of ``SCOPES`` (kvcomm run, demo, serve and bench_vllm.py)."""
+    parser.add_argument("--reuse-scope", choices=tuple(SCOPES), default=DEFAULT_SCOPE,
                         help="what is served from stored KV: all (default: template text, inputs, replies), "
                         "all-reader-replies (all, but each reply computed by its first reader and reused by the later "
                         "ones as that reader computed it), content (the template text after the shared content computed), "

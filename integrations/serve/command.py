@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvcomm.reuse.config import DEFAULT_REUSE_SCOPE
+from kvcomm.reuse.scopes import DEFAULT_SCOPE
 
 
 MIDDLEWARE = "kvcomm.integrations.serve.middleware.KvcommTenantMiddleware"
@@ -75,7 +75,7 @@ def engine_settings(args) -> dict:
     """The connector's extra config from `kvcomm serve`'s own options (None values: the defaults)."""
     engine = {"gamma": args.gamma, "max_anchors": args.max_anchors,
               "max_tenant_bytes": args.max_tenant_bytes, "max_total_bytes": args.max_total_bytes}
-    if args.reuse_scope != DEFAULT_REUSE_SCOPE:
+    if args.reuse_scope != DEFAULT_SCOPE:
         engine["reuse_scope"] = args.reuse_scope
     if args.state_dir:
         engine |= {"state_dir": str(Path(args.state_dir).resolve()), "save_interval_s": args.save_interval}

@@ -156,9 +156,9 @@ class TransformersExecutor:
     def _blend(self, token_ids: Sequence[int], prefix: KV, cache: DynamicCache, blend: BlendRequest) -> tuple[int, ...]:
         """Selective recompute on the injected ``cache``.
 
-        Takes ``blend.positions`` when the engine chose them, else (CacheBlend, Yao et al.
-        2024) the ``blend.count`` tokens of ``[blend.start, blend.end)`` whose keys at layer
-        ``blend.check_layer`` deviate most (L2 over heads and channels) from the real keys;
+        Takes (CacheBlend, Yao et al. 2024) the ``blend.count`` tokens of ``[blend.start,
+        blend.end)`` whose keys at layer ``blend.check_layer`` deviate most (L2 over heads and
+        channels) from the real keys;
         recomputes them through every layer in one forward, each attending to the injected
         KV of unselected tokens before it and to selected tokens at or before it, and writes
         their KV into ``cache`` at their positions. Returns the sorted positions.
@@ -167,11 +167,7 @@ class TransformersExecutor:
         if blend.check_layer >= layers:
             raise ValueError(f"check_layer {blend.check_layer} is out of range for a {layers}-layer model")
         start, end, count = blend.start, blend.end, blend.count
-        if blend.positions is not None:
-            if not blend.positions:
-                return ()
-            selected = torch.tensor(blend.positions, dtype=torch.long, device=self.device)
-        elif count >= end - start:
+        if count >= end - start:
             selected = torch.arange(start, end, device=self.device)
         else:
             real = self._check_keys(token_ids, prefix, blend)

@@ -70,7 +70,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.logger import init_logger
 
 from kvcomm.core.rope import RopeError
-from kvcomm.reuse.config import DEFAULT_REUSE_SCOPE, scope_settings
+from kvcomm.reuse.scopes import DEFAULT_SCOPE, check_scope
 from kvcomm.integrations.vllm.channel import Capture, Channel, channel
 from kvcomm.integrations.vllm.layout import KvIO, LayoutError
 from kvcomm.integrations.vllm.messages import Finished, KvcommWorkerMetadata, PlanAsk
@@ -181,7 +181,7 @@ class KvcommConnector(KVConnectorBase_V1):
         self.engine_id = str(self._kv_transfer_config.engine_id)
         self.channel: Channel = channel(self.engine_id)
         self._strict = bool(self._kv_transfer_config.get_from_extra_config("strict", False))
-        scope_settings(self._kv_transfer_config.get_from_extra_config("reuse_scope", DEFAULT_REUSE_SCOPE))  # refuse an unknown one now
+        check_scope(self._kv_transfer_config.get_from_extra_config("reuse_scope", DEFAULT_SCOPE))  # refuse an unknown one now
         parallel = vllm_config.parallel_config
         groups = None if kv_cache_config is None else kv_cache_config.kv_cache_groups
         model = vllm_config.model_config

@@ -116,10 +116,9 @@ class ServerPlanner:
             plan = engine.calibration_plan(prompt)
         elif not salted:
             plan = ReusePlan(prompt)
-            if engine.config.exact_prefix:
-                length, kv = engine.prefix_store.longest(prompt)
-                length = min(length, len(prompt) - 1)
-                plan.exact_length, plan.exact_kv = length, (kv.span(0, length) if length else None)
+            length, kv = engine.prefix_store.longest(prompt)
+            length = min(length, len(prompt) - 1)
+            plan.exact_length, plan.exact_kv = length, (kv.span(0, length) if length else None)
             plan.note = "no cache_salt: exact reuse only"
         else:
             plan = engine.plan(prompt)  # no base provider: new content's base comes from this prefill

@@ -102,7 +102,8 @@ def make_planner(vllm_config: "VllmConfig", channel: Channel) -> ServerPlanner:
     each rank keeps its state in ``state_dir/tp{size}-rank{rank}`` (a state saved under
     another tensor-parallel size is not loaded)."""
     from kvcomm.anchors.config import PoolConfig
-    from kvcomm.reuse.config import DEFAULT_REUSE_SCOPE, ReuseConfig, scope_settings
+    from kvcomm.reuse.config import ReuseConfig
+    from kvcomm.reuse.scopes import DEFAULT_SCOPE
 
     rotary = channel.rotary
     if rotary is None:
@@ -113,8 +114,8 @@ def make_planner(vllm_config: "VllmConfig", channel: Channel) -> ServerPlanner:
     heads = tensor_parallel_heads(vllm_config)
     caps = {name: _rank_share(extra.get_from_extra_config(name, None), heads.size)
             for name in ("max_total_bytes", "max_tenant_bytes")}
-    scope = scope_settings(extra.get_from_extra_config("reuse_scope", DEFAULT_REUSE_SCOPE))  # checked at start by the connector
-    planner = ServerPlanner(rotary, ReuseConfig(pool=pool, **scope), heads=heads, **caps)
+    scope = extra.get_from_extra_config("reuse_scope", DEFAULT_SCOPE)  # checked at start by the connector
+    planner = ServerPlanner(rotary, ReuseConfig(pool=pool, scope=scope), heads=heads, **caps)
     state_dir = extra.get_from_extra_config("state_dir", None)
     if state_dir and heads.size > 1:
         state_dir = os.path.join(state_dir, f"tp{heads.size}-rank{heads.rank}")  # each rank saves its own heads

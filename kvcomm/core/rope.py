@@ -21,7 +21,7 @@ cos, sin and each product to the model dtype).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +49,8 @@ class Rotary:
     head_dim: int = 0
     interleaved: bool = False
     max_exact_length: int | None = None
+    _tables: dict = field(default_factory=dict, compare=False, repr=False)
+    """device -> (cos, sin) of positions ``[0, P)`` (``cos_sin_table``)."""
 
     def __post_init__(self) -> None:
         if self.inv_freq.ndim != 1 or self.inv_freq.numel() == 0:
@@ -81,6 +83,18 @@ class Rotary:
         inv_freq = self.inv_freq.to(device or positions.device)
         freqs = positions.to(inv_freq.device)[..., None].float() * inv_freq
         return freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+
+    def cos_sin_table(self, device: torch.device | str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos_sin`` of positions ``[0, P)`` with ``P >= length``, fp32 ``[P, rotary_dim // 2]``
+        each on ``device``, computed once per device (grown by doubling): the fused writer reads
+        rows of it instead of computing angles per call. Row ``p`` equals ``cos_sin(p)`` exactly."""
+        device = torch.device(device)
+        held = self._tables.get(device)
+        if held is None or held[0].shape[0] < length:
+            size = max(length, 2 * held[0].shape[0] if held is not None else 4096)
+            held = self.cos_sin(torch.arange(size, dtype=torch.int64, device=device), device)
+            self._tables[device] = held
+        return held
 
     def _pairs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the first and second channel of every rotated pair."""

@@ -1,5 +1,5 @@
 """The reuse engine: plans which prompt tokens are exact, estimated or computed (``engine``, set
-up by ``config``; ``plan``, ``recompute``), builds their KV (``assemble``, ``workspace``,
+up by ``config``; ``plan``, ``strategies`` per mode, ``scopes``), builds their KV (``assemble``, ``workspace``,
 ``prefix_store``), and runs agent calls on an executor (``executor``, ``runner``, ``pipeline``,
 ``handles``). Start at ``runner.run_agent``."""
 
@@ -7,7 +7,9 @@ from kvcomm.core.exports import lazy_exports, names
 
 _EXPORTS = {
     "kvcomm.reuse.engine": ("ReuseEngine",),
-    "kvcomm.reuse.config": ("ReuseConfig", "BASE_SOURCES", "MODES", "REUSE_SCOPES", "DEFAULT_REUSE_SCOPE", "scope_settings"),
+    "kvcomm.reuse.config": ("ReuseConfig", "BASE_SOURCES"),
+    "kvcomm.reuse.strategies": ("MODES", "Mode"),
+    "kvcomm.reuse.scopes": ("SCOPES", "DEFAULT_SCOPE", "Scope"),
     "kvcomm.reuse.plan": ("ReusePlan", "Provenance", "EstimatedPiece", "BlendRequest"),
     "kvcomm.reuse.executor": ("Executor", "Generation"),
     "kvcomm.reuse.pipeline": (
@@ -16,7 +18,6 @@ _EXPORTS = {
     "kvcomm.reuse.runner": ("run_agent", "run_row", "build_prompt", "AgentCall"),
     "kvcomm.reuse.workspace": ("KVWorkspace",),
     "kvcomm.reuse.prefix_store": ("PrefixStore",),
-    "kvcomm.reuse.recompute": ("RECOMPUTE_SELECTIONS", "disagreement_positions"),
     "kvcomm.reuse.handles": ("ContextHandle", "ContextRegistry"),
 }
 __all__ = names(_EXPORTS)

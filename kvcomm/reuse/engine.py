@@ -20,17 +20,18 @@ from typing import Callable
 import torch
 
 from kvcomm.anchors.anchor import Deviation, kv_digest
-from kvcomm.anchors.index import Embedder, KVEmbedding, context_embedding
+from kvcomm.anchors.index import Embedder, KVEmbedding
 from kvcomm.anchors.pool import AnchorPool
-from kvcomm.reuse.assemble import assemble, reuse_device, reuse_layout
-from kvcomm.reuse.config import BLEND_MODES, ReuseConfig
 from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV, place, to_position_free
-from kvcomm.reuse.plan import BlendRequest, EstimatedPiece, ReusePlan
-from kvcomm.reuse.prefix_store import PrefixStore
-from kvcomm.reuse.recompute import disagreement_positions
 from kvcomm.core.rope import RopeError, Rotary
 from kvcomm.core.segments import Prompt, Segment, content_id
+from kvcomm.reuse.assemble import assemble, reuse_device, reuse_layout
+from kvcomm.reuse.config import ReuseConfig
+from kvcomm.reuse.plan import BlendRequest, ReusePlan
+from kvcomm.reuse.prefix_store import PrefixStore
+from kvcomm.reuse.scopes import SCOPES
+from kvcomm.reuse.strategies import MODES
 from kvcomm.reuse.workspace import KVWorkspace
 
 BaseProvider = Callable[[Segment], KV]
@@ -97,17 +98,6 @@ class ReuseEngine:
                 return anchor.base, anchor.embedding
         return None
 
-    def _context(self, prompt: Prompt, index: int, pool: AnchorPool):
-        """``Deviation.context`` of segment ``index`` of ``prompt``: the embeddings of the shared
-        contents before it (all held: reuse and learning stop at new content), when ``pool``
-        weights by context; else None."""
-        if pool.config.context_temperature == 0:
-            return None
-        with self._lock:
-            held = [(self._held_base(s.shared_id), len(s.token_ids)) for s in prompt.segments[:index] if s.is_shared]
-        known = [(h[1], n) for h, n in held if h is not None]
-        return context_embedding([e for e, _ in known], [n for _, n in known])
-
     def has_base(self, shared_id: str) -> bool:
         """Whether a base is held for ``shared_id`` (by the engine or by an anchor of it)."""
         with self._lock:
@@ -138,16 +128,18 @@ class ReuseEngine:
 
     def learns_from(self, plan: ReusePlan) -> bool:
         """Whether the KV a request computes under ``plan`` may become bases, fixed bases or
-        anchors: only when everything before it was exact or computed (nothing estimated),
-        unless ``config.learn_after_estimates``."""
-        return plan.estimated_tokens == 0 or self.config.learn_after_estimates
+        anchors: only when everything before it was exact or computed (nothing estimated)."""
+        return plan.estimated_tokens == 0
 
     def learns_reply_from(self, plan: ReusePlan) -> bool:
         """Whether the reply generated after ``plan`` may become its content's base (its decode
-        KV): with ``config.decode_reply_bases``, when ``learns_from(plan)`` or
-        ``config.reply_bases_after_estimates``."""
-        cfg = self.config
-        return cfg.decode_reply_bases and (self.learns_from(plan) or cfg.reply_bases_after_estimates)
+        KV): when the scope takes replies' bases from their decode and ``learns_from(plan)``."""
+        return self.scope.decode_reply_bases and self.learns_from(plan)
+
+    @property
+    def scope(self):
+        """The ``Scope`` preset named by ``config.scope``."""
+        return SCOPES[self.config.scope]
 
     def base_provider(self, executor) -> BaseProvider | None:
         """What ``plan`` gets to compute new content's base: the executor's standalone prefill
@@ -159,9 +151,9 @@ class ReuseEngine:
     def uses_bases(self) -> bool:
         """Whether plans reuse shared content from base KV (every mode but "exact"), so
         replies are worth registering as bases."""
-        return self.config.mode != "exact"
+        return MODES[self.config.mode].uses_bases
 
-    def _base(self, segment: Segment, provide: BaseProvider | None) -> tuple[KV, object] | None:
+    def base(self, segment: Segment, provide: BaseProvider | None) -> tuple[KV, object] | None:
         """The content's (base, embedding); computed by ``provide`` if new; None if new and no provider."""
         held = self._held_base(segment.shared_id)
         if held is None:
@@ -188,35 +180,24 @@ class ReuseEngine:
             # no stored KV (exact prefix, template lead, base) matches what dense computes.
             plan.note = f"no reuse: {error}"
             return plan
-        if self.config.exact_prefix:
-            length, kv = self.prefix_store.longest(prompt)
-            if length > last:
-                length, kv = last, kv.span(0, last)
-            plan.exact_length, plan.exact_kv = length, kv
+        length, kv = self.prefix_store.longest(prompt)
+        if length > last:
+            length, kv = last, kv.span(0, last)
+        plan.exact_length, plan.exact_kv = length, kv
         lead = self._fixed_bases.get(_fixed_key(prompt, 0))
         if plan.exact_length == 0 and lead is not None and not prompt.segments[0].is_shared:
             # Nothing precedes a template's first segment, so its stored base is its exact KV.
             length = min(lead.length, last)
             plan.exact_length, plan.exact_kv = length, place(lead.span(0, length), self.rotary, 0)
-        mode = self.config.mode
-        if mode == "exact":
-            plan.note = "mode exact: exact prefix only"
-            return plan
-        if mode in ("kvcomm", "kvblend"):
-            self._plan_estimates(plan, provide_base)
-        else:
-            self._plan_realigned(plan, provide_base)
-        if self.config.compute_trailing_text:
+        mode = MODES[self.config.mode]
+        mode.strategy(self, plan, provide_base)
+        if self.scope.compute_trailing_text:
             _drop_trailing_text(plan)
-        if provide_base is None:
+        if provide_base is None and mode.uses_bases:
             plan.new_bases = [i for i, s in enumerate(prompt.segments)
                               if s.is_shared and self._held_base(s.shared_id) is None and prompt.starts[i] >= plan.reuse_end]
-        if mode in BLEND_MODES and plan.estimated_tokens > 0:
-            cfg = self.config
-            positions = None
-            if cfg.recompute_selection == "disagreement":
-                positions = disagreement_positions(plan, cfg.recompute_ratio, cfg.recompute_boundary)
-            plan.blend = BlendRequest(plan.exact_length, plan.reuse_end, cfg.recompute_ratio, cfg.check_layer, positions)
+        if mode.recompute and plan.estimated_tokens > 0:
+            plan.blend = BlendRequest(plan.exact_length, plan.reuse_end, self.config.recompute_ratio, CHECK_LAYER)
         return plan
 
     def calibration_plan(self, prompt: Prompt, provide_base: BaseProvider | None = None) -> ReusePlan:
@@ -235,147 +216,28 @@ class ReuseEngine:
         if not self.learns_at(len(prompt)):
             plan.note = "calibration: nothing learned, the prompt is past the exact RoPE length"
             return plan
-        anchors = self.config.mode in ("kvcomm", "kvblend")
+        anchors = MODES[self.config.mode].estimates
         for index, segment in enumerate(prompt.segments):
             if not segment.is_shared:
                 continue
-            if self._base(segment, provide_base) is None:
+            if self.base(segment, provide_base) is None:
                 plan.new_bases.append(index)
             elif anchors:
                 plan.learn.append(index)
         return plan
 
-    def _plan_realigned(self, plan: ReusePlan, provide: BaseProvider | None) -> None:
-        """Modes "realign" and "cacheblend": reuse every segment with a base as its realigned
-        base (shared: its content's base; fixed: the template's stored base), in order, up to
-        the first fixed segment without one. No anchors, no admission, no deviation."""
-        prompt, last = plan.prompt, self._reuse_limit(plan.prompt)
-        index = next((i for i in range(len(prompt.segments)) if prompt.end(i) > plan.exact_length), None)
-        while index is not None and index < len(prompt.segments):
-            segment = prompt.segments[index]
-            if prompt.starts[index] != plan.reuse_end:  # the exact prefix ends inside this segment
-                return
-            if segment.is_shared:
-                known = self._base(segment, provide)
-                if known is None:
-                    plan.note = _new_content_note(segment)
-                    return
-                base = known[0]
-            else:
-                base = self._fixed_bases.get(_fixed_key(prompt, index))
-                if base is None:
-                    plan.note = f"fixed segment {index} at {prompt.starts[index]} has no base yet"
-                    return
-            if not _add_realigned(plan, index, base, last):
-                return
-            index += 1
+    def reuse_limit(self, prompt: Prompt) -> int:
+        """First prompt position no estimated or realigned piece may reach: the last token is
+        computed, so its logits come from a real forward."""
+        return max(len(prompt) - 1, 0)
 
-    def _reuse_limit(self, prompt: Prompt) -> int:
-        """First prompt position no estimated or realigned piece may reach: the last
-        ``config.compute_tail`` tokens are computed."""
-        return max(len(prompt) - self.config.compute_tail, 0)
+    def fixed_base(self, prompt: Prompt, index: int) -> KV | None:
+        """The stored base of fixed segment ``index`` of ``prompt`` (its template's), or None."""
+        return self._fixed_bases.get(_fixed_key(prompt, index))
 
-    def _behind_estimate(self, plan: ReusePlan) -> str | None:
-        """``config.behind_estimate`` once ``plan`` has estimated (so it will learn nothing), else None."""
-        cfg = self.config
-        return cfg.behind_estimate if plan.estimated_tokens > 0 and not cfg.learn_after_estimates else None
-
-    def _realigns_unlearnable(self, plan: ReusePlan) -> bool:
-        """Whether ``plan`` serves uncovered tails and fixed segments realigned from here on."""
-        return self._behind_estimate(plan) in ("realign", "learn")
-
-    def _plan_estimates(self, plan: ReusePlan, provide: BaseProvider | None) -> None:
-        prompt, last = plan.prompt, self._reuse_limit(plan.prompt)
-        index = next((i for i in range(len(prompt.segments)) if prompt.end(i) > plan.exact_length), None)
-        reusing = True
-        while index is not None and index < len(prompt.segments):
-            segment, start = prompt.segments[index], prompt.starts[index]
-            if reusing and start >= last:  # the computed tail
-                reusing = False
-            if not segment.is_shared:
-                if reusing and start == plan.reuse_end and self._realigns_unlearnable(plan):
-                    fixed = self._fixed_bases.get(_fixed_key(prompt, index))
-                    if fixed is None:
-                        plan.note = plan.note or f"fixed segment {index} at {start} has no base yet"
-                    reusing = fixed is not None and _add_realigned(plan, index, fixed, last)
-                else:
-                    if reusing and not plan.note:
-                        plan.note = f"fixed segment {index} at {start} is not reusable on its own"
-                    reusing = False
-                index += 1
-                continue
-            known = self._base(segment, provide)
-            if known is None:  # new content: computed densely, its base taken in learn
-                if reusing and not plan.note:
-                    plan.note = _new_content_note(segment)
-                reusing = False
-                index += 1
-                continue
-            base, embedding = known
-            slot = (prompt.template_id, segment.slot)
-            pool = self.pool(segment.slot)
-            if not reusing or start != plan.reuse_end:
-                reusing = False
-                dense = start >= plan.reuse_end
-                if dense and pool.decide(slot, segment.shared_id, base, embedding, commit=False) is None:
-                    plan.learn.append(index)
-                index += 1
-                continue
-            refusals: list[str] = []
-            match = pool.decide(slot, segment.shared_id, base, embedding, refusals=refusals,
-                                context=self._context(prompt, index, pool))
-            if match is None:
-                behind = self._behind_estimate(plan)
-                if behind == "realign":
-                    reusing = _add_realigned(plan, index, base, last)
-                    index += 1
-                    continue
-                if behind == "learn":
-                    plan.pieces.clear()  # computed cleanly from the exact prefix on, so this request learns
-                plan.learn.append(index)
-                plan.note = f"slot {segment.slot!r} not shareable ({'; '.join(refusals)}): new anchor"
-                reusing = False
-                index += 1
-                continue
-            covered = min(match.covered, last - start)
-            if match.identical:  # its deviation is applied to the very base it was measured against
-                base = match.anchors[0].base
-            piece = EstimatedPiece(index, start, base.span(0, covered), match, pool)
-            if covered < len(segment):
-                plan.pieces.append(piece)
-                if self._realigns_unlearnable(plan):  # the uncovered tail as its realigned base
-                    reusing = _add_realigned(plan, index, base, last, covered)
-                else:
-                    plan.note = f"slot {segment.slot!r}: {covered} of {len(segment)} tokens covered by anchors"
-                    reusing = False
-                index += 1
-                continue
-            piece = self._with_following(piece, prompt, last)
-            plan.pieces.append(piece)
-            if (piece.following_base is None and index + 1 < len(prompt.segments) and not prompt.segments[index + 1].is_shared
-                    and not self._realigns_unlearnable(plan)):
-                plan.note = plan.note or f"fixed segment after slot {segment.slot!r} has no base yet"
-                reusing = False
-            index += 1 if piece.following_base is None else 2
-
-    def _with_following(self, piece: EstimatedPiece, prompt: Prompt, last: int) -> EstimatedPiece:
-        """Extend a fully covered shared piece over the fixed segment after it, if estimable."""
-        nxt = piece.segment_index + 1
-        if nxt >= len(prompt.segments) or prompt.segments[nxt].is_shared:
-            return piece
-        key = _fixed_key(prompt, nxt)
-        fixed_base = self._fixed_bases.get(key)
-        if fixed_base is None:
-            return piece
-        digest = self._fixed_digest(key)
-        deviations = [a.deviations[piece.match.slot] for a in piece.match.anchors]
-        if any(d.following is None or d.following_base != digest for d in deviations):
-            return piece  # measured against another base of this fixed segment (dropped, relearned)
-        start = prompt.starts[nxt]
-        length = min(fixed_base.length, last - start)
-        if length <= 0:
-            return piece
-        return EstimatedPiece(piece.segment_index, piece.start, piece.base, piece.match, piece.pool, start, fixed_base.span(0, length))
+    def fixed_digest(self, prompt: Prompt, index: int) -> str:
+        """``kv_digest`` of the fixed base held for segment ``index`` (computed once per base)."""
+        return self._fixed_digest(_fixed_key(prompt, index))
 
     def _fixed_digest(self, key: tuple[str, str]) -> str:
         """``kv_digest`` of the fixed base held under ``key`` (computed once per base)."""
@@ -443,13 +305,13 @@ class ReuseEngine:
             return to_position_free(kv, self.rotary, start)
 
         clean = self.learns_from(plan)
-        if not clean and not self.config.bases_after_estimates:
+        if not clean and not self.scope.bases_after_estimates:
             return
         with self._lock:
             self._take_new_bases(plan, real)
             if not clean:
                 return  # computed behind estimated KV: its errors would become every later estimate's
-            if self.config.exact_prefix and plan.estimated_tokens == 0:
+            if plan.estimated_tokens == 0:
                 full = computed if plan.exact_kv is None else KV.cat([plan.exact_kv, computed.to(plan.exact_kv.keys.dtype)])
                 self.prefix_store.put(prompt, full)
             for index, segment in enumerate(prompt.segments):
@@ -479,33 +341,31 @@ class ReuseEngine:
         nxt = index + 1
         if nxt < len(prompt.segments) and not prompt.segments[nxt].is_shared:
             key = _fixed_key(prompt, nxt)
-            following, following_base = self._stored(_deep_deviation(real(nxt), self._fixed_bases[key])), self._fixed_digest(key)
+            following, following_base = _deep_deviation(real(nxt), self._fixed_bases[key]), self._fixed_digest(key)
         shared = _deep_deviation(real(index), base)
         slot = (prompt.template_id, segment.slot)
-        context = self._context(prompt, index, pool)
         if pool.config.shrinkage:
-            self._observe(pool, slot, segment.shared_id, base, embedding, shared, following, following_base, context)
-        deviation = Deviation(self._stored(shared), following, following_base, DEVIATION_FIRST_LAYER, context)
+            self._observe(pool, slot, segment.shared_id, base, embedding, shared, following, following_base)
+        deviation = Deviation(shared, following, following_base, DEVIATION_FIRST_LAYER)
         pool.record(slot, segment.shared_id, base, embedding, deviation)
 
     @staticmethod
     def _observe(pool: AnchorPool, slot, segment_id: str, base: KV, embedding, shared: KV,
-                 following: KV | None, following_base: str | None, context=None) -> None:
+                 following: KV | None, following_base: str | None) -> None:
         """Before a dense segment becomes an anchor: what would the pool have estimated for it?
         Feeds the slot's shrinkage fit (``AnchorPool.observe``); the following segment only when
         every matched anchor measured its deviation against the same fixed base."""
-        match = pool.decide(slot, segment_id, base, embedding, commit=False, admission=False, context=context)
+        match = pool.decide(slot, segment_id, base, embedding, commit=False, admission=False)
         if match is None or match.identical:
             return
         same_following = following is not None and all(
             a.deviations[slot].following_base == following_base for a in match.anchors)
         pool.observe(match, base, shared, following if same_following else None)
 
-    def _stored(self, kv: KV) -> KV:
-        """A freshly computed deviation in the anchors' storage dtype."""
-        return kv.to(self.config.anchor_dtype) if self.config.anchor_dtype is not None else kv
 
-
+CHECK_LAYER = 1
+"""The decoder layer (0-based) whose key deviation picks the tokens a selective recompute
+recomputes (CacheBlend's rule: docs/measurements/2026-12-02-disagreement-recompute.md)."""
 
 DEVIATION_FIRST_LAYER = 1
 """Deviations are recorded from this model layer on: layer 0's K/V depend only on each token and
@@ -519,23 +379,6 @@ def _deep_deviation(real: KV, base: KV) -> KV:
               real.values[first:] - base.values[first:].to(real.values.dtype))
 
 
-def _add_realigned(plan: ReusePlan, index: int, base: KV, last: int, offset: int = 0) -> bool:
-    """Append segment ``index``'s tokens from ``offset`` on, served as their realigned ``base``
-    (position-free, the segment's own; no deviation), to ``plan``, which must reach exactly
-    there; never a token at or past ``last`` (``ReuseEngine._reuse_limit``). Returns whether the
-    whole segment is now reused (so reuse may go on), False if the plan does not reach there or
-    it was cut short."""
-    prompt = plan.prompt
-    start = prompt.starts[index] + offset
-    if start != plan.reuse_end:  # the exact prefix ends inside this segment (cut before the last token)
-        return False
-    end = min(len(prompt.segments[index]), base.length, last - prompt.starts[index])
-    if end <= offset:
-        return False
-    plan.pieces.append(EstimatedPiece(index, start, base.span(offset, end), None, None))
-    return end == len(prompt.segments[index])
-
-
 def _drop_trailing_text(plan: ReusePlan) -> None:
     """Cut ``plan`` after its last reused shared segment: the fixed template text it would
     serve after that (fixed pieces, a piece's following segment) is computed instead."""
@@ -546,10 +389,6 @@ def _drop_trailing_text(plan: ReusePlan) -> None:
         plan.pieces[-1] = replace(plan.pieces[-1], following_start=None, following_base=None)
     if plan.reuse_end < end:
         plan.note = f"template text after the last reused shared segment is computed (from {plan.reuse_end})"
-
-
-def _new_content_note(segment: Segment) -> str:
-    return f"slot {segment.slot!r}: new content, its base is taken from this prefill"
 
 
 def _fixed_key(prompt: Prompt, index: int) -> tuple[str, str]:

@@ -43,28 +43,18 @@ class EstimatedPiece:
 
 @dataclass(frozen=True)
 class BlendRequest:
-    """Selective recompute asked of the executor: of the estimated prompt tokens
-    ``[start, end)``, recompute ``count`` through every layer, attending properly, and keep
-    their real KV. Which ones: ``positions`` when the engine chose them (absolute, sorted,
-    distinct, inside the range), else CacheBlend's rule (Yao et al. 2024): the ``count`` whose
-    keys at decoder layer ``check_layer`` deviate most from the real keys there."""
+    """Selective recompute asked of the executor (CacheBlend, Yao et al. 2024): of the
+    estimated prompt tokens ``[start, end)``, recompute the ``count`` whose keys at decoder
+    layer ``check_layer`` deviate most from the real keys there, through every layer,
+    attending properly, and keep their real KV."""
 
     start: int
     end: int
     ratio: float
     check_layer: int
-    positions: tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        p = self.positions
-        if p is not None and (list(p) != sorted(set(p)) or any(not self.start <= q < self.end for q in p)):
-            raise ValueError(f"blend positions must be sorted, distinct and in [{self.start}, {self.end}) (got {list(p)})")
 
     @property
     def count(self) -> int:
-        """``len(positions)``, else ``ratio_count(ratio, end - start)``."""
-        if self.positions is not None:
-            return len(self.positions)
         return ratio_count(self.ratio, self.end - self.start)
 
     def cut(self, end: int) -> "BlendRequest | None":
@@ -72,8 +62,7 @@ class BlendRequest:
         ``end``), None if nothing is left to recompute from."""
         if end <= self.start:
             return None
-        positions = None if self.positions is None else tuple(q for q in self.positions if q < end)
-        return BlendRequest(self.start, min(end, self.end), self.ratio, self.check_layer, positions)
+        return BlendRequest(self.start, min(end, self.end), self.ratio, self.check_layer)
 
 
 def ratio_count(ratio: float, tokens: int) -> int:
@@ -94,7 +83,7 @@ class ReusePlan:
     indices, all inside ``[reuse_end, len(prompt))``, whose content had no base KV when
     planned; ``learn`` takes their base from the computed KV. ``note`` says why reuse stopped.
 
-    ``blend`` (mode "cacheblend"): the selective recompute the executor is to run over the
+    ``blend`` (modes "cacheblend", "kvblend"): the selective recompute the executor is to run over the
     estimated tokens; ``recompute`` the sorted prompt positions it recomputed (filled in
     from the executor's ``Generation.recomputed``; None when nothing was asked).
     ``estimated_tokens`` counts the tokens the injected KV estimated before any recompute.

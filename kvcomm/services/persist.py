@@ -127,11 +127,8 @@ def _snapshot(engine: ReuseEngine) -> tuple[dict, dict[str, torch.Tensor]]:
                     _put(tensors, f"{name}.dev{d}.shared", deviation.shared)
                     if deviation.following is not None:
                         _put(tensors, f"{name}.dev{d}.following", deviation.following)
-                    if deviation.context is not None:
-                        _put_embedding(tensors, f"{name}.dev{d}.context", deviation.context)
                     deviations.append({"template": template, "slot": slot_name, "following": deviation.following is not None,
-                                       "following_base": deviation.following_base, "first_layer": deviation.first_layer,
-                                       "context": deviation.context is not None})
+                                       "following_base": deviation.following_base, "first_layer": deviation.first_layer})
                 anchors.append({"segment_id": anchor.segment_id, "serial": anchor.serial, "accesses": anchor.accesses,
                                 "deviations": deviations})
             fits = []
@@ -171,7 +168,7 @@ def save_engine(engine: ReuseEngine, directory: str | os.PathLike, fingerprint: 
         config = engine.config
         manifest = {
             "format": FORMAT, "version": VERSION, "fingerprint": fingerprint.to_json(),
-            "config": {"mode": config.mode, "anchor_dtype": str(config.anchor_dtype), "pool": asdict(config.pool)},
+            "config": {"mode": config.mode, "scope": config.scope, "pool": asdict(config.pool)},
             "tensors": {"file": name, "sha256": digest, "bytes": size}, **body,
         }
         write_text_atomically(directory / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
@@ -286,7 +283,6 @@ def _field(obj: object, key: str, kind: type, where: Path):
 
 def _build(manifest: dict, tensors: dict[str, torch.Tensor], engine: ReuseEngine, where: Path, device: torch.device):
     read = _Reader(tensors, engine.rotary.head_dim, where, device)
-    dtype = engine.config.anchor_dtype
     pools: dict[str, AnchorPool] = {}
     for p, entry in enumerate(_field(manifest, "pools", list, where)):
         slot = _field(entry, "slot", str, where)
@@ -305,12 +301,10 @@ def _build(manifest: dict, tensors: dict[str, torch.Tensor], engine: ReuseEngine
                 shared = read.kv(f"{name}.dev{d}.shared", base.length, layers)
                 following = read.kv(f"{name}.dev{d}.following", layers=layers) if _field(dev, "following", bool, where) else None
                 following_base = dev.get("following_base") if isinstance(dev, dict) else None
-                context = read.embedding(f"{name}.dev{d}.context") if dev.get("context") is True else None  # absent before
-                if context is not None and context.shape != anchor.embedding.shape:
-                    read.fail(f"{name}.dev{d}.context has {context.shape[0]} dims, the anchor's embedding {anchor.embedding.shape[0]}")
-                deviation = Deviation(shared.to(dtype) if dtype else shared,
-                                      following.to(dtype) if dtype and following is not None else following,
-                                      following_base if isinstance(following_base, str) else None, first_layer, context)
+                if isinstance(dev, dict) and dev.get("context") is True:  # saved with context weighting (removed): not used
+                    read.embedding(f"{name}.dev{d}.context")
+                deviation = Deviation(shared, following,
+                                      following_base if isinstance(following_base, str) else None, first_layer)
                 anchor.deviations[(_field(dev, "template", str, where), _field(dev, "slot", str, where))] = deviation
             anchors.append(anchor)
         if slot in pools:

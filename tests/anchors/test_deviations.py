@@ -59,39 +59,3 @@ def test_add_to_with_a_base_and_no_parts_copies_the_base():
     target = torch.empty_like(base)
     WeightedDeviations((), (), ()).add_to(target, "values", 0, L, base=base)
     assert torch.equal(target, base)
-
-
-def normalized(t: int, seed: int, anchors: int = 3) -> WeightedDeviations:
-    """Parts with per-token key weights and per-channel value weights that sum to 1 over anchors."""
-    gen = torch.Generator().manual_seed(seed)
-    parts = tuple(rand_kv(t, seed + 10 + a) for a in range(anchors))
-    wk = torch.softmax(torch.randn(anchors, 1, 1, t, 1, generator=gen), dim=0)
-    wv = torch.softmax(torch.randn(anchors, L, H, 1, D, generator=gen), dim=0)
-    return WeightedDeviations(parts, tuple(wk), tuple(wv))
-
-
-def test_spread_is_the_weighted_variance_written_out():
-    t = 4
-    dev = normalized(t, 1)
-    keys, values = dev.spread()
-    assert keys.shape == values.shape == (H, t) and keys.dtype == torch.float32
-    for name, got in (("keys", keys), ("values", values)):
-        weights = dev.key_weights if name == "keys" else dev.value_weights
-        mean = plain(dev, name, t)
-        expected = sum(w * (getattr(p, name)[:, :, :t] - mean) ** 2 for p, w in zip(dev.parts, weights)).sum(dim=(0, 3))
-        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
-
-
-def test_spread_is_shift_invariant_and_zero_when_the_anchors_agree():
-    t = 3
-    dev = normalized(t, 2)
-    shift = rand_kv(t, 99)
-    moved = WeightedDeviations(tuple(KV(p.keys + shift.keys, p.values + shift.values) for p in dev.parts),
-                               dev.key_weights, dev.value_weights)
-    for a, b in zip(dev.spread(), moved.spread()):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
-    same = WeightedDeviations((shift,) * 3, dev.key_weights, dev.value_weights)
-    for s in same.spread():
-        assert float(s.abs().max()) <= 1e-5
-    alone = WeightedDeviations((shift,), (torch.ones(()),), (torch.ones(()),))
-    assert all(torch.equal(s, torch.zeros(H, t)) for s in alone.spread())

@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvcomm.anchors.anchor import Anchor, Deviation
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.anchors.pool import AnchorPool, Match
+from kvcomm.anchors.pool import ADMISSION_TEMPERATURE, AnchorPool, Match
 from kvcomm.core.kv import KV
 
 L, H, D = 2, 1, 4
@@ -85,25 +85,18 @@ def index_size(pool: AnchorPool) -> int:
     [
         ({"gamma": -0.1}, "gamma must be >= 0 (got -0.1)"),
         ({"gamma": float("nan")}, "gamma must be >= 0"),
-        ({"max_anchors": 0}, "max_anchors (V) must be >= 1 (got 0)"),
-        ({"eviction_window": 0}, "eviction_window (W) must be >= 1 (got 0)"),
+        ({"max_anchors": 0}, "max_anchors must be an integer >= 1 (got 0)"),
+        ({"eviction_window": 0}, "eviction_window must be an integer >= 1 (got 0)"),
         ({"top_p": 0.0}, "top_p must be in (0, 1] (got 0.0)"),
         ({"top_p": 1.5}, "top_p must be in (0, 1] (got 1.5)"),
         ({"temperature": 0.0}, "temperature must be > 0 (got 0.0)"),
         ({"temperature": -1.0}, "temperature must be > 0 (got -1.0)"),
         ({"max_candidates": 1}, "max_candidates must be 0 (all) or >= 2 (got 1)"),
-        ({"max_candidates": -3}, "max_candidates must be 0 (all) or >= 2 (got -3)"),
-        ({"max_bytes": 0}, "max_bytes must be positive or None (got 0)"),
-        ({"min_estimate_anchors": -1}, "min_estimate_anchors must be an integer >= 0 (got -1)"),
+        ({"max_candidates": -3}, "max_candidates must be an integer >= 0 (got -3)"),
+        ({"max_bytes": 0}, "max_bytes must be a positive integer or None (got 0)"),
         ({"min_compatible": 0}, "min_compatible must be an integer >= 1 (got 0)"),
         ({"min_compatible": 1.5}, "min_compatible must be an integer >= 1 (got 1.5)"),
-        ({"admission_distance": "cosine"}, "admission_distance must be one of relative, l2 (got 'cosine')"),
-        ({"admission_temperature": 0.0}, "admission_temperature must be > 0 (got 0.0)"),
-        ({"admission_temperature": float("nan")}, "admission_temperature must be > 0"),
-        ({"context_temperature": -0.1}, "context_temperature must be a finite number >= 0 (got -0.1)"),
-        ({"context_temperature": float("inf")}, "context_temperature must be a finite number >= 0"),
-        ({"estimator": "mean"}, "estimator must be one of anchors, linear (got 'mean')"),
-        ({"linear_ridge": 0.0}, "linear_ridge must be a finite number > 0 (got 0.0)"),
+        ({"shrinkage": 1}, "shrinkage must be true or false (got 1)"),
     ],
 )
 def test_config_rejects_bad_values_with_clear_message(kwargs, message):
@@ -207,26 +200,15 @@ def _two_point_entropy_ratio(logit_gap: float) -> float:
     return -(s * math.log(s) + (1 - s) * math.log(1 - s)) / math.log(2)
 
 
-def test_entropy_threshold_is_exactly_gamma_log_n_reference_l2():
-    # Two anchors at raw value-L2 distances 0 and delta: p = softmax([0, -delta]).
-    delta = 1.0
-    ratio = _two_point_entropy_ratio(delta)
-    for gamma, expect_match in [(ratio - 1e-4, False), (ratio + 1e-4, True)]:
-        pool = AnchorPool(PoolConfig(gamma=gamma, admission_distance="l2"))
-        add(pool, "a", const_kv(4))
-        add(pool, "b", value_offset(4, delta))
-        assert (pool.decide(SLOT, "new", const_kv(4), DEFAULT_EMB) is not None) is expect_match
-
-
-@pytest.mark.parametrize("tau", [0.02, 0.1])
-def test_entropy_threshold_is_exactly_gamma_log_n_relative(tau):
-    # Anchors at per-element RMS distances 1 and 1.03 (2 * 1 * 4 * 4 = 32 elements each):
-    # logits -(1 / 1) / tau and -(1.03 / 1) / tau, a gap of 0.03 / tau.
-    near, far = const_kv(4, value=1.0), const_kv(4, value=1.03)
-    ratio = _two_point_entropy_ratio(0.03 / tau)
+@pytest.mark.parametrize("gap", [0.002, 0.01])
+def test_entropy_threshold_is_exactly_gamma_log_n_relative(gap):
+    # Anchors at per-element RMS distances 1 and 1 + gap (2 * 1 * 4 * 4 = 32 elements each):
+    # logits -(1 / 1) / tau and -((1 + gap) / 1) / tau, a gap of gap / tau.
+    near, far = const_kv(4, value=1.0), const_kv(4, value=1.0 + gap)
+    ratio = _two_point_entropy_ratio(gap / ADMISSION_TEMPERATURE)
     assert 0.05 < ratio < 0.999
     for gamma, expect_match in [(ratio - 1e-4, False), (ratio + 1e-4, True)]:
-        pool = AnchorPool(PoolConfig(gamma=gamma, admission_distance="relative", admission_temperature=tau))
+        pool = AnchorPool(PoolConfig(gamma=gamma))
         add(pool, "far", far)
         add(pool, "near", near)
         match = pool.decide(SLOT, "new", const_kv(4), DEFAULT_EMB)
@@ -236,25 +218,24 @@ def test_entropy_threshold_is_exactly_gamma_log_n_relative(tau):
 def test_relative_admission_is_length_normalized_and_scale_free():
     new = rand_kv(8, 0)
     noise = 3.0 * rand_kv(8, 1).values
-    noise[:, :, 4:] *= 1.02  # "long" is about 1% farther per element than "short"
+    noise[:, :, 4:] = 1.006 * noise[:, :, :4]  # "long" is about 0.3% farther per element than "short"
     long = KV(new.keys.clone(), new.values + noise)
     short = KV(new.keys[:, :, :4].clone(), new.values[:, :, :4] + noise[:, :, :4])
-    reference = AnchorPool(PoolConfig(admission_distance="l2"))
-    relative = AnchorPool(PoolConfig(admission_distance="relative", admission_temperature=0.02))
-    for pool in (reference, relative):
-        add(pool, "long", long)
-        add(pool, "short", short)
-    # The raw L2 over min(T, length) tokens makes "short" look far nearer (fewer tokens compared).
-    p_ref = reference._admission(list(reference.anchors), new)
-    assert float(p_ref[1]) > 0.99
+    relative = AnchorPool(PoolConfig())
+    add(relative, "long", long)
+    add(relative, "short", short)
+    # The raw L2 over min(T, length) tokens makes "short" look far nearer (fewer tokens compared):
+    # softmax(-l2), the reference's p, would be one-hot on it.
+    l2 = torch.stack([torch.linalg.vector_norm(noise.double()), torch.linalg.vector_norm(noise[:, :, :4].double())])
+    assert float(torch.softmax(-l2, 0)[1]) > 0.99
     # Per-element RMS relative to the nearest, over tau, computed independently here.
-    rms = torch.tensor([float(noise.square().mean().sqrt()), float(noise[:, :, :4].square().mean().sqrt())], dtype=torch.float64)
-    expected = torch.softmax(-(rms / rms.min()) / 0.02, 0)
+    rms = torch.stack([noise.double().square().mean().sqrt(), noise[:, :, :4].double().square().mean().sqrt()])
+    expected = torch.softmax(-(rms / rms.min()) / ADMISSION_TEMPERATURE, 0)
     p_rel = relative._admission(list(relative.anchors), new)
     close(p_rel, expected, atol=1e-6)
     assert 0.05 < float(p_rel[0]) < 0.5  # "long" keeps real weight: not one-hot
     # Scale-free: scaling every value by 10 changes nothing.
-    scaled = AnchorPool(PoolConfig(admission_distance="relative", admission_temperature=0.02))
+    scaled = AnchorPool(PoolConfig())
     add(scaled, "long", KV(long.keys, long.values * 10))
     add(scaled, "short", KV(short.keys, short.values * 10))
     close(scaled._admission(list(scaled.anchors), KV(new.keys, new.values * 10)), p_rel, atol=1e-5)
@@ -274,20 +255,18 @@ _GAMMAS = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
 
 @settings(max_examples=120, deadline=None)
 @given(
-    kind=st.sampled_from(["relative", "l2"]),
-    tau=st.sampled_from([0.005, 0.02, 0.2]),
     offsets=st.lists(st.sampled_from([0.0, 0.001, 0.01, 0.05, 0.3, 1.0, 5.0, 40.0]), min_size=2, max_size=6),
     lengths=st.lists(st.integers(2, 6), min_size=6, max_size=6),
     new_length=st.integers(2, 6),
 )
-def test_admission_laws_in_gamma(kind, tau, offsets, lengths, new_length):
+def test_admission_laws_in_gamma(offsets, lengths, new_length):
     """gamma = 1 always reuses (>= 2 compatible anchors); gamma = 0 reuses only when p is
     one-hot; reuse is monotone in gamma."""
     center = rand_kv(6, 100).values
     new = KV(torch.zeros(L, H, new_length, D), center[:, :, :new_length])
     decisions = []
     for gamma in _GAMMAS:
-        pool = AnchorPool(PoolConfig(gamma=gamma, admission_distance=kind, admission_temperature=tau, min_coverage=0.0))
+        pool = AnchorPool(PoolConfig(gamma=gamma, min_coverage=0.0))
         for i, (offset, t) in enumerate(zip(offsets, lengths)):
             add(pool, f"a{i}", KV(torch.zeros(L, H, t, D), center[:, :, :t] + offset * rand_kv(t, i).values))
         decisions.append(pool.decide(SLOT, "new", new, DEFAULT_EMB, commit=False) is not None)
@@ -316,23 +295,8 @@ def test_anchors_without_a_deviation_for_the_slot_do_not_count():
     assert match is not None and {x.segment_id for x in match.anchors} == {"a", "b"}
 
 
-def test_without_partial_coverage_shorter_anchors_are_not_compatible():
-    pool = AnchorPool(PoolConfig(gamma=1.0, partial_coverage=False))
-    add(pool, "short1", const_kv(3))
-    add(pool, "short2", value_offset(3, 40.0))
-    add(pool, "long", const_kv(6))
-    # Only "long" has >= 5 tokens: one compatible anchor -> dense.
-    assert pool.decide(SLOT, "new", const_kv(5), DEFAULT_EMB) is None
-    add(pool, "long2", value_offset(8, 40.0))
-    match = pool.decide(SLOT, "new", const_kv(5), DEFAULT_EMB)
-    assert match is not None
-    assert match.covered == 5
-    assert {a.segment_id for a in match.anchors} == {"long", "long2"}
-    assert accesses(pool) == {"short1": 0, "short2": 0, "long": 1, "long2": 0}
-
-
 def test_partial_coverage_covers_the_longest_anchor_head():
-    pool = AnchorPool(PoolConfig(gamma=1.0, partial_coverage=True))
+    pool = AnchorPool(PoolConfig(gamma=1.0))
     add(pool, "three", const_kv(3))
     add(pool, "four", value_offset(4, 40.0))
     match = pool.decide(SLOT, "new", const_kv(7), DEFAULT_EMB)
@@ -345,7 +309,7 @@ def test_partial_coverage_covers_the_longest_anchor_head():
 
 
 def test_partial_coverage_with_an_anchor_long_enough_covers_everything():
-    pool = AnchorPool(PoolConfig(gamma=1.0, partial_coverage=True))
+    pool = AnchorPool(PoolConfig(gamma=1.0))
     add(pool, "three", const_kv(3))
     add(pool, "eight", value_offset(8, 40.0))
     add(pool, "five", const_kv(5))
@@ -354,16 +318,13 @@ def test_partial_coverage_with_an_anchor_long_enough_covers_everything():
     assert {a.segment_id for a in match.anchors} == {"eight", "five"}
 
 
-@pytest.mark.parametrize("need, covered, used", [(1, 8, {"eight"}), (2, 5, {"eight", "five"}),
-                                                 (3, 3, {"eight", "five", "three"}), (0, 3, {"eight", "five", "three"}),
-                                                 (9, 3, {"eight", "five", "three"})])
-def test_min_estimate_anchors_shortens_the_head_to_what_enough_anchors_cover(need, covered, used):
-    pool = AnchorPool(PoolConfig(gamma=1.0, min_estimate_anchors=need, min_coverage=0.0))
+def test_the_estimated_head_is_what_the_longest_compatible_anchor_covers():
+    pool = AnchorPool(PoolConfig(gamma=1.0, min_coverage=0.0))
     for sid, length in (("three", 3), ("eight", 8), ("five", 5)):
         add(pool, sid, value_offset(length, 1.0))
     match = pool.decide(SLOT, "new", const_kv(10), DEFAULT_EMB)
-    assert match is not None and match.covered == covered
-    assert {a.segment_id for a in match.anchors} == used
+    assert match is not None and match.covered == 8
+    assert {a.segment_id for a in match.anchors} == {"eight"}
 
 
 def test_identical_segment_is_reused_directly():
@@ -385,11 +346,12 @@ def test_identical_segment_without_deviation_for_the_slot_is_not_reused():
 
 
 def test_commit_false_leaves_access_counts_unchanged():
-    # Reference distances: no anchor's p underflows to 0, so top_p = 1 counts all three.
-    pool = AnchorPool(PoolConfig(gamma=1.0, top_p=1.0, admission_distance="l2"))
-    add(pool, "a", const_kv(4))
-    add(pool, "b", value_offset(4, 1.0))
-    add(pool, "c", value_offset(4, 2.0))
+    # RMS distances within a few tau of each other: no anchor's p underflows to 0, so top_p = 1
+    # counts all three.
+    pool = AnchorPool(PoolConfig(gamma=1.0, top_p=1.0))
+    add(pool, "a", const_kv(4, value=1.0))
+    add(pool, "b", const_kv(4, value=1.005))
+    add(pool, "c", const_kv(4, value=1.01))
     probe = pool.decide(SLOT, "new", const_kv(4), DEFAULT_EMB, commit=False)
     assert probe is not None
     assert accesses(pool) == {"a": 0, "b": 0, "c": 0}
@@ -407,14 +369,16 @@ def test_commit_false_leaves_access_counts_unchanged():
 )
 def test_top_p_counts_the_anchors_carrying_the_mass(top_p, counted):
     probs = [0.7, 0.25, 0.05]
-    # softmax(-d) = probs for d_i = 1 - log(p_i).
-    distances = [1.0 - math.log(p) for p in probs]
+    # p = softmax(-(r / r_min) / tau) = probs for per-element RMS distances r_i = 1 + tau * log(p_0 / p_i)
+    # (every element of the values at r_i, the new base's at 0).
+    distances = [1.0 + ADMISSION_TEMPERATURE * math.log(probs[0] / p) for p in probs]
     entropy = -sum(p * math.log(p) for p in probs)
     assert entropy / math.log(3) < 0.7
-    pool = AnchorPool(PoolConfig(gamma=0.7, top_p=top_p, admission_distance="l2"))
+    pool = AnchorPool(PoolConfig(gamma=0.7, top_p=top_p))
     # Insert in an order unrelated to probability.
     for sid, d in [("c", distances[2]), ("a", distances[0]), ("b", distances[1])]:
-        add(pool, sid, value_offset(4, d))
+        add(pool, sid, const_kv(4, value=d))
+    close(pool._admission(list(pool.anchors), const_kv(4)), torch.tensor([probs[2], probs[0], probs[1]], dtype=torch.float64), atol=1e-4)
     assert pool.decide(SLOT, "new", const_kv(4), DEFAULT_EMB) is not None
     assert accesses(pool) == {sid: int(sid in counted) for sid in "abc"}
 
@@ -547,15 +511,16 @@ def test_byte_budget_evicts_others_when_a_held_anchor_grows():
 
 
 def _narrowing_pool(max_candidates: int, other_slot: tuple[int, ...] = ()) -> AnchorPool:
-    # Reference distances: no anchor's p underflows to 0, so top_p = 1 counts every candidate.
-    pool = AnchorPool(PoolConfig(gamma=1.0, top_p=1.0, max_candidates=max_candidates, max_anchors=20, admission_distance="l2"))
+    # RMS distances within a few tau of each other: no anchor's p underflows to 0, so top_p = 1
+    # counts every candidate.
+    pool = AnchorPool(PoolConfig(gamma=1.0, top_p=1.0, max_candidates=max_candidates, max_anchors=20))
     for i in range(10):
         angle = i * 0.3
         # Anchors 3 and 4 are the nearest to the query direction (angle 1.0) by embedding; their
         # base values are the *farthest* from the new base, so narrowing is not a by-product of d.
-        d = 5.0 + i if i in (3, 4) else 0.1 * i
+        d = 1.0 + 0.001 * (10 + i if i in (3, 4) else i)
         slot = OTHER_SLOT if i in other_slot else SLOT
-        add(pool, f"a{i}", value_offset(4, d), embedding=emb(math.cos(angle), math.sin(angle)), slot=slot)
+        add(pool, f"a{i}", const_kv(4, value=d), embedding=emb(math.cos(angle), math.sin(angle)), slot=slot)
     return pool
 
 
@@ -582,7 +547,7 @@ def test_max_candidates_zero_keeps_all():
     pool = _narrowing_pool(0)
     match = pool.decide(SLOT, "new", const_kv(4), emb(math.cos(1.0), math.sin(1.0)))
     assert match is not None and len(match.anchors) == 10
-    # a0 has distance 0 -> the largest probability -> counted.
+    # a0 is the nearest -> the largest probability -> counted.
     assert pool.get("a0").accesses == 1
 
 
@@ -617,27 +582,24 @@ def test_estimate_picks_the_nearest_anchor_per_token():
     close(shared.values[:, :, 1], db.values[:, :, 1])
 
 
-@pytest.mark.parametrize("key_distances", [False, True])
-def test_estimate_weights_are_softmax_of_mean_abs_difference_over_tau(key_distances):
+def test_estimate_weights_are_softmax_of_mean_abs_difference_over_tau():
     tau = 2.0
     new = _kv_from_tokens([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
-    # Base keys favour A on token 0, base values favour B: key deviations follow the key
-    # distances with key_distances, else the value distances, as value deviations always do.
+    # Base keys favour A on token 0, base values favour B: key deviations follow the value
+    # distances, as value deviations do (the base keys are not compared).
     a_base = _kv_from_tokens([0.0, 1.0, 3.0], [2.0, -1.0, 0.0])
     b_base = _kv_from_tokens([2.0, 1.0, 0.0], [0.0, 1.0, 3.0])
     a = _anchor("A", a_base, Deviation(const_kv(3, 1.0, 10.0), None))
     b = _anchor("B", b_base, Deviation(const_kv(3, 5.0, 20.0), None), 1)
-    pool = AnchorPool(PoolConfig(temperature=tau, key_distances=key_distances))
+    pool = AnchorPool(PoolConfig(temperature=tau))
     shared, _ = pool.estimate(Match(SLOT, (a, b), 3), new)
 
     def mix(da: float, db: float, xa: float, xb: float) -> float:
         wa = math.exp(-da / tau) / (math.exp(-da / tau) + math.exp(-db / tau))
         return wa * xa + (1 - wa) * xb
 
-    for t, (dka, dkb, dva, dvb) in enumerate([(0, 2, 2, 0), (1, 1, 1, 1), (3, 0, 0, 3)]):
-        if not key_distances:
-            dka, dkb = dva, dvb
-        assert shared.keys[:, :, t].flatten().tolist() == pytest.approx([mix(dka, dkb, 1.0, 5.0)] * L * H * D, abs=1e-5)
+    for t, (dva, dvb) in enumerate([(2, 0), (1, 1), (0, 3)]):
+        assert shared.keys[:, :, t].flatten().tolist() == pytest.approx([mix(dva, dvb, 1.0, 5.0)] * L * H * D, abs=1e-5)
         assert shared.values[:, :, t].flatten().tolist() == pytest.approx([mix(dva, dvb, 10.0, 20.0)] * L * H * D, abs=1e-5)
 
 
@@ -649,44 +611,6 @@ def test_estimate_from_matched_anchor_equal_to_new_base_and_its_equal_twin():
     shared, _ = AnchorPool().estimate(Match(SLOT, (a, b), 3), base)
     close(shared.keys, torch.full((L, H, 3, D), 2.0))
     close(shared.values, torch.full((L, H, 3, D), 5.0))
-
-
-@pytest.mark.parametrize("t", [0.5, 0.1])
-def test_context_weighting_multiplies_each_anchors_weight_by_exp_of_context_similarity(t):
-    # Equal base distances (the same base): without context the mean deviation; with it, the
-    # weights are softmax(cos(request context, anchor context) / t), on the shared tokens and
-    # on the following segment alike.
-    base = rand_kv(3, 7)
-    ca, cb, request = emb(1.0), emb(0.0, 1.0), emb(0.8, 0.6)  # cos 0.8 and 0.6
-    a = _anchor("A", base.clone(), Deviation(const_kv(3, 1.0, 3.0), const_kv(2, 10.0, 0.0), context=ca))
-    b = _anchor("B", base.clone(), Deviation(const_kv(3, 3.0, 7.0), const_kv(2, 20.0, 0.0), context=cb), 1)
-    match = Match(SLOT, (a, b), 3, context=request)
-    wa = math.exp(0.8 / t) / (math.exp(0.8 / t) + math.exp(0.6 / t))
-    shared, following = AnchorPool(PoolConfig(context_temperature=t)).estimate(match, base)
-    close(shared.keys, torch.full((L, H, 3, D), wa * 1.0 + (1 - wa) * 3.0))
-    close(shared.values, torch.full((L, H, 3, D), wa * 3.0 + (1 - wa) * 7.0))
-    close(following.keys, torch.full((L, H, 2, D), wa * 10.0 + (1 - wa) * 20.0), atol=1e-4)
-    off, _ = AnchorPool().estimate(match, base)  # context_temperature 0: off
-    close(off.keys, torch.full((L, H, 3, D), 2.0))
-
-
-def test_context_weighting_favours_no_anchor_when_a_context_is_missing():
-    base = rand_kv(3, 7)
-    a = _anchor("A", base.clone(), Deviation(const_kv(3, 1.0, 3.0), None, context=emb(1.0)))
-    b = _anchor("B", base.clone(), Deviation(const_kv(3, 3.0, 7.0), None), 1)  # recorded without a context
-    pool = AnchorPool(PoolConfig(context_temperature=0.1))
-    for match in (Match(SLOT, (a, b), 3, context=emb(1.0)), Match(SLOT, (a, a), 3)):
-        shared, _ = pool.estimate(match, base)
-        expected = 2.0 if match.anchors[1] is b else 1.0
-        close(shared.keys, torch.full((L, H, 3, D), expected))
-
-
-def test_decide_keeps_the_requests_context_in_the_match():
-    pool = AnchorPool(PoolConfig(context_temperature=0.1))
-    add(pool, "a", const_kv(3), deviation=Deviation(const_kv(3, 1.0), None, context=emb(1.0)))
-    add(pool, "b", const_kv(3), deviation=Deviation(const_kv(3, 1.0), None, context=emb(0.0, 1.0)))
-    match = pool.decide(SLOT, "new", const_kv(3), DEFAULT_EMB, context=emb(0.0, 0.0, 1.0))
-    assert match is not None and np.array_equal(match.context, emb(0.0, 0.0, 1.0))
 
 
 def test_estimate_covers_only_the_first_covered_tokens():
@@ -725,21 +649,22 @@ def test_following_estimate_exact_weights_and_head_alignment():
     # shared estimate combines.
     new = const_kv(2)
     a_base = const_kv(4)
-    a_base.keys[:, :, 2:] = 1000.0  # tokens beyond the covered ones, ignored
-    a_base.keys[0, 0, :2, 1] = torch.tensor([3.0, 4.0])  # L2 over covered tokens = 5 on (0, 0, 1)
+    a_base.values[:, :, 2:] = 1000.0  # tokens beyond the covered ones, ignored
+    a_base.values[0, 0, :2, 1] = torch.tensor([3.0, 4.0])  # L2 over covered tokens = 5 on (0, 0, 1)
+    a_base.keys[1, 0, :2, 2] = 50.0  # base keys are not compared
     b_base = const_kv(2)
-    b_base.keys[0, 0, :, 1] = torch.tensor([1.0, 0.0])  # L2 = 1 on (0, 0, 1)
+    b_base.values[0, 0, :, 1] = torch.tensor([1.0, 0.0])  # L2 = 1 on (0, 0, 1)
     fa, fb = const_kv(1, 1.0, 1.0), const_kv(1, 3.0, 3.0)
     a = _anchor("A", a_base, Deviation(const_kv(4), fa))
     b = _anchor("B", b_base, Deviation(const_kv(2), fb), 1)
-    # Only base keys differ: with key_distances they weight the key deviations, per channel.
-    _, following = AnchorPool(PoolConfig(temperature=tau, key_distances=True)).estimate(Match(SLOT, (a, b), 2), new)
+    # The base-value distances weight the key and the value deviations alike, per channel.
+    _, following = AnchorPool(PoolConfig(temperature=tau)).estimate(Match(SLOT, (a, b), 2), new)
     ra, rb = 5 / math.sqrt(2), 1 / math.sqrt(2)  # per-token RMS: L2 over the 2 compared tokens / sqrt(2)
     wa = math.exp(-ra / tau) / (math.exp(-ra / tau) + math.exp(-rb / tau))
-    expected_keys = torch.full((L, H, 1, D), 2.0)  # equal distances elsewhere -> mean of 1 and 3
-    expected_keys[0, 0, 0, 1] = wa * 1.0 + (1 - wa) * 3.0
-    close(following.keys, expected_keys)
-    close(following.values, torch.full((L, H, 1, D), 2.0))
+    expected = torch.full((L, H, 1, D), 2.0)  # equal distances elsewhere -> mean of 1 and 3
+    expected[0, 0, 0, 1] = wa * 1.0 + (1 - wa) * 3.0
+    close(following.keys, expected)
+    close(following.values, expected)
 
 
 def test_following_is_none_when_any_anchor_lacks_it_or_lengths_differ():
@@ -823,15 +748,14 @@ class PoolMachine(RuleBasedStateMachine):
         max_bytes=st.one_of(st.none(), st.integers(400, 4000)),
         gamma=st.sampled_from([0.0, 0.5, 0.9, 1.0, 1.0]),
         top_p=st.sampled_from([0.5, 0.9, 1.0]),
-        partial=st.booleans(),
         max_candidates=st.sampled_from([0, 2, 3]),
         lengths=st.lists(st.integers(3, 8), min_size=len(SEGMENTS + PROBES), max_size=len(SEGMENTS + PROBES)),
         spread=st.sampled_from([0.05, 0.5, 3.0]),
     )
-    def setup(self, v, w, max_bytes, gamma, top_p, partial, max_candidates, lengths, spread):
+    def setup(self, v, w, max_bytes, gamma, top_p, max_candidates, lengths, spread):
         self.cfg = PoolConfig(
             gamma=gamma, max_anchors=v, eviction_window=w, top_p=top_p,
-            partial_coverage=partial, max_candidates=max_candidates, max_bytes=max_bytes,
+            max_candidates=max_candidates, max_bytes=max_bytes,
         )
         self.pool = AnchorPool(self.cfg)
         center = rand_kv(8, 12345)
@@ -885,8 +809,8 @@ class PoolMachine(RuleBasedStateMachine):
                 assert match.anchors[0].segment_id == sid and match.covered == base.length
             else:
                 assert len(before) >= 2
-                if not self.cfg.partial_coverage:
-                    assert match.covered == base.length
+                # partial coverage: the head the longest compatible anchor covers
+                assert match.covered == min(base.length, max(a.length for a in match.anchors))
             shared, following = self.pool.estimate(match, base)
             assert shared.length == match.covered
             assert torch.isfinite(shared.keys).all() and torch.isfinite(shared.values).all()
@@ -923,88 +847,3 @@ def test_problems_reports_each_broken_invariant():
     pool._anchors["extra"] = Anchor("extra", const_kv(3), DEFAULT_EMB, 99)  # bypassing the index
     problems = pool.problems()
     assert any("exceed V = 3" in p for p in problems) and any("index holds" in p for p in problems)
-
-
-def test_disagreement_is_the_estimates_weighted_variance_and_zero_for_an_identical_match():
-    """The token where the two anchors' deviations differ is the disputed one; an identical
-    match (its deviation is the truth) is disputed nowhere."""
-    base = rand_kv(3, 7)
-    da, db = const_kv(3, 1.0, 3.0), const_kv(3, 1.0, 3.0)
-    db.keys[:, :, 1] = 5.0  # keys disagree on token 1 only: 1 vs 5 on every element
-    db.values[:, :, 2] = 7.0  # values on token 2 only: 3 vs 7
-    fa, fb = const_kv(2, 0.0, 0.0), const_kv(2, 2.0, 0.0)
-    a = _anchor("A", base.clone(), Deviation(da, fa))
-    b = _anchor("B", base.clone(), Deviation(db, fb), 1)
-    keys, values = AnchorPool().disagreement(Match(SLOT, (a, b), 3), base)  # equal bases: weights 1/2 each
-    per_token = L * H * D * 0.25 * 4.0 ** 2  # weighted variance of {x, x + 4} at weights 1/2, summed over elements
-    assert keys.tolist() == pytest.approx([0.0, per_token, 0.0, per_token / 4, per_token / 4])  # then the 2 following tokens
-    assert values.tolist() == pytest.approx([0.0, 0.0, per_token, 0.0, 0.0])
-    pool = AnchorPool()
-    pool.record(SLOT, "seg", base, DEFAULT_EMB, Deviation(da, fa))
-    add(pool, "other", rand_kv(3, 4))
-    match = pool.decide(SLOT, "seg", base, DEFAULT_EMB)
-    assert match.identical
-    keys, values = pool.disagreement(match, base)
-    assert torch.equal(keys, torch.zeros(5)) and torch.equal(values, torch.zeros(5))
-
-
-def test_a_deviations_context_counts_in_its_bytes():
-    plain = Deviation(const_kv(3, 1.0), None)
-    assert Deviation(const_kv(3, 1.0), None, context=emb(1.0)).nbytes == plain.nbytes + EMB_DIM * 4
-
-
-# -- the linear estimator ----------------------------------------------------------------------
-
-
-def _linear_pool_with_three_anchors() -> AnchorPool:
-    pool = AnchorPool(PoolConfig(estimator="linear", max_candidates=0))
-    for i, t in enumerate((12, 10, 14)):
-        pool.record(SLOT, f"a{i}", rand_kv(t, i), DEFAULT_EMB, Deviation(rand_kv(t, 10 + i), rand_kv(3, 20 + i)))
-    return pool
-
-
-def test_linear_estimator_serves_the_fit_on_the_matched_anchors_and_the_anchors_following_estimate():
-    from kvcomm.anchors.linear import LinearDeviations
-
-    pool = _linear_pool_with_three_anchors()
-    new = rand_kv(9, 50)
-    match = pool.decide(SLOT, "new", new, DEFAULT_EMB)
-    assert match is not None and match.covered == 9 and len(match.anchors) == 3
-    shared, following = pool.estimate(match, new)
-    fit = LinearDeviations.fit([a.base for a in match.anchors], [a.deviations[SLOT].shared for a in match.anchors], 0, 1e-4)
-    expected = fit.predict(new, 9)
-    close(shared.keys, expected.keys)
-    close(shared.values, expected.values)
-    weighted = AnchorPool(PoolConfig(max_candidates=0))
-    weighted.restore(list(pool.anchors), pool.next_serial)
-    _, expected_following = weighted.estimate(match, new)
-    close(following.keys, expected_following.keys)
-    close(following.values, expected_following.values)
-
-
-def test_linear_estimator_refits_when_a_matched_anchor_gets_a_new_deviation():
-    pool = _linear_pool_with_three_anchors()
-    new = rand_kv(9, 50)
-    match = pool.decide(SLOT, "new", new, DEFAULT_EMB)
-    before, _ = pool.estimate(match, new)
-    again, _ = pool.estimate(match, new)
-    close(again.keys, before.keys, atol=0)
-    held = pool.get("a1")
-    pool.record(SLOT, "a1", held.base, DEFAULT_EMB, Deviation(rand_kv(10, 77), rand_kv(3, 78)))
-    match = pool.decide(SLOT, "new", new, DEFAULT_EMB)
-    after, _ = pool.estimate(match, new)
-    fresh = AnchorPool(PoolConfig(estimator="linear", max_candidates=0))
-    fresh.restore(list(pool.anchors), pool.next_serial)
-    expected, _ = fresh.estimate(match, new)
-    assert float((after.keys - before.keys).abs().max()) > 1e-3
-    close(after.keys, expected.keys)
-    close(after.values, expected.values)
-
-
-def test_an_identical_match_serves_its_own_deviation_under_the_linear_estimator():
-    pool = _linear_pool_with_three_anchors()
-    held = pool.get("a0")
-    match = pool.decide(SLOT, "a0", held.base, DEFAULT_EMB)
-    assert match.identical
-    shared, _ = pool.estimate(match, held.base)
-    close(shared.keys, held.deviations[SLOT].shared.keys, atol=0)

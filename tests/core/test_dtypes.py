@@ -362,13 +362,12 @@ def _reuse_kl(executor, config: ReuseConfig) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("anchor_dtype", [None, torch.float32], ids=["anchors-in-model-dtype", "anchors-fp32"])
-def test_bf16_reuse_through_run_agent_and_its_kl(smol_by_dtype, anchor_dtype, record_property):
+def test_bf16_reuse_through_run_agent_and_its_kl(smol_by_dtype, record_property):
     """Reuse on the embedded model in bf16 (realigned bases and anchor estimates, gamma 1) runs
     through ``run_agent``; its KL to dense bf16 is reported next to fp32's and stays within the
-    same order: at most fp32's reuse KL plus a bf16-sized allowance. Anchors (deviations) stored
-    in bf16 or fp32 alike: bases stay in the model dtype, so the injected prefix is bf16."""
-    config = ReuseConfig(pool=PoolConfig(gamma=1.0), anchor_dtype=anchor_dtype)
+    same order: at most fp32's reuse KL plus a bf16-sized allowance. Bases and anchors
+    (deviations) are held in the model dtype, so the injected prefix is bf16."""
+    config = ReuseConfig(pool=PoolConfig(gamma=1.0))
     bf16 = _reuse_kl(smol_by_dtype("bfloat16"), config)
     fp32 = _reuse_kl(smol_by_dtype("float32"), ReuseConfig(pool=PoolConfig(gamma=1.0)))
     record_property("bf16", {k: v for k, v in bf16.items() if k != "dtypes"})

@@ -18,6 +18,7 @@ from kvcomm.core.divergence import TopK, kl_topk_other, top1_matches, topk_refer
 from kvcomm.eval.metrics import percentile, wilson_interval
 from kvcomm.eval.outputs import check_out_dir, format_table, write_outputs
 from kvcomm.reuse.pipeline import parse_pipeline
+from kvcomm.reuse.scopes import SCOPES
 
 @pytest.fixture(autouse=True)
 def _one_thread():
@@ -167,17 +168,7 @@ def test_settings_validation():
     assert {r.setting for r in runs if r.mode == "kvcomm"} == {r.setting for r in runs if r.mode == "kvblend"} == grid
     blend = settings.config(runs[-1])
     assert blend.mode == "kvblend" and blend.recompute_ratio == settings.recompute_ratio and blend.pool.gamma == 0.6
-    assert settings.config(runs[-1]).pool.min_estimate_anchors == 1
-    assert EvalSettings(min_estimate_anchors=0).config(runs[-1]).pool.min_estimate_anchors == 0
-    with pytest.raises(ValueError, match="min_estimate_anchors must be an integer >= 0"):
-        EvalSettings(min_estimate_anchors=-1)
     assert {settings.config(r).base_source for r in runs} == {"first_use"}
-    chosen = EvalSettings(recompute_selection="disagreement", recompute_boundary=2)
-    assert {(r.mode, chosen.config(r).recompute_selection) for r in runs if r.mode in ("cacheblend", "kvblend")} == \
-        {("cacheblend", "check_layer"), ("kvblend", "disagreement")}  # cacheblend has no anchors to disagree
-    assert chosen.config(runs[-1]).recompute_boundary == 2
-    with pytest.raises(ValueError, match="unknown recompute_selection 'random'"):
-        EvalSettings(recompute_selection="random")
     assert EvalSettings(base_source="standalone").config(runs[0]).base_source == "standalone"
     with pytest.raises(ValueError, match="unknown base_source 'prefill'"):
         EvalSettings(base_source="prefill")
@@ -388,14 +379,16 @@ def test_pool_settings_reach_the_kvcomm_runs_and_bad_ones_are_refused():
     """``--pool NAME=VALUE`` (JSON values) sets further PoolConfig fields of every kvcomm run."""
     parser = _parser()
     args = parser.parse_args(["eval", "--workload", "mmlu", "--out", "x", "--pool", "shrinkage=false",
-                              "--pool", "min_coverage=0.25", "--pool", "admission_distance=l2"])
+                              "--pool", "min_coverage=0.25", "--pool", "max_candidates=4"])
     from kvcomm.eval.cli_eval import settings_from_args
 
     settings = settings_from_args(args)
     pool = settings.config(settings.runs()[-1]).pool
-    assert (pool.shrinkage, pool.min_coverage, pool.admission_distance) == (False, 0.25, "l2")
+    assert (pool.shrinkage, pool.min_coverage, pool.max_candidates) == (False, 0.25, 4)
     with pytest.raises(ValueError, match="unknown pool setting 'shrink'"):
         EvalSettings(pool=(("shrink", False),))
+    with pytest.raises(ValueError, match="unknown pool setting 'admission_distance'"):  # a removed variant
+        EvalSettings(pool=(("admission_distance", "l2"),))
     with pytest.raises(ValueError, match="min_coverage must be in"):
         EvalSettings(pool=(("min_coverage", 2.0),))
     with pytest.raises(ValueError, match="unknown pool setting 'gamma'"):  # gamma has its own grid (--gammas)
@@ -404,40 +397,21 @@ def test_pool_settings_reach_the_kvcomm_runs_and_bad_ones_are_refused():
         parser.parse_args(["eval", "--workload", "mmlu", "--out", "x", "--pool", "shrinkage"])
 
 
-def test_reuse_settings_reach_every_reuse_run_and_bad_ones_are_refused():
-    """``--reuse NAME=VALUE`` sets further ReuseConfig fields of every reuse run."""
-    args = _parser().parse_args(["eval", "--workload", "mmlu", "--out", "x", "--reuse", "behind_estimate=stop",
-                                 "--reuse", "workspace_bytes=0"])
-    from kvcomm.eval.cli_eval import settings_from_args
-
-    settings = settings_from_args(args)
-    for run in settings.runs():
-        config = settings.config(run)
-        assert (config.behind_estimate, config.workspace_bytes, config.mode) == ("stop", 0, run.mode)
-    with pytest.raises(ValueError, match="unknown reuse setting 'mode'"):  # modes have their own setting (--modes)
-        EvalSettings(reuse=(("mode", "realign"),))
-    with pytest.raises(ValueError, match="unknown reuse setting 'realign'"):
-        EvalSettings(reuse=(("realign", True),))
-    with pytest.raises(ValueError, match="workspace_bytes must be >= 0"):
-        EvalSettings(reuse=(("workspace_bytes", -1),))
-
-
 def test_reuse_scopes_run_every_reuse_mode_once_each_and_name_their_runs():
     args = _parser().parse_args(["eval", "--workload", "mmlu", "--out", "x", "--modes", "realign,kvcomm",
-                                 "--reuse-scope", "all,inputs", "--reuse", "behind_estimate=stop"])
+                                 "--reuse-scope", "all,inputs"])
     from kvcomm.eval.cli_eval import settings_from_args
 
     settings = settings_from_args(args)
     runs = settings.runs()
     assert [r.setting for r in runs] == ["scope=all", "scope=inputs", "gamma=1,V=20,scope=all", "gamma=1,V=20,scope=inputs"]
     configs = [settings.config(r) for r in runs]
-    assert [(c.compute_trailing_text, c.decode_reply_bases) for c in configs] == [(False, True), (True, False)] * 2
-    assert {c.behind_estimate for c in configs} == {"stop"}
+    assert [(c.mode, c.scope) for c in configs] == [("realign", "all"), ("realign", "inputs"), ("kvcomm", "all"), ("kvcomm", "inputs")]
+    scopes = [SCOPES[c.scope] for c in configs]
+    assert [(s.compute_trailing_text, s.decode_reply_bases) for s in scopes] == [(False, True), (True, False)] * 2
     # the default scope alone names nothing: results of earlier versions keep their settings
     assert [r.setting for r in EvalSettings(modes=("realign", "kvcomm")).runs()] == ["", "gamma=1,V=20"]
     assert [r.setting for r in EvalSettings(modes=("realign",), scopes=("content",)).runs()] == ["scope=content"]
-    with pytest.raises(ValueError, match="'compute_trailing_text' is set by reuse scope 'inputs'"):
-        EvalSettings(scopes=("all", "inputs"), reuse=(("compute_trailing_text", False),))
     with pytest.raises(ValueError, match="scopes must be distinct reuse scopes"):
         EvalSettings(scopes=("everything",))
 

@@ -116,6 +116,8 @@ def test_first_token_kl_has_its_own_frontier(tmp_path):
 
 
 def test_runs_of_a_reuse_scope_are_named_by_it_and_their_kl_means_flagged_as_not_comparable(tmp_path):
+    # ``reuse`` overrides: results written before scopes were presets (`kvcomm eval --reuse`
+    # set their fields one by one, and other fields since removed); the chart still reads them
     inputs = [["compute_trailing_text", True], ["decode_reply_bases", False], ["anchor_dtype", None]]
     a = _write(tmp_path / "a", "mmlu", [_row("dense", "", 0.0, 0.0), _row("kvcomm", "gamma=1,V=20", 0.75, 4e-3)])
     b = _write(tmp_path / "b", "mmlu", [_row("kvcomm", "gamma=1,V=20", 0.65, 1e-2)], reuse=[["compute_trailing_text", True]])

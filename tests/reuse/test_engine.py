@@ -36,11 +36,12 @@ def test_first_call_falls_back_to_exactly_dense(smol_executor):
 @pytest.mark.parametrize("exact_prefix", [True, False])
 def test_same_context_reproduces_dense_kv_and_tokens(smol_executor, exact_prefix):
     """Behind the same preceding text it was recorded with, a reused segment is exact:
-    through the prefix store, or (store off) realigned base + its own recorded deviation.
-    With first_use bases the first run takes the bases and the second records the anchors."""
+    through the prefix store, or (a store with no room, so no exact prefix can hit) realigned
+    base + its own recorded deviation. With first_use bases the first run takes the bases and
+    the second records the anchors."""
     spec = parse_pipeline(PIPELINE)
     executor = smol_executor
-    engine = ReuseEngine(executor.rotary, ReuseConfig(exact_prefix=exact_prefix))
+    engine = ReuseEngine(executor.rotary, ReuseConfig() if exact_prefix else ReuseConfig(prefix_store_bytes=0))
     prompt = _prompt(executor, spec, 1, {"doc": spec.inputs[0]["doc"], "reader": "A river flows through Paris."})
     dense, _ = run_agent(executor, None, prompt, 12)
     for _ in range(2):
@@ -98,29 +99,10 @@ def test_segment_longer_than_every_anchor_reuses_covered_head(tiny_executor):
     assert len(engine.pool("doc")) == 2  # a partially estimated sample does not become an anchor
 
 
-@pytest.mark.slow
-def test_bfloat16_anchors_halve_deviation_bytes_and_still_estimate(tiny_executor):
-    """Deviations are stored in anchor_dtype; an anchor's base is its content's one base,
-    shared with the engine in the KV's dtype (no second copy)."""
-    spec = parse_pipeline(PIPELINE)
-    pools = {}
-    for dtype in (None, torch.bfloat16):
-        engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), anchor_dtype=dtype))
-        for row in range(3):
-            run_row(spec, row, tiny_executor, engine)
-        prompt = _prompt(tiny_executor, spec, 0, spec.inputs[3])
-        kv = engine.materialize(engine.plan(prompt, tiny_executor.base_kv))
-        assert kv.keys.dtype == torch.float32  # served in the model's KV dtype
-        pools[dtype] = engine.pool("doc")
-    assert [a.segment_id for a in pools[None].anchors] == [a.segment_id for a in pools[torch.bfloat16].anchors]
-    deviation_bytes = {d: sum(dev.nbytes for a in p.anchors for dev in a.deviations.values()) for d, p in pools.items()}
-    assert deviation_bytes[torch.bfloat16] * 2 == deviation_bytes[None]
-    assert all(a.base.keys.dtype == torch.float32 for p in pools.values() for a in p.anchors)
-
-
-def _synthetic_engine(tau: float = 0.7, key_distances: bool = False, anchors: int = 3):
+def _synthetic_engine(tau: float = 0.7, anchors: int = 3):
     """A real engine on synthetic KV, no model: ``anchors`` anchors of a 40-token ``task`` segment
-    between fixed segments. Returns (engine, rotary, prompt(i), rand(tokens) -> KV)."""
+    between fixed segments, and a prefix store with no room (no exact prefix beyond the
+    template's lead). Returns (engine, rotary, prompt(i), rand(tokens) -> KV)."""
     from kvcomm.core.kv import KV
     from kvcomm.reuse.plan import ReusePlan
     from kvcomm.core.rope import Rotary
@@ -132,8 +114,8 @@ def _synthetic_engine(tau: float = 0.7, key_distances: bool = False, anchors: in
     rand = lambda n: KV(torch.randn(layers, heads, n, dim, generator=gen), torch.randn(layers, heads, n, dim, generator=gen))  # noqa: E731
     prompt = lambda i: Prompt("agent", (Segment(tuple(range(1, 8))), Segment(tuple(range(100 + i, 100 + i + t)), slot="task", shared_id=f"s{i}"),  # noqa: E731
                                         Segment(tuple(range(20, 26))), Segment((30,))))
-    pool_config = PoolConfig(gamma=1.0, temperature=tau, key_distances=key_distances)
-    engine = ReuseEngine(rotary, ReuseConfig(pool=pool_config, exact_prefix=False))
+    pool_config = PoolConfig(gamma=1.0, temperature=tau)
+    engine = ReuseEngine(rotary, ReuseConfig(pool=pool_config, prefix_store_bytes=0))
     for i in range(anchors):
         p = prompt(i)
         engine.register_base(p.segments[1], rand(t))
@@ -141,21 +123,20 @@ def _synthetic_engine(tau: float = 0.7, key_distances: bool = False, anchors: in
     return engine, rotary, prompt, rand
 
 
-@pytest.mark.parametrize("key_distances", [False, True])
 @pytest.mark.parametrize("blocks", [False, True])
-def test_materialize_equals_realigned_base_plus_plainly_weighted_deviations(blocks, key_distances, monkeypatch):
+def test_materialize_equals_realigned_base_plus_plainly_weighted_deviations(blocks, monkeypatch):
     """The optimized path (distances computed at admission, accumulation in layer blocks, values
     accumulated in place) against the formula written out plainly: full-size differences,
     softmax(-d / tau) weights, realigned sum. Synthetic KV on a real engine, no model.
-    ``blocks``: one layer per block (one intra-op thread), else whole tensors.
-    ``key_distances``: key deviations weighted by base-key distances, else by base-value ones."""
+    ``blocks``: one layer per block (one intra-op thread), else whole tensors. Key deviations
+    are weighted by the base-value distances, as value deviations are."""
     import kvcomm.core.blocks as core_blocks
     from kvcomm.core.kv import KV, place
 
     tau = 0.7
     if blocks:
         monkeypatch.setattr(core_blocks, "BLOCK_BYTES", 1)
-    engine, rotary, prompt, rand = _synthetic_engine(tau, key_distances)
+    engine, rotary, prompt, rand = _synthetic_engine(tau)
     p = prompt(9)
     base = rand(len(p.segments[1]))
     engine.register_base(p.segments[1], base)
@@ -173,13 +154,10 @@ def test_materialize_equals_realigned_base_plus_plainly_weighted_deviations(bloc
     layers, heads, _, dim = base.keys.shape
     devs = [a.deviations[piece.match.slot] for a in anchors]
     dv = [a.base.values - base.values for a in anchors]
-    dk = [a.base.keys - base.keys for a in anchors] if key_distances else dv
     per_token = layers * heads * dim
-    wk = torch.softmax(-torch.stack([d.abs().sum((0, 1, 3)) / per_token for d in dk]) / tau, 0)  # [A, t]
-    wv = torch.softmax(-torch.stack([d.abs().sum((0, 1, 3)) / per_token for d in dv]) / tau, 0)
-    # following: per-token RMS of the base difference (L2 over the t tokens / sqrt(t))
-    fk = torch.softmax(-torch.stack([d.square().mean(2).sqrt() for d in dk]) / tau, 0)  # [A, L, H, D]
-    fv = torch.softmax(-torch.stack([d.square().mean(2).sqrt() for d in dv]) / tau, 0)
+    wk = wv = torch.softmax(-torch.stack([d.abs().sum((0, 1, 3)) / per_token for d in dv]) / tau, 0)  # [A, t]
+    # following: per-token RMS of the base-value difference (L2 over the t tokens / sqrt(t))
+    fk = fv = torch.softmax(-torch.stack([d.square().mean(2).sqrt() for d in dv]) / tau, 0)  # [A, L, H, D]
     # deviations are stored from their first_layer on: no deviation below it
     full = lambda t, d: torch.cat([t.new_zeros((d.first_layer, *t.shape[1:])), t])  # noqa: E731
     shared = KV(base.keys + sum(w[None, None, :, None] * full(d.shared.keys, d) for w, d in zip(wk, devs)),

@@ -3,7 +3,9 @@ deviations applied to the base they were measured against, fixed bases keyed to 
 deviations, no learning from prompts past the exact RoPE length or from approximate context,
 admission of mostly uncovered segments, following-segment weights and layer 0.
 
-Synthetic KV (no model) unless a test needs a forward pass; then a tiny random model.
+Synthetic KV (no model) unless a test needs a forward pass; then a tiny random model. Most
+engines here get a prefix store with no room (``NO_PREFIX``), so no exact prefix can hit and
+what a plan serves comes from bases and anchors.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from kvcomm.core.rope import Rotary
 from kvcomm.core.segments import Prompt, Segment, content_id
 
 LAYERS, HEADS, DIM = 3, 2, 8
+NO_PREFIX = 0
+"""``ReuseConfig.prefix_store_bytes`` of a store that holds nothing."""
 
 
 def _rotary() -> Rotary:
@@ -59,7 +63,7 @@ def test_identical_match_reproduces_the_recorded_real_kv(seed, length, rebases, 
     recomputed) in between."""
     gen = torch.Generator().manual_seed(seed)
     rotary = _rotary()
-    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=gamma), exact_prefix=False))
+    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=gamma), prefix_store_bytes=NO_PREFIX))
     prompt = _prompt(tuple(range(200, 200 + length)))
     plan = engine.plan(prompt, lambda s: _rand(gen, len(s)))
     assert plan.learn == [1] and plan.reuse_end == 0
@@ -98,7 +102,7 @@ def test_a_second_base_for_held_content_is_ignored():
 def test_an_anchor_keeps_its_base_when_the_engine_drops_it():
     """The content's base lives on with its anchor; plans use it rather than computing another."""
     gen = torch.Generator().manual_seed(1)
-    engine = ReuseEngine(_rotary(), ReuseConfig(exact_prefix=False))
+    engine = ReuseEngine(_rotary(), ReuseConfig(prefix_store_bytes=NO_PREFIX))
     prompt = _prompt(tuple(range(200, 212)))
     plan = engine.plan(prompt, lambda s: _rand(gen, len(s)))
     engine.learn(plan, place(_rand(gen, len(prompt)), engine.rotary, 0))
@@ -128,17 +132,16 @@ def test_record_refuses_a_deviation_measured_against_another_base():
 # -- defect 4: a following deviation is applied only to the fixed base it was measured against
 
 
-@pytest.mark.parametrize("behind_estimate", ["realign", "stop"])
-def test_following_deviation_is_not_applied_to_a_relearned_fixed_base(behind_estimate):
+def test_following_deviation_is_not_applied_to_a_relearned_fixed_base():
     """A tenant shrink drops fixed bases before anchors; the next dense prefill relearns them
     from another context. The anchor's following deviation was measured against the old
     base, so the following segment is no longer estimated from it (only lengths agreed): it
-    is served as the relearned base realigned, or (``behind_estimate="stop"``) computed."""
+    is served as the relearned base realigned."""
     from kvcomm.services.tenants import TenantEngine
 
     gen = torch.Generator().manual_seed(4)
     rotary = _rotary()
-    engine = TenantEngine(rotary, ReuseConfig(exact_prefix=False, behind_estimate=behind_estimate))
+    engine = TenantEngine(rotary, ReuseConfig(prefix_store_bytes=NO_PREFIX))
     first = _prompt(tuple(range(200, 212)), "doc-1")
     plan = engine.plan(first, lambda s: _rand(gen, len(s)))
     real = place(_rand(gen, len(first)), rotary, 0)
@@ -159,9 +162,6 @@ def test_following_deviation_is_not_applied_to_a_relearned_fixed_base(behind_est
     end = first.end(1)
     assert _max_error(served.keys[:, :, :end], real.keys[:, :, :end]) < 1e-5
     assert _max_error(served.values[:, :, :end], real.values[:, :, :end]) < 1e-6
-    if behind_estimate == "stop":
-        assert again.reuse_end == end
-        return
     relearned = engine._fixed_bases[(first.template_id, content_id(first.segments[2].token_ids))]
     fixed = again.pieces[1]
     assert (fixed.segment_index, fixed.match) == (2, None) and torch.equal(fixed.base.keys, relearned.keys)
@@ -228,9 +228,10 @@ def test_dynamic_ntk_prompt_past_the_exact_length_gets_no_stored_kv(dynamic_exec
 # -- defect 5: learning only from KV computed behind exact or computed context ---------------
 
 
-def _two_slot_prompt(doc: tuple[int, ...], doc_id: str, note: tuple[int, ...], note_id: str, tail: tuple[int, ...]) -> Prompt:
+def _two_slot_prompt(doc: tuple[int, ...], doc_id: str, note: tuple[int, ...], note_id: str, tail: tuple[int, ...],
+                     middle: tuple[int, ...] = tuple(range(40, 44))) -> Prompt:
     return Prompt("agent", (
-        Segment(tuple(range(1, 6))), Segment(doc, slot="doc", shared_id=doc_id), Segment(tuple(range(40, 44))),
+        Segment(tuple(range(1, 6))), Segment(doc, slot="doc", shared_id=doc_id), Segment(middle),
         Segment(note, slot="note", shared_id=note_id), Segment(tail), Segment((99,)),
     ))
 
@@ -240,64 +241,46 @@ def test_nothing_is_learned_from_kv_computed_behind_estimates(provider):
     gen = torch.Generator().manual_seed(5)
     rotary = _rotary()
     provide = (lambda s: _rand(gen, len(s))) if provider else None
-    # computing new content behind an estimate, rather than realigning it, is what is tested here
-    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), exact_prefix=False, behind_estimate="stop"))
+    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), prefix_store_bytes=NO_PREFIX))
     doc = tuple(range(200, 212))
     first = _two_slot_prompt(doc, "doc-1", tuple(range(300, 306)), "note-1", (50, 51))
     engine.register_base(first.segments[1], _rand(gen, len(doc)))
     plan = engine.plan(first, provide)
     engine.learn(plan, place(_rand(gen, len(first)), rotary, 0))
     assert len(engine.pool("doc")) == 1
-    # the same doc (an identical match: estimated), then new content and a new fixed segment
-    second = _two_slot_prompt(doc, "doc-1", tuple(range(400, 406)), "note-2", (60, 61, 62))
+    # the same doc (an identical match: estimated), then a new fixed segment (no base: reuse
+    # ends there), so the new content and the new fixed segments after it are computed behind
+    # the estimate
+    second = _two_slot_prompt(doc, "doc-1", tuple(range(400, 406)), "note-2", (60, 61, 62), middle=(70, 71, 72, 73))
     plan = engine.plan(second, provide)
-    assert plan.estimated_tokens > 0 and plan.reuse_end == second.starts[3]
+    assert plan.estimated_tokens > 0 and plan.reuse_end == second.starts[2]
+    assert plan.learn == ([3] if provider else [])  # with a base, the pool (one anchor) would take note-2 densely
     fixed_before = set(engine._fixed_bases)
     engine.learn(plan, place(_rand(gen, len(second) - plan.reuse_end), rotary, plan.reuse_end))
-    assert set(engine._fixed_bases) == fixed_before  # the new tail is not learned
+    assert set(engine._fixed_bases) == fixed_before  # the new middle and tail are not learned
     assert engine.pool("note").get("note-2") is None
+    assert engine.prefix_store.nbytes == 0
     if not provider:
         assert not engine.has_base("note-2")  # no first-use base either
-    # opting in learns as before
-    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), exact_prefix=False, learn_after_estimates=True))
-    engine.register_base(first.segments[1], _rand(gen, len(doc)))
-    engine.learn(engine.plan(first, provide), place(_rand(gen, len(first)), rotary, 0))
-    plan = engine.plan(second, provide)
-    engine.learn(plan, place(_rand(gen, len(second) - plan.reuse_end), rotary, plan.reuse_end))
-    assert set(engine._fixed_bases) > fixed_before and engine.has_base("note-2")
 
 
-@pytest.mark.parametrize("behind_estimate, learn_after_estimates", [
-    ("realign", False), ("learn", False), ("stop", False), ("realign", True)])
-def test_what_a_plan_does_behind_an_estimate_with_a_segment_its_pool_sends_dense(behind_estimate, learn_after_estimates):
-    """``behind_estimate``: a request that has estimated learns nothing, so a later segment its
-    pool would send dense (a new slot) is served realigned with the fixed segments after it
-    ("realign", the default), or the estimates are dropped so the request is computed cleanly
-    and the segment learned ("learn", KVCOMM's dense agent), or reuse stops there ("stop").
-    Before any estimate the dense fallback always stays: that request teaches the pool.
-    ``learn_after_estimates`` learns behind the estimate instead, so it stops there."""
+def test_what_a_plan_does_behind_an_estimate_with_a_segment_its_pool_sends_dense():
+    """A request that has estimated learns nothing, so a later segment its pool would send
+    dense (a new slot) is served realigned, with the fixed segments after it. Before any
+    estimate the dense fallback stays: that request teaches the pool."""
     gen = torch.Generator().manual_seed(8)
     rotary = _rotary()
     provide = lambda s: _rand(gen, len(s))  # noqa: E731
     doc = tuple(range(200, 212))
     first = _two_slot_prompt(doc, "doc-1", tuple(range(300, 306)), "note-1", (50, 51))
     second = _two_slot_prompt(doc, "doc-1", tuple(range(400, 406)), "note-2", (50, 51))
-    engine = ReuseEngine(rotary, ReuseConfig(exact_prefix=False, behind_estimate=behind_estimate,
-                                             learn_after_estimates=learn_after_estimates))
+    engine = ReuseEngine(rotary, ReuseConfig(prefix_store_bytes=NO_PREFIX))
     plan = engine.plan(first, provide)
     assert (plan.reuse_end, plan.learn) == (0, [1, 3])  # nothing estimated yet: dense, both learned
     engine.learn(plan, place(_rand(gen, len(first)), rotary, 0))
     plan = engine.plan(second, provide)  # doc-1 identical (estimated), then note-2: a pool of one anchor
     lead = len(second.segments[0])  # exact: the template's first segment
-    if behind_estimate == "learn":
-        assert (plan.pieces, plan.reuse_end, plan.learn) == ([], lead, [3])
-        engine.learn(plan, place(_rand(gen, len(second) - lead), rotary, lead))
-        assert engine.pool("note").get("note-2") is not None
-        return
     assert plan.pieces[0].match.identical and plan.pieces[0].end == second.starts[3]
-    if behind_estimate == "stop" or learn_after_estimates:
-        assert plan.reuse_end == second.starts[3] and plan.learn == [3]
-        return
     note, tail = plan.pieces[1:]
     assert (note.segment_index, note.match, note.start) == (3, None, second.starts[3])
     assert torch.equal(note.base.keys, engine.stored_base("note-2").keys)
@@ -308,8 +291,6 @@ def test_what_a_plan_does_behind_an_estimate_with_a_segment_its_pool_sends_dense
     assert torch.equal(served.values[:, :, second.starts[3] : second.end(3)], expected.values)
     assert plan.learn == [] and not plan.note and plan.exact_length == lead
     assert plan.provenance().estimated_tokens == len(second) - 1 - lead
-    with pytest.raises(ValueError, match="unknown behind_estimate 'dense'; valid: realign, learn, stop"):
-        ReuseConfig(behind_estimate="dense")
 
 
 # -- defect 2: a mostly uncovered segment goes dense and is admitted --------------------------
@@ -320,7 +301,7 @@ def test_mostly_uncovered_segments_go_dense_and_become_anchors():
     computed and admitted, until anchors cover them."""
     gen = torch.Generator().manual_seed(6)
     rotary = _rotary()
-    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), exact_prefix=False))
+    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), prefix_store_bytes=NO_PREFIX))
     provide = lambda s: _rand(gen, len(s))  # noqa: E731
     for i in range(2):
         prompt = _prompt(tuple(range(200 + 20 * i, 210 + 20 * i)), f"short-{i}")
@@ -344,7 +325,7 @@ def test_min_coverage_is_the_share_of_tokens_anchors_must_cover(share, dense):
     """10 of 100 tokens covered: reuse if min_coverage <= 0.1, dense above."""
     gen = torch.Generator().manual_seed(7)
     rotary = _rotary()
-    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, min_coverage=share), exact_prefix=False))
+    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, min_coverage=share), prefix_store_bytes=NO_PREFIX))
     provide = lambda s: _rand(gen, len(s))  # noqa: E731
     for i in range(2):
         prompt = _prompt(tuple(range(200 + 20 * i, 210 + 20 * i)), f"short-{i}")
@@ -388,7 +369,7 @@ def test_layer0_deviation_is_not_stored_and_layer0_is_served_as_the_realigned_ba
     rounding the real layer 0 carried) and the real KV everywhere else."""
     gen = torch.Generator().manual_seed(8)
     rotary = _rotary()
-    engine = ReuseEngine(rotary, ReuseConfig(exact_prefix=False))
+    engine = ReuseEngine(rotary, ReuseConfig(prefix_store_bytes=NO_PREFIX))
     prompt = _prompt(tuple(range(200, 210)))
     plan = engine.plan(prompt, lambda s: _rand(gen, len(s)))
     real = place(_rand(gen, len(prompt)), rotary, 0)  # layer 0 not the base: all of it would be "deviation"
@@ -420,7 +401,7 @@ def test_calibration_records_every_shared_segment_with_a_base(provider):
     docs = [(tuple(range(200 + 20 * i, 212 + 20 * i)), f"doc-{i}") for i in range(6)]
     engines = {}
     for calibrate in (False, True):
-        engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, max_anchors=4), exact_prefix=False))
+        engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, max_anchors=4), prefix_store_bytes=NO_PREFIX))
         for doc, doc_id in docs:
             prompt = _prompt(doc, doc_id)
             if not provider:  # the content's first use: here, another agent's prompt
@@ -442,7 +423,7 @@ def test_calibration_learns_new_content_as_a_base_and_anchors_only_in_the_anchor
     gen = torch.Generator().manual_seed(9)
     rotary = _rotary()
     doc = tuple(range(200, 212))
-    engine = ReuseEngine(rotary, ReuseConfig(mode=mode, exact_prefix=False))
+    engine = ReuseEngine(rotary, ReuseConfig(mode=mode, prefix_store_bytes=NO_PREFIX))
     plan = engine.calibration_plan(_prompt(doc, "doc-1"))
     assert (plan.learn, plan.new_bases) == ([], [1])
     engine.learn(plan, place(_rand(gen, len(plan.prompt)), rotary, 0))
@@ -451,45 +432,3 @@ def test_calibration_learns_new_content_as_a_base_and_anchors_only_in_the_anchor
     assert again.learn == ([1] if mode == "kvcomm" else [])
     engine.learn(again, place(_rand(gen, len(again.prompt)), rotary, 0))
     assert len(engine.pool("doc")) == (1 if mode == "kvcomm" else 0)
-
-
-# -- weighting by the context before the slot -----------------------------------------------
-
-
-def _task_then_doc_prompt(task: tuple[int, ...], task_id: str, doc: tuple[int, ...], doc_id: str) -> Prompt:
-    """fixed lead, shared "task", fixed middle, shared "doc", fixed tail."""
-    return Prompt("agent", (
-        Segment(tuple(range(1, 6))), Segment(task, slot="task", shared_id=task_id), Segment((30, 31, 32)),
-        Segment(doc, slot="doc", shared_id=doc_id), Segment(tuple(range(40, 44))),
-    ))
-
-
-@pytest.mark.parametrize("t", [0.0, 0.05])
-def test_deviations_and_matches_carry_the_embedding_of_the_shared_content_before_the_slot(t):
-    gen = torch.Generator().manual_seed(10)
-    rotary = _rotary()
-    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, context_temperature=t), exact_prefix=False))
-    docs = [(tuple(range(200 + 20 * i, 212 + 20 * i)), f"doc-{i}") for i in range(3)]
-    tasks = [(tuple(range(100 + 10 * i, 106 + 10 * i)), f"task-{i}") for i in range(3)]
-    plans = []
-    for (task, task_id), (doc, doc_id) in zip(tasks, docs):
-        prompt = _task_then_doc_prompt(task, task_id, doc, doc_id)
-        plan = engine.plan(prompt, lambda s: _rand(gen, len(s)))
-        plans.append(plan)
-        engine.learn(plan, place(_rand(gen, len(prompt) - plan.reuse_end), rotary, plan.reuse_end))
-    for (_, task_id), (_, doc_id) in list(zip(tasks, docs))[:2]:  # the first two rows became anchors
-        task_embedding = engine.pool("task").get(task_id).embedding
-        context = engine.pool("doc").get(doc_id).deviations[("agent", "doc")].context
-        assert engine.pool("task").get(task_id).deviations[("agent", "task")].context is None  # nothing shared before it
-        if t == 0:
-            assert context is None  # off: nothing stored
-        else:
-            assert np.allclose(context, task_embedding / np.linalg.norm(task_embedding), atol=1e-6)
-    doc_pieces = [p for p in plans[2].pieces if p.match is not None and p.match.slot == ("agent", "doc")]
-    assert len(doc_pieces) == 1  # the third row estimated its doc from the two anchors
-    request = doc_pieces[0].match.context
-    if t == 0:
-        assert request is None
-    else:
-        task, task_id = tasks[2]
-        assert np.allclose(request, engine.embedder(task, engine.stored_base(task_id)), atol=1e-6)

@@ -7,14 +7,16 @@ import math
 import pytest
 import torch
 
-from kvcomm.reuse.config import MODES, ReuseConfig
+from kvcomm.reuse.config import ReuseConfig
 
-from kvcomm.reuse.engine import ReuseEngine
+from kvcomm.reuse.engine import CHECK_LAYER, ReuseEngine
 from kvcomm.core.kv import KV, positions
 from kvcomm.reuse.pipeline import parse_pipeline
 from kvcomm.reuse.plan import BlendRequest
 from kvcomm.core.rope import Rotary
 from kvcomm.reuse.runner import run_agent, run_row
+from kvcomm.reuse.scopes import SCOPES
+from kvcomm.reuse.strategies import MODES
 from kvcomm.core.segments import Prompt, Segment, content_id
 from support.two_agent_case import PIPELINE as TWO_AGENT_PIPELINE, agent_prompt
 
@@ -53,14 +55,11 @@ def _adds_up(p) -> bool:
         ({"recompute_ratio": 1.5}, "recompute_ratio must be in (0, 1]"),
         ({"recompute_ratio": -0.1}, "recompute_ratio must be in (0, 1]"),
         ({"recompute_ratio": float("nan")}, "recompute_ratio must be in (0, 1]"),
-        ({"check_layer": -1}, "check_layer must be an integer >= 0"),
-        ({"check_layer": 1.5}, "check_layer must be an integer >= 0"),
-        ({"base_source": "prefill"}, "unknown base_source 'prefill'; valid: standalone, first_use"),
-        ({"compute_tail": 0}, "compute_tail must be an integer >= 1 (got 0)"),
-        ({"compute_tail": True}, "compute_tail must be an integer >= 1 (got True)"),
-        ({"compute_trailing_text": 1}, "compute_trailing_text must be true or false (got 1)"),
-        ({"decode_reply_bases": "no"}, "decode_reply_bases must be true or false (got 'no')"),
-        ({"bases_after_estimates": None}, "bases_after_estimates must be true or false (got None)"),
+        ({"base_source": "prefill"}, "unknown base_source 'prefill'; valid: first_use, standalone"),
+        ({"scope": "everything"}, "unknown reuse scope 'everything'; valid: all, all-reader-replies, content, reader-replies, inputs"),
+        ({"prefix_store_bytes": -1}, "prefix_store_bytes must be an integer >= 0 (got -1)"),
+        ({"workspace_bytes": -1}, "workspace_bytes must be an integer >= 0 (got -1)"),
+        ({"workspace_bytes": 1.5}, "workspace_bytes must be an integer >= 0 (got 1.5)"),
     ],
 )
 def test_bad_config_is_refused_clearly(kwargs, message):
@@ -70,14 +69,24 @@ def test_bad_config_is_refused_clearly(kwargs, message):
 
 
 def test_valid_configs():
-    assert ReuseConfig().mode == "kvcomm" and ReuseConfig().recompute_ratio == 0.15 and ReuseConfig().check_layer == 1
+    assert ReuseConfig().mode == "kvcomm" and ReuseConfig().recompute_ratio == 0.15 and CHECK_LAYER == 1
+    assert ReuseConfig().scope == "all"
     for mode in MODES:
-        ReuseConfig(mode=mode, recompute_ratio=1.0, check_layer=0)
+        ReuseConfig(mode=mode, recompute_ratio=1.0)
+    for scope in SCOPES:
+        ReuseConfig(scope=scope)
 
 
 @pytest.mark.parametrize("n, ratio, count", [(20, 0.15, 3), (7, 0.15, 2), (1, 0.15, 1), (100, 0.15, 15), (9, 1.0, 9), (3, 0.5, 2)])
 def test_blend_count_is_ceil_of_ratio(n, ratio, count):
     assert BlendRequest(5, 5 + n, ratio, 1).count == count
+
+
+def test_a_blend_request_cut_with_the_plan_keeps_its_ratio_over_what_is_left():
+    blend = BlendRequest(2, 9, 0.5, 1)
+    assert blend.cut(6) == BlendRequest(2, 6, 0.5, 1) and blend.cut(6).count == 2
+    assert blend.cut(12) == blend
+    assert blend.cut(2) is None
 
 
 def _synthetic(length: int, seed: int, layers: int = 2, heads: int = 2, dim: int = 8) -> KV:
@@ -132,31 +141,13 @@ def test_realign_plan_is_realigned_base_without_anchors():
     assert plan.provenance().estimated_tokens == 8 and plan.provenance().computed_tokens == 1
 
 
-@pytest.mark.parametrize("tail", [2, 3, 11, 12])
-def test_compute_tail_leaves_the_last_tokens_computed_and_serves_the_rest_unchanged(tail):
+def test_scope_content_ends_reuse_with_the_shared_segment():
+    """Scope "content" (``compute_trailing_text``): the fixed text after the last shared segment
+    is computed; what is served before it is bit for bit what scope "all" serves."""
+    assert SCOPES["content"].compute_trailing_text and not SCOPES["all"].compute_trailing_text
     rotary = Rotary(torch.tensor([1.0, 0.1]), head_dim=8)
-    engines = {k: ReuseEngine(rotary, ReuseConfig(mode="realign", compute_tail=k)) for k in (1, tail)}
-    first = _synthetic_prompt("t", (10, 11, 12, 13))
-    second = _synthetic_prompt("t", (20, 21, 22, 23, 24))
-    base = _synthetic(5, 2)
-    for engine in engines.values():
-        engine.learn(engine.plan(first, lambda s: _synthetic(len(s), 1)), _synthetic(len(first), 0))
-    plans = {k: engine.plan(second, lambda s: base) for k, engine in engines.items()}
-    one, cut = plans[1], plans[tail]
-    assert one.reuse_end == len(second) - 1
-    assert cut.reuse_end == max(len(second) - tail, one.exact_length) and _adds_up(cut.provenance())
-    assert cut.provenance().computed_tokens == len(second) - cut.reuse_end
-    if cut.reuse_end:
-        full, short = engines[1].materialize(one), engines[tail].materialize(cut)
-        assert torch.equal(short.keys, full.keys[:, :, : cut.reuse_end])
-        assert torch.equal(short.values, full.values[:, :, : cut.reuse_end])
-
-
-def test_compute_trailing_text_ends_reuse_with_the_shared_segment():
-    """The fixed text after the last shared segment is computed; what is served before it is
-    bit for bit what the plan without the option serves."""
-    rotary = Rotary(torch.tensor([1.0, 0.1]), head_dim=8)
-    engines = {on: ReuseEngine(rotary, ReuseConfig(mode="realign", compute_trailing_text=on)) for on in (False, True)}
+    scopes = {False: "all", True: "content"}
+    engines = {on: ReuseEngine(rotary, ReuseConfig(mode="realign", scope=scopes[on])) for on in (False, True)}
     first = _synthetic_prompt("t", (10, 11, 12, 13))
     second = _synthetic_prompt("t", (20, 21, 22, 23, 24))
     base = _synthetic(5, 2)
@@ -275,13 +266,13 @@ def test_kvblend_plans_as_kvcomm_then_recomputes_and_full_ratio_is_dense(tiny_ex
 @pytest.mark.slow
 def test_cacheblend_recomputes_top_deviating_share(tiny_executor):
     executor = tiny_executor
-    engine = ReuseEngine(executor.rotary, ReuseConfig(mode="cacheblend", recompute_ratio=0.15, check_layer=1))
+    engine = ReuseEngine(executor.rotary, ReuseConfig(mode="cacheblend", recompute_ratio=0.15))
     run_agent(executor, engine, _asker(executor, 0), 1)
     prompt = _asker(executor, 2)
     plan = engine.plan(prompt, executor.base_kv)
     kv = engine.materialize(plan)
     estimated = plan.estimated_tokens
-    assert plan.blend is not None and plan.blend.count == math.ceil(0.15 * estimated)
+    assert plan.blend is not None and plan.blend.count == math.ceil(0.15 * estimated) and plan.blend.check_layer == 1
     generation = executor.generate(prompt.token_ids, kv, 1, None, blend=plan.blend)
     plan.recompute = generation.recomputed
     p = plan.provenance()
@@ -396,25 +387,11 @@ def test_cacheblend_is_closer_to_dense_than_realign_on_smollm2(smol_executor):
 
 
 @pytest.mark.slow
-def test_kvcomm_with_compute_tail_estimates_nothing_in_the_last_tokens(tiny_executor):
-    spec = parse_pipeline(PIPELINE)
-    tail = 6
-    engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(compute_tail=tail))
-    calls = [c for row in range(4) for c in run_row(spec, row, tiny_executor, engine)]
-    provenance = [c.provenance for c in calls]
-    assert any(p.estimated_tokens > 0 for p in provenance)
-    for p in provenance:
-        assert _adds_up(p)
-        if p.estimated_tokens:
-            assert p.reuse_end <= p.prompt_tokens - tail, p
-
-
-@pytest.mark.slow
-def test_kvcomm_with_compute_trailing_text_serves_no_template_text_after_shared_content(tiny_executor):
+def test_kvcomm_with_scope_content_serves_no_template_text_after_shared_content(tiny_executor):
     """Estimates go on (with their following segments between shared segments), but a served
     prefix always ends with a shared segment's token."""
     spec = parse_pipeline(PIPELINE)
-    engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(compute_trailing_text=True))
+    engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(scope="content"))
     plans = []
     plan = engine.plan
     engine.plan = lambda *args: plans.append(plan(*args)) or plans[-1]

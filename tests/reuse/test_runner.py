@@ -1,10 +1,11 @@
 """Running one agent call through an executor and an engine (kvcomm.reuse.runner): which
-replies become bases."""
+replies become bases. The engines hold no exact prefixes (``prefix_store_bytes=0``), so a
+prompt that repeats another's head is served from bases."""
 
 import pytest
 
 from kvcomm.core.segments import Prompt, Segment
-from kvcomm.reuse import ReuseConfig, ReuseEngine, scope_settings
+from kvcomm.reuse import SCOPES, ReuseConfig, ReuseEngine
 from kvcomm.reuse.runner import run_agent
 
 DOC = tuple(range(1000, 1040))
@@ -14,29 +15,28 @@ def _prompt(tail: tuple[int, ...]) -> Prompt:
     return Prompt("reader", (Segment((300, 301)), Segment(DOC, slot="doc", shared_id="doc"), Segment(tail)))
 
 
-@pytest.mark.parametrize("after_estimates", [False, True])
-def test_a_reply_becomes_a_base_after_an_estimate_only_when_asked(tiny_executor, after_estimates):
-    engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(
-        mode="realign", exact_prefix=False, reply_bases_after_estimates=after_estimates))
+def test_a_reply_becomes_a_base_only_from_a_request_that_did_not_estimate(tiny_executor):
+    engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(mode="realign", prefix_store_bytes=0))
     first, first_use = run_agent(tiny_executor, engine, _prompt((500, 501)), 3)
     assert first_use.estimated_tokens == 0  # the document is new: computed, its base learned
     assert engine.has_base(Segment(first.reply_ids, slot="_").shared_id)  # a clean request's reply always
     second, reuse = run_agent(tiny_executor, engine, _prompt((600, 601, 602)), 3)
     assert reuse.estimated_tokens == len(DOC)  # the document realigned from its base
     assert second.reply_ids != first.reply_ids
-    assert engine.has_base(Segment(second.reply_ids, slot="_").shared_id) is after_estimates
+    assert not engine.has_base(Segment(second.reply_ids, slot="_").shared_id)
 
 
-def test_without_decode_reply_bases_a_reply_is_computed_until_a_clean_reader_takes_its_base(tiny_executor):
-    """decode_reply_bases=False: the producer's decode KV is not the reply's base, even from a
-    clean request; the first reader that computes it cleanly gives it one, which later
-    readers reuse."""
-    config = ReuseConfig(mode="realign", exact_prefix=False, decode_reply_bases=False, reply_bases_after_estimates=True)
-    engine = ReuseEngine(tiny_executor.rotary, config)
+@pytest.mark.parametrize("scope", ["all-reader-replies", "reader-replies", "inputs"])
+def test_without_decode_reply_bases_a_reply_is_computed_until_a_clean_reader_takes_its_base(tiny_executor, scope):
+    """Scopes without decode_reply_bases: the producer's decode KV is not the reply's base,
+    even from a clean request; the first reader that computes it cleanly gives it one, which
+    later readers reuse."""
+    assert not SCOPES[scope].decode_reply_bases
+    engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(mode="realign", scope=scope, prefix_store_bytes=0))
     produced, clean = run_agent(tiny_executor, engine, _prompt((500, 501)), 3)
     assert clean.estimated_tokens == 0 and produced.reply_ids
     reply = Segment(produced.reply_ids, slot="reply")
-    assert not engine.has_base(reply.shared_id)  # a clean request, and asked even after estimates: still none
+    assert not engine.has_base(reply.shared_id)  # a clean request: still none
     reader = Prompt("asker", (Segment((310, 311)), reply, Segment((700, 701))))
     _, first_read = run_agent(tiny_executor, engine, reader, 2)
     assert first_read.estimated_tokens == 0 and engine.has_base(reply.shared_id)  # computed, its base learned
@@ -49,8 +49,8 @@ def test_a_reader_that_estimated_gives_a_reply_its_base_only_when_asked(tiny_exe
     """decode_reply_bases=False with every reader estimating the document: bases_after_estimates
     (scopes reader-replies, all-reader-replies) lets the first reader's computed KV of the reply become its base, so
     the next reader reuses the reply; without it (scope inputs) the reply stays computed."""
-    config = ReuseConfig(mode="realign", exact_prefix=False, **scope_settings(scope))
-    after_estimates = config.bases_after_estimates
+    config = ReuseConfig(mode="realign", scope=scope, prefix_store_bytes=0)
+    after_estimates = SCOPES[scope].bases_after_estimates
     engine = ReuseEngine(tiny_executor.rotary, config)
     produced, _ = run_agent(tiny_executor, engine, _prompt((500, 501)), 3)
     reply = Segment(produced.reply_ids, slot="reply")

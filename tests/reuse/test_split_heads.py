@@ -3,8 +3,8 @@ exactly as one engine holding all heads: same decisions on every request, and ea
 materialized KV is the single-process KV's head slice, bit for bit.
 
 The single-process run is the demo pipeline on a 2-layer random Llama (2 KV heads) with
-first_use bases, gamma 0.3, shrinkage and kvblend's disagreement recompute (8 rows: the demo's
-and variants of them); its plans, learned KV and bases are recorded and replayed in two
+first_use bases, gamma 0, shrinkage and kvblend's recompute request (8 rows: the demo's and
+variants of them); its plans, learned KV, replies and bases are recorded and replayed in two
 gloo-joined processes, each on its own head (``support.split_heads``).
 """
 
@@ -17,6 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from kvcomm.anchors.config import PoolConfig
+from kvcomm.anchors.pool import SHRINKAGE_MIN_PAIRS
 from kvcomm.core.heads import ALL_HEADS
 from kvcomm.reuse.config import ReuseConfig
 from kvcomm.reuse.pipeline import load_demo_pipeline
@@ -30,9 +31,9 @@ def replayed(tiny_executor, tmp_path_factory):
     demo = load_demo_pipeline()
     variants = tuple({name: f"{text} (second case)" for name, text in row.items()} for row in demo.inputs)
     spec = dataclasses.replace(demo, inputs=demo.inputs + variants, max_new_tokens=8)
-    # some dense sightings, observed; kvblend picks its recompute from the anchors' disagreement
-    config = ReuseConfig(pool=PoolConfig(gamma=0.3, shrinkage_min_pairs=1), mode="kvblend", recompute_selection="disagreement",
-                         recompute_ratio=0.3)
+    # enough dense sightings, observed, that shrunk estimates are served (gamma 0: reuse only
+    # at a one-hot p); kvblend asks for a recompute of its estimated tokens
+    config = ReuseConfig(pool=PoolConfig(gamma=0.0), mode="kvblend", recompute_ratio=0.3)
     engine = RecordingEngine(tiny_executor.rotary, config)
     for row in range(len(spec.inputs)):
         run_row(spec, row, tiny_executor, engine)
@@ -49,8 +50,10 @@ def test_the_recorded_run_reuses_estimates_and_fits_shrinkage(replayed):
     engine, single, _ = replayed
     plans = [e for e in engine.events if e[0] == "plan"]
     assert sum(e[2]["estimated"] for e in plans) > 0 and sum(e[2]["exact"] for e in plans) > 0
-    assert any(e[2]["recompute"] for e in plans)  # recompute positions chosen by disagreement: compared across ranks
+    assert any(e[2]["recompute"] for e in plans)  # recompute requests: compared across ranks
     assert single  # shrinkage observed: its sums are compared across ranks below
+    # and used: some slot's estimates were served shrunk
+    assert any(f.pairs >= SHRINKAGE_MIN_PAIRS for pool in engine.pools.values() for f in pool.fits.values())
 
 
 def test_every_rank_makes_the_single_process_decisions(replayed):

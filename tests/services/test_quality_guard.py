@@ -70,8 +70,9 @@ def test_tiny_budget_disables_the_slot_and_huge_budget_never_acts(smol_executor,
 def test_exact_reuse_measures_zero_kl(smol_executor):
     """Behind the context it was recorded in, a reused segment reproduces dense KV, so the
     shadow KL must be ~0: the guard compares the right two distributions. (first_use: the first
-    run takes the bases, the second records the anchors, the third reuses.)"""
-    engine = ReuseEngine(smol_executor.rotary, ReuseConfig(exact_prefix=False))
+    run takes the bases, the second records the anchors, the third reuses; a prefix store with
+    no room, so the third estimates rather than serving an exact prefix.)"""
+    engine = ReuseEngine(smol_executor.rotary, ReuseConfig(prefix_store_bytes=0))
     guard = QualityGuard(GuardConfig(fraction=1.0, budget=1e-3, min_samples=1))
     prompt = agent_prompt(smol_executor, SPEC.agents[1], {"doc": SPEC.inputs[0]["doc"], "reader": "A river."})
     for _ in range(2):
@@ -113,8 +114,8 @@ def test_bad_guard_config_is_refused_and_a_guard_serves_one_engine():
 
 def _estimated_plan(executor):
     """(engine, plan) of a prompt whose shared segment is estimated from an anchor: the same
-    prompt seen once before (no exact prefix store, so only the anchor path can reuse it)."""
-    engine = ReuseEngine(executor.rotary, ReuseConfig(exact_prefix=False, base_source="standalone"))
+    prompt seen once before (a prefix store with no room, so only the anchor path can reuse it)."""
+    engine = ReuseEngine(executor.rotary, ReuseConfig(prefix_store_bytes=0, base_source="standalone"))
     prompt = agent_prompt(executor, SPEC.agents[1], {"doc": SPEC.inputs[0]["doc"], "reader": "A river."})
     run_agent(executor, engine, prompt, 1)
     plan = engine.plan(prompt, executor.base_kv)

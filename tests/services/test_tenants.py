@@ -193,9 +193,10 @@ PROBE = {"agents": [{"name": "keeper", "system": "Be brief.", "template": "Note:
 CHANNELS = {
     # the exact prefix store: the channel a plain prefix cache opens
     "exact": ReuseConfig(mode="exact"),
-    # anchors and bases only: the secret's base exists once someone prefilled it ("first_use"),
-    # and then it is estimated (gamma 1: reuse as soon as two anchors are compatible)
-    "estimated": ReuseConfig(mode="kvcomm", exact_prefix=False, base_source="first_use", pool=PoolConfig(gamma=1.0)),
+    # anchors and bases only (a prefix store with no room): the secret's base exists once
+    # someone prefilled it ("first_use"), and then it is estimated (gamma 1: reuse as soon as
+    # two anchors are compatible)
+    "estimated": ReuseConfig(mode="kvcomm", prefix_store_bytes=0, base_source="first_use", pool=PoolConfig(gamma=1.0)),
 }
 ALPHA = 1e-6
 """The isolated probe fails when the attacker's success count has a two-sided binomial p-value

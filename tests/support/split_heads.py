@@ -2,7 +2,8 @@
 joined by a gloo group (``ProcessGroupHeads``), the way tensor-parallel ranks hold KV.
 
 ``RecordingEngine`` logs every plan (its prompt, decisions and materialized prefix), every
-``learn`` (the computed KV) and every registered base, with the whole heads. ``replay`` runs
+``learn`` (the computed KV, the reply and its KV) and every base registered outside ``learn``,
+with the whole heads. ``replay`` runs
 in each rank: the same calls with that rank's heads of every KV, and reports per plan whether
 its decisions equal the recorded ones and its materialized prefix equals the recorded
 prefix's head slice bit for bit.
@@ -27,7 +28,8 @@ def decisions(plan) -> dict:
               for piece in plan.pieces]
     return {"exact": p.exact_tokens, "estimated": p.estimated_tokens, "computed": p.computed_tokens,
             "fallback": p.fallback, "note": plan.note, "pieces": pieces, "learn": list(plan.learn),
-            "new_bases": list(plan.new_bases), "recompute": None if plan.blend is None else plan.blend.positions}
+            "new_bases": list(plan.new_bases),
+            "recompute": None if plan.blend is None else (plan.blend.start, plan.blend.end, plan.blend.count)}
 
 
 class RecordingEngine(ReuseEngine):
@@ -36,6 +38,7 @@ class RecordingEngine(ReuseEngine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.events: list[tuple] = []
+        self._learning = False
 
     def plan(self, prompt, provide_base=None):
         plan = super().plan(prompt, provide_base)
@@ -48,12 +51,17 @@ class RecordingEngine(ReuseEngine):
             self.events[-1][3] = None if prefix is None else prefix.clone()
             yield prefix
 
-    def learn(self, plan, computed):
-        self.events.append(["learn", computed.clone()])
-        super().learn(plan, computed)
+    def learn(self, plan, computed, reply_ids=(), reply_kv=None):
+        self.events.append(["learn", computed.clone(), tuple(reply_ids), None if reply_kv is None else reply_kv.clone()])
+        self._learning = True  # a reply's base registered by learn is replayed by learn
+        try:
+            super().learn(plan, computed, reply_ids, reply_kv)
+        finally:
+            self._learning = False
 
     def register_base(self, segment, base):
-        self.events.append(["base", segment, base.clone()])
+        if not self._learning:
+            self.events.append(["base", segment, base.clone()])
         return super().register_base(segment, base)
 
 
@@ -87,7 +95,9 @@ def replay(rank: int, size: int, log_path: str, init_file: str, out_dir: str) ->
                         same_kv = torch.equal(mine.keys, expected.keys) and torch.equal(mine.values, expected.values)
                 results.append({"decisions": decisions(plan) == recorded, "kv": same_kv, "estimated": recorded["estimated"]})
             elif event[0] == "learn":
-                engine.learn(plan, _shard(event[1], rank, size))
+                _, computed, reply_ids, reply_kv = event
+                engine.learn(plan, _shard(computed, rank, size), reply_ids,
+                             None if reply_kv is None else _shard(reply_kv, rank, size))
             else:
                 engine.register_base(event[1], _shard(event[2], rank, size))
         fits = {str(k): (f.cross.clone(), f.estimate_sq.clone(), f.real_sq.clone())

@@ -80,16 +80,17 @@ def test_the_connector_refuses_pipeline_parallel_engines_and_accepts_both_execut
 
 
 def test_serve_passes_the_reuse_scope_to_the_connector_and_it_refuses_an_unknown_one_at_start():
-    from kvcomm.reuse.config import ReuseConfig, scope_settings
+    from kvcomm.reuse.config import ReuseConfig
+    from kvcomm.reuse.scopes import SCOPES
     from kvcomm.integrations.serve.command import engine_settings
 
     parse = build_parser().parse_known_args
     assert "reuse_scope" not in engine_settings(parse(["serve"])[0])  # the default: nothing to pass
     extra = engine_settings(parse(["serve", "--reuse-scope", "inputs"])[0])
     assert extra["reuse_scope"] == "inputs"
-    config = ReuseConfig(**scope_settings(extra["reuse_scope"]))
-    assert config.compute_trailing_text and not config.decode_reply_bases
-    assert ReuseConfig(**scope_settings("content")).decode_reply_bases
+    scope = SCOPES[ReuseConfig(scope=extra["reuse_scope"]).scope]
+    assert scope.compute_trailing_text and not scope.decode_reply_bases
+    assert SCOPES[ReuseConfig(scope="content").scope].decode_reply_bases
     with pytest.raises(ValueError, match="unknown reuse scope 'everything'; valid: all, all-reader-replies, content, reader-replies, inputs"):
         _connector(kv_extra={"reuse_scope": "everything"})
 

@@ -1,0 +1,56 @@
+"""Strategy "realign": every segment with a stored base, RoPE-realigned, no deviation."""
+
+from __future__ import annotations
+
+from kvcomm.reuse.plan import EstimatedPiece, ReusePlan
+
+
+def plan_realigned(engine, plan: ReusePlan, provide) -> None:
+    """Serve each segment after the exact prefix as its realigned base (shared: its content's
+    base; fixed: the template's stored base), in order, up to the first without one. No
+    anchors, no admission."""
+    prompt, last = plan.prompt, engine.reuse_limit(plan.prompt)
+    for index in range(first_after_exact(plan), len(prompt.segments)):
+        segment = prompt.segments[index]
+        if prompt.starts[index] != plan.reuse_end:  # the exact prefix ends inside this segment
+            return
+        if segment.is_shared:
+            known = engine.base(segment, provide)
+            if known is None:
+                plan.note = new_content_note(segment)
+                return
+            base = known[0]
+        else:
+            base = engine.fixed_base(prompt, index)
+            if base is None:
+                plan.note = f"fixed segment {index} at {prompt.starts[index]} has no base yet"
+                return
+        if not add_realigned(plan, index, base, last):
+            return
+
+
+def first_after_exact(plan: ReusePlan) -> int:
+    """Index of the first segment that ends after the exact prefix (``len(segments)`` if none)."""
+    prompt = plan.prompt
+    return next((i for i in range(len(prompt.segments)) if prompt.end(i) > plan.exact_length), len(prompt.segments))
+
+
+def add_realigned(plan: ReusePlan, index: int, base, last: int, offset: int = 0) -> bool:
+    """Append segment ``index``'s tokens from ``offset`` on, served as their realigned ``base``
+    (position-free, the segment's own; no deviation), to ``plan``, which must reach exactly
+    there; never a token at or past ``last`` (``ReuseEngine.reuse_limit``). Returns whether the
+    whole segment is now reused (so reuse may go on), False if the plan does not reach there or
+    it was cut short."""
+    prompt = plan.prompt
+    start = prompt.starts[index] + offset
+    if start != plan.reuse_end:  # the exact prefix ends inside this segment
+        return False
+    end = min(len(prompt.segments[index]), base.length, last - prompt.starts[index])
+    if end <= offset:
+        return False
+    plan.pieces.append(EstimatedPiece(index, start, base.span(offset, end), None, None))
+    return end == len(prompt.segments[index])
+
+
+def new_content_note(segment) -> str:
+    return f"slot {segment.slot!r}: new content, its base is taken from this prefill"
