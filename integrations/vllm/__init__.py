@@ -1,5 +1,5 @@
 """The vLLM plugin: the V1 KV connector (``connector``; loaded by module path,
-``llm.CONNECTOR_MODULE``), its pieces (``layout``, ``channel``, ``params``, ``planner``,
+``llm.CONNECTOR_MODULE``), its pieces (``layout``, ``channel``, ``params``, ``request_plans``,
 ``detect``, ``metrics``), an in-process ``vllm.LLM`` with it (``llm.make_llm``) and the executor on it."""
 
 from kvcomm.core.exports import lazy_exports, names

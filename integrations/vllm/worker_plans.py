@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from kvcomm.integrations.vllm.channel import Channel
 from kvcomm.integrations.vllm.messages import Finished, PlanAnswer, PlanAsk
-from kvcomm.integrations.vllm.planner import PlannedRequest, ServerPlanner
+from kvcomm.integrations.vllm.request_plans import PlannedRequest, ServerPlanner
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
