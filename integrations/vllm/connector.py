@@ -73,11 +73,11 @@ from kvcomm.core.rope import RopeError
 from kvcomm.reuse.config import DEFAULT_REUSE_SCOPE, scope_settings
 from kvcomm.integrations.vllm.channel import Capture, Channel, channel
 from kvcomm.integrations.vllm.layout import KvIO, LayoutError
-from kvcomm.integrations.vllm.messages import Finished, KvcommWorkerMetadata, PlanAsk
+from kvcomm.integrations.vllm.messages import Finished, KvcommMetadata, KvcommWorkerMetadata, PlanAsk, StepRequest, handle_of
 from kvcomm.integrations.vllm.metrics import record_rejected, record_served
 from kvcomm.integrations.vllm.params import KvcommParamsError, parse_params
 from kvcomm.integrations.vllm.refusals import config_refusal, layer_refusal, refusal_of_any_rank
-from kvcomm.integrations.vllm.worker_plans import WorkerPlans, handle_of
+from kvcomm.integrations.vllm.worker_plans import WorkerPlans
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -89,36 +89,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
-
-@dataclass
-class StepRequest:
-    """One request's connector work in one engine step.
-
-    load_positions/load_slots: prompt positions to inject (``[N]`` int64) and their cache
-    slots. capture_positions/capture_slots: positions whose KV to read after each layer.
-    prompt_done: this step computes the request's last prompt token. All on the host, as the
-    scheduler builds them; the worker moves what it needs to the cache's device.
-    """
-
-    handle: str
-    load_positions: torch.Tensor
-    load_slots: torch.Tensor
-    capture_positions: torch.Tensor
-    capture_slots: torch.Tensor
-    capture_capacity: int
-    prompt_done: bool
-
-
-@dataclass
-class KvcommMetadata(KVConnectorMetadata):
-    """One step's scheduler-to-worker message: loads and captures of scheduled requests, and
-    for annotated requests the plans to make and the finished requests to learn from (the
-    worker handles ``finished`` before ``asks``, so a reply is learned before the next plan)."""
-
-    requests: list[StepRequest] = field(default_factory=list)
-    asks: list[PlanAsk] = field(default_factory=list)
-    finished: list[Finished] = field(default_factory=list)
-
 
 @dataclass
 class _Tracked:

@@ -14,18 +14,13 @@ import os
 from typing import TYPE_CHECKING
 
 from kvcomm.integrations.vllm.channel import Channel
-from kvcomm.integrations.vllm.messages import Finished, PlanAnswer, PlanAsk
+from kvcomm.integrations.vllm.messages import Finished, PlanAnswer, PlanAsk, handle_of
 from kvcomm.integrations.vllm.request_plans import PlannedRequest, ServerPlanner
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 log = logging.getLogger(__name__)
-
-
-def handle_of(req_id: str) -> str:
-    """The channel handle of a planned request (distinct from in-process callers' handles)."""
-    return f"request-{req_id}"
 
 
 class WorkerPlans:
