@@ -73,46 +73,22 @@ from kvcomm.core.rope import RopeError
 from kvcomm.reuse.config import DEFAULT_REUSE_SCOPE, scope_settings
 from kvcomm.integrations.vllm.channel import Capture, Channel, channel
 from kvcomm.integrations.vllm.layout import KvIO, LayoutError
-from kvcomm.integrations.vllm.messages import Finished, KvcommMetadata, KvcommWorkerMetadata, PlanAsk, StepRequest, handle_of
-from kvcomm.integrations.vllm.metrics import record_rejected, record_served
-from kvcomm.integrations.vllm.params import KvcommParamsError, parse_params
-from kvcomm.integrations.vllm.refusals import config_refusal, layer_refusal, refusal_of_any_rank
+from kvcomm.integrations.vllm.messages import KvcommMetadata, KvcommWorkerMetadata, StepRequest
+from kvcomm.integrations.vllm.refusals import apply_refusal, engine_refusal, layer_refusal, refusal_of_any_rank
+from kvcomm.integrations.vllm.scheduler import KvcommConnectorScheduler
 from kvcomm.integrations.vllm.worker_plans import WorkerPlans
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
-
-@dataclass
-class _Tracked:
-    """Scheduler-side state of one opted-in request (until it finishes).
-
-    inject: prompt positions ``[0, inject)`` the connector supplies; capture_from, capture_to:
-    prompt+output positions whose real KV the worker keeps. ``planned``: an annotated request
-    (planned by the worker; ``pending`` until its answer came back, ``summary`` from it);
-    otherwise an in-process order read from the channel.
-    """
-
-    handle: str
-    prompt_len: int
-    inject: int = 0
-    capture_from: int = 0
-    capture_to: int = 0
-    planned: bool = False
-    pending: bool = False
-    summary: dict | None = None
-    hit: int = 0  # vLLM's own (block-aligned) prefix hit, as last offered to us
-    load_start: int = 0
-    load_count: int = 0
-    first_step: bool = True
-
 
 @dataclass
 class _DeviceStep:
@@ -134,9 +110,6 @@ class _DeviceStep:
     read_indices: dict = field(default_factory=dict)
 
 
-_EMPTY = torch.zeros(0, dtype=torch.int64)
-
-
 class KvcommConnector(KVConnectorBase_V1):
     """Both roles of kvcomm's connector; see the module docstring."""
 
@@ -152,183 +125,50 @@ class KvcommConnector(KVConnectorBase_V1):
         self.channel: Channel = channel(self.engine_id)
         self._strict = bool(self._kv_transfer_config.get_from_extra_config("strict", False))
         scope_settings(self._kv_transfer_config.get_from_extra_config("reuse_scope", DEFAULT_REUSE_SCOPE))  # refuse an unknown one now
-        parallel = vllm_config.parallel_config
-        groups = None if kv_cache_config is None else kv_cache_config.kv_cache_groups
-        model = vllm_config.model_config
-        self._refused = config_refusal(parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
-                                       parallel.distributed_executor_backend, vllm_config.cache_config.cache_dtype, groups,
-                                       None if model is None else model.get_total_num_kv_heads())
-        if self._refused is None and role == KVConnectorRole.SCHEDULER:
-            self._refused = self.channel.refusal  # the worker side (same process) registered its layers first
-        self._refuse_if_needed()
-        self._tracked: dict[str, _Tracked] = {}
-        self._rejected: dict[str, str] = {}
+        self._refused = engine_refusal(vllm_config, kv_cache_config)
+        self.connector_scheduler: KvcommConnectorScheduler | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KvcommConnectorScheduler(vllm_config, kv_cache_config, self.channel,
+                                                                self._refused, self._strict)
+            return
+        apply_refusal(self.channel, self._refused, self._strict)
         self._io: dict[str, KvIO] = {}
         self._layer_index: dict[str, int] = {}
         self._device_steps: list[_DeviceStep] = []
         self._work_meta: KvcommMetadata | None = None
         self._device: torch.device | None = None
-        self._plan = bool(self._kv_transfer_config.get_from_extra_config("plan", False))
-        self._asks: list[PlanAsk] = []
-        self._finished: list[Finished] = []
-        self._asked: set[str] = set()  # annotated requests whose plan was asked of the worker, until they finish
         self._plans = WorkerPlans(vllm_config, self.channel)
-        slots = self._kv_transfer_config.get_from_extra_config("slots", None)
-        self._known_slots = None if slots is None else frozenset(slots)
-
-    def _refuse_if_needed(self) -> None:
-        if self._refused is None:
-            return
-        self.channel.refusal = self._refused
-        if self._strict:
-            raise ValueError(f"kvcomm connector: {self._refused}")
-        logger.warning("kvcomm connector is off for this engine: %s. Requests without kvcomm options are served as "
-                       "usual; requests with them are served without reuse and get this message as their error.",
-                       self._refused)
 
     @property
     def refused(self) -> str | None:
         """Why this connector is off (None: it is on)."""
-        return self._refused
+        return self._refused if self.connector_scheduler is None else self.connector_scheduler.refused
 
     # -- scheduler side ----------------------------------------------------------------------
 
+    @property
+    def scheduler(self) -> KvcommConnectorScheduler:
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler
+
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self.scheduler.kv_cache_manager = kv_cache_manager
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens the connector supplies beyond vLLM's hit; None ("ask again") while the worker
-        has not answered an annotated request's plan yet."""
-        tracked = self._track(request)
-        if tracked is None:
-            return 0, False
-        if tracked.pending:
-            return None, False
-        tracked.hit = num_computed_tokens
-        return max(0, tracked.inject - num_computed_tokens), False
-
-    def _track(self, request: "Request") -> _Tracked | None:
-        if request.request_id in self._tracked:
-            return self._tracked[request.request_id]
-        if request.request_id in self._rejected:
-            return None
-        if self._refused is not None:
-            if isinstance(request.kv_transfer_params, dict) and "kvcomm" in request.kv_transfer_params:
-                self._rejected[request.request_id] = f"kvcomm is off in this engine: {self._refused}"
-                record_rejected()
-            return None
-        try:
-            params = parse_params(request.kv_transfer_params, request.num_prompt_tokens, self._known_slots)
-            if params is None:
-                return None
-            if params.handle is not None:
-                order = self.channel.order(params.handle)
-                if order is None:
-                    raise KvcommParamsError(
-                        f"kv_transfer_params.kvcomm.handle {params.handle!r} names no pending order of this "
-                        "engine (handles come from in-process callers such as VllmExecutor, in the engine's process)"
-                    )
-                inject = 0 if order.inject is None else order.inject.length
-                tracked = _Tracked(params.handle, request.num_prompt_tokens, inject, order.capture_from, order.capture_to)
-            else:
-                tracked = self._ask_plan(request, params)
-        except KvcommParamsError as error:
-            self._reject(request.request_id, str(error))
-            return None
-        self._tracked[request.request_id] = tracked
-        return tracked
-
-    def _reject(self, req_id: str, error: str) -> None:
-        """This request only: no reuse, the error travels back in its kv_transfer_params."""
-        self._rejected[req_id] = error
-        record_rejected()
-        logger.warning("kvcomm: request %s gets no reuse: %s", req_id, error)
-
-    def _ask_plan(self, request: "Request", params) -> _Tracked:
-        """Queue the request's plan for the worker (sent with this step's metadata)."""
-        if not self._plan:
-            raise KvcommParamsError(
-                "server-side planning is off in this engine; start it with `kvcomm serve` or set "
-                'kv_connector_extra_config={"plan": true}'
-            )
-        n = request.num_prompt_tokens
-        self._asked.add(request.request_id)
-        self._asks.append(PlanAsk(request.request_id, tuple(request.prompt_token_ids), params,
-                                  request.cache_salt is not None, request.max_tokens))
-        return _Tracked(handle_of(request.request_id), n, capture_to=n + request.max_tokens, planned=True, pending=True)
-
-    def update_connector_output(self, connector_output) -> None:
-        """Take the worker's plan answers: claimable tokens, capture start, summary, or error."""
-        meta = connector_output.kv_connector_worker_meta
-        if not isinstance(meta, KvcommWorkerMetadata):
-            return
-        for req_id, answer in meta.answers.items():
-            tracked = self._tracked.get(req_id)
-            if tracked is None:
-                continue  # finished (aborted) before its answer came back
-            if answer.error is not None:
-                del self._tracked[req_id]
-                self._reject(req_id, answer.error)
-                continue
-            tracked.inject, tracked.capture_from, tracked.summary = answer.inject_length, answer.capture_from, answer.summary
-            tracked.pending = False
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        tracked = self._tracked.get(request.request_id)
-        if tracked is None:
-            return
-        tracked.load_start, tracked.load_count = tracked.hit, num_external_tokens
-        tracked.first_step = True
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = KvcommMetadata(asks=self._asks, finished=self._finished)
-        self._asks, self._finished = [], []
-        if not self._tracked:
-            return meta
-        computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
-        cached = scheduler_output.scheduled_cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-        block_size = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-        for req_id, count in scheduler_output.num_scheduled_tokens.items():
-            tracked = self._tracked.get(req_id)
-            if tracked is None or tracked.pending:
-                continue
-            if not tracked.planned and self.channel.order(tracked.handle) is None:
-                continue  # the in-process caller took its order back
-            blocks = torch.tensor(self._kv_cache_manager.get_block_ids(req_id)[0], dtype=torch.int64)
-            start = computed[req_id]
-            load = _EMPTY
-            if tracked.load_count:
-                load = torch.arange(tracked.load_start, tracked.load_start + tracked.load_count)
-                tracked.load_count = 0
-            end = min(start + count, tracked.capture_to)
-            low = tracked.capture_from if tracked.first_step else max(tracked.capture_from, start)
-            capture = torch.arange(low, end) if end > low else _EMPTY
-            tracked.first_step = False
-            meta.requests.append(StepRequest(
-                tracked.handle, load, _slots(blocks, load, block_size), capture, _slots(blocks, capture, block_size),
-                tracked.capture_to, start < tracked.prompt_len <= start + count,
-            ))
-        return meta
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self.scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        tracked = self._tracked.pop(request.request_id, None)
-        error = self._rejected.pop(request.request_id, None)
-        asked = request.request_id in self._asked
-        self._asked.discard(request.request_id)
-        if error:
-            if asked:  # the worker may hold its plan (e.g. ranks that disagreed): let it forget, learning nothing
-                self._finished.append(Finished(request.request_id, ()))
-            return False, {"kvcomm": {"error": error}}
-        if tracked is None or not tracked.planned:
-            return False, None
-        reply = list(request.output_token_ids)
-        stops = set(request.sampling_params.all_stop_token_ids) if request.sampling_params else set()
-        if reply and reply[-1] in stops:
-            reply.pop()
-        self._finished.append(Finished(request.request_id, tuple(reply)))  # the worker learns from it
-        if tracked.summary is None:
-            return False, None  # aborted before the worker answered its plan
-        if request.num_computed_tokens >= tracked.prompt_len:
-            record_served(tracked.summary)  # here, before the response leaves; the worker learns a step later
-        return False, {"kvcomm": tracked.summary}
+        return self.scheduler.request_finished(request)
 
     # -- worker side -------------------------------------------------------------------------
 
@@ -346,7 +186,7 @@ class KvcommConnector(KVConnectorBase_V1):
         except (LayoutError, RopeError) as error:
             self._refused = str(error)
         self._refused = refusal_of_any_rank(self._refused, self._vllm_config)
-        self._refuse_if_needed()
+        apply_refusal(self.channel, self._refused, self._strict)
 
     def _register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = self._vllm_config.compilation_config.static_forward_context
@@ -479,10 +319,3 @@ def _to_device(tensor: torch.Tensor, device: torch.device | None, dtype: torch.d
     if device is None or device.type == "cpu":
         return tensor.contiguous()
     return tensor.contiguous().pin_memory().to(device, non_blocking=True)
-
-
-def _slots(blocks: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slots of token ``positions`` given the request's block ids."""
-    if positions.numel() == 0:
-        return _EMPTY
-    return blocks[positions // block_size] * block_size + positions % block_size
