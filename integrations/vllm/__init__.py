@@ -1,6 +1,8 @@
-"""The vLLM plugin: the V1 KV connector (``connector``; loaded by module path,
-``llm.CONNECTOR_MODULE``), its pieces (``layout``, ``channel``, ``params``, ``planner``,
-``detect``, ``metrics``), an in-process ``vllm.LLM`` with it (``llm.make_llm``) and the executor on it."""
+"""The vLLM plugin: the V1 KV connector (``connector``, loaded by module path,
+``llm.CONNECTOR_MODULE``; its ``scheduler`` and ``worker`` sides and what they tell each other,
+``messages``), its pieces (``layout``, ``channel``, ``params``, ``refusals``, ``rotary``,
+``worker_plans``, ``request_plans``, ``detect``, ``metrics``, ``state``), an in-process ``vllm.LLM``
+with it (``llm.make_llm``) and the executor on it."""
 
 from kvcomm.core.exports import lazy_exports, names
 

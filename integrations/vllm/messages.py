@@ -1,24 +1,33 @@
-"""What the kvcomm connector's scheduler and worker sides tell each other about annotated
-requests (server-side planning), as plain picklable values: vLLM carries them in the
-step's ``KVConnectorMetadata`` (scheduler to worker) and in ``KVConnectorWorkerMetadata``
-(worker to scheduler), across processes when the worker runs in a process of its own.
+"""What the kvcomm connector's scheduler side (``vllm.scheduler``) and worker side
+(``vllm.worker``) tell each other, as plain picklable values: vLLM carries them in the step's
+``KVConnectorMetadata`` (``KvcommMetadata``, scheduler to worker) and in
+``KVConnectorWorkerMetadata`` (``KvcommWorkerMetadata``, worker to scheduler), across processes
+when the worker runs in a process of its own.
 
-No tensor travels here: the KV (bases, anchors, exact prefixes, captures) stays in the
-worker, which owns the ``ServerPlanner``.
+No KV travels here: the KV (bases, anchors, exact prefixes, injected KV, captures) stays in the
+worker, which owns the ``ServerPlanner``; a ``StepRequest`` carries prompt positions and cache
+slots only.
 
-A request's life: the scheduler sends a ``PlanAsk`` and answers vLLM's lookup "not yet";
-the worker plans it at the end of that step and answers with a ``PlanAnswer``; the
-scheduler then claims ``inject_length`` tokens and sends slots (``connector.StepRequest``);
-when the request finishes, a ``Finished`` carries its reply so the worker can learn.
+An annotated request's life (server-side planning): the scheduler sends a ``PlanAsk`` and
+answers vLLM's lookup "not yet"; the worker plans it at the end of that step and answers with
+a ``PlanAnswer``; the scheduler then claims ``inject_length`` tokens and sends slots
+(``StepRequest``, under ``handle_of(req_id)``); when the request finishes, a ``Finished``
+carries its reply so the worker can learn.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from kvcomm.integrations.vllm.params import KvcommParams
+
+
+def handle_of(req_id: str) -> str:
+    """The channel handle of a planned request (distinct from in-process callers' handles)."""
+    return f"request-{req_id}"
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,36 @@ class Finished:
 
     req_id: str
     reply_ids: tuple[int, ...]
+
+
+@dataclass
+class StepRequest:
+    """One request's connector work in one engine step.
+
+    load_positions/load_slots: prompt positions to inject (``[N]`` int64) and their cache
+    slots. capture_positions/capture_slots: positions whose KV to read after each layer.
+    prompt_done: this step computes the request's last prompt token. All on the host, as the
+    scheduler builds them; the worker moves what it needs to the cache's device.
+    """
+
+    handle: str
+    load_positions: torch.Tensor
+    load_slots: torch.Tensor
+    capture_positions: torch.Tensor
+    capture_slots: torch.Tensor
+    capture_capacity: int
+    prompt_done: bool
+
+
+@dataclass
+class KvcommMetadata(KVConnectorMetadata):
+    """One step's scheduler-to-worker message: loads and captures of scheduled requests, and
+    for annotated requests the plans to make and the finished requests to learn from (the
+    worker handles ``finished`` before ``asks``, so a reply is learned before the next plan)."""
+
+    requests: list[StepRequest] = field(default_factory=list)
+    asks: list[PlanAsk] = field(default_factory=list)
+    finished: list[Finished] = field(default_factory=list)
 
 
 @dataclass

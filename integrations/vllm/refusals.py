@@ -1,14 +1,21 @@
 """What the connector refuses to run on, decided at start-up and never inside a forward: engine
-configurations (``config_refusal``), attention layers (``layer_refusal``), and, under tensor
-parallelism, any rank's refusal for all of them (``refusal_of_any_rank``). Each reason says what
-to change."""
+configurations (``config_refusal``, ``engine_refusal``), attention layers (``layer_refusal``), and,
+under tensor parallelism, any rank's refusal for all of them (``refusal_of_any_rank``). Each reason
+says what to change. What a refusal does (``apply_refusal``): the connector stays loaded but inert,
+or with ``strict`` the engine fails to start."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from kvcomm.integrations.vllm.channel import Channel
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")
 """Attention backends whose KV the connector reads and writes (by ``get_name()``)."""
@@ -44,6 +51,29 @@ def config_refusal(tensor_parallel_size: int, pipeline_parallel_size: int, execu
         return (f"kvcomm supports models with one KV cache group, this one has {len(kv_cache_groups)} ({', '.join(kinds)}: "
                 "hybrid, sliding-window or mixed layers); serve a model whose layers all use full attention")
     return _spec_refusal(kv_cache_groups[0].kv_cache_spec)
+
+
+def engine_refusal(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> str | None:
+    """``config_refusal`` of this engine's configuration, as the connector reads it when built."""
+    parallel = vllm_config.parallel_config
+    groups = None if kv_cache_config is None else kv_cache_config.kv_cache_groups
+    model = vllm_config.model_config
+    return config_refusal(parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+                          parallel.distributed_executor_backend, vllm_config.cache_config.cache_dtype, groups,
+                          None if model is None else model.get_total_num_kv_heads())
+
+
+def apply_refusal(channel: "Channel", refused: str | None, strict: bool) -> None:
+    """Turn the engine's connector off if ``refused`` says why (None: nothing to do): the reason
+    goes on the engine's channel, then with ``strict`` the engine fails to start (ValueError),
+    else a warning says that the connector is off and requests are served without reuse."""
+    if refused is None:
+        return
+    channel.refusal = refused
+    if strict:
+        raise ValueError(f"kvcomm connector: {refused}")
+    log.warning("kvcomm connector is off for this engine: %s. Requests without kvcomm options are served as "
+                "usual; requests with them are served without reuse and get this message as their error.", refused)
 
 
 def _spec_refusal(spec: Any) -> str | None:

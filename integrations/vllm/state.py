@@ -26,7 +26,7 @@ from pathlib import Path
 from kvcomm.core.fingerprint import ModelFingerprint
 from kvcomm.services.persist import PersistError, save_engine, write_text_atomically
 from kvcomm.services.tenants import tenant_label
-from kvcomm.integrations.vllm.planner import ServerPlanner
+from kvcomm.integrations.vllm.request_plans import ServerPlanner
 
 log = logging.getLogger(__name__)
 TENANT_FILE = "tenant.json"

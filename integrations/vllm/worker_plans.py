@@ -2,8 +2,8 @@
 exact prefixes, persistence, learning) lives in the process that holds the KV cache.
 
 ``WorkerPlans`` answers the scheduler's ``PlanAsk`` messages (plan, materialize, place the
-order on this process's ``Channel`` under ``handle_of(req_id)``, where the connector's
-layer hooks find the KV to inject and put the captured KV) and learns on ``Finished``. The
+order on this process's ``Channel`` under ``handle_of(req_id)``, where the worker side's
+layer hooks (``vllm.worker``) find the KV to inject and put the captured KV) and learns on ``Finished``. The
 scheduler sees only the ``PlanAnswer`` numbers (``vllm.messages``).
 """
 
@@ -14,8 +14,8 @@ import os
 from typing import TYPE_CHECKING
 
 from kvcomm.integrations.vllm.channel import Channel
-from kvcomm.integrations.vllm.messages import Finished, PlanAnswer, PlanAsk
-from kvcomm.integrations.vllm.planner import PlannedRequest, ServerPlanner
+from kvcomm.integrations.vllm.messages import Finished, PlanAnswer, PlanAsk, handle_of
+from kvcomm.integrations.vllm.request_plans import PlannedRequest, ServerPlanner
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -23,16 +23,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def handle_of(req_id: str) -> str:
-    """The channel handle of a planned request (distinct from in-process callers' handles)."""
-    return f"request-{req_id}"
-
-
 class WorkerPlans:
     """Planned requests of one worker, from their ``PlanAsk`` to their ``Finished``.
 
     The planner is built on first use, on the served model's rotary numbers (read into
-    ``channel.rotary`` at start-up by the connector's ``register_kv_caches``).
+    ``channel.rotary`` at start-up by the worker side's ``register_kv_caches``).
     """
 
     def __init__(self, vllm_config: "VllmConfig", channel: Channel):

@@ -12,10 +12,10 @@ from kvcomm.anchors.config import PoolConfig
 from kvcomm.reuse.config import ReuseConfig
 from kvcomm.core.fingerprint import model_fingerprint
 from kvcomm.integrations.vllm.state import TENANT_FILE, PlannerState
-from kvcomm.integrations.vllm.planner import ServerPlanner
+from kvcomm.integrations.vllm.request_plans import ServerPlanner
 from kvcomm.services.tenants import tenant_label
 from support.one_thread import one_thread  # noqa: F401 (autouse fixture)
-from ..vllm.test_planner import request, serve
+from ..vllm.test_request_plans import request, serve
 
 
 def _planner(executor) -> ServerPlanner:

@@ -13,7 +13,7 @@ from kvcomm.reuse.config import ReuseConfig
 from kvcomm.services.tenants import tenant_label
 from kvcomm.integrations.vllm.channel import Capture
 from kvcomm.integrations.vllm.params import parse_params
-from kvcomm.integrations.vllm.planner import ServerPlanner
+from kvcomm.integrations.vllm.request_plans import ServerPlanner
 
 
 def serve(planner: ServerPlanner, executor, ids: list[int], spans: list[dict], tenant: str, max_tokens: int = 3,

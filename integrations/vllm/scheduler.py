@@ -1,0 +1,229 @@
+"""The kvcomm connector's scheduler side: which opted-in requests it tracks, how many prompt
+tokens it claims beyond vLLM's own prefix hit, and each step's ``KvcommMetadata`` for the
+worker side (``vllm.worker``). It never holds a tensor of KV.
+
+A request opts in with ``kv_transfer_params["kvcomm"]`` (``vllm.params``). An in-process order
+(``handle``) is read from the engine's ``Channel``; an annotated request is planned by the worker:
+the first lookup answers vLLM "not yet" and queues a ``PlanAsk``, the worker's ``PlanAnswer``
+arrives through ``update_connector_output``, and the next lookup claims the tokens
+(``vllm.messages``). When the request finishes its reply goes down in a ``Finished`` and its
+summary (or error) goes back in its ``kv_transfer_params``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.logger import init_logger
+
+from kvcomm.integrations.vllm.channel import Channel
+from kvcomm.integrations.vllm.messages import Finished, KvcommMetadata, KvcommWorkerMetadata, PlanAsk, StepRequest, handle_of
+from kvcomm.integrations.vllm.metrics import record_rejected, record_served
+from kvcomm.integrations.vllm.params import KvcommParamsError, parse_params
+from kvcomm.integrations.vllm.refusals import apply_refusal
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+_EMPTY = torch.zeros(0, dtype=torch.int64)
+
+
+@dataclass
+class _Tracked:
+    """Scheduler-side state of one opted-in request (until it finishes).
+
+    inject: prompt positions ``[0, inject)`` the connector supplies; capture_from, capture_to:
+    prompt+output positions whose real KV the worker keeps. ``planned``: an annotated request
+    (planned by the worker; ``pending`` until its answer came back, ``summary`` from it);
+    otherwise an in-process order read from the channel.
+    """
+
+    handle: str
+    prompt_len: int
+    inject: int = 0
+    capture_from: int = 0
+    capture_to: int = 0
+    planned: bool = False
+    pending: bool = False
+    summary: dict | None = None
+    hit: int = 0  # vLLM's own (block-aligned) prefix hit, as last offered to us
+    load_start: int = 0
+    load_count: int = 0
+    first_step: bool = True
+
+
+class KvcommConnectorScheduler:
+    """The scheduler-side hooks of ``KvcommConnector`` (see the module docstring).
+
+    refused: why the connector is off (None: on); here the engine configuration's refusal, else
+    the one the worker side recorded on the channel (in one process it registered its layers
+    first). ``kv_cache_manager`` is bound by the connector once vLLM built it.
+    """
+
+    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", channel: Channel,
+                 refused: str | None, strict: bool):
+        self.channel = channel
+        self.refused = refused if refused is not None else channel.refusal
+        apply_refusal(channel, self.refused, strict)
+        self.kv_cache_manager: KVCacheManager | None = None
+        self._kv_cache_config = kv_cache_config
+        extra = vllm_config.kv_transfer_config
+        self._plan = bool(extra.get_from_extra_config("plan", False))
+        slots = extra.get_from_extra_config("slots", None)
+        self._known_slots = None if slots is None else frozenset(slots)
+        self._tracked: dict[str, _Tracked] = {}
+        self._rejected: dict[str, str] = {}
+        self._asks: list[PlanAsk] = []
+        self._finished: list[Finished] = []
+        self._asked: set[str] = set()  # annotated requests whose plan was asked of the worker, until they finish
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens the connector supplies beyond vLLM's hit; None ("ask again") while the worker
+        has not answered an annotated request's plan yet."""
+        tracked = self._track(request)
+        if tracked is None:
+            return 0, False
+        if tracked.pending:
+            return None, False
+        tracked.hit = num_computed_tokens
+        return max(0, tracked.inject - num_computed_tokens), False
+
+    def _track(self, request: "Request") -> _Tracked | None:
+        if request.request_id in self._tracked:
+            return self._tracked[request.request_id]
+        if request.request_id in self._rejected:
+            return None
+        if self.refused is not None:
+            if isinstance(request.kv_transfer_params, dict) and "kvcomm" in request.kv_transfer_params:
+                self._rejected[request.request_id] = f"kvcomm is off in this engine: {self.refused}"
+                record_rejected()
+            return None
+        try:
+            params = parse_params(request.kv_transfer_params, request.num_prompt_tokens, self._known_slots)
+            if params is None:
+                return None
+            if params.handle is not None:
+                order = self.channel.order(params.handle)
+                if order is None:
+                    raise KvcommParamsError(
+                        f"kv_transfer_params.kvcomm.handle {params.handle!r} names no pending order of this "
+                        "engine (handles come from in-process callers such as VllmExecutor, in the engine's process)"
+                    )
+                inject = 0 if order.inject is None else order.inject.length
+                tracked = _Tracked(params.handle, request.num_prompt_tokens, inject, order.capture_from, order.capture_to)
+            else:
+                tracked = self._ask_plan(request, params)
+        except KvcommParamsError as error:
+            self._reject(request.request_id, str(error))
+            return None
+        self._tracked[request.request_id] = tracked
+        return tracked
+
+    def _reject(self, req_id: str, error: str) -> None:
+        """This request only: no reuse, the error travels back in its kv_transfer_params."""
+        self._rejected[req_id] = error
+        record_rejected()
+        logger.warning("kvcomm: request %s gets no reuse: %s", req_id, error)
+
+    def _ask_plan(self, request: "Request", params) -> _Tracked:
+        """Queue the request's plan for the worker (sent with this step's metadata)."""
+        if not self._plan:
+            raise KvcommParamsError(
+                "server-side planning is off in this engine; start it with `kvcomm serve` or set "
+                'kv_connector_extra_config={"plan": true}'
+            )
+        n = request.num_prompt_tokens
+        self._asked.add(request.request_id)
+        self._asks.append(PlanAsk(request.request_id, tuple(request.prompt_token_ids), params,
+                                  request.cache_salt is not None, request.max_tokens))
+        return _Tracked(handle_of(request.request_id), n, capture_to=n + request.max_tokens, planned=True, pending=True)
+
+    def update_connector_output(self, connector_output) -> None:
+        """Take the worker's plan answers: claimable tokens, capture start, summary, or error."""
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, KvcommWorkerMetadata):
+            return
+        for req_id, answer in meta.answers.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue  # finished (aborted) before its answer came back
+            if answer.error is not None:
+                del self._tracked[req_id]
+                self._reject(req_id, answer.error)
+                continue
+            tracked.inject, tracked.capture_from, tracked.summary = answer.inject_length, answer.capture_from, answer.summary
+            tracked.pending = False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            return
+        tracked.load_start, tracked.load_count = tracked.hit, num_external_tokens
+        tracked.first_step = True
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvcommMetadata:
+        meta = KvcommMetadata(asks=self._asks, finished=self._finished)
+        self._asks, self._finished = [], []
+        if not self._tracked:
+            return meta
+        computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        block_size = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        for req_id, count in scheduler_output.num_scheduled_tokens.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is None or tracked.pending:
+                continue
+            if not tracked.planned and self.channel.order(tracked.handle) is None:
+                continue  # the in-process caller took its order back
+            blocks = torch.tensor(self.kv_cache_manager.get_block_ids(req_id)[0], dtype=torch.int64)
+            start = computed[req_id]
+            load = _EMPTY
+            if tracked.load_count:
+                load = torch.arange(tracked.load_start, tracked.load_start + tracked.load_count)
+                tracked.load_count = 0
+            end = min(start + count, tracked.capture_to)
+            low = tracked.capture_from if tracked.first_step else max(tracked.capture_from, start)
+            capture = torch.arange(low, end) if end > low else _EMPTY
+            tracked.first_step = False
+            meta.requests.append(StepRequest(
+                tracked.handle, load, _slots(blocks, load, block_size), capture, _slots(blocks, capture, block_size),
+                tracked.capture_to, start < tracked.prompt_len <= start + count,
+            ))
+        return meta
+
+    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+        tracked = self._tracked.pop(request.request_id, None)
+        error = self._rejected.pop(request.request_id, None)
+        asked = request.request_id in self._asked
+        self._asked.discard(request.request_id)
+        if error:
+            if asked:  # the worker may hold its plan (e.g. ranks that disagreed): let it forget, learning nothing
+                self._finished.append(Finished(request.request_id, ()))
+            return False, {"kvcomm": {"error": error}}
+        if tracked is None or not tracked.planned:
+            return False, None
+        reply = list(request.output_token_ids)
+        stops = set(request.sampling_params.all_stop_token_ids) if request.sampling_params else set()
+        if reply and reply[-1] in stops:
+            reply.pop()
+        self._finished.append(Finished(request.request_id, tuple(reply)))  # the worker learns from it
+        if tracked.summary is None:
+            return False, None  # aborted before the worker answered its plan
+        if request.num_computed_tokens >= tracked.prompt_len:
+            record_served(tracked.summary)  # here, before the response leaves; the worker learns a step later
+        return False, {"kvcomm": tracked.summary}
+
+
+def _slots(blocks: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots of token ``positions`` given the request's block ids."""
+    if positions.numel() == 0:
+        return _EMPTY
+    return blocks[positions // block_size] * block_size + positions % block_size

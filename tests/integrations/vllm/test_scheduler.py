@@ -1,0 +1,115 @@
+"""The connector's scheduler side without an engine (``vllm.scheduler``, built through
+``KvcommConnector`` as vLLM builds it): an annotated request is answered "not yet" and asked
+for in the step's metadata; the worker's answer makes it claimable; errors and aborts travel
+back; finished requests go down before new asks."""
+
+from __future__ import annotations
+
+import pickle
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from kvcomm.integrations.vllm.messages import Finished, KvcommWorkerMetadata, PlanAnswer  # noqa: E402
+
+
+def _scheduler_connector():
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from kvcomm.integrations.vllm.connector import KvcommConnector
+    from kvcomm.integrations.vllm.llm import transfer_config
+
+    config = VllmConfig(kv_transfer_config=transfer_config(extra={"plan": True}))
+    full = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], full)]
+    return KvcommConnector(config, KVConnectorRole.SCHEDULER, KVCacheConfig(num_blocks=0, kv_cache_tensors=[], kv_cache_groups=groups))
+
+
+def _request(req_id: str, n: int = 40, options: dict | None = None):
+    """What the connector reads of a vLLM ``Request``."""
+    kvcomm = {"segments": [{"start": 4, "end": 20, "slot": "task"}]} if options is None else options
+    return SimpleNamespace(
+        request_id=req_id, kv_transfer_params={"kvcomm": kvcomm}, num_prompt_tokens=n, prompt_token_ids=list(range(n)),
+        cache_salt="salt", max_tokens=5, output_token_ids=[7, 8, 2], num_computed_tokens=n + 2,
+        sampling_params=SimpleNamespace(all_stop_token_ids={2}),
+    )
+
+
+def _output(answers: dict):
+    return SimpleNamespace(kv_connector_worker_meta=KvcommWorkerMetadata(answers))
+
+
+def _step(connector):
+    return connector.build_connector_meta(SimpleNamespace(
+        scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={}))
+
+
+def test_an_annotated_request_waits_for_the_workers_plan_then_claims_it():
+    connector = _scheduler_connector()
+    assert connector.refused is None
+    request = _request("a")
+    assert connector.get_num_new_matched_tokens(request, 0) == (None, False)  # not yet
+    assert connector.get_num_new_matched_tokens(request, 0) == (None, False)  # asked once only
+    meta = _step(connector)
+    assert [ask.req_id for ask in meta.asks] == ["a"] and meta.asks[0].token_ids == tuple(range(40))
+    assert meta.asks[0].salted and meta.asks[0].max_tokens == 5 and meta.asks[0].params.segments[0].slot == "task"
+    assert pickle.loads(pickle.dumps(meta)).asks == meta.asks  # crosses the process boundary
+    assert _step(connector).asks == []
+    summary = {"prompt_tokens": 40, "exact_tokens": 0, "estimated_tokens": 20, "computed_tokens": 20,
+               "fallback": False, "note": ""}
+    connector.update_connector_output(_output({"a": PlanAnswer(20, 20, summary)}))
+    assert connector.get_num_new_matched_tokens(request, 16) == (4, False)  # beyond vLLM's own hit
+    assert connector.request_finished(request, []) == (False, {"kvcomm": summary})
+    assert _step(connector).finished == [Finished("a", (7, 8))]  # the stop token is not the reply's
+
+
+def test_a_workers_error_is_that_requests_error_and_an_abort_before_the_answer_is_clean():
+    connector = _scheduler_connector()
+    failing, aborted = _request("f"), _request("x")
+    for request in (failing, aborted):
+        assert connector.get_num_new_matched_tokens(request, 0) == (None, False)
+    assert [ask.req_id for ask in _step(connector).asks] == ["f", "x"]
+    assert connector.request_finished(aborted, []) == (False, None)  # aborted while its plan was pending
+    connector.update_connector_output(_output({"f": PlanAnswer(error="kvcomm planning failed (boom)"),
+                                               "x": PlanAnswer(10, 10, {})}))
+    assert connector.get_num_new_matched_tokens(failing, 0) == (0, False)  # served without reuse
+    assert connector.request_finished(failing, []) == (False, {"kvcomm": {"error": "kvcomm planning failed (boom)"}})
+    # the worker drops what it planned; the rejected request's Finished has no reply (nothing to learn)
+    assert _step(connector).finished == [Finished("x", (7, 8)), Finished("f", ())]
+
+
+def test_bad_options_are_refused_at_once_without_asking_the_worker():
+    connector = _scheduler_connector()
+    request = _request("b", options={"segments": [{"start": 4, "end": 99, "slot": "task"}]})
+    assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert _step(connector).asks == []
+    assert "prompt length" in connector.request_finished(request, [])[1]["kvcomm"]["error"]
+
+
+def test_an_in_process_order_is_claimed_beyond_vllms_hit_and_sent_as_slots_of_the_bound_block_table():
+    from kvcomm.core.kv import KV
+    from kvcomm.integrations.vllm.channel import Order
+
+    connector = _scheduler_connector()
+    inject = KV(torch.zeros(1, 3, 20, 64), torch.zeros(1, 3, 20, 64))
+    connector.channel.place("h", Order(inject, capture_from=20, capture_to=45))
+    connector.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda req_id: ([5, 0, 7],), block_pool=None))
+    request = _request("o", options={"handle": "h"})
+    assert connector.get_num_new_matched_tokens(request, 16) == (4, False)  # 20 planned, 16 cached by vLLM
+    connector.update_state_after_alloc(request, None, 4)
+    meta = connector.build_connector_meta(SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="o", num_computed_tokens=16)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]), num_scheduled_tokens={"o": 24}))
+    (step,) = meta.requests
+    assert step.handle == "h" and step.prompt_done and step.capture_capacity == 45
+    assert step.load_positions.tolist() == [16, 17, 18, 19] and step.load_slots.tolist() == [0, 1, 2, 3]  # block 0
+    assert step.capture_positions.tolist() == list(range(20, 40))
+    assert step.capture_slots.tolist() == list(range(4, 16)) + list(range(112, 120))  # blocks 0 and 7 (block size 16)
+    assert connector.request_finished(request, []) == (False, None)  # an in-process order: the caller takes its KV
+    connector.channel.take("h")
