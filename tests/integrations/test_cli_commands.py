@@ -249,7 +249,8 @@ def test_eval_on_the_vllm_backend_without_kl(tiny_llama, tmp_path, capsys):
     argv = ["eval", "--workload", "mmlu", "--limit", "3", "--agents", "1", "--modes", "exact,kvcomm", "--gammas", "1",
             "--max-new-tokens", "2", "--out", str(out), "--backend", "vllm", "--no-kl", "--no-progress", "--model", tiny_llama]
     assert main(argv) == 0, capsys.readouterr().err[-3000:]
-    assert "agent calls in" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "agent calls in" in printed and "prefix hit" in printed
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["backend"] == "vllm" and results["settings"]["kl"] is False
     assert results["settings"]["model"] == tiny_llama and (out / "results.csv").is_file()
@@ -259,6 +260,12 @@ def test_eval_on_the_vllm_backend_without_kl(tiny_llama, tmp_path, capsys):
         assert row["calls"] == 3 * 2 and row["kl_mean"] is None and row["noise_kl_mean"] is None
         assert row["exact_tokens"] + row["estimated_tokens"] + row["computed_tokens"] == row["prompt_tokens"]
     assert pooled["dense"]["token_reuse_rate"] == 0
+    for mode, row in pooled.items():  # vLLM's prefix-cache hits, each run's own, reported per call and summed
+        mine = [c for c in results["calls"] if c["mode"] == mode]
+        assert row["cached_tokens"] == sum(c["cached_tokens"] for c in mine)
+        assert all(0 <= c["cached_tokens"] <= c["computed_tokens"] for c in mine)
+        assert mine[0]["cached_tokens"] == 0  # a run's first call: nothing of its own cached yet
+    assert "cached_tokens" in (out / "results.csv").read_text().splitlines()[0].split(",")
     # every row's prompts open with the same system prompt and instructions: exact hits from row 2 on
     assert pooled["exact"]["exact_tokens"] > 0 and pooled["exact"]["estimated_tokens"] == 0
     assert all(c["kl_positions"] == 0 for c in results["calls"])

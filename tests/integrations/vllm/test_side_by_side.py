@@ -114,3 +114,43 @@ def test_executors_under_different_salts_share_no_blocks_and_keep_their_own(vllm
     injected = a.generate(ids, first.computed.span(0, 40), 2)  # a salt of its own: vLLM serves it nothing more
     assert injected.cached_tokens == 0 and injected.reply_ids == first.reply_ids
 
+
+class _Workload:
+    name = "notes"
+    pipeline = SPEC
+
+    def score(self, row, reply):
+        return 0.0
+
+
+def test_eval_runs_are_not_served_each_others_blocks_and_report_their_own(vllm_llm, vllm_executor, monkeypatch):
+    """`kvcomm eval --backend vllm`: dense runs first, then each reuse run on the same rows in
+    the same order; a run's first call injects nothing and must not be served the blocks the
+    warm-up or the dense run computed for the same prompt. Each run keeps its own prefix caching."""
+    from kvcomm.eval.evaluate import EvalSettings, evaluate
+    from kvcomm.eval.outputs import format_table
+    from kvcomm.core.segments import Segment
+    from kvcomm.reuse.runner import build_prompt
+
+    vllm_llm.reset_prefix_cache()
+    seen = _spy(monkeypatch)
+    settings = EvalSettings(modes=("dense", "exact"), noise=False, timing_pass=False)
+    result = evaluate(_Workload(), vllm_executor, settings, progress=False, kl=False)
+    dense = result.runs[0]
+    row = dense.calls[0].input_index  # the first row in the seed's order, the same in every run
+    segment = Segment(tuple(vllm_executor.encode(NOTES[row])), slot="_")
+    prompt = tuple(build_prompt(vllm_executor, SPEC.agents[0], {"notes": segment}).token_ids)
+    requests = [cached for ids, injected, cached in seen if ids == prompt and injected == 0]
+    assert len(requests) == (3 if row == 0 else 2)  # the warm-up (row 0), the dense run, the exact run
+    assert requests == [0] * len(requests), f"vLLM served these calls of one prompt {requests} cached tokens"
+    for run in result.runs:
+        first = run.calls[0]
+        assert first.exact_tokens + first.estimated_tokens == 0 and first.cached_tokens == 0, run.run.label
+        for call in run.calls:
+            assert 0 <= call.cached_tokens <= call.computed_tokens
+    assert dense.run.mode == "dense" and sum(c.cached_tokens for c in dense.calls) >= 32  # its own prefix caching
+    rows = {r["mode"]: r for r in result.aggregates() if r["seed"] == "pooled"}
+    for mode, run in zip(("dense", "exact"), result.runs):
+        assert rows[mode]["cached_tokens"] == sum(c.cached_tokens for c in run.calls)
+        assert rows[mode]["cached_token_rate"] == rows[mode]["cached_tokens"] / rows[mode]["prompt_tokens"]
+    assert "prefix hit" in format_table(result)
