@@ -20,8 +20,8 @@ CSV_FIELDS = (
     "accuracy_ci_high", "token_reuse_rate", "exact_token_rate", "estimated_token_rate", "agent_reuse_rate",
     "fallback_rate", "reply_agreement", "kl_mean", "noise_kl_mean", "kl_last_mean", "noise_kl_last_mean", "kl_max",
     "noise_kl_max", "top1_agreement", "noise_top1_agreement", "prompt_tokens", "exact_tokens", "estimated_tokens",
-    "computed_tokens", "recomputed_tokens", "cached_tokens", "cached_token_rate", "ttft_mean_s", "ttft_p50_s", "ttft_p95_s", "timing_consistent_rate",
-    "pool_bytes", "wall_s",
+    "computed_tokens", "recomputed_tokens", "cached_tokens", "cached_token_rate", "ttft_mean_s", "ttft_p50_s",
+    "ttft_p95_s", "timing_consistent_rate", "pool_bytes", "wall_s",
 )
 
 NOTES = {
