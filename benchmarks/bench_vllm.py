@@ -13,9 +13,11 @@ read earlier replies), each document extended to at least ``--min-document-token
 with the next rows' opening paragraphs. It runs through ``kvcomm.eval.demo.run_demo``
 (the demo's machinery: calls alternate between the systems agent by agent, in alternating
 order), ``--passes`` times; each pass starts from nothing (a fresh ``ReuseEngine``, vLLM's
-prefix cache reset, its own baseline ``cache_salt``), so the first rows of every pass form the
-anchors again. Reported over the calls of all passes (misses included): TTFT p50 / p95 per agent
-and summed, for both systems, and the ratio stock-sum / kvcomm-sum, overall and per pass.
+prefix cache reset, a ``cache_salt`` of its own for each system, so neither is served blocks
+the other computed), so the first rows of every pass form the anchors again. Reported over the
+calls of all passes (misses included): TTFT p50 / p95 per agent and summed, for both systems,
+and the ratio stock-sum / kvcomm-sum, overall and per pass; the prompt tokens vLLM's prefix
+cache served each system (kvcomm's beyond what it injected), overall and per pass.
 ``--passes 0`` leaves the section out (the overhead section alone).
 
 **Overhead section.** Prompts that reuse nothing (two ~100-token synthetic ones, ``short``, and
@@ -130,11 +132,13 @@ def pipeline_report(passes: list[list]) -> dict:
     ``summary`` and ``agents`` are the demo's figures (``demo_summary``, ``demo_agents``) over
     the calls of all passes together: totals are sums over every call, the ratio is
     ``total_ttft_dense_s / total_ttft_reuse_s`` (stock over kvcomm). ``passes``: the same
-    totals and ratio for each pass alone, in run order."""
+    totals and ratio, and each system's prompt tokens served by vLLM's prefix cache, for each
+    pass alone, in run order."""
     from kvcomm.eval.demo_report import demo_agents, demo_summary
 
     calls = [c for one in passes for c in one]
-    keys = ("calls", "total_ttft_dense_s", "total_ttft_reuse_s", "total_ttft_speedup")
+    keys = ("calls", "total_ttft_dense_s", "total_ttft_reuse_s", "total_ttft_speedup", "dense_cached_tokens",
+            "reuse_cached_tokens")
     per_pass = [{key: summary[key] for key in keys} for summary in map(demo_summary, passes)]
     return {"summary": {**demo_summary(calls), "passes": len(passes)}, "agents": demo_agents(calls), "passes": per_pass}
 
@@ -290,6 +294,8 @@ def main() -> None:
         print("per pass, stock vLLM / kvcomm TTFT summed: " + ", ".join(
             f"{p['total_ttft_dense_s']:.1f} s / {p['total_ttft_reuse_s']:.1f} s = {p['total_ttft_speedup']:.2f}x"
             for p in pipeline["passes"]))
+        print("per pass, prompt tokens vLLM's prefix cache served stock vLLM / kvcomm: " + ", ".join(
+            f"{p['dense_cached_tokens']} / {p['reuse_cached_tokens']}" for p in pipeline["passes"]))
         print()
     print(format_overhead(overhead))
 

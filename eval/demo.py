@@ -6,7 +6,12 @@ The two systems run the same agents on the same input rows in one process, on on
   on: the same ``vllm.LLM`` as kvcomm, with requests that do not opt in to the kvcomm connector
   (the connector neither claims, loads nor captures anything for them); with
   ``backend="transformers"``, the transformers executor prefilling every prompt in full.
-- kvcomm ("reuse"): ``run_agent`` with one ``ReuseEngine`` across all rows.
+- kvcomm ("reuse"): ``run_agent`` with one ``ReuseEngine`` across all rows, on the executor
+  in a prefix-cache namespace of its own (``namespaced``).
+
+Neither system is served vLLM prefix-cache blocks the other computed (the baseline's requests
+carry their own ``cache_salt``, kvcomm's theirs); each keeps vLLM's prefix caching among its own
+calls, and each call records how many prompt tokens that cache served it.
 
 Calls alternate between the systems agent by agent (which one goes first alternates too), so
 both see the same machine load. Each system feeds its own replies to its later agents.
@@ -29,6 +34,7 @@ from tqdm import tqdm
 from kvcomm.reuse.config import ReuseConfig
 
 from kvcomm.reuse.engine import ReuseEngine
+from kvcomm.reuse.executor import namespaced
 from kvcomm.eval.demo_report import DemoCall
 from kvcomm.reuse.pipeline import PipelineSpec
 from kvcomm.reuse.runner import build_prompt, run_agent
@@ -42,8 +48,8 @@ and with no kvcomm request, so neither system is served blocks the other compute
 @dataclass(frozen=True)
 class Reply:
     """One call's outcome. reply_ids: generated tokens up to (not including) the first stop
-    token. ttft_s: see the module docstring. cached_tokens: prompt tokens the system's own
-    prefix cache served (baseline only)."""
+    token. ttft_s: see the module docstring. cached_tokens: prompt tokens vLLM's prefix cache
+    served (for kvcomm: beyond what kvcomm injected)."""
 
     reply_ids: tuple[int, ...]
     ttft_s: float
@@ -125,7 +131,7 @@ class DenseTransformers:
         started = time.perf_counter()
         generation = self.executor.generate(token_ids, None, max_new_tokens, started, on_token=first)
         ttft = generation.ttft_s if first.at is None else first.at - started
-        return Reply(tuple(generation.reply_ids), ttft)
+        return Reply(tuple(generation.reply_ids), ttft, generation.cached_tokens)
 
 
 def _content(executor, text: str) -> Segment | None:
@@ -143,6 +149,7 @@ def run_demo(spec: PipelineSpec, executor, baseline, config: ReuseConfig | None 
     stderr counting agent calls of both systems.
     """
     engine = ReuseEngine(executor.rotary, config or ReuseConfig())
+    kvcomm = namespaced(executor, "demo-kvcomm")
     calls: list[DemoCall] = []
     bar = tqdm(total=2 * len(spec.inputs) * len(spec.agents), desc="agent calls", unit="call",
                disable=not progress, file=sys.stderr)
@@ -162,9 +169,9 @@ def run_demo(spec: PipelineSpec, executor, baseline, config: ReuseConfig | None 
                 else:
                     first = FirstToken()
                     started = time.perf_counter()
-                    generation, provenance = run_agent(executor, engine, prompt, spec.max_new_tokens, on_token=first)
+                    generation, provenance = run_agent(kvcomm, engine, prompt, spec.max_new_tokens, on_token=first)
                     ttft = provenance.ttft_s if first.at is None else first.at - started
-                    results[system] = (prompt, Reply(tuple(generation.reply_ids), ttft), provenance)
+                    results[system] = (prompt, Reply(tuple(generation.reply_ids), ttft, provenance.cached_tokens), provenance)
                 ids = results[system][1].reply_ids
                 shared[system][agent.name] = Segment(ids, slot="_") if ids else None
                 bar.update()
@@ -174,7 +181,7 @@ def run_demo(spec: PipelineSpec, executor, baseline, config: ReuseConfig | None 
                 p.recomputed_tokens, p.reused, p.fallback, dense.ttft_s, reuse.ttft_s,
                 dense.reply_ids == reuse.reply_ids, p.note,
                 executor.decode(dense.reply_ids), executor.decode(reuse.reply_ids),
-                len(dense_prompt), dense.cached_tokens,
+                len(dense_prompt), dense.cached_tokens, reuse.cached_tokens,
             ))
     bar.close()
     return calls, engine

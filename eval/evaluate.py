@@ -42,6 +42,7 @@ from kvcomm.reuse.config import ReuseConfig
 from kvcomm.reuse.scopes import DEFAULT_SCOPE, SCOPES
 from kvcomm.reuse.strategies import MODES
 from kvcomm.reuse.engine import ReuseEngine
+from kvcomm.reuse.executor import namespaced
 from kvcomm.core.divergence import KL_TOP_K, TopK, kl_topk_other, top1_matches, topk_reference
 from kvcomm.reuse.runner import AgentCall, run_row
 
@@ -260,6 +261,7 @@ class CallRecord:
     estimated_tokens: int
     computed_tokens: int
     recomputed_tokens: int
+    cached_tokens: int  # of computed_tokens, those the runtime's own prefix cache served (vLLM's; 0 on transformers)
     shared_tokens: int
     reused_shared_tokens: int
     reused: bool
@@ -367,7 +369,8 @@ def _record(
         input_index=call.input_index, agent=call.agent, agent_position=position,
         prompt_tokens=p.prompt_tokens, exact_tokens=p.exact_tokens, estimated_tokens=p.estimated_tokens,
         computed_tokens=p.computed_tokens, recomputed_tokens=getattr(p, "recomputed_tokens", 0),
-        shared_tokens=p.shared_tokens, reused_shared_tokens=p.reused_shared_tokens, reused=p.reused,
+        cached_tokens=getattr(p, "cached_tokens", 0), shared_tokens=p.shared_tokens,
+        reused_shared_tokens=p.reused_shared_tokens, reused=p.reused,
         fallback=p.fallback, note=p.note, ttft_s=float(p.ttft_s), reply_tokens=len(call.reply_ids),
         reply_equal=tuple(call.reply_ids) == tuple(dense_reply), score=score,
         kl_positions=kl_positions, kl_sum=kl_sum, kl_max=kl_max, kl_last=kl_last, top1_matches=top1,
@@ -449,6 +452,12 @@ def evaluate(
     (dense prefills that learn everything, ``ReuseEngine.calibration_plan``), unrecorded, so
     the evaluated rows meet pools of up to V anchors per slot, as a long-running server's
     would be, instead of empty ones.
+
+    On a runtime with a prefix cache of its own (vLLM), every pass of every run (dense
+    included), the warm-up and each engine's calibration run in a namespace of their own
+    (``namespaced``): a run is served only blocks its own earlier calls computed (as stock vLLM
+    with prefix caching would serve one user's traffic), never those of another run, the
+    warm-up or the calibration; ``CallRecord.cached_tokens`` counts what it was served.
     """
     settings = settings or EvalSettings()
     spec = workload.pipeline
@@ -475,15 +484,17 @@ def evaluate(
     tick = lambda _: bar.update()  # noqa: E731
 
     def _calibrated(engine: ReuseEngine) -> ReuseEngine:
+        calibration = namespaced(executor, "eval-calibration")
         for row in warm:
-            run_row(spec, row, executor, engine, on_call=tick, calibrate=True)
+            run_row(spec, row, calibration, engine, on_call=tick, calibrate=True)
         return engine
 
     started = time.perf_counter()
     try:
         if settings.warm_up and spec.inputs:
             bar.set_postfix_str("warm-up")
-            run_row(spec, 0, executor, None)  # first-call overheads (allocator, kernels) out of the timings
+            # first-call overheads (allocator, kernels) out of the timings; no prefix-cache hits for anyone
+            run_row(spec, 0, namespaced(executor, "eval-warm-up"), None)
         for seed in settings.seeds:
             order = list(range(evaluated))
             random.Random(seed).shuffle(order)
@@ -493,17 +504,17 @@ def evaluate(
                 timing: dict[tuple[int, str], tuple[float, tuple]] = {}
                 if timing_pass:
                     bar.set_postfix_str(f"seed {seed} {run.label} (timing)")
-                    engine = make()
+                    engine, runner = make(), namespaced(executor, f"eval-seed{seed}-{run.mode}-timing")
                     for row in order:
-                        for call in run_row(spec, row, executor, engine, on_call=tick):
+                        for call in run_row(spec, row, runner, engine, on_call=tick):
                             timing[(row, call.agent)] = (float(call.provenance.ttft_s), _signature(call))
                     del engine
                 bar.set_postfix_str(f"seed {seed} {run.label}")
-                engine = make()
+                engine, runner = make(), namespaced(executor, f"eval-seed{seed}-{run.mode}")
                 run_started = time.perf_counter()
                 records: list[CallRecord] = []
                 for position_in_order, row in enumerate(order):
-                    calls = run_row(spec, row, executor, engine, on_call=tick, keep_logprobs=kl)
+                    calls = run_row(spec, row, runner, engine, on_call=tick, keep_logprobs=kl)
                     for agent_position, call in enumerate(calls):
                         if run.mode == DENSE:
                             dense_replies[(row, call.agent)] = tuple(call.reply_ids)

@@ -20,8 +20,8 @@ CSV_FIELDS = (
     "accuracy_ci_high", "token_reuse_rate", "exact_token_rate", "estimated_token_rate", "agent_reuse_rate",
     "fallback_rate", "reply_agreement", "kl_mean", "noise_kl_mean", "kl_last_mean", "noise_kl_last_mean", "kl_max",
     "noise_kl_max", "top1_agreement", "noise_top1_agreement", "prompt_tokens", "exact_tokens", "estimated_tokens",
-    "computed_tokens", "recomputed_tokens", "ttft_mean_s", "ttft_p50_s", "ttft_p95_s", "timing_consistent_rate",
-    "pool_bytes", "wall_s",
+    "computed_tokens", "recomputed_tokens", "cached_tokens", "cached_token_rate", "ttft_mean_s", "ttft_p50_s",
+    "ttft_p95_s", "timing_consistent_rate", "pool_bytes", "wall_s",
 )
 
 NOTES = {
@@ -33,6 +33,10 @@ NOTES = {
     "accuracy": "mean task score of the decider's reply; 95% Wilson interval (pooled: every (seed, row) a trial).",
     "token_reuse_rate": "(exact + estimated) / prompt tokens; cacheblend's and kvblend's recomputed tokens count as computed.",
     "agent_reuse_rate": "calls that reused some shared content / calls (KVCOMM's definition).",
+    "cached_tokens": "prompt tokens the runtime's own prefix cache served instead of computing them (vLLM's "
+                     "num_cached_tokens less what kvcomm injected; 0 on transformers), counted in computed_tokens; "
+                     "cached_token_rate: over prompt tokens. Each run (and pass) has a prefix-cache namespace of its "
+                     "own, so it is served only blocks its own earlier calls computed.",
     "reply_agreement": "calls whose greedy reply equals the dense run's reply for the same row and agent.",
     "pool_bytes": "sum of anchor pool bytes over the engine's pools after the run (pooled: mean over seeds).",
     "ttft": "seconds from the call's start (planning included) to the first token's logits. With KL on, taken from "
@@ -132,7 +136,7 @@ def format_table(result: EvalResult | dict, per_seed: bool = False) -> str:
     seeds = {r["seed"] for r in rows if r["seed"] != POOLED}
     shown = [r for r in rows if r["seed"] == POOLED or (per_seed and len(seeds) > 1)]
     header = ("mode", "setting", "seed", "acc [95% CI]", "tok reuse", "agent reuse", "fallback", "KL", "noise KL",
-              "top1", "noise top1", "reply eq", "TTFT p50", "TTFT p95", "pool")
+              "top1", "noise top1", "reply eq", "TTFT p50", "TTFT p95", "prefix hit", "pool")
     lines = [header]
     for r in shown:
         ci = "" if r["accuracy_ci_low"] is None else f" [{r['accuracy_ci_low']:.2f},{r['accuracy_ci_high']:.2f}]"
@@ -144,13 +148,15 @@ def format_table(result: EvalResult | dict, per_seed: bool = False) -> str:
             _fmt(r["top1_agreement"], ".1%"), _fmt(r["noise_top1_agreement"], ".1%"), _fmt(r["reply_agreement"], ".1%"),
             _fmt(None if r["ttft_p50_s"] is None else r["ttft_p50_s"] * 1000, ".0f") + " ms",
             _fmt(None if r["ttft_p95_s"] is None else r["ttft_p95_s"] * 1000, ".0f") + " ms",
+            _fmt(r.get("cached_token_rate"), ".1%"),
             _bytes(r["pool_bytes"]),
         ))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     text = ["  ".join(cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))) for line in lines]
     text.insert(1, "-" * len(text[0]))
     text.append("KL: mean over computed prompt positions of KL(dense || mode) on dense top-k + 'other' (a lower bound); "
-                "noise: dense vs two-chunk dense prefill of the same prompts.")
+                "noise: dense vs two-chunk dense prefill of the same prompts. prefix hit: prompt tokens the runtime's "
+                "own prefix cache (vLLM's) served the run from its own earlier calls, beyond what kvcomm injected.")
     return "\n".join(text)
 
 

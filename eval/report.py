@@ -14,7 +14,13 @@ from kvcomm.reuse.runner import AgentCall
 class CallReport:
     """One agent call, dense vs reuse. Token counts are those of the reuse run's prompt:
     exact + estimated + computed = prompt; ``recomputed_tokens`` (modes "kvblend" and
-    "cacheblend") are the injected tokens recomputed, counted in ``computed_tokens``."""
+    "cacheblend") are the injected tokens recomputed, counted in ``computed_tokens``.
+
+    dense_prompt_tokens: the dense call's prompt length (it differs from ``prompt_tokens`` once
+    an earlier agent's reply differs). dense_cached_tokens: how many of them the runtime's own
+    prefix cache served (vLLM's ``num_cached_tokens``; 0 on transformers). reuse_cached_tokens:
+    the same for the reuse call beyond what kvcomm injected (vLLM's count less exact + estimated),
+    counted in ``computed_tokens``."""
 
     agent: str
     input_index: int
@@ -31,6 +37,9 @@ class CallReport:
     note: str
     dense_reply: str
     reuse_reply: str
+    dense_prompt_tokens: int
+    dense_cached_tokens: int
+    reuse_cached_tokens: int
 
 
 def compare(dense: Sequence[AgentCall], reuse: Sequence[AgentCall]) -> list[CallReport]:
@@ -42,7 +51,7 @@ def compare(dense: Sequence[AgentCall], reuse: Sequence[AgentCall]) -> list[Call
         reports.append(CallReport(
             r.agent, r.input_index, p.prompt_tokens, p.exact_tokens, p.estimated_tokens, p.computed_tokens,
             p.recomputed_tokens, p.reused, p.fallback, d.provenance.ttft_s, p.ttft_s, d.reply_ids == r.reply_ids,
-            p.note, d.reply, r.reply,
+            p.note, d.reply, r.reply, d.provenance.prompt_tokens, d.provenance.cached_tokens, p.cached_tokens,
         ))
     return reports
 
@@ -52,7 +61,9 @@ def summarize(calls: Sequence[CallReport]) -> dict:
     agent_reuse_rate = calls that reused shared content / calls; total_ttft_speedup = summed
     dense TTFT / summed reuse TTFT over all calls, misses included (the headline);
     mean_ttft_speedup = mean of dense/reuse TTFT over calls with any reuse (flatters: it leaves
-    out the misses); ttft_speedup_ceiling = 1 / (1 - token_reuse_rate)."""
+    out the misses); ttft_speedup_ceiling = 1 / (1 - token_reuse_rate); dense_cached_tokens and
+    reuse_cached_tokens: prompt tokens each system's runtime prefix cache served (the reuse
+    system's beyond what kvcomm injected), of dense_prompt_tokens and prompt_tokens."""
     prompt = sum(c.prompt_tokens for c in calls)
     reused_tokens = sum(c.exact_tokens + c.estimated_tokens for c in calls)
     rho = reused_tokens / prompt if prompt else 0.0
@@ -67,6 +78,9 @@ def summarize(calls: Sequence[CallReport]) -> dict:
         "estimated_tokens": sum(c.estimated_tokens for c in calls),
         "computed_tokens": sum(c.computed_tokens for c in calls),
         "recomputed_tokens": sum(c.recomputed_tokens for c in calls),
+        "reuse_cached_tokens": sum(c.reuse_cached_tokens for c in calls),
+        "dense_prompt_tokens": sum(c.dense_prompt_tokens for c in calls),
+        "dense_cached_tokens": sum(c.dense_cached_tokens for c in calls),
         "token_reuse_rate": rho,
         "estimated_token_rate": sum(c.estimated_tokens for c in calls) / prompt if prompt else 0.0,
         "agent_reuse_rate": sum(c.reused for c in calls) / n if n else 0.0,
@@ -103,10 +117,12 @@ def to_json(calls: Sequence[CallReport], meta: dict) -> dict:
 
 def format_table(calls: Sequence[CallReport]) -> str:
     """A fixed-width table, one row per agent call, then the summary."""
-    header = ("input", "agent", "prompt", "exact", "estim", "comp", "fallback", "ttft dense", "ttft reuse", "same reply")
+    header = ("input", "agent", "prompt", "exact", "estim", "comp", "cached dense", "cached reuse", "fallback",
+              "ttft dense", "ttft reuse", "same reply")
     rows = [header] + [(
         str(c.input_index), c.agent, str(c.prompt_tokens), str(c.exact_tokens), str(c.estimated_tokens),
-        str(c.computed_tokens), "yes" if c.fallback else "no", f"{c.ttft_dense_s * 1000:.0f} ms",
+        str(c.computed_tokens), str(c.dense_cached_tokens), str(c.reuse_cached_tokens), "yes" if c.fallback else "no",
+        f"{c.ttft_dense_s * 1000:.0f} ms",
         f"{c.ttft_reuse_s * 1000:.0f} ms", "yes" if c.reply_equal else "no",
     ) for c in calls]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -129,5 +145,9 @@ def format_table(calls: Sequence[CallReport]) -> str:
         f"TTFT p50 / p95: dense {s['ttft_dense_p50_s'] * 1000:.0f} / {s['ttft_dense_p95_s'] * 1000:.0f} ms, reuse "
         f"{s['ttft_reuse_p50_s'] * 1000:.0f} / {s['ttft_reuse_p95_s'] * 1000:.0f} ms; mean per-call speedup over "
         f"calls with reuse {fmt(s['mean_ttft_speedup'], 'x')}",
+        f"served by the runtime's own prefix cache (vLLM's; none on transformers), each system from its own calls: "
+        f"dense {s['dense_cached_tokens']} of its {s['dense_prompt_tokens']} prompt tokens, reuse "
+        f"{s['reuse_cached_tokens']} of its {s['prompt_tokens']} (counted as computed) besides the "
+        f"{s['exact_tokens'] + s['estimated_tokens']} kvcomm injected",
     ]
     return "\n".join(lines)

@@ -43,6 +43,8 @@ def summarize_calls(calls: Sequence[CallRecord], agents: Sequence[str], decider:
         "estimated_tokens": sum(c.estimated_tokens for c in calls),
         "computed_tokens": sum(c.computed_tokens for c in calls),
         "recomputed_tokens": sum(c.recomputed_tokens for c in calls),
+        "cached_tokens": sum(c.cached_tokens for c in calls),
+        "cached_token_rate": _rate(sum(c.cached_tokens for c in calls), prompt),
         "token_reuse_rate": _rate(sum(c.exact_tokens + c.estimated_tokens for c in calls), prompt),
         "exact_token_rate": _rate(sum(c.exact_tokens for c in calls), prompt),
         "estimated_token_rate": _rate(sum(c.estimated_tokens for c in calls), prompt),

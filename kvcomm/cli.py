@@ -15,6 +15,7 @@ from kvcomm.reuse.config import BASE_SOURCES, ReuseConfig
 from kvcomm.reuse.scopes import DEFAULT_SCOPE, SCOPES
 from kvcomm.reuse.strategies import MODES, RECOMPUTE_MODES
 from kvcomm.reuse.engine import ReuseEngine
+from kvcomm.reuse.executor import namespaced
 from kvcomm.reuse.pipeline import PipelineError, PipelineSpec, load_bundled_pipeline, load_pipeline
 from kvcomm.core.rope import RopeError
 from kvcomm.reuse.runner import run_row
@@ -25,13 +26,17 @@ from kvcomm.integrations.serve.command import STATE_SHUTDOWN_TIMEOUT_S, serve_co
 def run_side_by_side(spec: PipelineSpec, executor, config: ReuseConfig, progress: bool = True):
     """Every input row dense, then with reuse (one engine across rows), interleaved row by row.
 
-    Returns (dense calls, reuse calls, engine)."""
+    On a runtime with a prefix cache of its own (vLLM) each system runs in a namespace of its
+    own (``namespaced``): dense calls are served only blocks earlier dense calls computed (stock
+    vLLM with prefix caching), kvcomm's calls that inject nothing only blocks kvcomm's calls
+    computed, never their dense twin's. Returns (dense calls, reuse calls, engine)."""
     engine = ReuseEngine(executor.rotary, config)
+    dense_executor, reuse_executor = namespaced(executor, "run-dense"), namespaced(executor, "run-kvcomm")
     dense, reuse = [], []
     bar = tqdm(total=2 * len(spec.inputs) * len(spec.agents), desc="agent calls", disable=not progress, file=sys.stderr)
     for row in range(len(spec.inputs)):
-        dense += run_row(spec, row, executor, None, on_call=lambda _: bar.update())
-        reuse += run_row(spec, row, executor, engine, on_call=lambda _: bar.update())
+        dense += run_row(spec, row, dense_executor, None, on_call=lambda _: bar.update())
+        reuse += run_row(spec, row, reuse_executor, engine, on_call=lambda _: bar.update())
     bar.close()
     return dense, reuse, engine
 

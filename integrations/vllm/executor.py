@@ -6,12 +6,17 @@ Each call places an ``Order`` on the engine's channel (KV to inject for the firs
 ``prefix.length`` prompt tokens, positions whose real KV to capture), submits the prompt as
 token ids with the order's handle in ``kv_transfer_params``, and collects the captured KV
 for ``ReuseEngine.learn``. Requests that inject KV carry a ``cache_salt`` unique to the call,
-so vLLM's prefix cache never serves their (possibly approximate) blocks to anyone else;
-dense calls carry no salt and share vLLM's prefix cache like any request.
+so vLLM's prefix cache never serves their (possibly approximate) blocks to anyone else.
+Requests that inject nothing (dense calls, misses, base prefills) carry the executor's own
+salt (``VllmExecutor(..., salt=)``, ``with_salt``; none by default): they share vLLM's prefix
+cache with the requests of executors under the same salt only. Two systems compared on one
+engine each take an executor of their own salt (``kvcomm.reuse.executor.namespaced``), so
+neither is served blocks the other computed and each keeps prefix caching among its own calls.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 import uuid
 from typing import Sequence
@@ -35,6 +40,9 @@ class VllmExecutor:
     are the tokenizer's eos plus the ``eos_token_id`` of the generation config vLLM read for the
     served model, and the rotary numbers are vLLM's own (``vllm.rotary``), read and self-checked
     by the connector at start-up.
+
+    salt: vLLM ``cache_salt`` of this executor's requests that inject nothing (None: no salt,
+    vLLM's shared unsalted prefix cache); see the module docstring and ``with_salt``.
     """
 
     # Text handling is the reference executor's, token for token (same tokenizer).
@@ -42,7 +50,7 @@ class VllmExecutor:
     decode = TransformersExecutor.decode
     render = TransformersExecutor.render
 
-    def __init__(self, llm, tokenizer):
+    def __init__(self, llm, tokenizer, salt: str | None = None):
         config = llm.llm_engine.vllm_config
         transfer = config.kv_transfer_config
         if transfer is None or transfer.kv_connector != CONNECTOR:
@@ -69,6 +77,15 @@ class VllmExecutor:
         self.stop_ids = {t for t in eos if t is not None}
         self.lead_in_ids = tokenizer.encode(tokenizer.bos_token or "\n", add_special_tokens=False)
         self.dtype = getattr(torch, str(config.model_config.dtype).replace("torch.", ""))
+        self.salt = salt
+
+    def with_salt(self, salt: str | None) -> "VllmExecutor":
+        """Another executor on the same engine (the same ``vllm.LLM``, channel and tokenizer; no
+        start-up, nothing copied) whose requests that inject nothing carry ``salt``: they are
+        served only blocks computed under that salt. Closing either executor closes the engine."""
+        other = copy.copy(self)
+        other.salt = salt
+        return other
 
     def close(self) -> None:
         """Shut the engine down (``llm.shutdown_llm``): its memory and its KV connector are
@@ -83,8 +100,10 @@ class VllmExecutor:
 
     def _run(self, token_ids: Sequence[int], order: Order, max_tokens: int, salted: bool, on_token: OnToken | None = None):
         """Submit one request under a fresh handle and step the engine until it finishes
-        (``on_token`` sees each new token; False aborts the request). Returns (token ids,
-        number of cached prompt tokens, Capture, prompt completion time)."""
+        (``on_token`` sees each new token; False aborts the request). ``salted``: the request
+        carries a salt of its own (it injects KV); otherwise the executor's ``salt``, if any.
+        Returns (token ids, vLLM's number of cached prompt tokens: those the connector loaded
+        plus vLLM's own prefix-cache hit, Capture, prompt completion time)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -97,6 +116,8 @@ class VllmExecutor:
         prompt = TokensPrompt(prompt_token_ids=list(token_ids))
         if salted:
             prompt["cache_salt"] = f"kvcomm-{handle}"
+        elif self.salt is not None:
+            prompt["cache_salt"] = self.salt
         params = SamplingParams(
             temperature=0.0, max_tokens=max_tokens, stop_token_ids=sorted(self.stop_ids), detokenize=False,
             output_kind=RequestOutputKind.CUMULATIVE, extra_args={"kv_transfer_params": {"kvcomm": {"handle": handle}}},
@@ -175,4 +196,4 @@ class VllmExecutor:
         # then its reply KV is not kept (downstream agents prefill the reply as a base).
         complete = reply and bool(capture.filled[n : n + len(reply)].all())
         reply_kv = capture.span(n, n + len(reply)) if complete else None
-        return Generation(tuple(reply), capture.span(reused, n), reply_kv, done_at - started)
+        return Generation(tuple(reply), capture.span(reused, n), reply_kv, done_at - started, cached_tokens=cached - reused)

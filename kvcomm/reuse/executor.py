@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -32,6 +33,9 @@ class Generation:
         float32 (row ``i`` predicts token ``prefix.length + i + 1``); None otherwise.
     recomputed: prompt positions inside the injected prefix that a ``BlendRequest`` had
         recomputed, sorted (empty when none was asked).
+    cached_tokens: prompt tokens after the injected prefix that the runtime's own prefix cache
+        served instead of computing them (vLLM's ``num_cached_tokens`` less the injected
+        prefix); always 0 on a runtime without one (transformers).
     """
 
     reply_ids: tuple[int, ...]
@@ -40,9 +44,14 @@ class Generation:
     ttft_s: float
     prompt_logprobs: torch.Tensor | None = None
     recomputed: tuple[int, ...] = ()
+    cached_tokens: int = 0
 
 
 class Executor(Protocol):
+    """A model runtime. One with a prefix cache of its own (vLLM) may also offer
+    ``with_salt(salt) -> Executor``: the same runtime, with the calls that inject nothing
+    sharing that cache only with calls made under the same salt (``namespaced``)."""
+
     rotary: Rotary
     """The model's rotary embedding, self-checked; executors refuse to exist for models that fail."""
 
@@ -74,3 +83,15 @@ class Executor(Protocol):
         without them keep working for the modes that do not need them.
         """
         ...
+
+
+def namespaced(executor, label: str):
+    """``executor`` in a prefix-cache namespace of its own, new at every call: the calls made
+    through the result that inject nothing share the runtime's own prefix cache (vLLM's) only
+    with each other. Each system of a side-by-side comparison on one engine takes one, so
+    neither is served blocks the other computed, while each keeps the prefix caching a user of
+    that runtime has among their own calls; calls that inject KV are isolated anyway. A runtime
+    without a prefix cache (no ``with_salt``) comes back unchanged. ``label`` names the
+    namespace (``kvcomm-<label>-<random>``), for logs."""
+    with_salt = getattr(executor, "with_salt", None)
+    return executor if with_salt is None else with_salt(f"kvcomm-{label}-{uuid.uuid4().hex[:12]}")

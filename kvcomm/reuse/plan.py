@@ -107,7 +107,7 @@ class ReusePlan:
     def estimated_tokens(self) -> int:
         return self.reuse_end - self.exact_length
 
-    def provenance(self, ttft_s: float | None = None) -> "Provenance":
+    def provenance(self, ttft_s: float | None = None, cached_tokens: int = 0) -> "Provenance":
         prompt, end = self.prompt, self.reuse_end
         recomputed = self.recompute or ()
         if any(not self.exact_length <= p < end for p in recomputed) or len(set(recomputed)) != len(recomputed):
@@ -130,6 +130,7 @@ class ReusePlan:
             note=self.note,
             ttft_s=ttft_s,
             recomputed_tokens=len(recomputed),
+            cached_tokens=cached_tokens,
         )
 
 
@@ -142,7 +143,10 @@ class Provenance:
     the call was prefilled densely after its exact prefix. ttft_s: seconds from the call's
     start (planning included) to its first token's logits. recomputed_tokens (mode
     "cacheblend"): tokens inside the injected range that were recomputed; they count as
-    computed, not estimated.
+    computed, not estimated. cached_tokens: of the computed tokens, those the runtime's own
+    prefix cache served instead (``Generation.cached_tokens``: vLLM's prefix-cache hit beyond
+    what kvcomm injected; 0 on transformers). They stay in ``computed_tokens`` (kvcomm did not
+    serve them), and are reported so that a comparison can see what a prefix cache gave.
     """
 
     prompt_tokens: int
@@ -155,6 +159,7 @@ class Provenance:
     note: str = ""
     ttft_s: float | None = None
     recomputed_tokens: int = 0
+    cached_tokens: int = 0
 
     @property
     def reuse_end(self) -> int:

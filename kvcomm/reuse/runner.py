@@ -72,11 +72,11 @@ def run_agent(
     started = time.perf_counter()
     if engine is None:
         generation = executor.generate(prompt.token_ids, None, max_new_tokens, started, **_options(keep_logprobs, on_token))
-        return generation, dense_provenance(prompt, generation.ttft_s)
+        return generation, dense_provenance(prompt, generation.ttft_s, generation.cached_tokens)
     plan = (engine.calibration_plan if calibrate else engine.plan)(prompt, engine.base_provider(executor))
     generation = execute(executor, engine, plan, max_new_tokens, started, keep_logprobs, on_token)
     engine.learn(plan, generation.computed, generation.reply_ids, generation.reply_kv)
-    return generation, plan.provenance(generation.ttft_s)
+    return generation, plan.provenance(generation.ttft_s, generation.cached_tokens)
 
 
 def execute(
@@ -103,10 +103,11 @@ def _options(keep_logprobs: bool, on_token: OnToken | None) -> dict:
     return options
 
 
-def dense_provenance(prompt: Prompt, ttft_s: float | None) -> Provenance:
-    """The provenance of a call computed densely without an engine."""
+def dense_provenance(prompt: Prompt, ttft_s: float | None, cached_tokens: int = 0) -> Provenance:
+    """The provenance of a call computed densely without an engine (``cached_tokens``: those of
+    its prompt tokens the runtime's own prefix cache served, ``Generation.cached_tokens``)."""
     shared = sum(len(s) for s in prompt.segments if s.is_shared)
-    return Provenance(len(prompt), 0, 0, len(prompt), shared, 0, False, "dense", ttft_s)
+    return Provenance(len(prompt), 0, 0, len(prompt), shared, 0, False, "dense", ttft_s, cached_tokens=cached_tokens)
 
 
 def run_row(

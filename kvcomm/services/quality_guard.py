@@ -151,7 +151,7 @@ class QualityGuard:
         engine.learn(plan, generation.computed, generation.reply_ids, generation.reply_kv)
         if slots:
             self.shadow(executor, engine, prompt, generation.prompt_logprobs[-1], slots)
-        return generation, plan.provenance(generation.ttft_s)
+        return generation, plan.provenance(generation.ttft_s, generation.cached_tokens)
 
     def restrict(self, engine: ReuseEngine, plan: ReusePlan) -> None:
         """Cut ``plan`` (before materializing) at its first piece whose shared segment's slot

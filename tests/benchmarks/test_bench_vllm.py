@@ -32,7 +32,7 @@ def bench():
 
 def _call(agent: str, row: int, dense: float, reuse: float, estimated: int = 0) -> DemoCall:
     return DemoCall(agent, row, 100, 10, estimated, 90 - estimated, 0, estimated > 0, False, dense, reuse, True, "",
-                    "a", "a", 100, 5)
+                    "a", "a", 100, 5, 0)
 
 
 def check_pipeline_invariants(pipeline: dict, n_agents: int) -> None:

@@ -85,6 +85,9 @@ def test_run_json_numbers_follow_from_the_calls(tiny_llama, pipeline_file, token
     for call in calls:
         assert call["exact_tokens"] + call["estimated_tokens"] + call["computed_tokens"] == call["prompt_tokens"]
         assert call["reply_equal"] == (call["dense_reply"] == call["reuse_reply"])
+        assert call["dense_cached_tokens"] == call["reuse_cached_tokens"] == 0  # transformers: no prefix cache
+    assert summary["dense_cached_tokens"] == summary["reuse_cached_tokens"] == 0
+    assert summary["dense_prompt_tokens"] == sum(c["dense_prompt_tokens"] for c in calls) > 0
     # the reader's prompt holds no earlier reply: its length is the chat template's own
     from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer
     from kvcomm.integrations.transformers.executor import TransformersExecutor
@@ -137,8 +140,8 @@ def test_run_max_anchors_caps_every_pool_and_the_table_matches_its_rows(tiny_lla
 
     assert main(["run", pipeline_file, "--model", tiny_llama, "--gamma", "0"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["input", "agent", "prompt", "exact", "estim", "comp", "fallback", "ttft", "dense",
-                              "ttft", "reuse", "same", "reply"]
+    assert out[0].split() == ["input", "agent", "prompt", "exact", "estim", "comp", "cached", "dense", "cached", "reuse",
+                              "fallback", "ttft", "dense", "ttft", "reuse", "same", "reply"]
     assert set(out[1]) == {"-"} and len(out[1]) == len(out[0])
     rows = [line.split() for line in out[2 : 2 + 2 * ROWS]]
     assert [(int(r[0]), r[1]) for r in rows] == [(i, a) for i in range(ROWS) for a in ("reader", "asker")]
@@ -148,17 +151,20 @@ def test_run_max_anchors_caps_every_pool_and_the_table_matches_its_rows(tiny_lla
     rho = (exact + estimated) / prompt
     assert out[3 + 2 * ROWS] == (f"token-level reuse {rho:.1%} (exact {exact}, estimated {estimated}, "
                                  f"computed {computed} of {prompt} prompt tokens)")
-    fallback = sum(r[6] == "yes" for r in rows) / len(rows)
+    assert all(r[6] == r[7] == "0" for r in rows)  # transformers: no prefix cache of its own
+    fallback = sum(r[8] == "yes" for r in rows) / len(rows)
     same = sum(r[-1] == "yes" for r in rows) / len(rows)
     assert f"fallback rate {fallback:.1%}" in out[4 + 2 * ROWS] and f"reply agreement {same:.1%}" in out[4 + 2 * ROWS]
     assert f"(ceiling 1/(1-rho) = {1 / (1 - rho):.2f}x)" in out[5 + 2 * ROWS]
-    dense_s, reuse_s = (sum(int(r[k]) for r in rows) / 1000 for k in (7, 9))  # the rows' TTFT columns, whole ms
+    dense_s, reuse_s = (sum(int(r[k]) for r in rows) / 1000 for k in (9, 11))  # the rows' TTFT columns, whole ms
     total = re.fullmatch(r"total TTFT over all calls, misses included: dense ([\d.]+) s, reuse ([\d.]+) s = ([\d.]+)x .*",
                          out[5 + 2 * ROWS])
     assert total, out[5 + 2 * ROWS]
     assert float(total[1]) == pytest.approx(dense_s, abs=0.006 + len(rows) * 5e-4)
     assert float(total[2]) == pytest.approx(reuse_s, abs=0.006 + len(rows) * 5e-4)
     assert out[6 + 2 * ROWS].startswith("TTFT p50 / p95: dense ")
+    assert out[7 + 2 * ROWS].startswith("served by the runtime's own prefix cache") and "dense 0 of its " in out[7 + 2 * ROWS]
+    assert f"reuse 0 of its {prompt} (counted as computed) besides the {exact + estimated} kvcomm injected" in out[7 + 2 * ROWS]
     anchors = dict(item.split("=") for item in re.sub(r"^anchors per slot: ", "", out[-1]).split(", "))
     assert int(anchors["doc"]) == ROWS  # the default V = 20 leaves one anchor per row
 
@@ -243,7 +249,8 @@ def test_eval_on_the_vllm_backend_without_kl(tiny_llama, tmp_path, capsys):
     argv = ["eval", "--workload", "mmlu", "--limit", "3", "--agents", "1", "--modes", "exact,kvcomm", "--gammas", "1",
             "--max-new-tokens", "2", "--out", str(out), "--backend", "vllm", "--no-kl", "--no-progress", "--model", tiny_llama]
     assert main(argv) == 0, capsys.readouterr().err[-3000:]
-    assert "agent calls in" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "agent calls in" in printed and "prefix hit" in printed
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["backend"] == "vllm" and results["settings"]["kl"] is False
     assert results["settings"]["model"] == tiny_llama and (out / "results.csv").is_file()
@@ -253,6 +260,12 @@ def test_eval_on_the_vllm_backend_without_kl(tiny_llama, tmp_path, capsys):
         assert row["calls"] == 3 * 2 and row["kl_mean"] is None and row["noise_kl_mean"] is None
         assert row["exact_tokens"] + row["estimated_tokens"] + row["computed_tokens"] == row["prompt_tokens"]
     assert pooled["dense"]["token_reuse_rate"] == 0
+    for mode, row in pooled.items():  # vLLM's prefix-cache hits, each run's own, reported per call and summed
+        mine = [c for c in results["calls"] if c["mode"] == mode]
+        assert row["cached_tokens"] == sum(c["cached_tokens"] for c in mine)
+        assert all(0 <= c["cached_tokens"] <= c["computed_tokens"] for c in mine)
+        assert mine[0]["cached_tokens"] == 0  # a run's first call: nothing of its own cached yet
+    assert "cached_tokens" in (out / "results.csv").read_text().splitlines()[0].split(",")
     # every row's prompts open with the same system prompt and instructions: exact hits from row 2 on
     assert pooled["exact"]["exact_tokens"] > 0 and pooled["exact"]["estimated_tokens"] == 0
     assert all(c["kl_positions"] == 0 for c in results["calls"])

@@ -14,13 +14,13 @@ from kvcomm.eval.demo import DenseTransformers, run_demo
 from kvcomm.reuse.pipeline import load_bundled_pipeline, parse_pipeline
 
 
-def _call(agent, row, dense, reuse, exact, estimated, computed, equal=True, cached=0):
+def _call(agent, row, dense, reuse, exact, estimated, computed, equal=True, cached=0, reuse_cached=0):
     prompt = exact + estimated + computed
     return DemoCall(
         agent=agent, input_index=row, prompt_tokens=prompt, exact_tokens=exact, estimated_tokens=estimated,
         computed_tokens=computed, recomputed_tokens=0, reused=exact + estimated > 0, fallback=estimated == 0,
         ttft_dense_s=dense, ttft_reuse_s=reuse, reply_equal=equal, note="", dense_reply="d", reuse_reply="d" if equal else "r",
-        dense_prompt_tokens=prompt, dense_cached_tokens=cached,
+        dense_prompt_tokens=prompt, dense_cached_tokens=cached, reuse_cached_tokens=reuse_cached,
     )
 
 
@@ -30,7 +30,7 @@ def _call(agent, row, dense, reuse, exact, estimated, computed, equal=True, cach
 CALLS = [
     _call("reader", 0, 1.0, 1.5, 0, 0, 100, cached=0),
     _call("writer", 0, 2.0, 2.0, 10, 0, 110),
-    _call("reader", 1, 1.0, 0.8, 5, 0, 95, cached=5),
+    _call("reader", 1, 1.0, 0.8, 5, 0, 95, cached=5, reuse_cached=4),
     _call("writer", 1, 2.0, 0.5, 10, 90, 20, equal=False),
     _call("reader", 2, 1.2, 1.0, 5, 0, 95, cached=5),
     _call("writer", 2, 2.4, 0.6, 10, 95, 15, cached=3),
@@ -51,7 +51,7 @@ def test_summary_is_computed_from_the_calls():
     assert s["token_reuse_rate"] == pytest.approx(225 / 660)
     assert s["ttft_speedup_ceiling"] == pytest.approx(1 / (1 - 225 / 660))
     assert s["reply_agreement_rate"] == pytest.approx(5 / 6)
-    assert (s["dense_cached_tokens"], s["dense_prompt_tokens"]) == (13, 660)
+    assert (s["dense_cached_tokens"], s["dense_prompt_tokens"], s["reuse_cached_tokens"]) == (13, 660, 4)
     assert s["ttft_dense_p95_s"] == pytest.approx(np.percentile([c.ttft_dense_s for c in CALLS], 95))
 
 
@@ -82,7 +82,7 @@ def test_text_output_states_the_headline_figures():
     assert "stock vLLM 9.6 s, kvcomm 6.4 s  ->  1.50x" in text
     assert "40 exact + 185 estimated + 435 computed = 660" in text
     assert "ceiling 1/(1-rho) = 1.52x" in text
-    assert "5/6 calls" in text and "13 of its 660 prompt tokens" in text
+    assert "5/6 calls" in text and "stock vLLM 13 of its 660 prompt tokens, kvcomm 4 of its 660" in text
 
 
 def test_chart_is_written_as_a_png(tmp_path):
@@ -147,6 +147,8 @@ def test_demo_end_to_end_through_vllm(tmp_path, capsys):
     assert s["exact_tokens"] + s["estimated_tokens"] + s["computed_tokens"] == s["prompt_tokens"]
     assert s["prompt_tokens"] == sum(c["prompt_tokens"] for c in calls) > 4 * 900  # a ~1K-token document each
     assert s["dense_cached_tokens"] == sum(c["dense_cached_tokens"] for c in calls)
+    assert s["reuse_cached_tokens"] == sum(c["reuse_cached_tokens"] for c in calls)
+    assert calls[0]["reuse_cached_tokens"] == 0  # never served the blocks its baseline twin computed
     # The first call is the same prompt on both systems with nothing cached yet: same greedy reply.
     assert calls[0]["reply_equal"] and calls[0]["dense_prompt_tokens"] == calls[0]["prompt_tokens"]
     assert [a["agent"] for a in report["agents"]] == ["summarizer", "reviewer", "checker", "editor"]

@@ -63,3 +63,21 @@ def test_a_reader_that_estimated_gives_a_reply_its_base_only_when_asked(tiny_exe
     assert engine.has_base(reply.shared_id) is after_estimates
     _, second_read = run_agent(tiny_executor, engine, reader((702, 703)), 2)
     assert second_read.estimated_tokens == len(DOC) + (len(reply) if after_estimates else 0)
+
+
+def test_namespaced_gives_each_caller_a_new_salt_and_leaves_runtimes_without_a_prefix_cache_alone(tiny_executor):
+    from kvcomm.reuse.executor import namespaced
+
+    assert namespaced(tiny_executor, "dense") is tiny_executor  # transformers: no prefix cache of its own
+
+    class Salted:
+        def __init__(self, salt=None):
+            self.salt = salt
+
+        def with_salt(self, salt):
+            return Salted(salt)
+
+    runtime = Salted()
+    first, second = namespaced(runtime, "dense"), namespaced(runtime, "dense")
+    assert first.salt.startswith("kvcomm-dense-") and second.salt.startswith("kvcomm-dense-")
+    assert first.salt != second.salt and runtime.salt is None  # a new namespace per call; the original untouched
