@@ -80,6 +80,23 @@ class EstimateDistances:
     value_l2: torch.Tensor
 
 
+@dataclass(frozen=True)
+class DeviceDistances:
+    """Distances of a segment's candidates on the device (the fused path's raw sums).
+
+    token: fp32 ``[A, heads, T]``: per head, sum over layers and channels of ``|diff|``
+    (``scale`` turns the sum over heads into the mean). channel: fp32 ``[A, layers, heads,
+    head_dim]``, sum over compared tokens of ``diff^2``. counts: host ints, tokens compared per
+    candidate. rows: the candidates' rows of the anchors an estimate uses."""
+
+    token: torch.Tensor
+    channel: torch.Tensor
+    counts: tuple[int, ...]
+    scale: float
+    rows: tuple[int, ...] = ()
+
+
+
 def estimate_distances(anchor: KV, new: KV, n: int, heads: HeadShards = ALL_HEADS) -> EstimateDistances:
     """``estimate_distances_many`` for one anchor."""
     return estimate_distances_many([anchor], new, [n], heads)[0]

@@ -20,12 +20,14 @@ import torch
 
 from kvcomm.anchors.anchor import Anchor, Deviation, SlotKey
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.anchors.distance import EstimateDistances, admission_logits, estimate_distances_many, value_l2_many
-from kvcomm.anchors.deviations import WeightedDeviations
+from kvcomm.anchors.distance import (
+    DeviceDistances, EstimateDistances, admission_logits, estimate_distances_many, value_l2_many,
+)
 from kvcomm.anchors.distance_cache import DistanceCache
 from kvcomm.anchors.index import EmbeddingIndex
 from kvcomm.anchors.shrinkage import ShrinkageFit
 from kvcomm.core.heads import ALL_HEADS, HeadShards
+from kvcomm.core.estimate import Estimate
 from kvcomm.core.kv import KV
 
 
@@ -55,7 +57,6 @@ class Match:
     distances: tuple[EstimateDistances, ...] | None = field(default=None, compare=False, repr=False)
 
 
-_ENTROPY_TOLERANCE = 1e-9
 
 
 class AnchorPool:
@@ -75,6 +76,8 @@ class AnchorPool:
         self.distance_cache = DistanceCache()
         self.fits: dict[tuple[SlotKey, str], ShrinkageFit] = {}
         """Per (slot, "shared" or "following"): the prequential fit of its estimates (``observe``)."""
+        self._alphas: dict[tuple, tuple[int, torch.Tensor]] = {}
+        """``_alpha``'s device copies of the fitted factors, with the pair count they were made at."""
 
     def __len__(self) -> int:
         return len(self._anchors)
@@ -103,44 +106,87 @@ class AnchorPool:
         self, slot: SlotKey, segment_id: str, base: KV, embedding: np.ndarray, commit: bool = True,
         admission: bool = True, refusals: list[str] | None = None,
     ) -> Match | None:
-        """Reuse decision for a new segment (position-free ``base``, ``T`` tokens) in ``slot``.
+        """Reuse decision for a new segment (position-free ``base``, ``T`` tokens) in ``slot``:
+        ``kvcomm.anchors.matching.decide_all`` for this one segment (a plan decides all its
+        segments at once that way).
 
-        Returns None when the sample must be densely prefilled and become an anchor: the
-        fewer than ``config.min_compatible`` anchors are compatible (have a deviation for
-        ``slot``), the anchors would cover fewer than ``min_coverage * T`` tokens (the longest
-        compatible anchor's length), or the entropy of the admission distribution p
-        (``admission_logits``) over the compatible anchors exceeds
-        gamma * log(#compatible). Otherwise the anchors carrying the top-p mass of p get an
-        access (only when ``commit``: a decision asked for learning alone leaves access
-        counts untouched). ``admission=False`` skips the entropy test: the match the pool
-        could estimate from, whether or not it would reuse (``observe`` measures it).
-        ``refusals``: when given and the answer is None, the reason is appended to it, in words
-        (for provenance notes).
+        Returns None when the sample must be densely prefilled and become an anchor: fewer
+        than ``config.min_compatible`` anchors are compatible (have a deviation for ``slot``),
+        the anchors would cover fewer than ``min_coverage * T`` tokens (the longest compatible
+        anchor's length), or the entropy of the admission distribution p (``admission_logits``)
+        over the compatible anchors exceeds gamma * log(#compatible). Otherwise, with
+        ``commit``, the anchors carrying the top-p mass of p get an access (a decision asked for
+        learning alone leaves access counts untouched). ``admission=False`` skips the entropy
+        test: the match the pool could estimate from, whether or not it would reuse
+        (``observe`` measures it). ``refusals``: when given and the answer is None, the reason
+        is appended to it, in words (for provenance notes).
         """
+        from kvcomm.anchors.matching import decide_all
+
+        (decision,) = decide_all([self.candidates(slot, segment_id, base, embedding)], [self.config.gamma])
+        if commit:
+            decision.commit()
+        match = decision.match if admission else decision.estimable
+        if match is None and refusals is not None:
+            refusals.append(decision.refusal)
+        return match
+
+    def candidates(self, slot: SlotKey, segment_id: str, base: KV, embedding: np.ndarray):
+        """What this pool can match the segment against (``matching.Candidates``), decided on
+        the host: the identical anchor, or the compatible anchors narrowed by embedding and
+        the tokens they cover, or why it refuses before any distance."""
+        from kvcomm.anchors.matching import Candidates
+
         length = base.length
+        found = Candidates(self, slot, segment_id, base, embedding)
         with self._lock:
             same = self._anchors.get(segment_id)
             if same is not None and slot in same.deviations and same.length == length:
-                same.accesses += int(commit)
-                self.accesses_granted += int(commit)
-                return Match(slot, (same,), length, identical=True)
+                found.anchors, found.covered, found.identical = (same,), length, same
+                return found
             compatible = [a for a in self._anchors.values() if slot in a.deviations]
             if len(compatible) < self.config.min_compatible:
-                return _refused(refusals, f"{len(compatible)} compatible anchors, {self.config.min_compatible} needed")
+                found.refusal = f"{len(compatible)} compatible anchors, {self.config.min_compatible} needed"
+                return found
             compatible = self._narrow(compatible, embedding)
             covered = self._coverage(compatible, length)
+            found.anchors, found.covered = tuple(compatible), covered
             if covered < self.config.min_coverage * length:  # mostly uncovered: computing it densely makes it an anchor
-                return _refused(refusals, f"anchors cover {covered} of {length} tokens, under min_coverage {self.config.min_coverage:g}")
-            distances = self._distances(segment_id, base, compatible, covered, commit)
-            p = self._admission(compatible, base, [d if isinstance(d, torch.Tensor) else d.value_l2 for d in distances])
-            entropy = float(-(p * torch.log(p.clamp_min(1e-300))).sum())
-            if admission and entropy > self.config.gamma * math.log(len(compatible)) + _ENTROPY_TOLERANCE:
-                return _refused(refusals, f"admission entropy {entropy:.2f} over {len(compatible)} anchors above gamma {self.config.gamma:g}")
-            if commit:
-                self._count_access(compatible, p)
-            used = [(a, d) for a, d in zip(compatible, distances) if a.length >= covered]
-            known = tuple(d for _, d in used if isinstance(d, EstimateDistances))
-            return Match(slot, tuple(a for a, _ in used), covered, distances=known if len(known) == len(used) else None)
+                found.refusal = f"anchors cover {covered} of {length} tokens, under min_coverage {self.config.min_coverage:g}"
+            return found
+
+    def distances(self, candidates) -> list[EstimateDistances | torch.Tensor]:
+        """The torch path's distances of ``candidates``: full ones (cached) for the anchors an
+        estimate would use, the value L2 alone for the others."""
+        with self._lock:
+            return self._distances(candidates.segment_id, candidates.base, list(candidates.anchors), candidates.covered, True)
+
+    def admission(self, candidates, l2: list[torch.Tensor]) -> torch.Tensor:
+        """The admission distribution p over ``candidates.anchors``, fp64 ``[A]``, from their value L2 distances."""
+        return self._admission(list(candidates.anchors), candidates.base, l2)
+
+    def match_from(self, candidates, distances) -> Match:
+        """The match of admitted ``candidates``: their anchors at least ``covered`` long, with
+        ``distances`` (their ``EstimateDistances``, or the fused path's ``DeviceDistances``)."""
+        used = candidates.used
+        if not isinstance(distances, tuple):  # the fused path's distances of every candidate
+            return Match(candidates.slot, used, candidates.covered, distances=distances)
+        known = tuple(d for d in distances if isinstance(d, EstimateDistances))
+        return Match(candidates.slot, used, candidates.covered, distances=known if len(known) == len(used) else None)
+
+    @staticmethod
+    def identical_match(candidates) -> Match:
+        return Match(candidates.slot, candidates.anchors, candidates.covered, identical=True)
+
+    def count_access(self, candidates, p: list[float]) -> None:
+        """A reuse decision taken: the identical anchor, or the anchors carrying the top-p mass
+        of admission's ``p`` (host floats over ``candidates.anchors``), get an access."""
+        with self._lock:
+            if candidates.identical is not None:
+                candidates.identical.accesses += 1
+                self.accesses_granted += 1
+            else:
+                self._count_access(list(candidates.anchors), list(p))
 
     def _distances(
         self, segment_id: str, base: KV, compatible: list[Anchor], covered: int, full: bool
@@ -190,39 +236,34 @@ class AnchorPool:
                 return [self._anchors[self._by_serial[s]] for s in ranked[:k]]
             asked *= 4
 
-    def _count_access(self, anchors: list[Anchor], p: torch.Tensor) -> None:
-        order = torch.argsort(p, descending=True).tolist()
+    def _count_access(self, anchors: list[Anchor], p: list[float]) -> None:
+        """Anchors in decreasing p (ties: pool order) get an access until they carry top_p of the mass."""
         mass = 0.0
-        for i in order:
+        for i in sorted(range(len(p)), key=lambda i: -p[i]):
             anchors[i].accesses += 1
             self.accesses_granted += 1
-            mass += float(p[i])
+            mass += p[i]
             if mass >= self.config.top_p:
                 break
 
     # -- estimation ------------------------------------------------------------------------
 
-    def estimate(
-        self, match: Match, base: KV, onto: KV | None = None, onto_following: KV | None = None
-    ) -> tuple[KV, KV | None]:
-        """Estimated deviations for a matched segment: (shared ``[.., covered, ..]``, following or None),
-        summed from ``estimate_terms``. With ``onto`` / ``onto_following`` (fp32 KV of matching
-        shape) the estimates are accumulated into them in place and returned, which saves the
-        caller an addition pass."""
+    def estimate(self, match: Match, base: KV) -> tuple[KV, KV | None]:
+        """Estimated deviations for a matched segment, summed: (shared ``[.., n, ..]``, following
+        or None), fp32 (what ``estimate_terms`` serves, as plain KV)."""
         shared, following = self.estimate_terms(match, base)
-        return shared.add_into(onto), None if following is None else following.add_into(onto_following)
+        return shared.add_into(), None if following is None else following.add_into()
 
-    def estimate_terms(
-        self, match: Match, base: KV, shrink: bool = True
-    ) -> tuple[WeightedDeviations, WeightedDeviations | None]:
-        """The weighted deviations that estimate a matched segment (shared, following or None).
+    def estimate_terms(self, match: Match, base: KV, shrink: bool = True) -> tuple[Estimate, Estimate | None]:
+        """What estimates a matched segment (shared, following or None), as ``Estimate`` terms
+        the fused writer adds to the realigned base.
 
         Shared tokens are weighted per token by softmax(-d/tau) of the mean absolute base-value
         difference; the following fixed segment per (layer, head, channel) by softmax(-d/tau)
         of the per-token RMS base-value difference (L2 over the compared tokens / sqrt(their
         count)). Keys and values share the value distances (half the distance work; the
         reference's key distances tied them: docs/measurements/2026-11-history.md). All
-        position-free; the caller realigns. An ``identical`` match uses its anchor's deviations
+        position-free; the writer realigns. An ``identical`` match uses its anchor's deviations
         with weight 1. Weights are over all matched anchors. With ``shrink`` and
         ``config.shrinkage``, each layer's weights are scaled by the slot's fitted factor once it
         has ``SHRINKAGE_MIN_PAIRS`` pairs (``observe``).
@@ -233,45 +274,55 @@ class AnchorPool:
         shared_parts = tuple(_from_layer(d.shared, first - d.first_layer).span(0, n) for d in deviations)
         following_parts = None if any(d.following is None for d in deviations) else tuple(
             _from_layer(d.following, first - d.first_layer) for d in deviations)
+        device = base.keys.device
+        layers = base.keys.shape[0] - first
         if match.identical:
-            one = torch.ones((), dtype=torch.float32, device=base.keys.device)
-            return (WeightedDeviations(shared_parts, (one,), (one,), first),
-                    None if following_parts is None else WeightedDeviations(following_parts, (one,), (one,), first))
+            ones = self._alpha(None, "", False, first, layers, device)
+            shared = Estimate(shared_parts, _zeros(device, n)[None], (1.0,), 1.0, ones, first, per_token=True)
+            following = None if following_parts is None else Estimate(
+                following_parts, _zeros(device, following_parts[0].length)[None], (1.0,), 1.0, ones, first, per_token=True)
+            return shared, following
         tau = self.config.temperature
         dist = match.distances or estimate_distances_many(
             [a.base for a in match.anchors], base, [match.covered] * len(match.anchors), self.heads,
         )
-        ak, av = self._factors(match.slot, "shared", shrink, first, base.keys.device)
-        wk = torch.softmax(-torch.stack([d.token_keys[:n] for d in dist]) / tau, dim=0)  # [A, n]
-        wv = torch.softmax(-torch.stack([d.token_values[:n] for d in dist]) / tau, dim=0)
-        shared = WeightedDeviations(
-            shared_parts, tuple(wk[:, None, None, :, None] * ak), tuple(wv[:, None, None, :, None] * av), first,
-        )
+        same_length = following_parts is not None and len({p.length for p in following_parts}) == 1
+        alpha_shared = self._alpha(match.slot, "shared", shrink, first, layers, device)
+        alpha_following = self._alpha(match.slot, "following", shrink, first, layers, device) if same_length else None
+        if isinstance(dist, DeviceDistances):  # the fused path's raw sums, a row per candidate
+            shared = Estimate(shared_parts, dist.token, (1.0,) * len(dist.rows), tau, alpha_shared, first, per_token=True,
+                              scale=dist.scale, rows=dist.rows)
+            following = None if not same_length else Estimate(
+                following_parts, dist.channel[:, first:], tuple(math.sqrt(dist.counts[r]) for r in dist.rows), tau,
+                alpha_following, first, per_token=False, sqrt=True, rows=dist.rows)
+            return shared, following
+        shared = Estimate(shared_parts, torch.stack([d.token_values[:n] for d in dist]), (1.0,) * len(dist), tau,
+                          alpha_shared, first, per_token=True)
         following = None
-        if following_parts is not None and len({p.length for p in following_parts}) == 1:
+        if same_length:
             # per-token RMS (L2 / sqrt(tokens compared)): a raw L2 grows with the segment's length
             # and makes the weights one-hot on long segments
-            rms = [math.sqrt(d.token_keys.shape[0]) for d in dist]
-            fk = torch.softmax(-torch.stack([d.channel_keys[first:] / r for d, r in zip(dist, rms)]) / tau, dim=0)  # [A, L', H, D]
-            fv = torch.softmax(-torch.stack([d.channel_values[first:] / r for d, r in zip(dist, rms)]) / tau, dim=0)
-            ak, av = self._factors(match.slot, "following", shrink, first, fk.device)
-            following = WeightedDeviations(
-                following_parts, tuple(fk[:, :, :, None, :] * ak), tuple(fv[:, :, :, None, :] * av), first
-            )
+            following = Estimate(following_parts, torch.stack([d.channel_values[first:] for d in dist]),
+                                 tuple(math.sqrt(d.token_keys.shape[0]) for d in dist), tau, alpha_following, first,
+                                 per_token=False)
         return shared, following
 
-    def _factors(self, slot: SlotKey, part: str, shrink: bool, first_layer: int,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-layer (key, value) factors broadcastable against per-anchor weights: fp32
-        ``[layers - first_layer, 1, 1, 1]`` each (model layers ``first_layer..``), or scalar ones
-        when not shrinking (yet). ``shrink``: the served estimate (fitted factors); False: the
-        raw one. On ``device`` (the weights')."""
-        fit = self.fits.get((slot, part)) if shrink and self.config.shrinkage else None
-        factors = fit.factors(SHRINKAGE_MIN_PAIRS) if fit is not None else None
-        if factors is None:
-            one = torch.ones((), dtype=torch.float32, device=device)
-            return one, one
-        return tuple(f.to(device)[first_layer:, None, None, None] for f in factors)
+    def _alpha(self, slot: SlotKey | None, part: str, shrink: bool, first_layer: int, layers: int,
+               device: torch.device) -> torch.Tensor:
+        """The per-layer (key, value) weight factors of model layers ``first_layer..``, fp32
+        ``[2, layers]`` on ``device``: the slot's fitted shrinkage when ``shrink`` and
+        ``config.shrinkage`` (once it has ``SHRINKAGE_MIN_PAIRS`` pairs), else ones. Kept on the
+        device between calls (a fit changes only when the pool learns), so a plan uploads none."""
+        fit = self.fits.get((slot, part)) if shrink and self.config.shrinkage and slot is not None else None
+        if fit is None or fit.pairs < SHRINKAGE_MIN_PAIRS:
+            return _ones(device, layers)
+        key = (slot, part, first_layer, str(device))
+        held = self._alphas.get(key)
+        if held is None or held[0] != fit.pairs:
+            factors = fit.factors(SHRINKAGE_MIN_PAIRS)
+            value = torch.stack([factors[0][first_layer:], factors[1][first_layer:]]).to(device, torch.float32)
+            held = self._alphas[key] = (fit.pairs, value)
+        return held[1]
 
     def observe(self, match: Match, base: KV, real_shared: KV, real_following: KV | None = None) -> None:
         """Fit the slot's shrinkage on one segment seen densely: compare what ``match`` would have
@@ -294,6 +345,8 @@ class AnchorPool:
             if following is not None and real_following is not None and following.parts[0].length == real_following.length:
                 self.fits.setdefault((match.slot, "following"), ShrinkageFit.empty(layers)).observe(
                     following.add_into(), real_following, self.heads)
+            for part in ("shared", "following"):  # the device copies of the factors, made here rather than on the reuse path
+                self._alpha(match.slot, part, True, shared.first_layer, layers - shared.first_layer, base.keys.device)
 
     # -- learning and eviction -------------------------------------------------------------
 
@@ -408,12 +461,6 @@ class AnchorPool:
             return found
 
 
-def _refused(refusals: list[str] | None, reason: str) -> None:
-    if refusals is not None:
-        refusals.append(reason)
-    return None
-
-
 def _same_kv(a: KV, b: KV) -> bool:
     """Whether ``a`` and ``b`` are the same KV: the very tensors, or equal shapes, dtypes and values."""
     if a.keys is b.keys and a.values is b.values:
@@ -425,3 +472,25 @@ def _same_kv(a: KV, b: KV) -> bool:
 def _from_layer(kv: KV, layer: int) -> KV:
     """``kv``'s layers from ``layer`` on (a view)."""
     return kv if layer == 0 else KV(kv.keys[layer:], kv.values[layer:])
+
+
+_ZEROS: dict[str, torch.Tensor] = {}
+_ONES: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _ones(device: torch.device, layers: int) -> torch.Tensor:
+    """fp32 ones ``[2, layers]`` on ``device``, kept (the factors of an unshrunk estimate)."""
+    key = (str(device), layers)
+    held = _ONES.get(key)
+    if held is None:
+        held = _ONES[key] = torch.ones(2, layers, dtype=torch.float32, device=device)
+    return held
+
+
+def _zeros(device: torch.device, n: int) -> torch.Tensor:
+    """fp32 zeros ``[n]`` on ``device``, a view of one kept buffer (the distances of an identical
+    match: its one weight is 1 whatever they are)."""
+    held = _ZEROS.get(str(device))
+    if held is None or held.numel() < n:
+        held = _ZEROS[str(device)] = torch.zeros(max(n, 4096), dtype=torch.float32, device=device)
+    return held[:n]

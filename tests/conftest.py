@@ -13,6 +13,11 @@ in-process vLLM engine; one `kvcomm serve` subprocess) and the suite's two polic
 from __future__ import annotations
 
 import itertools
+import os
+
+# Triton's interpreter runs kvcomm's kernels on this CPU (tests that set KVCOMM_TRITON=1). Triton
+# fixes its mode when it is first imported, so the switch is set before anything imports it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

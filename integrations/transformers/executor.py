@@ -105,12 +105,17 @@ class TransformersExecutor:
         return to_position_free(self._span(cache, lead, lead + len(segment)), self.rotary, lead)
 
     def _cache(self, prefix: KV | None) -> DynamicCache:
-        """A cache holding ``prefix`` (on the model's device, in ``kv_dtype``); the tensors are
-        copied as soon as a forward appends."""
+        """A cache holding ``prefix`` (on the model's device, in ``kv_dtype``) as views of it, no
+        copy and no device operation: the first forward's append reads it once (``torch.cat``),
+        while the memory it views is still lent (``ReuseEngine.materialized``)."""
+        cache = DynamicCache(config=self.model.config)
         if prefix is None:
-            return DynamicCache(config=self.model.config)
-        layers = [(prefix.keys[i][None], prefix.values[i][None]) for i in range(prefix.keys.shape[0])]
-        return DynamicCache(ddp_cache_data=layers, config=self.model.config)
+            return cache
+        for i, layer in enumerate(cache.layers):
+            layer.dtype, layer.device = prefix.keys.dtype, prefix.keys.device
+            layer.keys, layer.values = prefix.keys[i][None], prefix.values[i][None]
+            layer.is_initialized = True
+        return cache
 
     def generate(
         self, token_ids: Sequence[int], prefix: KV | None, max_new_tokens: int, started: float | None = None,

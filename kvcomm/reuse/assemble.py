@@ -1,18 +1,19 @@
-"""Assembly of a plan's reused prefix: exact KV, realigned bases and estimates, written into one KV.
+"""Assembly of a plan's reused prefix: exact KV, realigned bases and estimates, written by the
+fused writer (``kvcomm.core.place``) into any ``KVTarget`` (a buffer, or vLLM's paged cache).
 
-``assemble`` writes whatever memory it is given (new, or lent by a ``KVWorkspace``); it reads
-the plan and the anchors' deviations and changes neither.
+``pieces`` turns a plan into the writer's pieces (reading the plan and the anchors' deviations,
+changing neither); ``assemble`` writes them into a buffer.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvcomm.anchors.deviations import WeightedDeviations
-from kvcomm.core.blocks import block_layers
-from kvcomm.core.kv import KV, positions
-from kvcomm.reuse.plan import ReusePlan
+from kvcomm.core.kv import KV
+from kvcomm.core.kv_target import KVTarget
+from kvcomm.core.place import Piece, place_all
 from kvcomm.core.rope import Rotary
+from kvcomm.reuse.plan import ReusePlan
 
 
 def reuse_layout(plan: ReusePlan) -> tuple[tuple[int, int, int, int] | None, torch.dtype | None, torch.dtype | None]:
@@ -32,47 +33,24 @@ def reuse_device(plan: ReusePlan) -> torch.device:
     return like.keys.device
 
 
-def assemble(plan: ReusePlan, out: KV, rotary: Rotary) -> KV:
-    """Write KV for prompt tokens ``[0, plan.reuse_end)`` into ``out`` (``reuse_layout(plan)``),
-    keys rotated at their positions, and return ``out``.
-
-    Each piece is written layer block by layer block (cache-sized, ``block_layers``): the
-    block's base plus its weighted deviations is summed in fp32 and its keys rotated straight
-    into place, so no full-size temporary is made.
-    """
+def pieces(plan: ReusePlan) -> list[Piece]:
+    """The writer's pieces for prompt tokens ``[0, plan.reuse_end)``, target token = prompt position."""
+    out = []
     if plan.exact_length:
-        out.span(0, plan.exact_length).keys.copy_(plan.exact_kv.keys)
-        out.span(0, plan.exact_length).values.copy_(plan.exact_kv.values)
+        out.append(Piece(plan.exact_kv.span(0, plan.exact_length), 0, 0, rotate=plan.exact_position_free))
     for piece in plan.pieces:
         if piece.match is None:  # realigned base, no deviation
-            _place(out, piece.base, piece.start, None, rotary)
+            out.append(Piece(piece.base, piece.start, piece.start))
             continue
         shared, following = piece.pool.estimate_terms(piece.match, piece.base)
-        _place(out, piece.base, piece.start, shared, rotary)
+        out.append(Piece(piece.base, piece.start, piece.start, shared))
         if piece.following_base is not None:
-            _place(out, piece.following_base, piece.following_start, following, rotary)
+            out.append(Piece(piece.following_base, piece.following_start, piece.following_start, following))
     return out
 
 
-def _place(out: KV, base: KV, start: int, deviations: WeightedDeviations | None, rotary: Rotary) -> None:
-    """Write position-free ``base`` (plus ``deviations``, if any) realigned to ``[start, start + T)`` of ``out``."""
-    target = out.span(start, start + base.length)
-    layers, heads, length, dim = base.keys.shape
-    block = block_layers(layers, heads * length * dim * 4, out.keys.device)
-    at = positions(start, length)
-    cos_sin = rotary.cos_sin(at, out.keys.device)
-    keys = torch.empty(block, heads, length, dim, dtype=torch.float32, device=out.keys.device)
-    values = None if target.values.dtype == torch.float32 else torch.empty_like(keys)
-    for first in range(0, layers, block):
-        last = min(first + block, layers)
-        k = keys[: last - first]
-        v = target.values[first:last] if values is None else values[: last - first]
-        if deviations is None:
-            k.copy_(base.keys[first:last])
-            v.copy_(base.values[first:last])
-        else:
-            deviations.add_to(k, "keys", first, last, base=base.keys[first:last])
-            deviations.add_to(v, "values", first, last, base=base.values[first:last])
-        rotary.rotate(k, at, out=target.keys[first:last], cos_sin=cos_sin)
-        if values is not None:
-            target.values[first:last].copy_(v)
+def assemble(plan: ReusePlan, out: KV, rotary: Rotary) -> KV:
+    """Write KV for prompt tokens ``[0, plan.reuse_end)`` into ``out`` (``reuse_layout(plan)``),
+    keys rotated at their positions, and return ``out``."""
+    place_all(pieces(plan), KVTarget.contiguous(out, 0, plan.reuse_end), rotary)
+    return out

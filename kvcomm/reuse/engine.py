@@ -21,6 +21,7 @@ import torch
 
 from kvcomm.anchors.anchor import Deviation, kv_digest
 from kvcomm.anchors.index import Embedder, KVEmbedding
+from kvcomm.anchors.matching import decide_all
 from kvcomm.anchors.pool import AnchorPool
 from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV, place, to_position_free
@@ -32,6 +33,7 @@ from kvcomm.reuse.plan import BlendRequest, ReusePlan
 from kvcomm.reuse.prefix_store import PrefixStore
 from kvcomm.reuse.scopes import SCOPES
 from kvcomm.reuse.strategies import MODES
+from kvcomm.reuse.strategies.realign import first_after_exact
 from kvcomm.reuse.workspace import KVWorkspace
 
 BaseProvider = Callable[[Segment], KV]
@@ -188,8 +190,10 @@ class ReuseEngine:
         if plan.exact_length == 0 and lead is not None and not prompt.segments[0].is_shared:
             # Nothing precedes a template's first segment, so its stored base is its exact KV.
             length = min(lead.length, last)
-            plan.exact_length, plan.exact_kv = length, place(lead.span(0, length), self.rotary, 0)
+            plan.exact_length, plan.exact_kv, plan.exact_position_free = length, lead.span(0, length), True
         mode = MODES[self.config.mode]
+        if mode.estimates:
+            plan.decisions = self._decide(plan, provide_base)
         mode.strategy(self, plan, provide_base)
         if self.scope.compute_trailing_text:
             _drop_trailing_text(plan)
@@ -225,6 +229,20 @@ class ReuseEngine:
             elif anchors:
                 plan.learn.append(index)
         return plan
+
+    def _decide(self, plan: ReusePlan, provide: BaseProvider | None) -> dict:
+        """Every slot pool's decision on every shared segment a strategy may reach (those after
+        the exact prefix whose content has a base), made at once: one host read in all."""
+        requests, indices = [], []
+        for index in range(first_after_exact(plan), len(plan.prompt.segments)):
+            segment = plan.prompt.segments[index]
+            known = self.base(segment, provide) if segment.is_shared else None
+            if known is not None:
+                pool = self.pool(segment.slot)
+                requests.append(pool.candidates((plan.prompt.template_id, segment.slot), segment.shared_id, *known))
+                indices.append(index)
+        gammas = [c.pool.config.gamma for c in requests]
+        return dict(zip(indices, decide_all(requests, gammas))) if requests else {}
 
     def reuse_limit(self, prompt: Prompt) -> int:
         """First prompt position no estimated or realigned piece may reach: the last token is
@@ -312,7 +330,10 @@ class ReuseEngine:
             if not clean:
                 return  # computed behind estimated KV: its errors would become every later estimate's
             if plan.estimated_tokens == 0:
-                full = computed if plan.exact_kv is None else KV.cat([plan.exact_kv, computed.to(plan.exact_kv.keys.dtype)])
+                exact = plan.exact_kv
+                if exact is not None and plan.exact_position_free:
+                    exact = place(exact, self.rotary, 0)
+                full = computed if exact is None else KV.cat([exact, computed.to(exact.keys.dtype)])
                 self.prefix_store.put(prompt, full)
             for index, segment in enumerate(prompt.segments):
                 if segment.is_shared or prompt.starts[index] < begin:

@@ -75,7 +75,8 @@ def ratio_count(ratio: float, tokens: int) -> int:
 class ReusePlan:
     """The KV for prompt tokens ``[0, reuse_end)`` is supplied, the rest computed densely.
 
-    ``[0, exact_length)`` comes from ``exact_kv`` (stored, exact); the pieces tile
+    ``[0, exact_length)`` comes from ``exact_kv`` (stored, exact: rotated at its positions, or
+    position-free when ``exact_position_free``, a template's first segment); the pieces tile
     ``[exact_length, reuse_end)`` contiguously, in order. ``reuse_end <= len(prompt) - 1``
     always: the last prompt token is recomputed so its logits come from a real forward.
     ``learn`` lists shared segment indices, all inside ``[reuse_end, len(prompt))``, whose
@@ -87,17 +88,21 @@ class ReusePlan:
     estimated tokens; ``recompute`` the sorted prompt positions it recomputed (filled in
     from the executor's ``Generation.recomputed``; None when nothing was asked).
     ``estimated_tokens`` counts the tokens the injected KV estimated before any recompute.
+    ``decisions``: the slot pools' decisions per shared segment index, made before the walk
+    (``kvcomm.anchors.matching``).
     """
 
     prompt: Prompt
     exact_length: int = 0
     exact_kv: KV | None = None
+    exact_position_free: bool = False
     pieces: list[EstimatedPiece] = field(default_factory=list)
     learn: list[int] = field(default_factory=list)
     new_bases: list[int] = field(default_factory=list)
     note: str = ""
     blend: BlendRequest | None = None
     recompute: tuple[int, ...] | None = None
+    decisions: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def reuse_end(self) -> int:

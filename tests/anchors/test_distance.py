@@ -119,12 +119,14 @@ def test_estimate_from_admission_distances_equals_fresh_estimate(new_length):
     _estimate_equal(pool, match, base)
 
 
-def test_a_probe_for_learning_computes_no_estimate_distances():
+def test_a_probe_for_learning_computes_the_distances_a_reuse_decision_then_finds():
+    # A plan decides every segment before it knows which it reuses and which it only probes.
     pool = _pool()
     base = rand_kv(3, 2, 12, 8, 7)
     probe = pool.decide(SLOT, "new", base, EMB, commit=False)
-    assert probe is not None and probe.distances is None and len(pool.distance_cache) == 0
+    assert probe is not None and probe.distances is not None and len(pool.distance_cache) == 3
     _estimate_equal(pool, probe, base)
+    assert pool.decide(SLOT, "new", base, EMB) == probe and pool.distance_cache.hits == 3
 
 
 def test_estimate_of_a_cut_segment_uses_the_head_of_the_distances():

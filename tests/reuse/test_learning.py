@@ -358,7 +358,7 @@ def test_following_weights_do_not_turn_one_hot_on_long_segments():
                                   KV(torch.zeros(LAYERS, HEADS, 3, DIM), torch.zeros(LAYERS, HEADS, 3, DIM)), "f"))
             anchors.append(pool.get(f"a{i}-{length}"))
         _, following = pool.estimate_terms(Match(("t", "doc"), tuple(anchors), length), new)
-        weights[length] = float(following.value_weights[0].flatten()[0])
+        weights[length] = float(following.weights("values")[0].flatten()[0])
     expected = 1 / (1 + np.exp(-0.1))  # softmax(-[0.1, 0.2]) of the first anchor
     assert abs(weights[4] - expected) < 1e-5 and abs(weights[400] - expected) < 1e-5
 

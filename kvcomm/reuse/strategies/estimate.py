@@ -35,19 +35,16 @@ def plan_estimates(engine, plan: ReusePlan, provide) -> None:
             index += 1
         elif not reusing or start != plan.reuse_end:
             reusing = False
-            _mark_dense_sample(engine, plan, index, known)
+            _mark_dense_sample(plan, index)
             index += 1
         else:
             reusing, index = _serve_shared(engine, plan, index, last, known)
 
 
-def _mark_dense_sample(engine, plan: ReusePlan, index: int, known) -> None:
+def _mark_dense_sample(plan: ReusePlan, index: int) -> None:
     """After reuse ended: a shared segment its pool would not estimate is computed in a clean
     context, so ``learn`` records it as an anchor."""
-    segment = plan.prompt.segments[index]
-    pool = engine.pool(segment.slot)  # every slot a plan meets has a pool (saves and metrics list it)
-    if plan.prompt.starts[index] >= plan.reuse_end and pool.decide(
-            (plan.prompt.template_id, segment.slot), segment.shared_id, *known, commit=False) is None:
+    if plan.prompt.starts[index] >= plan.reuse_end and plan.decisions[index].match is None:
         plan.learn.append(index)
 
 
@@ -69,16 +66,17 @@ def _serve_shared(engine, plan: ReusePlan, index: int, last: int, known) -> tupl
     realigned, or the end of reuse (then made an anchor). Returns (reuse goes on, next index)."""
     prompt = plan.prompt
     segment, start = prompt.segments[index], prompt.starts[index]
-    base, embedding = known
+    base = known[0]
     pool = engine.pool(segment.slot)
-    refusals: list[str] = []
-    match = pool.decide((prompt.template_id, segment.slot), segment.shared_id, base, embedding, refusals=refusals)
+    decision = plan.decisions[index]
+    match = decision.match
     if match is None:
         if plan.estimated_tokens > 0:
             return add_realigned(plan, index, base, last), index + 1
         plan.learn.append(index)
-        plan.note = f"slot {segment.slot!r} not shareable ({'; '.join(refusals)}): new anchor"
+        plan.note = f"slot {segment.slot!r} not shareable ({decision.refusal}): new anchor"
         return False, index + 1
+    decision.commit()
     covered = min(match.covered, last - start)
     if match.identical:  # its deviation is applied to the very base it was measured against
         base = match.anchors[0].base

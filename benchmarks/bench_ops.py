@@ -1,0 +1,174 @@
+"""Device cost of one reusing call: kernels, host syncs and bytes moved, counted at dispatch level.
+
+    python benchmarks/bench_ops.py [--json] [--layers 2,32] [--anchors 2,8] [--segments 1,4] [--tokens 64]
+
+For each case a tiny random Llama-shaped model (``--layers`` layers, 2 KV heads of 64 channels,
+fp32) and an engine whose slots hold ``--anchors`` anchors each (learned through calibration
+calls on random KV) serve one prompt with ``--segments`` shared segments of ``--tokens`` tokens,
+every one estimated. Counted (``op_counter.DispatchCounter``): the reuse path from the prompt
+to its reused KV in the executor's cache (plan: matching and admission; materialize: realign,
+estimate, write; the transformers executor's injection), not the tail forward, on the second of two
+identical calls (the first also builds what a process builds once: its angle table, constant
+buffers; ``first_call_kernel_ops``). ``floor_bytes``
+is what the call must touch at least: each new segment's base, each candidate anchor's base
+(matching) and deviation, the stored KV of the exact prefix, and the output written.
+
+Run it with ``TRITON_INTERPRET=1`` to count the path a GPU takes (the fused ops' Triton kernels,
+run by Triton's interpreter); without it, on a CPU, the torch composite runs and is counted.
+Targets (issue 42): kernel_ops <= 16 + 4 S and equal across layers and anchors; host_syncs <= 1;
+bytes_moved <= 1.2 floor_bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from op_counter import DispatchCounter  # noqa: E402
+
+from kvcomm.core.kv import KV  # noqa: E402
+from kvcomm.core.segments import Prompt, Segment  # noqa: E402
+from kvcomm.reuse.config import ReuseConfig  # noqa: E402
+from kvcomm.reuse.engine import ReuseEngine  # noqa: E402
+
+KV_HEADS, HEAD_DIM = 2, 64
+
+
+def tiny_executor(layers: int):
+    """A transformers executor on a random Llama of ``layers`` layers (2 KV heads x 64 channels)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcomm.integrations.transformers.executor import TransformersExecutor
+
+    config = LlamaConfig(vocab_size=512, hidden_size=KV_HEADS * HEAD_DIM, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=KV_HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=4096,
+                         rope_theta=10000.0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+
+    class Tokenizer:  # the executor needs only these to exist
+        eos_token_id, bos_token = 0, None
+
+        def encode(self, text, add_special_tokens=False):
+            return [1]
+
+    return TransformersExecutor(model, Tokenizer())
+
+
+def prompt(template: str, contents: list[tuple[int, ...]]) -> Prompt:
+    """[lead] + per slot: [shared content] + [separator] + [tail]; each template its own lead."""
+    segments = [Segment(tuple(range(400, 416)) if template == "reader" else tuple(range(500, 516)))]
+    for i, content in enumerate(contents):
+        segments += [Segment(content, slot=f"slot{i}"), Segment((420 + i, 421, 422, 423))]
+    segments.append(Segment((430, 431, 432)))
+    return Prompt(template, tuple(segments))
+
+
+def calibrate(engine: ReuseEngine, p: Prompt, layers: int, gen: torch.Generator) -> None:
+    """A calibration call on random 'real' KV: learns bases, fixed bases and anchors from it."""
+    plan = engine.calibration_plan(p)
+    n = len(p) - plan.reuse_end
+    engine.learn(plan, KV(torch.randn(layers, KV_HEADS, n, HEAD_DIM, generator=gen),
+                          torch.randn(layers, KV_HEADS, n, HEAD_DIM, generator=gen)))
+
+
+def case(executor, layers: int, anchors: int, segments: int, tokens: int) -> dict:
+    chosen = os.environ.get("KVCOMM_TRITON")
+    os.environ["KVCOMM_TRITON"] = "0"  # set-up on the torch path (Triton's interpreter is slow), what is counted on the chosen one
+    try:
+        return _case(executor, layers, anchors, segments, tokens, chosen)
+    finally:
+        if chosen is None:
+            os.environ.pop("KVCOMM_TRITON")
+        else:
+            os.environ["KVCOMM_TRITON"] = chosen
+
+
+def _case(executor, layers: int, anchors: int, segments: int, tokens: int, chosen: str | None) -> dict:
+    gen = torch.Generator().manual_seed(1)
+    engine = ReuseEngine(executor.rotary, ReuseConfig())
+
+    def contents(j: int) -> list[tuple[int, ...]]:
+        return [tuple(1000 + 97 * s + 31 * j + t % 50 for t in range(tokens)) for s in range(segments)]
+
+    for j in range(anchors):  # first sight: bases; second: anchors of template "reader"
+        calibrate(engine, prompt("reader", contents(j)), layers, gen)
+        calibrate(engine, prompt("reader", contents(j)), layers, gen)
+    calibrate(engine, prompt("writer", contents(anchors)), layers, gen)  # the new contents' bases, elsewhere
+    p = prompt("reader", contents(anchors))
+    if chosen is not None:
+        os.environ["KVCOMM_TRITON"] = chosen
+    else:
+        os.environ.pop("KVCOMM_TRITON")
+    counters = []
+    for _ in range(2):  # the first call also makes what a process makes once (angle tables, constant buffers)
+        with DispatchCounter() as counter:
+            plan = engine.plan(p)
+            with engine.materialized(plan) as kv:
+                cache = executor._cache(kv)  # the transformers executor's injection
+                del cache
+        counters.append(counter)
+    estimated = [piece for piece in plan.pieces if piece.match is not None]
+    if len(estimated) != segments:
+        raise RuntimeError(f"expected {segments} estimated segments, the plan estimated {len(estimated)}: {plan.note}")
+    c = counters[1].counts
+    return {"layers": layers, "anchors": anchors, "segments": segments, "tokens": tokens,
+            "kernel_ops": c.kernel_ops, "host_syncs": c.host_syncs, "bytes_moved": c.bytes_moved,
+            "floor_bytes": floor_bytes(plan), "triton_launches": c.triton_launches, "reuse_end": plan.reuse_end,
+            "first_call_kernel_ops": counters[0].counts.kernel_ops, "ops": dict(sorted(c.ops.items(), key=lambda kv: -kv[1]))}
+
+
+def floor_bytes(plan) -> int:
+    """The least a reusing call must touch: see the module docstring."""
+    total = 0 if plan.exact_kv is None else plan.exact_kv.span(0, plan.exact_length).nbytes
+    for piece in plan.pieces:
+        total += piece.base.nbytes
+        n = piece.base.length
+        if piece.match is not None:
+            for anchor in piece.match.anchors:
+                deviation = anchor.deviations[piece.match.slot]
+                total += anchor.base.span(0, n).nbytes + deviation.shared.span(0, n).nbytes
+                if piece.following_base is not None:
+                    total += deviation.following.nbytes
+        if piece.following_base is not None:
+            total += piece.following_base.nbytes
+    like = plan.exact_kv if plan.exact_kv is not None else plan.pieces[0].base
+    per_token = like.nbytes // like.length
+    return total + per_token * plan.reuse_end
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", default="2,32")
+    parser.add_argument("--anchors", default="2,8")
+    parser.add_argument("--segments", default="1,4")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    cases = []
+    for layers in map(int, args.layers.split(",")):
+        executor = tiny_executor(layers)
+        for anchors in map(int, args.anchors.split(",")):
+            for segments in map(int, args.segments.split(",")):
+                cases.append(case(executor, layers, anchors, segments, args.tokens))
+    result = {"path": "transformers", "triton": os.environ.get("TRITON_INTERPRET") == "1",
+              "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "float32", "cases": cases}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for c in cases:
+            print(f"L={c['layers']:>2} A={c['anchors']} S={c['segments']} T={c['tokens']}: {c['kernel_ops']:>5} kernel ops, "
+                  f"{c['host_syncs']:>3} host syncs, {c['bytes_moved'] / c['floor_bytes']:.2f} x floor bytes "
+                  f"({c['bytes_moved']:,} / {c['floor_bytes']:,})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

