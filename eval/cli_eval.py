@@ -116,63 +116,54 @@ def ratio(text: str) -> float:
 
 
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
-    """Add the ``eval`` subcommand to ``subparsers`` (from ``add_subparsers``); returns it."""
+    """Add the ``eval`` subcommand to ``subparsers`` (from ``add_subparsers``); returns it.
+    What each option does at length: docs/evaluation.md."""
     parser = subparsers.add_parser(
         "eval", help="evaluate reuse modes against dense prefill on a task workload",
-        description="Run a workload densely and with each reuse mode (fresh engine per mode/setting, rows shuffled "
-                    "per seed) and report accuracy, reuse rates, KL to dense and its noise floor, reply agreement, "
-                    "TTFT and anchor-pool memory. Writes results.json, results.csv and PNG plots into --out.",
+        description="Run a workload densely and in each reuse mode; write accuracy, reuse, KL to dense, "
+                    "reply agreement and TTFT to --out (results.json, results.csv, plots). "
+                    "A LIST is comma-separated. Every option at length: docs/evaluation.md.",
     )
-    parser.add_argument("--workload", required=True,
-                        help="mmlu, gsm, humaneval, retrieval, or the path of a workload file")
-    parser.add_argument("--out", required=True, help="output folder (created if missing)")
-    parser.add_argument("--limit", type=positive_int, help="use only the first N items of the workload")
+    parser.add_argument("--workload", required=True, metavar="W",
+                        help="mmlu, gsm, humaneval, retrieval, or a workload file")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output folder (created if missing)")
+    parser.add_argument("--limit", type=positive_int, metavar="N", help="only the first N items")
     parser.add_argument("--warm-items", type=nonnegative_int, default=0, metavar="N",
-                        help="calibrate every reuse engine on N more items (the N after --limit's), prefilled densely and "
-                             "learned from, before the evaluated items: pools as a long-running server's (default 0: empty)")
-    parser.add_argument(
-        "--agents", type=positive_int, default=3,
-        help="agents before the decider in the built-in topology (default 3; a pipeline .json defines its own)",
-    )
-    parser.add_argument("--modes", type=parse_modes, default=ALL_MODES,
-                        help=f"comma-separated subset of {','.join(ALL_MODES)} (default: all); dense always runs as the reference")
-    parser.add_argument("--reuse-scope", type=parse_scopes, default=(DEFAULT_SCOPE,), metavar="SCOPES",
-                        help=f"reuse scopes every reuse mode runs in, comma-separated, one run each against the same dense "
-                             f"reference ({', '.join(SCOPES)}; default {DEFAULT_SCOPE}; what each serves from "
-                             "stored KV: `kvcomm run --help`, docs/anchor-pool.md)")
-    parser.add_argument("--gammas", type=parse_gammas, default=(PoolConfig.gamma,),
-                        help=f"kvcomm admission thresholds, comma-separated (default {PoolConfig.gamma})")
-    parser.add_argument("--max-anchors", type=parse_max_anchors, default=(PoolConfig.max_anchors,),
-                        help=f"kvcomm V (anchors per pool), comma-separated (default {PoolConfig.max_anchors})")
-    parser.add_argument("--seeds", type=parse_seeds, default=(0,),
-                        help="input-order shuffle seeds, comma-separated (default 0)")
-    parser.add_argument("--base-source", choices=BASE_SOURCES, default=ReuseConfig.base_source,
-                        help="new shared content's base KV: a standalone prefill, or its KV in the first prompt that "
-                             f"computes it (default {ReuseConfig.base_source})")
+                        help="calibrate each reuse engine on the N next items first (default 0)")
+    parser.add_argument("--agents", type=positive_int, default=3, metavar="N",
+                        help="agents before the decider (default 3)")
+    parser.add_argument("--modes", type=parse_modes, default=ALL_MODES, metavar="LIST",
+                        help=f"subset of {','.join(ALL_MODES)} (default all)")
+    parser.add_argument("--reuse-scope", type=parse_scopes, default=(DEFAULT_SCOPE,), metavar="LIST",
+                        help=f"of {', '.join(SCOPES)}; one run each (default {DEFAULT_SCOPE})")
+    parser.add_argument("--gammas", type=parse_gammas, default=(PoolConfig.gamma,), metavar="LIST",
+                        help=f"admission thresholds (default {PoolConfig.gamma})")
+    parser.add_argument("--max-anchors", type=parse_max_anchors, default=(PoolConfig.max_anchors,), metavar="LIST",
+                        help=f"anchors per pool, V (default {PoolConfig.max_anchors})")
+    parser.add_argument("--seeds", type=parse_seeds, default=(0,), metavar="LIST",
+                        help="input-order shuffle seeds (default 0)")
+    parser.add_argument("--base-source", choices=BASE_SOURCES, default=ReuseConfig.base_source, metavar="SRC",
+                        help=f"{' or '.join(BASE_SOURCES)} (default {ReuseConfig.base_source})")
     parser.add_argument("--pool", type=config_setting, action="append", default=[], metavar="NAME=VALUE",
-                        help="a further PoolConfig field of the kvcomm and kvblend runs, VALUE in JSON (e.g. --pool shrinkage=false "
-                             "--pool min_coverage=0.3); repeatable")
-    parser.add_argument("--recompute-ratio", type=ratio, default=0.15, help="cacheblend and kvblend recompute ratio (default 0.15)")
-    parser.add_argument("--embedder", choices=EMBEDDERS, default="kv",
-                        help="anchor embedding the pool narrows its candidates by: the segment's pooled base values "
-                             "(kv, default) or all-MiniLM-L6-v2 over its decoded text (minilm)")
-    parser.add_argument("--max-new-tokens", type=positive_int, help="override the workload's reply budget")
-    parser.add_argument("--top-k", type=positive_int, default=20, help="tokens kept per position for the KL bound (default 20)")
-    parser.add_argument("--no-kl", action="store_true", help="skip the KL / noise-floor metrics (faster)")
-    parser.add_argument("--single-pass", action="store_true",
-                        help="with KL on, take TTFT from the pass that keeps logprobs instead of a separate timing "
-                             "pass (faster; TTFT then includes full-vocabulary logits of every computed position)")
+                        help="a PoolConfig field, VALUE in JSON; repeatable")
+    parser.add_argument("--recompute-ratio", type=ratio, default=0.15, metavar="R",
+                        help="cacheblend and kvblend recompute ratio (default 0.15)")
+    parser.add_argument("--embedder", choices=EMBEDDERS, default="kv", metavar="E",
+                        help=f"anchor embedding: {' or '.join(EMBEDDERS)} (default kv)")
+    parser.add_argument("--max-new-tokens", type=positive_int, metavar="N", help="override the reply budget")
+    parser.add_argument("--top-k", type=positive_int, default=20, metavar="K",
+                        help="tokens kept per position for the KL bound (default 20)")
+    parser.add_argument("--no-kl", action="store_true", help="skip the KL metrics (faster)")
+    parser.add_argument("--single-pass", action="store_true", help="no separate timing pass (faster)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument("--backend", choices=BACKENDS, default="transformers",
-                        help="model runtime (default transformers; vllm needs --no-kl and neither cacheblend nor kvblend)")
-    parser.add_argument("--model", help="local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
-                        help="model dtype: weights, activations and KV cache (default float32)")
-    parser.add_argument("--device", help="where the transformers model runs: cpu (default), cuda or cuda:N")
+    parser.add_argument("--backend", choices=BACKENDS, default="transformers", metavar="B",
+                        help=f"{' or '.join(BACKENDS)} (default transformers)")
+    parser.add_argument("--model", metavar="PATH", help="transformers model folder (default: embedded SmolLM2)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32", metavar="DTYPE",
+                        help=f"{', '.join(DTYPES)} (default float32)")
+    parser.add_argument("--device", metavar="DEV", help="transformers backend: cpu (default), cuda or cuda:N")
     parser.add_argument("--noise-floor", choices=tuple(DTYPES), metavar="DTYPE",
-                        help="also measure the precision noise floor: every dense prompt of the workload prefilled "
-                             "by the same model in --dtype and in DTYPE, KL(--dtype || DTYPE) and same top-1 over "
-                             "all prompt positions (e.g. --noise-floor bfloat16: what bf16 costs against fp32)")
+                        help="also measure dense in DTYPE against --dtype")
     parser.set_defaults(eval_command=run_eval_command)
     return parser
 
