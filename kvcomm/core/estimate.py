@@ -9,7 +9,7 @@ by layer block (``add_to``) while the block is in cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -40,6 +40,15 @@ class Estimate:
     scale: float = 1.0
     sqrt: bool = False
     rows: tuple[int, ...] | None = None
+
+    def span(self, start: int, end: int) -> "Estimate":
+        """This estimate over its tokens ``[start, end)`` (views; per-channel weights are the same
+        for every token)."""
+        parts = tuple(p.span(start, end) for p in self.parts)
+        distances = self.distances
+        if self.per_token:
+            distances = distances[..., start:end]
+        return replace(self, parts=parts, distances=distances)
 
     @property
     def layers(self) -> int:

@@ -8,7 +8,7 @@ device with a call's other tables) and, for the torch composite, the tensors the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -51,6 +51,8 @@ class KVTarget:
     start: int = 0
     paged: Paged | None = None
     slots: torch.Tensor | None = None
+    _indices: dict = field(default_factory=dict, compare=False, repr=False)
+    """(device, at, m) -> ``_element_indices``: made once per target, shared by every layer."""
 
     @staticmethod
     def contiguous(buffer: KV, start: int, n: int) -> "KVTarget":
@@ -109,25 +111,29 @@ class KVTarget:
         storage.index_put_((v_at,), values.transpose(0, 1).reshape(-1))
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's keys and values at the target's tokens, ``[H, n, D]`` each (copies)."""
+        """One layer's keys and values at the target's tokens, ``[H, n, D]`` each (copies; from a
+        paged cache token-major ones, transposed, so that writing them is the only other copy)."""
         if self.buffer is not None:
             span = self.buffer.span(self.start, self.start + self.n)
             return span.keys[layer].clone(), span.values[layer].clone()
         storage = _storage_view(self.paged.caches[layer])
         k_at, v_at = self._element_indices(storage.device, 0, self.n)
         shape = (self.n, *self.paged.key_offsets.shape[1:])
-        return (storage[k_at].view(shape).transpose(0, 1).contiguous(),
-                storage[v_at].view(shape).transpose(0, 1).contiguous())
+        return storage[k_at].view(shape).transpose(0, 1), storage[v_at].view(shape).transpose(0, 1)
 
     def _element_indices(self, device: torch.device, at: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat storage indices (relative to a cache's first element) of every key and value
         element of the target's tokens ``[at, at + m)``, ``[m * H * D]`` each, token-major."""
+        held = self._indices.get((device, at, m))
+        if held is not None:
+            return held
         p = self.paged
         slots = self.slots[at : at + m].to(device)
         start = (slots // p.block_size * p.block_stride)[:, None, None]
         inner = slots % p.block_size
-        return ((start + p.key_offsets.to(device)[inner]).reshape(-1),
-                (start + p.value_offsets.to(device)[inner]).reshape(-1))
+        held = self._indices[(device, at, m)] = ((start + p.key_offsets.to(device)[inner]).reshape(-1),
+                                                 (start + p.value_offsets.to(device)[inner]).reshape(-1))
+        return held
 
 
 def _storage_view(cache: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,21 @@ class Piece:
     estimate: Estimate | None = None
     rotate: bool = True
 
+    def clip(self, start: int, end: int) -> "Piece | None":
+        """This piece over target tokens ``[start, end)`` only, re-indexed so target token
+        ``start`` is 0 (None if it has none there)."""
+        lo, hi = max(start, self.at), min(end, self.at + self.base.length)
+        if lo >= hi:
+            return None
+        a, b = lo - self.at, hi - self.at
+        estimate = None if self.estimate is None else self.estimate.span(a, b)
+        return Piece(self.base.span(a, b), lo - start, self.position + a, estimate, self.rotate)
+
+
+def clip(pieces: list[Piece], start: int, end: int) -> list[Piece]:
+    """``pieces`` over target tokens ``[start, end)`` (see ``Piece.clip``)."""
+    return [c for c in (p.clip(start, end) for p in pieces) if c is not None]
+
 
 def place_all(pieces: list[Piece], target: KVTarget, rotary: Rotary) -> None:
     """Write every piece into ``target`` (see the module docstring)."""

@@ -183,3 +183,27 @@ def admission_kernel(channel, c_ss, c_sa, width, counts, anchors, limits, out, o
     tl.store(row, tl.where(entropy > tl.load(limits + s), 1.0, 0.0).to(tl.float64))
     tl.store(row + 1, entropy)
     tl.store(row + 2 + a_idx, p, mask=a_ok)
+
+
+@triton.jit
+def copy_kernel(src_layers, src_tok, src_off, src_koff, src_voff, s_sb, s_sh,
+                dst_layers, dst_tok, dst_off, dst_koff, dst_voff, d_sb, d_sh, like,
+                n, D, BT: tl.constexpr, BD: tl.constexpr):
+    """Copy the keys and values of ``n`` tokens from one addressed KV to another (both in the
+    addressing of the module docstring), every layer; grid (layers, heads, cdiv(n, BT))."""
+    layer = tl.program_id(0)
+    head = tl.program_id(1)
+    t_idx = tl.program_id(2) * BT + tl.arange(0, BT)
+    d_idx = tl.arange(0, BD)
+    t_ok = t_idx < n
+    mask = t_ok[:, None] & (d_idx[None, :] < D)
+    src = tl.load(src_layers + layer).to(tl.pointer_type(like.dtype.element_ty))
+    dst = tl.load(dst_layers + layer).to(tl.pointer_type(like.dtype.element_ty))
+    s_inner = tl.load(src_off + t_idx, mask=t_ok, other=0)[:, None] * s_sb + head * s_sh + d_idx[None, :]
+    d_inner = tl.load(dst_off + t_idx, mask=t_ok, other=0)[:, None] * d_sb + head * d_sh + d_idx[None, :]
+    s_tok = tl.load(src_tok + t_idx, mask=t_ok, other=0)[:, None]
+    d_tok = tl.load(dst_tok + t_idx, mask=t_ok, other=0)[:, None]
+    keys = tl.load(src + s_tok + tl.load(src_koff + s_inner, mask=mask, other=0), mask=mask, other=0.0)
+    values = tl.load(src + s_tok + tl.load(src_voff + s_inner, mask=mask, other=0), mask=mask, other=0.0)
+    tl.store(dst + d_tok + tl.load(dst_koff + d_inner, mask=mask, other=0), keys, mask=mask)
+    tl.store(dst + d_tok + tl.load(dst_voff + d_inner, mask=mask, other=0), values, mask=mask)

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from kvcomm.core.kv import KV
-from kvcomm.core.kv_target import KVTarget, Paged
+from kvcomm.core.kv_target import KVTarget
 from kvcomm.core.estimate import Estimate
 from kvcomm.core.place import Piece, place_all
 from kvcomm.core.rope import Rotary
+from support.paged_layouts import layouts, paged, read
 
 L, H, T, D = 3, 2, 7, 16
 
@@ -79,36 +80,6 @@ def test_the_kernel_writes_what_the_composite_writes_into_a_buffer(dtype, interl
     assert expected[:, :, :, 2:].abs().sum() > 0  # the pieces landed
 
 
-def _layouts(blocks: int, block_size: int, dtype: torch.dtype):
-    """Physical layouts vLLM's backends have used, each with a ``[blocks, block_size, H, D]``
-    view of its keys and of its values (the test's own reading of the layout)."""
-    def flash_attention():  # [2, NB, BS, H, D]
-        c = torch.zeros(2, blocks, block_size, H, D, dtype=dtype)
-        return c, c[0], c[1]
-
-    def flashinfer():  # [NB, 2, BS, H, D]
-        c = torch.zeros(blocks, 2, block_size, H, D, dtype=dtype)
-        return c, c[:, 0], c[:, 1]
-
-    def packed():  # [NB, BS, H, 2, D] (vllm#44455)
-        c = torch.zeros(blocks, block_size, H, 2, D, dtype=dtype)
-        return c, c[:, :, :, 0], c[:, :, :, 1]
-
-    def cpu_transposed_keys():  # [NB, H, 2, ...]: keys transposed per block ([D, BS]), values [BS, D]
-        c = torch.zeros(blocks, H, 2, block_size * D, dtype=dtype)
-        keys = c[:, :, 0].view(blocks, H, D, block_size).permute(0, 3, 1, 2)
-        values = c[:, :, 1].view(blocks, H, block_size, D).permute(0, 2, 1, 3)
-        return c, keys, values
-
-    return {"flash_attention": flash_attention, "flashinfer": flashinfer, "packed": packed, "cpu_transposed_keys": cpu_transposed_keys}
-
-
-def _offsets(cache: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
-    """Storage offsets of ``view[0]``'s elements ``[block_size, H, D]`` relative to ``cache``'s block 0."""
-    index = torch.arange(cache.numel()).view(cache.shape)
-    return index.as_strided(view.shape, view.stride(), view.storage_offset())[0].clone()
-
-
 @pytest.mark.parametrize("layout", ["flash_attention", "flashinfer", "packed", "cpu_transposed_keys"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_paged_layout_gets_the_tokens_at_their_slots(layout, dtype, monkeypatch):
@@ -117,25 +88,60 @@ def test_every_paged_layout_gets_the_tokens_at_their_slots(layout, dtype, monkey
     rotary = _rotary(D, False)
     blocks, block_size = 6, 4
     slots = torch.randperm(blocks * block_size, generator=gen)[: T + 5]
-    make = _layouts(blocks, block_size, dtype)[layout]
+    make = layouts(blocks, block_size, H, D, dtype)[layout]
     held = {}
 
     def target():
-        layers = [make() for _ in range(L)]
-        cache, keys, values = layers[0]
-        # the first block's elements relative to the block start; a block is one step of the block axis
-        block_stride = _offsets(cache, keys[1:])[0, 0, 0] - _offsets(cache, keys)[0, 0, 0]
-        held["views"] = [(k, v) for _, k, v in layers]
-        return KVTarget.at_slots(Paged(tuple(c for c, _, _ in layers), _offsets(cache, keys), _offsets(cache, values),
-                                       int(block_stride)), slots)
+        held["layers"] = [make() for _ in range(L)]
+        return KVTarget.at_slots(paged(held["layers"]), slots)
 
     reference = KVTarget.contiguous(KV(torch.zeros(L, H, T + 5, D, dtype=dtype), torch.zeros(L, H, T + 5, D, dtype=dtype)), 0, T + 5)
     monkeypatch.setenv("KVCOMM_TRITON", "0")
     place_all(pieces, reference, rotary)
     for interpret in (False, True):
         _written(target, pieces, rotary, interpret, monkeypatch)
-        for layer, (keys, values) in enumerate(held["views"]):  # read back through the layout itself
-            got_k = keys.reshape(-1, H, D)[slots].transpose(0, 1)
-            got_v = values.reshape(-1, H, D)[slots].transpose(0, 1)
+        for layer, held_layer in enumerate(held["layers"]):  # read back through the layout itself
+            got_k, got_v = read(held_layer, slots)
             _close(got_k, reference.buffer.keys[layer], dtype)
             _close(got_v, reference.buffer.values[layer], dtype)
+
+
+@pytest.mark.parametrize("layout", ["flash_attention", "packed", "cpu_transposed_keys"])
+def test_copying_tokens_out_of_a_paged_layout_reads_them_back_exactly(layout, monkeypatch):
+    """``kvcomm.core.copy.copy_tokens`` (the vLLM worker's capture): paged slots -> a buffer,
+    bit-exact on both paths."""
+    from kvcomm.core.copy import copy_tokens
+
+    gen = torch.Generator().manual_seed(2)
+    blocks, block_size, dtype = 6, 4, torch.bfloat16
+    slots = torch.randperm(blocks * block_size, generator=gen)[:9]
+    layers = [layouts(blocks, block_size, H, D, dtype)[layout]() for _ in range(L)]
+    for _, keys, values in layers:
+        keys.copy_(torch.randn(keys.shape, generator=gen).to(dtype))
+        values.copy_(torch.randn(values.shape, generator=gen).to(dtype))
+    source = KVTarget.at_slots(paged(layers), slots)
+    for interpret in ("0", "1"):
+        monkeypatch.setenv("KVCOMM_TRITON", interpret)
+        out = KV(torch.zeros(L, H, 12, D, dtype=dtype), torch.zeros(L, H, 12, D, dtype=dtype))
+        copy_tokens(source, KVTarget.contiguous(out, 2, len(slots)))
+        for layer, held_layer in enumerate(layers):
+            keys, values = read(held_layer, slots)
+            assert torch.equal(out.keys[layer, :, 2:11], keys) and torch.equal(out.values[layer, :, 2:11], values)
+        assert out.keys[:, :, :2].abs().sum() == 0 and out.keys[:, :, 11:].abs().sum() == 0
+
+
+def test_a_clipped_piece_writes_what_the_whole_piece_writes_there(monkeypatch):
+    """The vLLM worker writes only the tokens beyond vLLM's own prefix hit: a plan's pieces
+    clipped to that range write exactly those tokens of the whole plan."""
+    from kvcomm.core.place import clip
+
+    gen = torch.Generator().manual_seed(3)
+    pieces = _pieces(torch.float32, True, 2, gen, raw=True)
+    rotary = _rotary(D, False)
+    for interpret in ("0", "1"):
+        monkeypatch.setenv("KVCOMM_TRITON", interpret)
+        whole = KV(torch.zeros(L, H, T + 5, D), torch.zeros(L, H, T + 5, D))
+        place_all(pieces, KVTarget.contiguous(whole, 0, T + 5), rotary)
+        part = KV(torch.zeros(L, H, T, D), torch.zeros(L, H, T, D))
+        place_all(clip(pieces, 4, T + 4), KVTarget.contiguous(part, 0, T), rotary)
+        assert torch.equal(part.keys, whole.keys[:, :, 4 : T + 4]) and torch.equal(part.values, whole.values[:, :, 4 : T + 4])

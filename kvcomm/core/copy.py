@@ -1,0 +1,65 @@
+"""Copying token KV between two ``KVTarget``s, every layer at once: how a paged cache's KV is
+captured into a buffer (the vLLM worker's capture, one copy per request and step).
+
+On a GPU (and under ``KVCOMM_TRITON=1``) one launch of ``kvcomm::copy_tokens``
+(``triton_kernels.copy_kernel``), both sides' tables uploaded in one copy; elsewhere the torch
+composite reads and writes layer by layer. Bit-exact either way (no arithmetic)."""
+
+from __future__ import annotations
+
+
+import numpy as np
+import torch
+
+from kvcomm.core.device import OP_BYTES, upload, uses_triton
+from kvcomm.core.kv_target import KVTarget
+
+_NAMES = ("layer_ptrs", "tok", "off", "koff", "voff")
+
+
+def copy_tokens(source: KVTarget, dest: KVTarget) -> None:
+    """``dest``'s tokens get ``source``'s, token for token (equal counts, layers and dtypes)."""
+    if source.n != dest.n or source.layers != dest.layers or source.dtype != dest.dtype:
+        raise ValueError(f"copying {source.n} tokens of {source.layers} layers ({source.dtype}) into {dest.n} of "
+                         f"{dest.layers} ({dest.dtype})")
+    if source.n == 0:
+        return
+    if not uses_triton(dest.device):
+        for layer in range(source.layers):
+            keys, values = source.read(layer)
+            dest.write(layer, 0, keys, values)
+        return
+    tables = [source.tables(), dest.tables()]
+    arrays = [t[name].reshape(-1) for t in tables for name in _NAMES]
+    starts = np.cumsum([0] + [a.size for a in arrays])
+    packed = upload(np.concatenate(arrays), dest.device)
+    views = [packed[starts[i] : starts[i + 1]].view(tables[i // 5][_NAMES[i % 5]].shape) for i in range(10)]
+    heads, dim = views[3].shape[1], views[3].shape[2]
+    like = torch.empty(0, dtype=dest.dtype, device=dest.device)
+    copy_op(*views, like, source.n, source.layers, heads, dim)
+
+
+@torch.library.custom_op("kvcomm::copy_tokens", mutates_args=())
+def copy_op(src_layers: torch.Tensor, src_tok: torch.Tensor, src_off: torch.Tensor, src_koff: torch.Tensor,
+            src_voff: torch.Tensor, dst_layers: torch.Tensor, dst_tok: torch.Tensor, dst_off: torch.Tensor,
+            dst_koff: torch.Tensor, dst_voff: torch.Tensor, like: torch.Tensor, n: int, layers: int, heads: int,
+            dim: int) -> None:
+    """One ``copy_kernel`` launch; reads and writes through the layer pointer tables."""
+    import triton
+
+    from kvcomm.core.triton_kernels import copy_kernel
+
+    block_t = 32
+    copy_kernel[(layers, heads, triton.cdiv(n, block_t))](
+        src_layers, src_tok, src_off, src_koff, src_voff, src_koff.stride(0), src_koff.stride(1),
+        dst_layers, dst_tok, dst_off, dst_koff, dst_voff, dst_koff.stride(0), dst_koff.stride(1), like,
+        n, dim, BT=block_t, BD=triton.next_power_of_2(dim),
+    )
+
+
+def _copy_bytes(*args) -> int:
+    like, n, layers, heads, dim = args[10:15]
+    return 2 * 2 * layers * heads * n * dim * like.element_size()
+
+
+OP_BYTES["kvcomm::copy_tokens"] = _copy_bytes
