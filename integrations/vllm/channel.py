@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kvcomm.core.kv import KV
+from kvcomm.core.place import Piece
 from kvcomm.core.rope import Rotary
 
 
@@ -38,18 +39,15 @@ class Capture:
     @staticmethod
     def empty(layers: int, heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
               device: torch.device | str = "cpu") -> "Capture":
-        """Zeroed buffers on ``device`` (the KV cache's: the connector fills them there, one
-        gather per layer and step, with no host round trip); ``filled`` stays on the host."""
-        shape = (layers, heads, capacity, head_dim)
-        return Capture(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
-                       torch.zeros(capacity, dtype=torch.bool))
+        """Buffers on ``device`` (the KV cache's: the connector copies each step's captured
+        tokens there, every layer at once, and the engine learns from them there; nothing goes
+        through the host), keys and values views of one allocation; ``filled`` on the host."""
+        both = torch.empty(layers, 2, heads, capacity, head_dim, dtype=dtype, device=device)
+        return Capture(both[:, 0], both[:, 1], torch.zeros(capacity, dtype=torch.bool))
 
-    def to_host(self) -> "Capture":
-        """This capture with keys and values on the CPU (itself if they already are): one copy
-        per tensor, which waits for the device work that filled them."""
-        if self.keys.device.type == "cpu":
-            return self
-        return Capture(self.keys.cpu(), self.values.cpu(), self.filled)
+    @property
+    def kv(self) -> KV:
+        return KV(self.keys, self.values)
 
     def span(self, start: int, end: int) -> KV:
         """Captured KV of positions ``[start, end)``; raises if any was not captured."""
@@ -59,18 +57,36 @@ class Capture:
         return KV(self.keys[:, :, start:end].clone(), self.values[:, :, start:end].clone())
 
 
+@dataclass(frozen=True)
+class Injection:
+    """KV to write for prompt positions ``[0, length)``: the fused writer's pieces (target token
+    = prompt position), written straight into the request's cache slots when they are known."""
+
+    pieces: tuple[Piece, ...]
+    length: int
+
+    @staticmethod
+    def of_kv(kv: KV) -> "Injection":
+        """KV already rotated at its positions ``[0, kv.length)`` (e.g. a materialized prefix)."""
+        return Injection((Piece(kv, 0, 0, rotate=False),), kv.length)
+
+
 @dataclass
 class Order:
     """What the caller asks of the connector for one request handle.
 
-    inject: rotated KV of prompt positions ``[0, inject.length)`` to load (None: load nothing).
+    inject: what to load for prompt positions ``[0, inject.length)`` (None: load nothing).
     capture_from, capture_to: prompt+output positions whose real KV to keep (``capture_to`` 0:
     capture nothing).
     """
 
-    inject: KV | None = None
+    inject: Injection | None = None
     capture_from: int = 0
     capture_to: int = 0
+
+    def __post_init__(self) -> None:
+        if self.inject is not None and not isinstance(self.inject, Injection):
+            raise TypeError(f"Order.inject must be an Injection (Injection.of_kv(kv) for rotated KV), got {type(self.inject).__name__}")
 
 
 @dataclass
@@ -100,12 +116,13 @@ class Channel:
             return self.orders.get(handle)
 
     def take(self, handle: str) -> tuple[Capture | None, float | None]:
-        """Remove the handle's state; return its capture (on the host) and prompt completion
-        time (None if absent)."""
+        """Remove the handle's state; return its capture (on the KV cache's device) and prompt
+        completion time (None if absent; ``prompt_done_at`` may hold a ``DeviceClock`` reading,
+        resolved here)."""
         with self.lock:
             self.orders.pop(handle, None)
             capture, done_at = self.captures.pop(handle, None), self.prompt_done_at.pop(handle, None)
-        return (None if capture is None else capture.to_host()), done_at
+        return capture, done_at() if callable(done_at) else done_at
 
 
 _CHANNELS: dict[str, Channel] = {}

@@ -20,11 +20,14 @@ object of its side:
     Worker side (``worker.KvcommConnectorWorker``): holds every tensor.
         register_kv_caches() - checks every attention layer, learns its cache layout, reads
             and self-checks the served model's rotary embedding (start-up, once).
-        start_load_kv() - nothing: the step's KV moves to the device at its first hook.
-        wait_for_layer_load() - writes a layer's injected KV before the layer runs.
-        save_kv_layer() - gathers a layer's KV at the capture slots after it ran.
-        wait_for_save() - marks the captured positions; stamps prompts whose last token was
-            computed (the TTFT end point).
+        start_load_kv() - nothing.
+        wait_for_layer_load() - at the step's first layer: the fused writer writes every
+            layer's injected KV (realigned bases plus the anchors' weighted deviations) into
+            the requests' load slots, one kernel per piece.
+        save_kv_layer() - nothing.
+        wait_for_save() - copies each capturing request's step tokens out of their slots into
+            its capture buffer (every layer, one kernel), on the cache's device; stamps prompts
+            whose last token was computed (the TTFT end point) without waiting for the device.
         build_connector_worker_meta() - end of every step: learns from finished annotated
             requests, plans new ones (``worker_plans``), answers the scheduler.
 

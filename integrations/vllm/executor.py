@@ -28,7 +28,7 @@ from kvcomm.core.kv import KV, to_position_free
 from kvcomm.reuse.plan import BlendRequest
 from kvcomm.core.segments import Segment
 from kvcomm.integrations.transformers.executor import TransformersExecutor, _as_list
-from kvcomm.integrations.vllm.channel import Channel, Order, channel
+from kvcomm.integrations.vllm.channel import Channel, Injection, Order, channel
 from kvcomm.integrations.vllm.llm import CONNECTOR, shutdown_llm
 
 
@@ -170,7 +170,7 @@ class VllmExecutor:
         reused = 0 if prefix is None else prefix.length
         if not 0 <= reused < n:
             raise ValueError(f"prefix covers {reused} of {n} prompt tokens; at least the last token must be computed")
-        inject = None if prefix is None else KV(prefix.keys.to(self.dtype).contiguous(), prefix.values.to(self.dtype).contiguous())
+        inject = None if prefix is None else Injection.of_kv(prefix if prefix.keys.dtype == self.dtype else prefix.to(self.dtype))
         # One token past max_new_tokens, so the last reply token is fed back and its KV
         # (the next agent's base) is computed; the extra token is dropped.
         order = Order(inject, reused, n + max_new_tokens)

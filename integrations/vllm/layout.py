@@ -100,6 +100,12 @@ class KvIO:
         """Layers with equal ``geometry`` store a slot's KV at the same storage indices
         (relative to their first element): one ``read_index`` serves them all."""
 
+    @property
+    def offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key, value) storage offsets ``[block_size, kv_heads, head_dim]`` int64 inside a block,
+        relative to the block's first element (``kvcomm.core.kv_target.Paged``'s tables)."""
+        return self._gather.key_offsets, self._gather.value_offsets
+
     def write(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
         """Write ``keys``/``values`` (``[N, kv_heads, head_dim]``, the cache's dtype and
         device, contiguous) into ``slots`` (``[N]`` int64, same device)."""

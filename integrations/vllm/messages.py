@@ -72,10 +72,11 @@ class Finished:
 class StepRequest:
     """One request's connector work in one engine step.
 
-    load_positions/load_slots: prompt positions to inject (``[N]`` int64) and their cache
-    slots. capture_positions/capture_slots: positions whose KV to read after each layer.
-    prompt_done: this step computes the request's last prompt token. All on the host, as the
-    scheduler builds them; the worker moves what it needs to the cache's device.
+    load_positions/load_slots: prompt positions to inject (``[N]`` int64, consecutive) and their
+    cache slots. capture_positions/capture_slots: positions (``[M]`` int64, consecutive) whose
+    KV to copy into the capture buffer once the step's forward has run. prompt_done: this step
+    computes the request's last prompt token. All on the host, as the scheduler builds them; the
+    worker's fused writer and copy upload the slots with their tables.
     """
 
     handle: str

@@ -33,7 +33,8 @@ from kvcomm.reuse.plan import ReusePlan
 from kvcomm.core.rope import Rotary
 from kvcomm.core.segments import Prompt, Segment
 from kvcomm.services.tenants import TenantRegistry
-from kvcomm.integrations.vllm.channel import Capture, Order
+from kvcomm.integrations.vllm.channel import Capture, Injection, Order
+from kvcomm.reuse.assemble import pieces
 from kvcomm.integrations.vllm.detect import RunIndex
 from kvcomm.integrations.vllm.metrics import record_pools
 from kvcomm.integrations.vllm.params import KvcommParams
@@ -103,7 +104,9 @@ class ServerPlanner:
     def prepare(
         self, token_ids: list[int], params: KvcommParams, salted: bool, max_tokens: int, tenant: str | None = None,
     ) -> PlannedRequest:
-        """Plan and materialize; the order captures the prompt's computed tail and the reply.
+        """Plan; the order's injection is the plan's pieces (position-free KV, estimates), which
+        the worker writes into the request's cache slots at load, and it captures the prompt's
+        computed tail and the reply.
         Without annotated segments, known shared runs are detected in the prompt. A
         ``calibrate`` request is planned by ``ReuseEngine.calibration_plan``: nothing is
         reused (so it needs no cache salt) and everything its prefill reveals is learned."""
@@ -122,7 +125,7 @@ class ServerPlanner:
             plan.note = "no cache_salt: exact reuse only"
         else:
             plan = engine.plan(prompt)  # no base provider: new content's base comes from this prefill
-        inject = engine.materialize(plan)
+        inject = Injection(tuple(pieces(plan)), plan.reuse_end) if plan.reuse_end else None  # written at load, into the slots
         return PlannedRequest(engine, plan, Order(inject, plan.reuse_end, len(prompt) + max_tokens), tenant)
 
     def finish(self, planned: PlannedRequest, capture: Capture | None, reply_ids: list[int]) -> None:

@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvcomm.core.copy import copy_tokens
+from kvcomm.core.kv_target import KVTarget, Paged
+from kvcomm.core.place import Piece, clip, place_all
 from kvcomm.core.rope import RopeError
 from kvcomm.integrations.vllm.channel import Capture, Channel
 from kvcomm.integrations.vllm.layout import KvIO, LayoutError
@@ -34,22 +37,42 @@ _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 @dataclass
 class _DeviceStep:
-    """A step's work for one request, on the KV cache's device.
-
-    keys/values: injected KV ``[layers, N, kv_heads, head_dim]`` (cache dtype, contiguous
-    per layer) for ``load_slots`` (``[N]``), or None; capture_slots ``[M]`` and
-    capture_positions ``[M]`` (positions index the capture buffer, also on the device).
-    read_indices: where the capture slots' KV is stored, per layer geometry (``KvIO.geometry``;
-    computed by the first layer of each, reused by the rest).
-    """
+    """A step's work for one request: the fused writer's pieces for the loaded positions (re-
+    indexed to the step's load slots) and the capture slots and positions."""
 
     step: StepRequest
-    keys: torch.Tensor | None
-    values: torch.Tensor | None
-    load_slots: torch.Tensor
-    capture_slots: torch.Tensor
-    capture_positions: torch.Tensor
-    read_indices: dict = field(default_factory=dict)
+    pieces: list[Piece]
+    capture: bool = field(default=False)
+
+
+class DeviceClock:
+    """When device work queued now ends, in ``time.perf_counter()`` seconds, without waiting for
+    it: an event recorded on the current stream, read (waiting then) when the time is asked for.
+    On a CPU the work has ended when it is queued."""
+
+    def __init__(self, device: torch.device):
+        self._origin: tuple[object, float] | None = None
+        self._device = device
+
+    def now(self):
+        """A reading: a float on a CPU, else a callable that returns the time when called."""
+        if self._device.type != "cuda":
+            return time.perf_counter()
+        if self._origin is None:  # one synchronization at the first reading, to tie events to the host clock
+            torch.cuda.synchronize(self._device)
+            origin = torch.cuda.Event(enable_timing=True)
+            origin.record()
+            origin.synchronize()
+            self._origin = (origin, time.perf_counter())
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        origin, at = self._origin
+
+        def read() -> float:
+            event.synchronize()
+            return at + origin.elapsed_time(event) / 1000
+
+        return read
 
 
 class KvcommConnectorWorker:
@@ -67,9 +90,12 @@ class KvcommConnectorWorker:
         apply_refusal(channel, refused, strict)
         self._io: dict[str, KvIO] = {}
         self._layer_index: dict[str, int] = {}
+        self._paged: Paged | None = None
         self._device_steps: list[_DeviceStep] = []
         self._work_meta: KvcommMetadata | None = None
+        self._written = False
         self._device: torch.device | None = None
+        self._clock: DeviceClock | None = None
         self._plans = WorkerPlans(vllm_config, channel)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -108,69 +134,56 @@ class KvcommConnectorWorker:
         if len(devices) != 1:
             raise LayoutError(f"attention layers' KV caches are on several devices ({sorted(map(str, devices))})")
         self._device = devices.pop()
+        self._clock = DeviceClock(self._device)
+        by_layer = sorted(self._io, key=self._layer_index.get)
+        geometries = {self._io[name].geometry for name in by_layer}
+        if len(geometries) != 1:
+            raise LayoutError("attention layers' KV caches differ in layout; kvcomm writes every layer with one kernel")
+        first = self._io[by_layer[0]]
+        self._paged = Paged(tuple(self._io[name].kv_cache for name in by_layer), *first.offsets, first.kv_cache.stride(0))
 
     def _work(self, meta: "KVConnectorMetadata") -> list[_DeviceStep]:
-        """This step's work on the cache's device, prepared once per bound metadata by whichever
-        hook of the step runs first: the injected KV and slot lists moved there (one copy per
-        tensor; pinned and asynchronous on accelerators). Empty when the connector is off."""
+        """This step's work, prepared once per bound metadata by whichever hook of the step runs
+        first: per request, the pieces of the injection that fall in the step's load range
+        (vLLM's own prefix hit is not written over). Empty when the connector is off."""
         if self._work_meta is meta:
             return self._device_steps
         assert isinstance(meta, KvcommMetadata)
-        self._work_meta, self._device_steps = meta, []
+        self._work_meta, self._device_steps, self._written = meta, [], False
         if self.refused is not None:
             return self._device_steps
-        device = self._device
-        dtype = next(iter(self._io.values())).dtype
         for step in meta.requests:
-            keys = values = None
+            loaded: list[Piece] = []
             if step.load_positions.numel():
                 order = self.channel.order(step.handle)
                 if order is None or order.inject is None:
                     raise RuntimeError(f"kvcomm: the order for {step.handle!r} vanished before its KV was loaded")
-                # [layers, heads, P, dim] -> [layers, N, heads, dim], one copy to the device per tensor
-                keys = _to_device(order.inject.keys[:, :, step.load_positions].transpose(1, 2), device, dtype)
-                values = _to_device(order.inject.values[:, :, step.load_positions].transpose(1, 2), device, dtype)
-            self._device_steps.append(_DeviceStep(
-                step, keys, values, _to_device(step.load_slots, device), _to_device(step.capture_slots, device),
-                _to_device(step.capture_positions, device),
-            ))
+                start = int(step.load_positions[0])
+                loaded = clip(list(order.inject.pieces), start, start + step.load_positions.numel())
+            self._device_steps.append(_DeviceStep(step, loaded, step.capture_slots.numel() > 0))
         return self._device_steps
 
     def wait_for_layer_load(self, layer_name: str, meta: "KVConnectorMetadata") -> None:
-        """Write the layer's injected KV into its cache before the layer runs."""
+        """At the step's first layer, before it runs: write every layer's injected KV into the
+        step's load slots (one fused write per piece, all layers at once)."""
         work = self._work(meta)
-        if not work:
+        if self._written or not work:
             return
-        io = self._io[layer_name]
-        layer = self._layer_index[layer_name]
+        self._written = True
         for item in work:
-            if item.keys is not None:
-                io.write(item.keys[layer], item.values[layer], item.load_slots)
+            if item.pieces:
+                place_all(item.pieces, KVTarget.at_slots(self._paged, item.step.load_slots), self.channel.rotary)
 
     def save_kv_layer(self, layer_name: str, meta: "KVConnectorMetadata") -> None:
-        """After the layer ran, gather its KV at the capture slots into the capture buffers."""
-        work = self._work(meta)
-        if not work:
-            return
-        io = self._io[layer_name]
-        layer = self._layer_index[layer_name]
-        for item in work:
-            if item.capture_slots.numel() == 0:
-                continue
-            index = item.read_indices.get(io.geometry)
-            if index is None:
-                index = item.read_indices[io.geometry] = io.read_index(item.capture_slots)
-            keys, values = io.read_at(index)
-            capture = self._capture(item.step, keys)
-            capture.keys[layer].index_copy_(1, item.capture_positions, keys.transpose(0, 1).to(capture.keys.dtype))
-            capture.values[layer].index_copy_(1, item.capture_positions, values.transpose(0, 1).to(capture.values.dtype))
+        """Nothing per layer: the step's captures are copied once every layer has run (``wait_for_save``)."""
 
-    def _capture(self, step: StepRequest, like: torch.Tensor) -> Capture:
+    def _capture(self, step: StepRequest) -> Capture:
         with self.channel.lock:
             capture = self.channel.captures.get(step.handle)
             if capture is None:
-                _, heads, dim = like.shape
-                capture = Capture.empty(len(self._io), heads, step.capture_capacity, dim, like.dtype, like.device)
+                like = self._paged
+                _, heads, dim = like.key_offsets.shape
+                capture = Capture.empty(len(like.caches), heads, step.capture_capacity, dim, like.caches[0].dtype, self._device)
                 self.channel.captures[step.handle] = capture
             return capture
 
@@ -185,31 +198,30 @@ class KvcommConnectorWorker:
         return KvcommWorkerMetadata(answers) if answers else None
 
     def wait_for_save(self, meta: "KVConnectorMetadata | None") -> None:
-        """End of the step's forward: mark the captured positions filled and stamp the prompts
-        whose last token was computed (after waiting for the device: the TTFT end point)."""
+        """End of the step's forward: copy each request's captured tokens (every layer at once)
+        into its capture buffer, mark them filled, and note when the prompts whose last token
+        was computed end on the device (the TTFT end point; no wait for the device here)."""
         if meta is None:
             return
         assert isinstance(meta, KvcommMetadata)
+        work = self._work(meta) if meta.requests and self.refused is None else []
         self._work_meta, self._device_steps = None, []
         if not meta.requests:
             return
-        if any(step.prompt_done for step in meta.requests) and self._device is not None and self._device.type != "cpu":
-            torch.accelerator.synchronize(self._device)  # the prompt's last token is computed, not just queued
-        now = time.perf_counter()
+        for item in work:
+            if item.capture:
+                step = item.step
+                capture = self._capture(step)
+                first = int(step.capture_positions[0])
+                copy_tokens(KVTarget.at_slots(self._paged, step.capture_slots),
+                            KVTarget.contiguous(capture.kv, first, step.capture_positions.numel()))
+        done = self._clock.now() if self._clock is not None else time.perf_counter()
         with self.channel.lock:
             for step in meta.requests:
                 capture = self.channel.captures.get(step.handle)
                 if capture is not None and step.capture_positions.numel():
                     capture.filled[step.capture_positions] = True
                 if step.prompt_done:
-                    self.channel.prompt_done_at[step.handle] = now
+                    self.channel.prompt_done_at[step.handle] = done
 
 
-def _to_device(tensor: torch.Tensor, device: torch.device | None, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``tensor`` on ``device`` (and ``dtype``), contiguous; from pinned memory and without
-    blocking the host when the device is an accelerator."""
-    if dtype is not None and tensor.dtype != dtype:
-        tensor = tensor.to(dtype)
-    if device is None or device.type == "cpu":
-        return tensor.contiguous()
-    return tensor.contiguous().pin_memory().to(device, non_blocking=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvcomm.core.kv import KV
-from kvcomm.integrations.vllm.channel import Order
+from kvcomm.integrations.vllm.channel import Injection, Order
 
 pytestmark = pytest.mark.slow
 
@@ -36,11 +36,11 @@ def _logprobs(output) -> list[dict]:
     return [{k: v.logprob for k, v in step.items()} for step in output.outputs[0].logprobs]
 
 
-def _garbage(executor, ids) -> KV:
+def _garbage(executor, ids) -> Injection:
     layers, heads, dim = 30, 3, 64
     generator = torch.Generator().manual_seed(0)
-    return KV(torch.randn(layers, heads, len(ids) - 1, dim, generator=generator),
-              torch.randn(layers, heads, len(ids) - 1, dim, generator=generator))
+    return Injection.of_kv(KV(torch.randn(layers, heads, len(ids) - 1, dim, generator=generator),
+                              torch.randn(layers, heads, len(ids) - 1, dim, generator=generator)))
 
 
 def test_no_opt_in_gets_stock_output_after_approximate_reuse(vllm_llm, vllm_executor):

@@ -23,7 +23,9 @@ def serve(planner: ServerPlanner, executor, ids: list[int], spans: list[dict], t
     params = parse_params({"kvcomm": body}, len(ids))
     planned = planner.prepare(ids, params, salted=True, max_tokens=max_tokens)
     reuse_end = planned.plan.reuse_end
-    generation = executor.generate(ids, planned.order.inject, max_tokens)
+    # what the worker writes into the request's cache slots (the same pieces, into a buffer)
+    assert (planned.order.inject is None) == (reuse_end == 0)
+    generation = executor.generate(ids, planned.engine.materialize(planned.plan), max_tokens)
     n, reply = len(ids), list(generation.reply_ids)
     layers, heads, _, dim = generation.computed.keys.shape
     capture = Capture.empty(layers, heads, n + max_tokens, dim, generation.computed.keys.dtype)

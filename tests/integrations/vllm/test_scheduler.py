@@ -94,10 +94,10 @@ def test_bad_options_are_refused_at_once_without_asking_the_worker():
 
 def test_an_in_process_order_is_claimed_beyond_vllms_hit_and_sent_as_slots_of_the_bound_block_table():
     from kvcomm.core.kv import KV
-    from kvcomm.integrations.vllm.channel import Order
+    from kvcomm.integrations.vllm.channel import Injection, Order
 
     connector = _scheduler_connector()
-    inject = KV(torch.zeros(1, 3, 20, 64), torch.zeros(1, 3, 20, 64))
+    inject = Injection.of_kv(KV(torch.zeros(1, 3, 20, 64), torch.zeros(1, 3, 20, 64)))
     connector.channel.place("h", Order(inject, capture_from=20, capture_to=45))
     connector.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda req_id: ([5, 0, 7],), block_pool=None))
     request = _request("o", options={"handle": "h"})
