@@ -142,3 +142,26 @@ def test_remembered_segment_ids_are_bounded():
         tokens = [n, n + 1, n + 2]
         ids.bind("t", tokens, parse({"kvcomm": {"segments": [{"start": 0, "end": 3, "slot": "s", "id": f"id-{n}"}]}}, 3))
     assert len(ids) == 10
+
+
+def test_metric_labels_are_bounded_whatever_the_clients_name(tiny_executor, monkeypatch):
+    """Slot names (and, without API keys, tenants) come from clients: 100 tenants with 100 slots
+    export at most MAX_*_LABELS label values each, the rest summed under "other"."""
+    from kvcomm.anchors.pool import AnchorPool
+    from kvcomm.integrations.vllm import metrics
+
+    monkeypatch.setattr(metrics, "_labels", {"slot": {}, "tenant": {}})
+    planner = ServerPlanner(tiny_executor.rotary)
+    for t in range(100):
+        engine = planner.engine(f"client-tenant-{t}")
+        engine.pools[f"client-slot-{t}"] = AnchorPool(engine.config.pool, engine.heads)
+    ids, spans = request(1)
+    serve(planner, tiny_executor, ids, spans, "client-tenant-99")  # learning refreshes the gauges
+    names = {tenant_label(f"client-tenant-{t}") for t in range(100)}
+    exported = {m.name: {s.labels.get("slot") or s.labels.get("tenant") for s in m.samples} for m in REGISTRY.collect()
+                if m.name in ("kvcomm_anchors", "kvcomm_tenant_bytes")}
+    assert len(exported["kvcomm_tenant_bytes"] & names) == metrics.MAX_TENANT_LABELS
+    assert len({s for s in exported["kvcomm_anchors"] if s.startswith("client-slot-")}) == metrics.MAX_SLOT_LABELS
+    assert "other" in exported["kvcomm_anchors"] and "other" in exported["kvcomm_tenant_bytes"]
+    assert REGISTRY.get_sample_value("kvcomm_tenant_bytes", {"tenant": "other"}) == sum(
+        planner.engine(t).nbytes for t in planner.registry.tenants if tenant_label(t) not in metrics._labels["tenant"])
