@@ -43,8 +43,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
+import sys
 from typing import Any
 
 from starlette.datastructures import Headers
@@ -52,8 +52,6 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvcomm.integrations.vllm.params import KvcommParamsError, check_sizes, shown  # noqa: F401 (shown: re-exported)
-
-log = logging.getLogger(__name__)
 
 KEY_DIGESTS_ENV = "KVCOMM_TENANT_KEY_DIGESTS"
 """Comma-separated SHA-256 hex digests of the API keys that are tenants (set by ``kvcomm serve``)."""
@@ -179,10 +177,12 @@ class KvcommTenantMiddleware:
         self.routes = route_table(scope["app"])
         kinds = {kind: sorted(r for r, k in self.routes.items() if k == kind)
                  for kind in ("generation", "plain", "read-only", "public")}
-        log.warning("kvcomm: %d routes; generation (tenant and salt set by kvcomm): %s; plain (no kvcomm opt-in, "
-                    "no client salt): %s; read-only: %d; %s: %s", len(self.routes), ", ".join(kinds["generation"]),
-                    ", ".join(kinds["plain"]), len(kinds["read-only"]),
-                    "no key needed" if self.api_digests else "health probes", ", ".join(kinds["public"]))
+        # printed, as `kvcomm serve` prints its command line: vLLM's logging setup leaves
+        # other packages' loggers without a handler in the API server
+        print(f"kvcomm: {len(self.routes)} routes; generation (tenant and salt set by kvcomm): "
+              f"{', '.join(kinds['generation'])}; plain (no kvcomm opt-in, no client salt): {', '.join(kinds['plain'])}; "
+              f"read-only: {len(kinds['read-only'])}; {'no key needed' if self.api_digests else 'health probes'}: "
+              f"{', '.join(kinds['public'])}", file=sys.stderr, flush=True)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._note_routes(scope)
