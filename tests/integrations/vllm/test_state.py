@@ -121,3 +121,37 @@ def test_a_save_interval_that_never_comes_is_refused(tiny_executor, tmp_path):
     for interval in (float("inf"), float("nan"), 0, -1.0):
         with pytest.raises(ValueError, match="positive, finite number of seconds"):
             PlannerState(_planner(tiny_executor), tmp_path, fingerprint, interval_s=interval)
+
+
+def test_a_save_that_runs_out_of_space_keeps_the_previous_one_and_a_later_save_succeeds(tiny_executor, tmp_path, caplog):
+    """Disk full while saving, made real with the file-size limit (writes past it fail with
+    EFBIG, as they fail with ENOSPC on a full disk): the save fails and is logged, the previous
+    save still loads, nothing half-written is left, and the next save once space is back works."""
+    import resource
+    import signal
+
+    fingerprint = model_fingerprint(tiny_executor.model, tiny_executor.tokenizer, tiny_executor.rotary)
+    planner = _planner(tiny_executor)
+    for seed in range(2):
+        serve(planner, tiny_executor, *request(seed), "team-a")
+        serve(planner, tiny_executor, *request(seed, lead=9), "team-a")
+    state = PlannerState(planner, tmp_path, fingerprint, interval_s=3600)
+    assert state.save() == 1
+    folder = tmp_path / tenant_label("team-a")
+    before = _files(folder)
+    serve(planner, tiny_executor, *request(4), "team-a")  # something new to save
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        with caplog.at_level(logging.ERROR, logger="kvcomm.integrations.vllm.state"):
+            state._guarded_save()  # what the saver thread and the save at exit call
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert "saving the reuse state" in caplog.text and "File too large" in caplog.text
+    assert _files(folder) == before  # the previous save, untouched, and no temp file left
+    assert PlannerState(_planner(tiny_executor), tmp_path, fingerprint).restore()[folder.name].startswith("restored")
+    assert state.save_if_changed()  # space is back: the pending change is saved
+    assert _files(folder) != before
+    assert PlannerState(_planner(tiny_executor), tmp_path, fingerprint).restore()[folder.name].startswith("restored")
