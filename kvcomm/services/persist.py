@@ -157,7 +157,9 @@ def save_engine(engine: ReuseEngine, directory: str | os.PathLike, fingerprint: 
     if not directory.is_dir():
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(directory, 0o700)  # private whatever the umask: a save holds KV computed from user content
-    for stale in directory.glob(".kvcomm-*"):  # temp files of saves that crashed (one writer per directory)
+    # temp files of saves that crashed (one writer per directory): ours, and safetensors' own
+    # ".tmp*" beside the file it writes (a save killed mid-write left 20+ MB of them behind)
+    for stale in [*directory.glob(".kvcomm-*"), *directory.glob(".tmp*")]:
         stale.unlink(missing_ok=True)
     body, tensors = _snapshot(engine)
     tmp = _temp(directory, ".safetensors")
