@@ -20,7 +20,7 @@ from kvcomm.reuse.pipeline import PipelineError, PipelineSpec, load_bundled_pipe
 from kvcomm.core.rope import RopeError
 from kvcomm.reuse.runner import run_row
 from kvcomm.integrations.runtimes import BACKENDS, close_executor, load_executor
-from kvcomm.integrations.serve.command import STATE_SHUTDOWN_TIMEOUT_S, serve_command
+from kvcomm.integrations.serve.command import STATE_SHUTDOWN_TIMEOUT_S, save_interval, serve_command
 
 
 def run_side_by_side(spec: PipelineSpec, executor, config: ReuseConfig, progress: bool = True):
@@ -203,10 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_reuse_scope_option(serve)
     serve.add_argument("--max-tenant-bytes", type=int, help="byte cap of each tenant's pools, bases and prefixes")
     serve.add_argument("--max-total-bytes", type=int, help="byte cap of all tenants together")
+    serve.add_argument("--max-capture-bytes", type=int, help="bytes of KV one opted-in request may capture for "
+                       "learning (prompt + max_tokens positions, every layer; default 1 GiB); over it: served without reuse")
     serve.add_argument("--state-dir", help="keep anchor pools and bases here across restarts (restored at start, "
                        "saved every --save-interval seconds and at exit; gives vLLM --shutdown-timeout "
                        f"{STATE_SHUTDOWN_TIMEOUT_S} unless set, so the engine lives long enough to save)")
-    serve.add_argument("--save-interval", type=float, default=60.0, help="seconds between saves of --state-dir (default 60)")
+    serve.add_argument("--save-interval", type=save_interval, default=60.0,
+                       help="seconds between saves of --state-dir (default 60; positive and finite; also saved at exit)")
     serve.add_argument("--no-tenant-per-key", dest="tenant_per_key", action="store_false",
                        help="with vLLM's --api-key: one tenant for all keys (default: each key its own tenant)")
     check = sub.add_parser("selfcheck", help="RoPE realignment self-check on a model")

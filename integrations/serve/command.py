@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -13,21 +14,73 @@ from kvcomm.reuse.scopes import DEFAULT_SCOPE
 
 
 MIDDLEWARE = "kvcomm.integrations.serve.middleware.KvcommTenantMiddleware"
-STATE_SHUTDOWN_TIMEOUT_S = 30
-"""With --state-dir: vLLM's --shutdown-timeout (seconds the engine may take to stop) and
-``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` (seconds a worker process may take to exit) unless given."""
+WORKER_SHUTDOWN_S = 60
+"""With --state-dir: seconds vLLM's worker process may take to exit (its own teardown, then the
+planner's save at exit) before its engine core sends it SIGTERM, 4 s later SIGKILL. vLLM's
+default (5 s) is short for a save of a few tenants on a busy machine."""
+ENGINE_TEARDOWN_S = 30
+"""Seconds the engine-core process is given on top of its worker's grace: vLLM's 4 s from the
+worker's SIGTERM to its SIGKILL, then the engine core's own teardown (3-8 s measured on an idle
+2-core CPU, more under load)."""
+STATE_SHUTDOWN_TIMEOUT_S = WORKER_SHUTDOWN_S + ENGINE_TEARDOWN_S
+"""With --state-dir: vLLM's --shutdown-timeout unless given. vLLM's API server gives the
+engine-core process this long to exit, then SIGKILLs its whole process tree, worker included,
+and still exits with status 0; so it must exceed the worker's grace by ``ENGINE_TEARDOWN_S``,
+or a save at exit that runs long is cut short without a trace (the worker's grace and this
+timeout were once both 30 s)."""
 
 WORKER_SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
-"""vLLM's grace period for a worker process at shutdown (default 5 s), then SIGTERM and, 4 s
-later, SIGKILL: under vLLM's multiprocess engine the planner saves at exit in the worker, and a
-save of a few tenants on a busy machine can take longer than that."""
+"""vLLM's grace period for a worker process at shutdown (see ``WORKER_SHUTDOWN_S``)."""
 
 
-def state_environment(state_dir: str | None, environ: dict) -> None:
-    """With a state folder, give vLLM's worker processes ``STATE_SHUTDOWN_TIMEOUT_S`` to exit
-    (``WORKER_SHUTDOWN_ENV`` in ``environ``, which they inherit) unless the user set it."""
-    if state_dir:
-        environ.setdefault(WORKER_SHUTDOWN_ENV, str(STATE_SHUTDOWN_TIMEOUT_S))
+def shutdown_timeout(vllm_args: list[str]) -> float | None:
+    """The ``--shutdown-timeout`` among vLLM's arguments (None: not given)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--shutdown-timeout", type=float)
+    return parser.parse_known_args(vllm_args)[0].shutdown_timeout
+
+
+def state_environment(state_dir: str | None, environ: dict, engine_timeout_s: float = STATE_SHUTDOWN_TIMEOUT_S) -> str | None:
+    """With a state folder, give vLLM's worker processes ``engine_timeout_s - ENGINE_TEARDOWN_S``
+    seconds to exit (``WORKER_SHUTDOWN_ENV`` in ``environ``, which they inherit) unless the user
+    set it. ``engine_timeout_s``: vLLM's --shutdown-timeout. Returns a warning when the two do
+    not nest (a save at exit may then be killed), else None."""
+    if not state_dir:
+        return None
+    if WORKER_SHUTDOWN_ENV not in environ:
+        environ[WORKER_SHUTDOWN_ENV] = str(max(1, int(engine_timeout_s - ENGINE_TEARDOWN_S)))
+    worker = float(environ[WORKER_SHUTDOWN_ENV])
+    if worker + ENGINE_TEARDOWN_S > engine_timeout_s:
+        return (f"kvcomm: warning: {WORKER_SHUTDOWN_ENV}={environ[WORKER_SHUTDOWN_ENV]} and --shutdown-timeout "
+                f"{engine_timeout_s:g} leave the engine core less than {ENGINE_TEARDOWN_S} s after its worker's grace: "
+                f"a long save at exit can be killed; give --shutdown-timeout >= {worker + ENGINE_TEARDOWN_S:g}")
+    return None
+
+
+def save_interval(text: str) -> float:
+    """``--save-interval``: a positive, finite number of seconds (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a positive, finite number of seconds (saves at exit happen anyway; "
+            "for rare saves give a large number such as 86400)")
+    return value
+
+
+def hidden(argv: list[str], keys: list[str]) -> list[str]:
+    """``argv`` for printing: API keys, given as ``--api-key K`` or ``--api-key=K``, as ``<hidden>``."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--api-key="):
+            out.append("--api-key=<hidden>")
+        elif arg in keys or any(k and k in arg for k in keys):
+            out.append("<hidden>")
+        else:
+            out.append(arg)
+    return out
 
 
 def serve_argv(
@@ -54,7 +107,8 @@ def serve_argv(
             argv.append(flag)
     if (engine or {}).get("state_dir") and "--shutdown-timeout" not in given:
         # vLLM's default (0) force-kills the engine-core process (and so its worker) at once on
-        # shutdown, before the planner in the worker can write its save at exit.
+        # shutdown, before the planner in the worker can write its save at exit; see
+        # STATE_SHUTDOWN_TIMEOUT_S for why it exceeds the worker's grace.
         argv += ["--shutdown-timeout", str(STATE_SHUTDOWN_TIMEOUT_S)]
     if plan:
         argv += ["--middleware", MIDDLEWARE]
@@ -75,6 +129,8 @@ def engine_settings(args) -> dict:
     """The connector's extra config from `kvcomm serve`'s own options (None values: the defaults)."""
     engine = {"gamma": args.gamma, "max_anchors": args.max_anchors,
               "max_tenant_bytes": args.max_tenant_bytes, "max_total_bytes": args.max_total_bytes}
+    if getattr(args, "max_capture_bytes", None) is not None:
+        engine["max_capture_bytes"] = args.max_capture_bytes
     if args.reuse_scope != DEFAULT_SCOPE:
         engine["reuse_scope"] = args.reuse_scope
     if args.state_dir:
@@ -90,27 +146,30 @@ def serve_command(args, vllm_args: list[str]) -> int:
     # worker in a process of its own (the connector plans in the worker and sends metadata
     # only, vllm.messages). VLLM_ENABLE_V1_MULTIPROCESSING=0, if the user sets it, keeps the
     # worker in the engine-core process instead; both are supported.
-    for name in ("max_tenant_bytes", "max_total_bytes"):
+    for name in ("max_tenant_bytes", "max_total_bytes", "max_capture_bytes"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number of bytes, got {getattr(args, name)}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from kvcomm.integrations.serve.middleware import KEY_DIGESTS_ENV, key_digest
+    from kvcomm.integrations.serve.middleware import API_KEY_DIGESTS_ENV, KEY_DIGESTS_ENV, key_digest
 
     keys = api_keys(vllm_args)
-    os.environ[KEY_DIGESTS_ENV] = ",".join(key_digest(k) for k in keys) if args.tenant_per_key else ""
+    digests = ",".join(key_digest(k) for k in keys)
+    os.environ[API_KEY_DIGESTS_ENV] = digests  # every route needs a key, not only vLLM's guarded prefixes
+    os.environ[KEY_DIGESTS_ENV] = digests if args.tenant_per_key else ""
     # vLLM's own `vllm` CLI looks up the version of a distribution named "vllm", which
     # vllm-cpu is not; its API server entry point has no such lookup.
     from vllm.entrypoints.launchers.api_server.entry import main as vllm_main
     from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
 
     setup_multiprocess_prometheus()  # the connector's metrics live in the engine-core and worker processes
-    if not args.save_interval > 0:
-        raise ValueError(f"--save-interval must be a positive number of seconds, got {args.save_interval}")
+    save_interval(str(args.save_interval))  # also when called with a namespace built elsewhere
     engine = engine_settings(args)
-    state_environment(args.state_dir, os.environ)
+    given = shutdown_timeout(vllm_args)
+    warning = state_environment(args.state_dir, os.environ, STATE_SHUTDOWN_TIMEOUT_S if given is None else given)
+    if warning:
+        print(warning, file=sys.stderr)
     sys.argv = serve_argv(args.model, not args.no_plan, args.slots, vllm_args, engine)
-    shown = [("<hidden>" if a in keys else a) for a in sys.argv]
     tenants = f"{len(keys)} API keys, one tenant each" if keys and args.tenant_per_key else "one tenant"
-    print(f"kvcomm: {tenants}; " + " ".join(shown), file=sys.stderr)
+    print(f"kvcomm: {tenants}; " + " ".join(hidden(sys.argv, keys)), file=sys.stderr)
     vllm_main()
     return 0

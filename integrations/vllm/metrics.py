@@ -15,6 +15,11 @@ vLLM starts, so the API server's ``/metrics`` aggregates both with vLLM's own.
   label, never the key), ``kvcomm_evictions`` (gauges, refreshed after each learned request);
   ``kvcomm_pool_problems``: invariants found broken (V and byte caps, embedding index, access
   counts adding up; each is also logged), 0 when the pools are consistent.
+
+Label sets are bounded: slot names come from clients and tenants (without API keys) too, so
+each process exports the first ``MAX_SLOT_LABELS`` slots and ``MAX_TENANT_LABELS`` tenant labels
+it sees under their own name and the rest summed under ``OTHER``. With API keys, `kvcomm
+serve` puts ``/metrics`` behind them (``serve.middleware``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,25 @@ import logging
 from prometheus_client import Counter, Gauge
 
 log = logging.getLogger(__name__)
+
+MAX_SLOT_LABELS = 32
+MAX_TENANT_LABELS = 64
+OTHER = "other"
+"""The label of everything past the bounds (a slot name cannot be "other": slot names that
+would be are exported as "other" too, which only merges them)."""
+_labels: dict[str, dict[str, None]] = {"slot": {}, "tenant": {}}
+
+
+def bounded(kind: str, value: str) -> str:
+    """``value`` as a label of ``kind`` ("slot" or "tenant"): itself while fewer than the bound
+    were seen in this process (or it was seen before), else ``OTHER``."""
+    seen, bound = _labels[kind], MAX_SLOT_LABELS if kind == "slot" else MAX_TENANT_LABELS
+    if value in seen:
+        return value
+    if len(seen) < bound:
+        seen[value] = None
+        return value
+    return OTHER
 
 PROMPT_TOKENS = Counter("kvcomm_prompt_tokens", "Prompt tokens of planned requests by KV source", ["source"])
 REQUESTS = Counter("kvcomm_requests", "Requests that opted into kvcomm, by outcome", ["outcome"])
@@ -57,13 +81,18 @@ def record_pools(registry) -> None:
         log.error("kvcomm pool inconsistency: %s", problem)
     PROBLEMS.set(len(problems))
     POOL_BYTES.set(sum(sum(t["pool_bytes"].values()) for t in numbers["tenants"].values()))
+    tenant_bytes: dict[str, int] = {}
     for label, tenant in numbers["tenants"].items():
-        TENANT_BYTES.labels(label).set(tenant["bytes"])
+        label = bounded("tenant", label)
+        tenant_bytes[label] = tenant_bytes.get(label, 0) + tenant["bytes"]
+    for label, held in tenant_bytes.items():
+        TENANT_BYTES.labels(label).set(held)
     if registry.heads.rank != 0:
         return
     anchors: dict[str, int] = {}
     for tenant in numbers["tenants"].values():
         for slot, count in tenant["anchors"].items():
+            slot = bounded("slot", slot)
             anchors[slot] = anchors.get(slot, 0) + count
     for slot, count in anchors.items():
         ANCHORS.labels(slot).set(count)

@@ -22,6 +22,10 @@ Schema (JSON object; every key optional, unknown keys rejected)::
         ]
     }}
 
+Sizes are bounded (``check_sizes``): ``template``, ``tenant``, ``handle`` and every ``id`` at most
+``MAX_NAME_LENGTH`` characters, at most ``MAX_SEGMENTS`` segments; `kvcomm serve` answers a
+request over these bounds with HTTP 400 before it reaches the engine.
+
 A request without the ``"kvcomm"`` key is not touched by the plugin. A request with an
 invalid value gets no reuse at all (it is prefilled like stock vLLM) and its output's
 ``kv_transfer_params`` carries ``{"kvcomm": {"error": "<what was wrong and how to fix it>"}}``;
@@ -31,13 +35,54 @@ other requests are unaffected.
 from __future__ import annotations
 
 import re
+import reprlib
 from dataclasses import dataclass
 from typing import Any, Collection
 
 _SLOT = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
 _KEYS = {"handle", "template", "tenant", "segments", "calibrate"}
 MAX_TENANT_LENGTH = 256
+MAX_NAME_LENGTH = 256
+"""Characters of a template, handle or segment id at most."""
+MAX_SEGMENTS = 512
+"""Annotated segments of one request at most."""
+MAX_SHOWN = 200
+"""Characters of a client's value an error message shows at most."""
 _SEGMENT_KEYS = {"start", "end", "slot", "id"}
+
+
+def shown(value: object, limit: int = MAX_SHOWN) -> str:
+    """``repr(value)`` in at most about ``limit`` characters (a long string cut, with its length;
+    containers shortened as ``reprlib`` does), for error messages and logs that name a client's
+    value: one request must not write a multi-MB line."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value)} characters)"
+    short = reprlib.Repr()
+    short.maxstring, short.maxother, short.maxlist, short.maxdict, short.maxlevel = limit, limit, 8, 8, 3
+    text = short.repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def check_sizes(body: Any) -> None:
+    """Raise ``KvcommParamsError`` when ``kv_transfer_params["kvcomm"]`` (``body``) is over the size
+    bounds (``MAX_NAME_LENGTH``, ``MAX_TENANT_LENGTH``, ``MAX_SEGMENTS``); other mistakes are left
+    for ``parse_params``, which needs the prompt."""
+    if not isinstance(body, dict):
+        return
+    for key, bound in (("template", MAX_NAME_LENGTH), ("handle", MAX_NAME_LENGTH), ("tenant", MAX_TENANT_LENGTH)):
+        value = body.get(key)
+        if isinstance(value, str) and len(value) > bound:
+            raise KvcommParamsError(f"kv_transfer_params.kvcomm.{key} has {len(value)} characters; at most {bound} characters")
+    segments = body.get("segments")
+    if isinstance(segments, list):
+        if len(segments) > MAX_SEGMENTS:
+            raise KvcommParamsError(f"kv_transfer_params.kvcomm.segments has {len(segments)} entries; at most "
+                                    f"{MAX_SEGMENTS} (merge adjacent spans of one slot)")
+        for i, item in enumerate(segments):
+            value = item.get("id") if isinstance(item, dict) else None
+            if isinstance(value, str) and len(value) > MAX_NAME_LENGTH:
+                raise KvcommParamsError(f"kv_transfer_params.kvcomm.segments[{i}].id has {len(value)} characters; "
+                                        f"at most {MAX_NAME_LENGTH}")
 
 
 class KvcommParamsError(ValueError):
@@ -67,7 +112,7 @@ class KvcommParams:
 
 def _int(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise KvcommParamsError(f"{where} must be an integer, got {type(value).__name__} {value!r}")
+        raise KvcommParamsError(f"{where} must be an integer, got {type(value).__name__} {shown(value)}")
     return value
 
 
@@ -87,13 +132,14 @@ def parse_params(params: Any, prompt_len: int, known_slots: Collection[str] | No
         raise KvcommParamsError(f"kv_transfer_params.kvcomm must be a JSON object, got {type(body).__name__}")
     unknown = set(body) - _KEYS
     if unknown:
-        raise KvcommParamsError(f"kv_transfer_params.kvcomm has unknown keys {sorted(unknown)}; allowed: {sorted(_KEYS)}")
+        raise KvcommParamsError(f"kv_transfer_params.kvcomm has unknown keys {shown(sorted(unknown))}; allowed: {sorted(_KEYS)}")
+    check_sizes(body)
     handle = body.get("handle")
     if handle is not None and (not isinstance(handle, str) or not handle):
-        raise KvcommParamsError(f"kv_transfer_params.kvcomm.handle must be a non-empty string, got {handle!r}")
+        raise KvcommParamsError(f"kv_transfer_params.kvcomm.handle must be a non-empty string, got {shown(handle)}")
     template = body.get("template", "default")
     if not isinstance(template, str) or not template:
-        raise KvcommParamsError(f"kv_transfer_params.kvcomm.template must be a non-empty string, got {template!r}")
+        raise KvcommParamsError(f"kv_transfer_params.kvcomm.template must be a non-empty string, got {shown(template)}")
     tenant = body.get("tenant", "default")
     if not isinstance(tenant, str) or not 0 < len(tenant) <= MAX_TENANT_LENGTH:
         raise KvcommParamsError(
@@ -101,7 +147,7 @@ def parse_params(params: Any, prompt_len: int, known_slots: Collection[str] | No
         )
     calibrate = body.get("calibrate", False)
     if not isinstance(calibrate, bool):
-        raise KvcommParamsError(f"kv_transfer_params.kvcomm.calibrate must be true or false, got {calibrate!r}")
+        raise KvcommParamsError(f"kv_transfer_params.kvcomm.calibrate must be true or false, got {shown(calibrate)}")
     if calibrate and handle is not None:
         raise KvcommParamsError("kv_transfer_params.kvcomm.calibrate applies to server-side planning; with a handle the "
                                 "caller plans (calibrate there with kvcomm.run_agent(..., calibrate=True))")
@@ -118,18 +164,18 @@ def parse_params(params: Any, prompt_len: int, known_slots: Collection[str] | No
         unknown = set(item) - _SEGMENT_KEYS
         missing = {"start", "end", "slot"} - set(item)
         if unknown or missing:
-            raise KvcommParamsError(f"{where}: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
+            raise KvcommParamsError(f"{where}: unknown keys {shown(sorted(unknown))}, missing keys {sorted(missing)}")
         start, end = _int(item["start"], f"{where}.start"), _int(item["end"], f"{where}.end")
         if not 0 <= start < end <= prompt_len:
             raise KvcommParamsError(f"{where} spans [{start}, {end}); need 0 <= start < end <= {prompt_len} (the prompt length)")
         slot = item["slot"]
         if not isinstance(slot, str) or not _SLOT.match(slot):
-            raise KvcommParamsError(f"{where}.slot must be a name like 'task' (letters, digits, _ . -), got {slot!r}")
+            raise KvcommParamsError(f"{where}.slot must be a name like 'task' (letters, digits, _ . -), got {shown(slot)}")
         if known_slots is not None and slot not in known_slots:
-            raise KvcommParamsError(f"{where}.slot {slot!r} is not a known slot; known: {sorted(known_slots)}")
+            raise KvcommParamsError(f"{where}.slot {shown(slot)} is not a known slot; known: {sorted(known_slots)}")
         shared_id = item.get("id")
         if shared_id is not None and (not isinstance(shared_id, str) or not shared_id):
-            raise KvcommParamsError(f"{where}.id must be a non-empty string, got {shared_id!r}")
+            raise KvcommParamsError(f"{where}.id must be a non-empty string, got {shown(shared_id)}")
         if segments and start < segments[-1].end:
             raise KvcommParamsError(
                 f"{where} [{start}, {end}) overlaps or precedes segments[{i - 1}] "

@@ -36,6 +36,7 @@ from kvcomm.services.tenants import TenantRegistry
 from kvcomm.integrations.vllm.channel import Capture, Injection, Order
 from kvcomm.reuse.assemble import pieces
 from kvcomm.integrations.vllm.detect import RunIndex
+from kvcomm.integrations.vllm.ids import SegmentIds
 from kvcomm.integrations.vllm.metrics import record_pools
 from kvcomm.integrations.vllm.params import KvcommParams
 
@@ -87,6 +88,7 @@ class ServerPlanner:
         self.config = self.registry.config
         self.totals = {"exact": 0, "estimated": 0, "computed": 0, "requests": 0, "fallbacks": 0}
         self._runs: dict[str, RunIndex] = {}
+        self.ids = SegmentIds()
         self._lock = threading.Lock()
 
     @property
@@ -113,6 +115,7 @@ class ServerPlanner:
         tenant = params.tenant if tenant is None else tenant
         if params.segments is None:
             params = dataclasses.replace(params, segments=self.runs(tenant).find(token_ids))
+        params = self.ids.bind(tenant, token_ids, params)  # keyed by content; an id reused for other tokens: refused
         prompt = annotated_prompt(token_ids, params)
         engine = self.engine(tenant)
         if params.calibrate:

@@ -8,6 +8,14 @@ the first lookup answers vLLM "not yet" and queues a ``PlanAsk``, the worker's `
 arrives through ``update_connector_output``, and the next lookup claims the tokens
 (``vllm.messages``). When the request finishes its reply goes down in a ``Finished`` and its
 summary (or error) goes back in its ``kv_transfer_params``.
+
+Capture memory is admitted here: the worker keeps an annotated request's real KV for prompt +
+``max_tokens`` positions, every layer, keys and values (``capture_bytes``), on the KV device and
+outside vLLM's KV budget. A request whose capture would exceed ``max_capture_bytes``
+(``kv_connector_extra_config``, default ``DEFAULT_MAX_CAPTURE_BYTES``) is not planned: it is
+served as stock vLLM serves it, the reason in its ``kv_transfer_params``. So is an opted-in
+request under a LoRA adapter (vLLM's ``request.lora_request``): stored KV, anchors and plans
+are not keyed by adapter, and KV of one adapter is wrong for another.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from vllm.logger import init_logger
 from kvcomm.integrations.vllm.channel import Channel
 from kvcomm.integrations.vllm.messages import Finished, KvcommMetadata, KvcommWorkerMetadata, PlanAsk, StepRequest, handle_of
 from kvcomm.integrations.vllm.metrics import record_rejected, record_served
-from kvcomm.integrations.vllm.params import KvcommParamsError, parse_params
+from kvcomm.integrations.vllm.params import KvcommParamsError, parse_params, shown
 from kvcomm.integrations.vllm.refusals import apply_refusal
 
 if TYPE_CHECKING:
@@ -33,6 +41,18 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 _EMPTY = torch.zeros(0, dtype=torch.int64)
+DEFAULT_MAX_CAPTURE_BYTES = 1 << 30
+"""Bytes of captured KV one opted-in request may hold (1 GiB: 8,192 positions of an 8B model in bf16)."""
+
+
+def capture_bytes_per_token(kv_cache_config: "KVCacheConfig") -> int:
+    """Bytes the worker's capture holds per position: keys and values of every attention layer
+    this process holds (a full-attention page is ``2 * block_size * kv_heads * head_dim * dtype``)."""
+    total = 0
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        total += len(group.layer_names) * (spec.page_size_bytes // spec.block_size)
+    return total
 
 
 @dataclass
@@ -76,6 +96,11 @@ class KvcommConnectorScheduler:
         self._kv_cache_config = kv_cache_config
         extra = vllm_config.kv_transfer_config
         self._plan = bool(extra.get_from_extra_config("plan", False))
+        budget = extra.get_from_extra_config("max_capture_bytes", DEFAULT_MAX_CAPTURE_BYTES)
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+            raise ValueError(f"max_capture_bytes must be a positive number of bytes, got {budget!r}")
+        self.max_capture_bytes = budget
+        self._token_bytes = capture_bytes_per_token(kv_cache_config)
         slots = extra.get_from_extra_config("slots", None)
         self._known_slots = None if slots is None else frozenset(slots)
         self._tracked: dict[str, _Tracked] = {}
@@ -109,6 +134,15 @@ class KvcommConnectorScheduler:
             params = parse_params(request.kv_transfer_params, request.num_prompt_tokens, self._known_slots)
             if params is None:
                 return None
+            lora = getattr(request, "lora_request", None)
+            if lora is not None:
+                # KV computed under one adapter is wrong for another (and for the base model)
+                # wherever the adapter touches the k/v projections; nothing kvcomm stores is
+                # keyed by adapter, so such a request gets no reuse and teaches nothing.
+                raise KvcommParamsError(
+                    f"served without reuse: kvcomm does not reuse or learn KV under a LoRA adapter "
+                    f"(this request uses {shown(getattr(lora, 'lora_name', '?'))}); send it without "
+                    "kv_transfer_params.kvcomm, or to the base model")
             if params.handle is not None:
                 order = self.channel.order(params.handle)
                 if order is None:
@@ -140,6 +174,12 @@ class KvcommConnectorScheduler:
                 'kv_connector_extra_config={"plan": true}'
             )
         n = request.num_prompt_tokens
+        needed = (n + request.max_tokens) * self._token_bytes
+        if needed > self.max_capture_bytes:
+            raise KvcommParamsError(
+                f"served without reuse: learning from this request would capture {needed} bytes of KV "
+                f"({n} prompt + {request.max_tokens} max_tokens positions x {self._token_bytes} bytes), over "
+                f"max_capture_bytes {self.max_capture_bytes}; lower max_tokens or raise the budget")
         self._asked.add(request.request_id)
         self._asks.append(PlanAsk(request.request_id, tuple(request.prompt_token_ids), params,
                                   request.cache_salt is not None, request.max_tokens))

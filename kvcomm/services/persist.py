@@ -150,12 +150,16 @@ def _snapshot(engine: ReuseEngine) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def save_engine(engine: ReuseEngine, directory: str | os.PathLike, fingerprint: ModelFingerprint) -> Path:
     """Save ``engine``'s anchor pools, shared-content bases and fixed-segment bases under
-    ``directory`` (created if missing) for the model ``fingerprint`` names. Returns the manifest path."""
+    ``directory`` (created if missing, mode 0700) for the model ``fingerprint`` names. Returns the manifest path."""
     if fingerprint.rope != rope_digest(engine.rotary):
         raise PersistError("the fingerprint's RoPE does not match the engine's rotary: pass this model's fingerprint")
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    for stale in directory.glob(".kvcomm-*"):  # temp files of saves that crashed (one writer per directory)
+    if not directory.is_dir():
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(directory, 0o700)  # private whatever the umask: a save holds KV computed from user content
+    # temp files of saves that crashed (one writer per directory): ours, and safetensors' own
+    # ".tmp*" beside the file it writes (a save killed mid-write left 20+ MB of them behind)
+    for stale in [*directory.glob(".kvcomm-*"), *directory.glob(".tmp*")]:
         stale.unlink(missing_ok=True)
     body, tensors = _snapshot(engine)
     tmp = _temp(directory, ".safetensors")

@@ -492,3 +492,19 @@ def test_shrinkage_fits_survive_a_restart(tmp_path):
     for (slot, key), fit in fits.items():
         again = restored.pools[slot].fits[key]
         assert again.pairs == fit.pairs and torch.equal(again.cross, fit.cross) and torch.equal(again.real_sq, fit.real_sq)
+
+
+def test_a_save_removes_temp_files_a_killed_save_left_behind(tmp_path):
+    """safetensors writes through a ".tmp*" file of its own beside the target; a save killed
+    mid-write leaves it (and kvcomm's own ".kvcomm-*" temp file) behind. The next save of the
+    folder (one writer per folder) removes them; other files stay."""
+    rotary = synthetic_rotary()
+    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
+    feed(engine, 0, 4)
+    fingerprint = synthetic_fingerprint(rotary)
+    for name in (".tmpAbC123", ".kvcomm-x1y2.safetensors"):
+        (tmp_path / name).write_bytes(b"\0" * 1000)
+    (tmp_path / "notes.txt").write_text("mine")
+    save_engine(engine, tmp_path, fingerprint)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    assert (tmp_path / "notes.txt").read_text() == "mine"

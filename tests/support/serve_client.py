@@ -59,8 +59,9 @@ class Server:
             raise AssertionError(f"HTTP {status}: {reply}")
         return reply
 
-    def stop(self, timeout_s: float = 30) -> int:
-        """SIGTERM (vLLM shuts down gracefully), SIGKILL after ``timeout_s``; returns the exit status."""
+    def stop(self, timeout_s: float = 150) -> int:
+        """SIGTERM (vLLM shuts down gracefully), SIGKILL after ``timeout_s`` (longer than `kvcomm serve`'s
+        own shutdown budget with --state-dir, so a save at exit is never cut short here); returns the exit status."""
         if self.process.poll() is None:
             self.process.terminate()
             try:

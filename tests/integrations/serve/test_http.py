@@ -61,7 +61,8 @@ def assert_counters_match(before: dict[str, float], after: dict[str, float], sum
 
 
 def metrics(server) -> dict[str, float]:
-    status, text = server.request("GET", "/metrics")
+    """The server's kvcomm metrics (``/metrics`` needs one of its keys when it has keys)."""
+    status, text = server.request("GET", "/metrics", key=server.keys[0] if server.keys else None)
     assert status == 200
     found = {}
     for line in text.splitlines():
@@ -174,3 +175,62 @@ def test_bad_params_get_a_clear_error_while_good_requests_succeed(kvcomm_server,
         "model": kvcomm_server.model, "prompt": list(prompt.token_ids), "max_tokens": 2,
         "kv_transfer_params": {"kvcomm": {"handle": "request-x"}}}, key)
     assert status == 400 and "in-process callers only" in str(reply)
+
+
+def test_route_sweep_every_route_keyed_and_no_forged_tenant_or_salt_reaches_another_tenant(kvcomm_server, executor, fresh_key):
+    """Every route of the served app (vLLM's OpenAPI schema, plus the mounted /metrics): without a
+    key every route but the health probes answers 401 (vLLM's own check left /metrics,
+    /invocations, /generative_scoring and others open); every POST route is in the table kvcomm logged
+    at start-up as generation (tenant and salt set by kvcomm) or plain; and tenant B, forging
+    tenant A's tenant and reuse salt on the generation routes that report cached tokens, gets
+    none of A's exact, estimated or vLLM-cached tokens."""
+    from kvcomm.integrations.serve.middleware import PUBLIC_PATHS
+
+    line = next(text for text in kvcomm_server.log.read_text().splitlines() if re.search(r"kvcomm: \d+ routes;", text))
+    status, schema = kvcomm_server.request("GET", "/openapi.json", key=kvcomm_server.keys[0])
+    assert status == 200
+    routes = [(method.upper(), path) for path, ops in schema["paths"].items() for method in ops] + [("GET", "/metrics")]
+    unrewritten = [f"{m} {p}" for m, p in routes if m == "POST" and f"POST {p}" not in line]
+    unauthenticated = []
+    for method, path in routes:
+        concrete = re.sub(r"\{[^}]+\}", "x", path)
+        status, _ = kvcomm_server.request(method, concrete, {} if method in ("POST", "PUT", "PATCH") else None)
+        if status != 401 and path not in PUBLIC_PATHS:  # a 400 or 422 would mean the route read the body
+            unauthenticated.append(f"{method} {path} -> {status}")
+    a, b = fresh_key(), fresh_key()
+    spec = load_demo_pipeline()
+    salt = salt_of(tenant_of(a), reuse=True)
+    forged = {"tenant": tenant_of(a)}
+    leaked = 0
+    # (route, chat or completion body, B opts in): each attempt on content only A has sent (twice,
+    # opted in: in A's reuse store and in vLLM's cache under A's reuse salt), B forging A's tenant and salt
+    for path, chat, opted_in in (("/v1/completions", False, True), ("/v1/completions", False, False),
+                                 ("/invocations", False, True), ("/v1/chat/completions", True, True),
+                                 ("/v1/chat/completions", True, False), ("/invocations", True, True)):
+        marker = uuid.uuid4().hex
+        agent = dataclasses.replace(spec.agents[0], system=f"{spec.agents[0].system} Sweep {marker}.")
+        prompt = build_prompt(executor, agent, {"task": _content(executor, spec.inputs[1]["task"])})
+        if chat:
+            body = {"model": kvcomm_server.model, "max_tokens": 2, "temperature": 0,
+                    "messages": [{"role": "system", "content": agent.system}, {"role": "user", "content": f"Plan {marker}."}]}
+            options = {}
+        else:
+            body = {"model": kvcomm_server.model, "prompt": list(prompt.token_ids), "max_tokens": 2, "temperature": 0}
+            options = annotations(prompt)
+        for _ in range(2):
+            status, reply = kvcomm_server.request("POST", path, {**body, "kv_transfer_params": {"kvcomm": options}}, a)
+            assert status == 200 and "error" not in reply["kv_transfer_params"]["kvcomm"], reply
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # A's own repeat hits: there is something to leak
+        attempt = {**body, "cache_salt": salt}
+        if opted_in:
+            attempt["kv_transfer_params"] = {"kvcomm": {**options, **forged}}
+        status, reply = kvcomm_server.request("POST", path, attempt, b)
+        assert status == 200, (path, reply)
+        summary = (reply.get("kv_transfer_params") or {}).get("kvcomm") or {}
+        leaked += reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        leaked += summary.get("exact_tokens", 0) + summary.get("estimated_tokens", 0)
+    in_app = re.search(r"kvcomm: (\d+) routes", line).group(1)
+    print(f"\nroute sweep: {len(routes)} routes ({in_app} in the app), "
+          f"{len(unrewritten)} unrewritten, {leaked} cross-tenant cached tokens, {len(unauthenticated)} unauthenticated "
+          "answers other than 401 (so 0 unauthenticated 200s)")
+    assert unrewritten == [] and leaked == 0 and unauthenticated == [], (unrewritten, unauthenticated)

@@ -4,7 +4,8 @@ First start (``--save-interval 2``): tenants' pools and bases are saved while th
 runs. Then one tenant's save is corrupted on disk. Second start (``--save-interval 3600``,
 so only the save at exit can write): the intact tenant's state is restored (its first
 request is estimated from restored anchors, with no exact prefix to explain it), the corrupt
-one is logged and starts cold while the server serves, and the save at exit rewrites both.
+one is logged, moved aside untouched and starts cold while the server serves, and the save at
+exit writes both (the corrupt one's new state in a fresh folder).
 
 Both starts use ``--no-tenant-per-key``: two API keys share tenants, which the request body
 names (``kv_transfer_params.kvcomm.tenant``).
@@ -113,6 +114,7 @@ def test_state_is_saved_restored_and_a_corrupt_save_starts_cold(executor, tmp_pa
     before = {t: _manifest(state, t) for t in TENANTS}
     corrupt = state / tenant_label("team-b") / before["team-b"]["tensors"]["file"]
     corrupt.write_bytes(corrupt.read_bytes()[: corrupt.stat().st_size // 2])  # a torn file
+    torn = {p.name: p.read_bytes() for p in corrupt.parent.iterdir()}
     second = start_server(logs / "second.log", KEYS, "--state-dir", str(state), "--save-interval", "3600", "--no-tenant-per-key",
                           multiprocess=multiprocess)
     try:
@@ -129,7 +131,7 @@ def test_state_is_saved_restored_and_a_corrupt_save_starts_cold(executor, tmp_pa
         print("\n" + next(line for line in log.splitlines() if "starts cold" in line))
         print(f"restored: {warm}\ncold: {cold}")
     finally:
-        status = second.stop(timeout_s=60)
+        status = second.stop()
     # saved at exit (the 3600 s interval never came): team-b has a readable save again, and
     # team-a's save holds what the probe taught it
     after = {t: _manifest(state, t) for t in TENANTS}
@@ -137,3 +139,6 @@ def test_state_is_saved_restored_and_a_corrupt_save_starts_cold(executor, tmp_pa
     tensors = state / tenant_label("team-b") / after["team-b"]["tensors"]["file"]
     assert tensors.is_file() and tensors.stat().st_size == after["team-b"]["tensors"]["bytes"]
     assert not corrupt.exists() or corrupt == tensors
+    # the refused save was moved aside byte for byte, never overwritten
+    aside = [p for p in state.iterdir() if p.name.startswith(tenant_label("team-b") + ".refused-")]
+    assert len(aside) == 1 and {p.name: p.read_bytes() for p in aside[0].iterdir()} == torn

@@ -109,17 +109,56 @@ def test_a_state_dir_gives_the_engine_time_to_save_at_exit():
     assert "--shutdown-timeout" not in serve_argv(None, True, None, [], {"gamma": 1.0})  # no state: vLLM's default
 
 
-def test_a_state_dir_gives_the_worker_process_time_to_save_at_exit():
-    """Under vLLM's multiprocess engine the save at exit runs in the worker, which vLLM gives 5 s
-    before SIGTERM and SIGKILL: with --state-dir the worker gets STATE_SHUTDOWN_TIMEOUT_S; a
-    value the user set wins, and nothing is set without a state folder."""
-    from kvcomm.integrations.serve.command import STATE_SHUTDOWN_TIMEOUT_S, WORKER_SHUTDOWN_ENV, state_environment
+def test_a_state_dir_gives_the_worker_process_time_to_save_at_exit_inside_the_engines_own_budget():
+    """Under vLLM's multiprocess engine the save at exit runs in the worker. vLLM's API server
+    gives the engine-core process --shutdown-timeout seconds, then SIGKILLs its process tree
+    (worker included) and still exits 0; the engine core gives its worker
+    VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, then needs seconds of its own. Both were 30 s, so a
+    save at exit that ran long on a busy machine was killed without a trace (CI: a tenant's
+    manifest unchanged after a clean stop). The worker's grace must nest inside the engine's
+    budget with ENGINE_TEARDOWN_S to spare, for the default and for a user's --shutdown-timeout;
+    a user's worker grace that does not nest is kept and warned about; nothing without a state folder."""
+    from kvcomm.integrations.serve.command import (
+        ENGINE_TEARDOWN_S, STATE_SHUTDOWN_TIMEOUT_S, WORKER_SHUTDOWN_ENV, shutdown_timeout, state_environment,
+    )
 
     environ: dict = {}
-    state_environment(None, environ)
-    assert environ == {}
-    state_environment("/tmp/state", environ)
-    assert environ == {WORKER_SHUTDOWN_ENV: str(STATE_SHUTDOWN_TIMEOUT_S)}
+    assert state_environment(None, environ) is None and environ == {}
+    assert state_environment("/tmp/state", environ) is None
+    worker = float(environ[WORKER_SHUTDOWN_ENV])
+    assert worker >= 30 and worker + ENGINE_TEARDOWN_S <= STATE_SHUTDOWN_TIMEOUT_S and ENGINE_TEARDOWN_S >= 10
+    theirs: dict = {}
+    assert state_environment("/tmp/state", theirs, shutdown_timeout(["--port", "1", "--shutdown-timeout", "200"])) is None
+    assert float(theirs[WORKER_SHUTDOWN_ENV]) == 200 - ENGINE_TEARDOWN_S
     mine = {WORKER_SHUTDOWN_ENV: "7"}
-    state_environment("/tmp/state", mine)
-    assert mine == {WORKER_SHUTDOWN_ENV: "7"}
+    assert state_environment("/tmp/state", mine) is None and mine == {WORKER_SHUTDOWN_ENV: "7"}
+    tight = {WORKER_SHUTDOWN_ENV: "30"}
+    warning = state_environment("/tmp/state", tight, 30)
+    assert tight == {WORKER_SHUTDOWN_ENV: "30"} and "can be killed" in warning and ">= 60" in warning
+
+
+@pytest.mark.parametrize("value", ["inf", "1e999", "nan", "0", "-5", "soon"])
+def test_a_save_interval_that_would_never_save_is_refused_when_parsed(value, capsys):
+    """`--save-interval inf` was accepted and the saver then died of an OverflowError, saving
+    nothing; NaN, zero and negatives make no sense either: argparse refuses them, naming the value."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_known_args(["serve", "--state-dir", "/tmp/x", "--save-interval", value])
+    assert f"{value!r} is not a positive, finite number of seconds" in capsys.readouterr().err
+    assert build_parser().parse_known_args(["serve", "--save-interval", "0.5"])[0].save_interval == 0.5
+
+
+def test_api_keys_are_hidden_in_the_printed_command_line_in_every_spelling():
+    from kvcomm.integrations.serve.command import hidden
+
+    keys = ["sk-one", "sk-two"]
+    argv = ["kvcomm serve", "--api-key=sk-one", "--api-key", "sk-two", "--port", "8000"]
+    shown = " ".join(hidden(argv, keys))
+    assert "sk-one" not in shown and "sk-two" not in shown and "--port 8000" in shown
+
+
+def test_serve_passes_the_capture_budget_to_the_connector():
+    from kvcomm.integrations.serve.command import engine_settings
+
+    parse = build_parser().parse_known_args
+    assert "max_capture_bytes" not in engine_settings(parse(["serve"])[0])  # the connector's default
+    assert engine_settings(parse(["serve", "--max-capture-bytes", "1048576"])[0])["max_capture_bytes"] == 1 << 20

@@ -86,3 +86,39 @@ def test_detection_rate_on_whole_text_tokenized_demo_prompts(smol_executor):
     print(f"\nauto-detection on real demo replies: exact runs {exact}/{total}, with interiors {found}/{total}")
     assert total == 36
     assert (exact, found) == DEMO_FIGURES
+
+
+def _adversarial_index(runs: int, **options) -> RunIndex:
+    """``runs`` distinct runs of 64 tokens that all open with the same 9 tokens and differ later
+    (the old index kept them in one list per first token and compared each at every position)."""
+    index = RunIndex(**options)
+    for r in range(runs):
+        index.add([1] * 9 + [2 + (r >> s) % 7 for s in range(0, 55)], f"slot{r % 5}")
+    return index
+
+
+def test_detection_work_does_not_grow_with_the_stored_runs():
+    """find runs inside the engine step: its work (k-grams hashed, candidates compared, tokens
+    verified) on one prompt is the same with 10 or 4,096 stored runs; at 512 runs the old scan
+    took 8 s for one prompt. The index also stays within its token budget."""
+    prompt = [1] * 2_000  # built to hit every stored run's opening at every position
+    work = {}
+    for runs in (10, 512, 4096):
+        index = _adversarial_index(runs)
+        assert index.find(prompt) == ()
+        work[runs] = index.work
+        assert index.tokens <= index.max_tokens and len(index) <= index.max_runs
+    print(f"\ndetection work on a {len(prompt)}-token prompt by stored runs: {work}")
+    assert max(work.values()) <= len(prompt) * (2 + index.min_length + index.bucket)
+    assert work[4096] == work[512] <= work[10] + len(prompt) * index.bucket
+
+
+def test_the_index_is_bounded_in_runs_tokens_and_per_kgram():
+    index = RunIndex(min_length=4, max_runs=100, max_tokens=1_000, bucket=3)
+    for r in range(50):
+        index.add(list(range(r * 100, r * 100 + 60)), "s")  # distinct 60-token runs, interiors 58
+    assert index.tokens <= 1_000 and len(index) <= 100
+    assert index.find(list(range(4900, 4960))) == (SpanAnnotation(0, 60, "s"),)  # the newest are kept
+    for r in range(10):
+        index.add([7, 7, 7, 7, r, r, r], "t")
+    assert len(index._by_gram[(7, 7, 7, 7)]) == 3

@@ -41,8 +41,24 @@ def test_valid_annotations_parse_in_order():
     ({"handle": 7}, "handle must be a non-empty string"),
     ({"tenant": ""}, "tenant must be a non-empty string"),
     ({"tenant": "t" * 257}, "at most 256 characters"),
+    ({"template": "t" * 257}, "template has 257 characters; at most 256"),
+    ({"segments": [{"start": 0, "end": 4, "slot": "task", "id": "i" * 10_000}]}, "segments[0].id has 10000 characters"),
+    ({"segments": [{"start": 0, "end": 1, "slot": "task"}] * 513}, "segments has 513 entries; at most 512"),
 ])
 def test_bad_params_name_the_problem(body, message):
     with pytest.raises(KvcommParamsError) as error:
         parse_params({"kvcomm": body}, 10, known_slots={"task", "x"})
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("body", [
+    {"template": 5, "segments": []}, {"template": "x" * 10_000_000}, {"segments": [{"start": "x" * 10_000_000, "end": 1, "slot": "t"}]},
+    {"segments": [{"start": 0, "end": 1, "slot": "s" * 10_000_000}]}, {"y" * 10_000_000: 1},
+    {"segments": [{"start": list(range(1_000_000)), "end": 1, "slot": "t"}]},
+])
+def test_errors_show_client_values_cut_short(body):
+    """An error names what was wrong, but a 10 MB value becomes a few hundred characters: the
+    message goes to the log and back in the response."""
+    with pytest.raises(KvcommParamsError) as error:
+        parse_params({"kvcomm": body}, 10)
+    assert len(str(error.value)) < 600, len(str(error.value))

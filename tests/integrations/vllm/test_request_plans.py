@@ -112,3 +112,58 @@ def test_calibration_requests_fill_a_pool_past_what_estimating_requests_leave_it
                 assert second["exact_tokens"] == second["estimated_tokens"] == 0 and second["note"].startswith("calibration")
         pools[calibrate] = len(planner.engine("t").pools["task"])
     assert pools[False] == 2 and pools[True] == 5, pools
+
+
+def test_a_segment_id_is_bound_to_its_content(planner, tiny_executor):
+    """A client id names one content: the id sent again with other tokens is refused (the request
+    is served without reuse), never estimated from the first content's base; the same content
+    under any id, or none, is the same content to the engine."""
+    from kvcomm.integrations.vllm.params import KvcommParamsError
+
+    first, spans = request(1)
+    named = [{**spans[0], "id": "doc-1"}]
+    serve(planner, tiny_executor, first, named, "t")
+    again = serve(planner, tiny_executor, first, named, "t")
+    assert again["exact_tokens"] + again["estimated_tokens"] > 0  # the id still works for its own content
+    other, _ = request(2)
+    body = {"template": "agent", "tenant": "t", "segments": named}
+    with pytest.raises(KvcommParamsError, match=r"segments\[0\]\.id 'doc-1' was sent before with other tokens"):
+        planner.prepare(other, parse_params({"kvcomm": body}, len(other)), salted=True, max_tokens=3)
+    fresh = serve(planner, tiny_executor, other, [{**spans[0], "id": "doc-2"}], "t")
+    assert fresh["estimated_tokens"] == 0  # new content: its own base, nothing of doc-1's
+    assert serve(planner, tiny_executor, other, [{**spans[0], "id": "doc-1"}], "u")["estimated_tokens"] == 0  # per tenant
+    assert set(planner.engine("t")._bases) <= {s for s in planner.engine("t")._bases if len(s) == 32}  # content ids
+
+
+def test_remembered_segment_ids_are_bounded():
+    from kvcomm.integrations.vllm.ids import SegmentIds
+    from kvcomm.integrations.vllm.params import parse_params as parse
+
+    ids = SegmentIds(max_ids=10)
+    for n in range(100):
+        tokens = [n, n + 1, n + 2]
+        ids.bind("t", tokens, parse({"kvcomm": {"segments": [{"start": 0, "end": 3, "slot": "s", "id": f"id-{n}"}]}}, 3))
+    assert len(ids) == 10
+
+
+def test_metric_labels_are_bounded_whatever_the_clients_name(tiny_executor, monkeypatch):
+    """Slot names (and, without API keys, tenants) come from clients: 100 tenants with 100 slots
+    export at most MAX_*_LABELS label values each, the rest summed under "other"."""
+    from kvcomm.anchors.pool import AnchorPool
+    from kvcomm.integrations.vllm import metrics
+
+    monkeypatch.setattr(metrics, "_labels", {"slot": {}, "tenant": {}})
+    planner = ServerPlanner(tiny_executor.rotary)
+    for t in range(100):
+        engine = planner.engine(f"client-tenant-{t}")
+        engine.pools[f"client-slot-{t}"] = AnchorPool(engine.config.pool, engine.heads)
+    ids, spans = request(1)
+    serve(planner, tiny_executor, ids, spans, "client-tenant-99")  # learning refreshes the gauges
+    names = {tenant_label(f"client-tenant-{t}") for t in range(100)}
+    exported = {m.name: {s.labels.get("slot") or s.labels.get("tenant") for s in m.samples} for m in REGISTRY.collect()
+                if m.name in ("kvcomm_anchors", "kvcomm_tenant_bytes")}
+    assert len(exported["kvcomm_tenant_bytes"] & names) == metrics.MAX_TENANT_LABELS
+    assert len({s for s in exported["kvcomm_anchors"] if s.startswith("client-slot-")}) == metrics.MAX_SLOT_LABELS
+    assert "other" in exported["kvcomm_anchors"] and "other" in exported["kvcomm_tenant_bytes"]
+    assert REGISTRY.get_sample_value("kvcomm_tenant_bytes", {"tenant": "other"}) == sum(
+        planner.engine(t).nbytes for t in planner.registry.tenants if tenant_label(t) not in metrics._labels["tenant"])

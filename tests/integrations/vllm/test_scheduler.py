@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 from kvcomm.integrations.vllm.messages import Finished, KvcommWorkerMetadata, PlanAnswer  # noqa: E402
 
 
-def _scheduler_connector():
+def _scheduler_connector(**extra):
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -24,7 +24,7 @@ def _scheduler_connector():
     from kvcomm.integrations.vllm.connector import KvcommConnector
     from kvcomm.integrations.vllm.llm import transfer_config
 
-    config = VllmConfig(kv_transfer_config=transfer_config(extra={"plan": True}))
+    config = VllmConfig(kv_transfer_config=transfer_config(extra={"plan": True, **extra}))
     full = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.float32)
     groups = [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], full)]
     return KvcommConnector(config, KVConnectorRole.SCHEDULER, KVCacheConfig(num_blocks=0, kv_cache_tensors=[], kv_cache_groups=groups))
@@ -113,3 +113,40 @@ def test_an_in_process_order_is_claimed_beyond_vllms_hit_and_sent_as_slots_of_th
     assert step.capture_slots.tolist() == list(range(4, 16)) + list(range(112, 120))  # blocks 0 and 7 (block size 16)
     assert connector.request_finished(request, []) == (False, None)  # an in-process order: the caller takes its KV
     connector.channel.take("h")
+
+
+def test_a_request_whose_capture_would_exceed_the_budget_is_served_plainly_with_a_note():
+    """The worker captures prompt + max_tokens positions x layers x K and V x heads x head_dim x
+    dtype bytes on the KV device, outside vLLM's budget: here 1 layer x 2 x 3 x 64 x 4 = 1,536
+    bytes a position. Over max_capture_bytes the request is not planned (no ask, nothing
+    claimed or captured); the reason comes back in its kv_transfer_params."""
+    from kvcomm.integrations.vllm.scheduler import capture_bytes_per_token
+
+    connector = _scheduler_connector(max_capture_bytes=45 * 1536)
+    assert capture_bytes_per_token(connector.scheduler._kv_cache_config) == 1536
+    fits, too_big = _request("fits", n=40), _request("big", n=41)  # 40 + 5 positions fit, 41 + 5 do not
+    assert connector.get_num_new_matched_tokens(fits, 0) == (None, False)
+    assert connector.get_num_new_matched_tokens(too_big, 0) == (0, False)
+    assert [ask.req_id for ask in _step(connector).asks] == ["fits"]
+    _, params = connector.request_finished(too_big, [])
+    assert "would capture 70656 bytes" in params["kvcomm"]["error"] and "max_capture_bytes 69120" in params["kvcomm"]["error"]
+    with pytest.raises(ValueError, match="max_capture_bytes must be a positive number of bytes"):
+        _scheduler_connector(max_capture_bytes=0)
+
+
+def test_an_opted_in_request_under_a_lora_adapter_gets_no_reuse_and_teaches_nothing():
+    """vLLM hands the connector the Request with its lora_request; KV under one adapter is wrong
+    for another, and kvcomm keys nothing by adapter: no ask, no claim, a clear note."""
+    from vllm.lora.request import LoRARequest
+
+    connector = _scheduler_connector()
+    persona = _request("lora")
+    persona.lora_request = LoRARequest("critic-persona", 1, "/adapters/critic")
+    base = _request("base")
+    base.lora_request = None
+    assert connector.get_num_new_matched_tokens(persona, 0) == (0, False)
+    assert connector.get_num_new_matched_tokens(base, 0) == (None, False)
+    assert [ask.req_id for ask in _step(connector).asks] == ["base"]
+    _, params = connector.request_finished(persona, [])
+    assert "LoRA adapter" in params["kvcomm"]["error"] and "'critic-persona'" in params["kvcomm"]["error"]
+    assert _step(connector).finished == []  # nothing to learn from

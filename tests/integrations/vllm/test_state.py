@@ -54,3 +54,104 @@ def test_a_restarted_planner_restores_every_tenant_and_plans_the_same(tiny_execu
         refused = PlannerState(elsewhere, tmp_path, other_model).restore()
     assert all(text.startswith("not restored") for text in refused.values()) and "starts cold" in caplog.text
     assert elsewhere.registry.tenants == () or all(not e.pools for e in elsewhere.engines.values())
+
+
+def _files(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_a_refused_save_is_moved_aside_untouched_and_never_overwritten(tiny_executor, tmp_path, caplog):
+    """A restart on another model, or with limits the save is over, refuses the save; the tenant
+    starts cold, and its next save used to overwrite the refused one with an empty engine
+    (measured: 2 anchors / 6 bases -> 0 / 0). Now the refused folder is moved aside, byte for
+    byte, and the new state goes to a fresh folder."""
+    fingerprint = model_fingerprint(tiny_executor.model, tiny_executor.tokenizer, tiny_executor.rotary)
+    first = _planner(tiny_executor)
+    for seed in range(3):
+        serve(first, tiny_executor, *request(seed), "team-a")
+        serve(first, tiny_executor, *request(seed, lead=9), "team-a")
+    PlannerState(first, tmp_path, fingerprint).save()
+    folder = tmp_path / tenant_label("team-a")
+    saved = _files(folder)
+    assert sum(len(p["anchors"]) for p in json.loads(saved["manifest.json"])["pools"]) >= 2
+
+    for name, planner, where in (
+        ("another model", _planner(tiny_executor), dataclasses.replace(fingerprint, checkpoint="another checkpoint")),
+        ("over the limits", ServerPlanner(tiny_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, max_anchors=1))), fingerprint),
+    ):
+        state = PlannerState(planner, tmp_path, where, interval_s=3600)
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="kvcomm.integrations.vllm.state"):
+            outcome = state.restore()
+        assert outcome[folder.name].startswith("not restored"), (name, outcome)
+        aside = [p for p in tmp_path.iterdir() if p.name.startswith(f"{folder.name}.refused-")]
+        assert len(aside) == 1 and _files(aside[0]) == saved, name
+        assert f"its save is kept, untouched, in {aside[0]}" in caplog.text, name
+        serve(planner, tiny_executor, *request(7), "team-a")  # the cold tenant learns something new
+        assert state.save() == 1
+        assert _files(aside[0]) == saved and folder.is_dir() and _files(folder) != saved, name
+        aside[0].rename(folder.with_name("kept-" + name.replace(" ", "-")))  # the operator takes it; next case
+        folder.rename(folder.with_name("fresh-" + name.replace(" ", "-")))
+        (tmp_path / ("kept-" + name.replace(" ", "-"))).rename(folder)
+    assert PlannerState(_planner(tiny_executor), tmp_path, fingerprint).restore()[folder.name].startswith("restored")
+
+
+def test_state_folders_are_private_whatever_the_umask(tiny_executor, tmp_path):
+    import os
+    import stat
+
+    fingerprint = model_fingerprint(tiny_executor.model, tiny_executor.tokenizer, tiny_executor.rotary)
+    planner = _planner(tiny_executor)
+    serve(planner, tiny_executor, *request(1), "team-a")
+    old = os.umask(0o022)
+    try:
+        state = PlannerState(planner, tmp_path / "state" / "deeper", fingerprint)
+        state.restore()
+        state.save()
+    finally:
+        os.umask(old)
+    for folder in (tmp_path / "state" / "deeper", tmp_path / "state" / "deeper" / tenant_label("team-a")):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+
+
+def test_a_save_interval_that_never_comes_is_refused(tiny_executor, tmp_path):
+    import pytest
+
+    fingerprint = model_fingerprint(tiny_executor.model, tiny_executor.tokenizer, tiny_executor.rotary)
+    for interval in (float("inf"), float("nan"), 0, -1.0):
+        with pytest.raises(ValueError, match="positive, finite number of seconds"):
+            PlannerState(_planner(tiny_executor), tmp_path, fingerprint, interval_s=interval)
+
+
+def test_a_save_that_runs_out_of_space_keeps_the_previous_one_and_a_later_save_succeeds(tiny_executor, tmp_path, caplog):
+    """Disk full while saving, made real with the file-size limit (writes past it fail with
+    EFBIG, as they fail with ENOSPC on a full disk): the save fails and is logged, the previous
+    save still loads, nothing half-written is left, and the next save once space is back works."""
+    import resource
+    import signal
+
+    fingerprint = model_fingerprint(tiny_executor.model, tiny_executor.tokenizer, tiny_executor.rotary)
+    planner = _planner(tiny_executor)
+    for seed in range(2):
+        serve(planner, tiny_executor, *request(seed), "team-a")
+        serve(planner, tiny_executor, *request(seed, lead=9), "team-a")
+    state = PlannerState(planner, tmp_path, fingerprint, interval_s=3600)
+    assert state.save() == 1
+    folder = tmp_path / tenant_label("team-a")
+    before = _files(folder)
+    serve(planner, tiny_executor, *request(4), "team-a")  # something new to save
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        with caplog.at_level(logging.ERROR, logger="kvcomm.integrations.vllm.state"):
+            state._guarded_save()  # what the saver thread and the save at exit call
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert "saving the reuse state" in caplog.text and "File too large" in caplog.text
+    assert _files(folder) == before  # the previous save, untouched, and no temp file left
+    assert PlannerState(_planner(tiny_executor), tmp_path, fingerprint).restore()[folder.name].startswith("restored")
+    assert state.save_if_changed()  # space is back: the pending change is saved
+    assert _files(folder) != before
+    assert PlannerState(_planner(tiny_executor), tmp_path, fingerprint).restore()[folder.name].startswith("restored")
