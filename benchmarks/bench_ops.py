@@ -13,6 +13,11 @@ buffers; ``first_call_kernel_ops``). ``floor_bytes``
 is what the call must touch at least: each new segment's base, each candidate anchor's base
 (matching) and deviation, the stored KV of the exact prefix, and the output written.
 
+``--target paged`` counts what the vLLM worker launches instead: the plan, then the fused write of
+its pieces straight into a paged cache (FlashAttention's ``[2, blocks, block_size, H, D]`` per
+layer) at the request's slots, and separately (``capture_*``) one step's capture: ``--tokens``
+computed tokens copied from their slots into the request's capture buffer, every layer at once.
+
 Run it with ``TRITON_INTERPRET=1`` to count the path a GPU takes (the fused ops' Triton kernels,
 run by Triton's interpreter); without it, on a CPU, the torch composite runs and is counted.
 Targets (issue 42): kernel_ops <= 16 + 4 S and equal across layers and anchors; host_syncs <= 1;
@@ -32,7 +37,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from op_counter import DispatchCounter  # noqa: E402
 
+from kvcomm.core.copy import copy_tokens  # noqa: E402
 from kvcomm.core.kv import KV  # noqa: E402
+from kvcomm.core.kv_target import KVTarget, Paged  # noqa: E402
+from kvcomm.core.place import place_all  # noqa: E402
+from kvcomm.reuse.assemble import pieces  # noqa: E402
 from kvcomm.core.segments import Prompt, Segment  # noqa: E402
 from kvcomm.reuse.config import ReuseConfig  # noqa: E402
 from kvcomm.reuse.engine import ReuseEngine  # noqa: E402
@@ -70,55 +79,91 @@ def prompt(template: str, contents: list[tuple[int, ...]]) -> Prompt:
     return Prompt(template, tuple(segments))
 
 
-def calibrate(engine: ReuseEngine, p: Prompt, layers: int, gen: torch.Generator) -> None:
-    """A calibration call on random 'real' KV: learns bases, fixed bases and anchors from it."""
+def calibrate(engine: ReuseEngine, p: Prompt, layers: int, gen: torch.Generator, heads: int = KV_HEADS, dim: int = HEAD_DIM,
+              dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+    """A calibration call on random 'real' KV (``[layers, heads, n, dim]``, made on the CPU by
+    ``gen``, then moved): learns bases, fixed bases and anchors from it."""
     plan = engine.calibration_plan(p)
     n = len(p) - plan.reuse_end
-    engine.learn(plan, KV(torch.randn(layers, KV_HEADS, n, HEAD_DIM, generator=gen),
-                          torch.randn(layers, KV_HEADS, n, HEAD_DIM, generator=gen)))
+    engine.learn(plan, KV(torch.randn(layers, heads, n, dim, generator=gen).to(device, dtype),
+                          torch.randn(layers, heads, n, dim, generator=gen).to(device, dtype)))
 
 
-def case(executor, layers: int, anchors: int, segments: int, tokens: int) -> dict:
-    chosen = os.environ.get("KVCOMM_TRITON")
-    os.environ["KVCOMM_TRITON"] = "0"  # set-up on the torch path (Triton's interpreter is slow), what is counted on the chosen one
-    try:
-        return _case(executor, layers, anchors, segments, tokens, chosen)
-    finally:
-        if chosen is None:
-            os.environ.pop("KVCOMM_TRITON")
-        else:
-            os.environ["KVCOMM_TRITON"] = chosen
-
-
-def _case(executor, layers: int, anchors: int, segments: int, tokens: int, chosen: str | None) -> dict:
+def warm_engine(rotary, layers: int, anchors: int, segments: int, tokens: int, heads: int = KV_HEADS, dim: int = HEAD_DIM,
+                dtype: torch.dtype = torch.float32, device: str = "cpu") -> tuple[ReuseEngine, Prompt]:
+    """An engine whose slots hold ``anchors`` anchors each, and a prompt of ``segments`` new shared
+    contents of ``tokens`` tokens that it estimates (their bases learned elsewhere)."""
     gen = torch.Generator().manual_seed(1)
-    engine = ReuseEngine(executor.rotary, ReuseConfig())
+    engine = ReuseEngine(rotary, ReuseConfig())
 
     def contents(j: int) -> list[tuple[int, ...]]:
         return [tuple(1000 + 97 * s + 31 * j + t % 50 for t in range(tokens)) for s in range(segments)]
 
+    def learn(template: str, j: int) -> None:
+        calibrate(engine, prompt(template, contents(j)), layers, gen, heads, dim, dtype, device)
+
     for j in range(anchors):  # first sight: bases; second: anchors of template "reader"
-        calibrate(engine, prompt("reader", contents(j)), layers, gen)
-        calibrate(engine, prompt("reader", contents(j)), layers, gen)
-    calibrate(engine, prompt("writer", contents(anchors)), layers, gen)  # the new contents' bases, elsewhere
-    p = prompt("reader", contents(anchors))
+        learn("reader", j)
+        learn("reader", j)
+    learn("writer", anchors)  # the new contents' bases, elsewhere
+    return engine, prompt("reader", contents(anchors))
+
+
+def paged_cache(layers: int, tokens: int, block_size: int = 16) -> Paged:
+    """A FlashAttention-layout paged cache (``[2, blocks, block_size, H, D]`` per layer, fp32)
+    with room for ``tokens`` tokens."""
+    blocks = -(-tokens // block_size) + 1
+    caches = tuple(torch.zeros(2, blocks, block_size, KV_HEADS, HEAD_DIM) for _ in range(layers))
+    within = torch.arange(block_size * KV_HEADS * HEAD_DIM).view(block_size, KV_HEADS, HEAD_DIM)
+    return Paged(caches, within, within + blocks * block_size * KV_HEADS * HEAD_DIM, block_size * KV_HEADS * HEAD_DIM)
+
+
+def case(executor, layers: int, anchors: int, segments: int, tokens: int, target: str = "buffer") -> dict:
+    chosen = os.environ.get("KVCOMM_TRITON")
+    os.environ["KVCOMM_TRITON"] = "0"  # set-up on the torch path (Triton's interpreter is slow), what is counted on the chosen one
+    try:
+        return _case(executor, layers, anchors, segments, tokens, chosen, target)
+    finally:
+        if chosen is None:
+            os.environ.pop("KVCOMM_TRITON", None)
+        else:
+            os.environ["KVCOMM_TRITON"] = chosen
+
+
+def _case(executor, layers: int, anchors: int, segments: int, tokens: int, chosen: str | None, target: str) -> dict:
+    engine, p = warm_engine(executor.rotary, layers, anchors, segments, tokens)
     if chosen is not None:
         os.environ["KVCOMM_TRITON"] = chosen
     else:
-        os.environ.pop("KVCOMM_TRITON")
-    counters = []
+        os.environ.pop("KVCOMM_TRITON", None)
+    counters, captures = [], []
+    paged = paged_cache(layers, len(p) + tokens) if target == "paged" else None
+    scattered = torch.arange(len(p)).flip(0)  # the request's slots (scattered, last block first)
     for _ in range(2):  # the first call also makes what a process makes once (angle tables, constant buffers)
         with DispatchCounter() as counter:
             plan = engine.plan(p)
-            with engine.materialized(plan) as kv:
-                cache = executor._cache(kv)  # the transformers executor's injection
-                del cache
+            if paged is None:
+                with engine.materialized(plan) as kv:
+                    cache = executor._cache(kv)  # the transformers executor's injection
+                    del cache
+            else:  # the vLLM worker: the pieces written at the request's slots
+                place_all(pieces(plan), KVTarget.at_slots(paged, scattered[: plan.reuse_end]), executor.rotary)
         counters.append(counter)
+        if paged is not None:
+            buffer = torch.empty(layers, 2, KV_HEADS, len(p) + tokens, HEAD_DIM)
+            captured = scattered[:tokens]
+            with DispatchCounter() as counter:
+                copy_tokens(KVTarget.at_slots(paged, captured),
+                            KVTarget.contiguous(KV(buffer[:, 0], buffer[:, 1]), len(p), tokens))
+            captures.append(counter)
     estimated = [piece for piece in plan.pieces if piece.match is not None]
     if len(estimated) != segments:
         raise RuntimeError(f"expected {segments} estimated segments, the plan estimated {len(estimated)}: {plan.note}")
     c = counters[1].counts
-    return {"layers": layers, "anchors": anchors, "segments": segments, "tokens": tokens,
+    captured = {} if not captures else {
+        "capture_kernel_ops": captures[1].counts.kernel_ops, "capture_host_syncs": captures[1].counts.host_syncs,
+        "capture_bytes_moved": captures[1].counts.bytes_moved, "capture_floor_bytes": 2 * layers * 2 * KV_HEADS * tokens * HEAD_DIM * 4}
+    return {**captured, "target": target, "layers": layers, "anchors": anchors, "segments": segments, "tokens": tokens,
             "kernel_ops": c.kernel_ops, "host_syncs": c.host_syncs, "bytes_moved": c.bytes_moved,
             "floor_bytes": floor_bytes(plan), "triton_launches": c.triton_launches, "reuse_end": plan.reuse_end,
             "first_call_kernel_ops": counters[0].counts.kernel_ops, "ops": dict(sorted(c.ops.items(), key=lambda kv: -kv[1]))}
@@ -149,6 +194,8 @@ def main(argv=None) -> int:
     parser.add_argument("--anchors", default="2,8")
     parser.add_argument("--segments", default="1,4")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--target", choices=("buffer", "paged"), default="buffer",
+                        help="buffer: materialize + the transformers executor's injection; paged: the vLLM worker's write and capture")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -157,8 +204,8 @@ def main(argv=None) -> int:
         executor = tiny_executor(layers)
         for anchors in map(int, args.anchors.split(",")):
             for segments in map(int, args.segments.split(",")):
-                cases.append(case(executor, layers, anchors, segments, args.tokens))
-    result = {"path": "transformers", "triton": os.environ.get("TRITON_INTERPRET") == "1",
+                cases.append(case(executor, layers, anchors, segments, args.tokens, args.target))
+    result = {"path": "transformers" if args.target == "buffer" else "vllm-worker", "triton": os.environ.get("TRITON_INTERPRET") == "1",
               "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "float32", "cases": cases}
     if args.json:
         print(json.dumps(result))
@@ -166,7 +213,10 @@ def main(argv=None) -> int:
         for c in cases:
             print(f"L={c['layers']:>2} A={c['anchors']} S={c['segments']} T={c['tokens']}: {c['kernel_ops']:>5} kernel ops, "
                   f"{c['host_syncs']:>3} host syncs, {c['bytes_moved'] / c['floor_bytes']:.2f} x floor bytes "
-                  f"({c['bytes_moved']:,} / {c['floor_bytes']:,})")
+                  f"({c['bytes_moved']:,} / {c['floor_bytes']:,})"
+                  + ("" if "capture_kernel_ops" not in c else
+                     f"; capture: {c['capture_kernel_ops']} kernel ops, {c['capture_host_syncs']} host syncs, "
+                     f"{c['capture_bytes_moved'] / c['capture_floor_bytes']:.2f} x floor bytes"))
     return 0
 
 

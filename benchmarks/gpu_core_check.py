@@ -27,6 +27,15 @@ SmolLM2's (``--tokenizer``: a folder saved with ``save_pretrained``; default: th
    `kvcomm demo`: total TTFT over all 20 calls, misses included, and the token split, after an
    untimed run of three rows on a throwaway engine (first-use costs). Printed, not checked.
 
+5. ``fused[LAYOUT:DTYPE]``: the fused writer's Triton kernel (``kvcomm::place``) writes what its
+   torch composite writes (within one rounding of the dtype) into every paged layout of
+   ``tests/support/paged_layouts.py``, for a plan of a warm engine (estimated segments, an exact
+   prefix, fixed text), and ``kvcomm::copy_tokens`` (the vLLM worker's capture) reads slots back
+   bit-exactly. ``reuse_cost[SHAPE:DTYPE]``: one reusing call's device work as the vLLM worker
+   does it (plan with matching and admission, then the fused write into a FlashAttention-layout
+   paged cache; 1,000 shared tokens, 5 anchors), median ms against a dense prefill of 1,100
+   tokens of a random model of that shape (issue 42's floor: ~1-2 %). Printed, not checked.
+
 One line per check (PASS/FAIL/INFO); exit status 0 only when no check fails.
 """
 
@@ -44,6 +53,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))  # bench_ops' warm engine
 sys.path.insert(0, str(REPO / "tests"))  # the RoPE variants and the two-agent pipeline the test suite uses
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -198,6 +208,118 @@ def ttft_rows(tokenizer, device: str, dtype_name: str, shape_name: str) -> tuple
     return rows, report
 
 
+def _rotary(head_dim: int, theta: float):
+    from kvcomm.core.rope import Rotary
+
+    return Rotary(1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim)), 1.0, head_dim)
+
+
+def fused_rows(device: str) -> list[tuple[str, str, str]]:
+    import os
+
+    from bench_ops import warm_engine
+    from support.paged_layouts import layouts, paged, read
+
+    from kvcomm.core.copy import copy_tokens
+    from kvcomm.core.kv_target import KVTarget
+    from kvcomm.core.place import place_all
+    from kvcomm.reuse.assemble import pieces
+
+    layers, heads, dim, blocks, block_size = 4, 2, 64, 12, 16
+    ulps = {"fp32": 2e-6, "bf16": 2 ** -7, "fp16": 2 ** -10}
+    rows, before = [], os.environ.get("KVCOMM_TRITON")
+    rotary = _rotary(dim, 10000.0)
+    try:
+        for dtype_name, dtype in DTYPES.items():
+            os.environ["KVCOMM_TRITON"] = "0"
+            engine, prompt = warm_engine(rotary, layers, 3, 2, 40, heads, dim, dtype, device)
+            plan = engine.plan(prompt)
+            written = pieces(plan)
+            slots = torch.randperm(blocks * block_size, generator=torch.Generator().manual_seed(0))[: plan.reuse_end].to(device)
+            for name, make in layouts(blocks, block_size, heads, dim, dtype, device).items():
+                got = {}
+                for triton in ("1", "0"):
+                    os.environ["KVCOMM_TRITON"] = triton
+                    held = [make() for _ in range(layers)]
+                    place_all(written, KVTarget.at_slots(paged(held), slots), engine.rotary)
+                    got[triton] = [read(layer, slots) for layer in held]
+                error = max(float(((a.float() - b.float()).abs() / b.float().abs().clamp_min(1)).max())
+                            for pair_a, pair_b in zip(got["1"], got["0"]) for a, b in zip(pair_a, pair_b))
+                os.environ["KVCOMM_TRITON"] = "1"
+                out = torch.zeros(layers, 2, heads, len(slots), dim, dtype=dtype, device=device)
+                copy_tokens(KVTarget.at_slots(paged(held), slots), KVTarget.contiguous(KV_of(out), 0, len(slots)))
+                exact = all(torch.equal(out[layer, 0], k) and torch.equal(out[layer, 1], v)
+                            for layer, (k, v) in enumerate(got["0"]))
+                ok = error <= 2 * ulps[dtype_name] and exact
+                rows.append((f"fused[{name}:{dtype_name}]", "PASS" if ok else "FAIL",
+                             f"{plan.reuse_end} tokens ({sum(p.match is not None for p in plan.pieces)} segments estimated): "
+                             f"kernel vs composite {error / ulps[dtype_name]:.2f} ulp; capture copy "
+                             f"{'exact' if exact else 'DIFFERS'}"))
+    finally:
+        if before is None:
+            os.environ.pop("KVCOMM_TRITON", None)
+        else:
+            os.environ["KVCOMM_TRITON"] = before
+    return rows
+
+
+def KV_of(both: torch.Tensor):
+    from kvcomm.core.kv import KV
+
+    return KV(both[:, 0], both[:, 1])
+
+
+def _median_ms(fn, repeats: int, device: str) -> float:
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def reuse_cost_rows(tokenizer, device: str, dtype_name: str, shape_name: str) -> list[tuple[str, str, str]]:
+    from bench_ops import warm_engine
+    from support.paged_layouts import layouts, paged
+
+    from kvcomm.core.kv_target import KVTarget
+    from kvcomm.core.place import place_all
+    from kvcomm.reuse.assemble import pieces
+
+    shape, dtype = SHAPES[shape_name], DTYPES[dtype_name]
+    layers, heads = shape["num_hidden_layers"], shape["num_key_value_heads"]
+    dim = shape["hidden_size"] // shape["num_attention_heads"]
+    tokens, anchors, block_size = 1000, 5, 16
+    engine, prompt = warm_engine(_rotary(dim, 500000.0), layers, anchors, 1, tokens, heads, dim, dtype, device)
+    blocks = -(-(len(prompt) + 16) // block_size)
+    cache = paged([layouts(blocks, block_size, heads, dim, dtype, device)["flash_attention"]() for _ in range(layers)])
+    slots = torch.arange(len(prompt), device=device)
+    state = {}
+
+    def reuse():
+        plan = state["plan"] = engine.plan(prompt)
+        place_all(pieces(plan), KVTarget.at_slots(cache, slots[: plan.reuse_end]), engine.rotary)
+
+    for _ in range(3):
+        reuse()
+    reuse_ms = _median_ms(reuse, 20, device)
+    plan = state["plan"]
+    estimated = sum(p.base.length for p in plan.pieces if p.match is not None)
+    model = _llama(tokenizer, dtype, device, init_on_device=True, **shape)
+    ids = torch.randint(100, 5000, (1, 1100), device=device)
+    with torch.inference_mode():
+        for _ in range(2):
+            model(ids, use_cache=True)
+        dense_ms = _median_ms(lambda: model(ids, use_cache=True), 5, device)
+    return [(f"reuse_cost[{shape_name}:{dtype_name}]", "INFO",
+             f"plan + fused write of {plan.reuse_end} tokens ({estimated} estimated, {anchors} anchors, {layers} layers): "
+             f"{reuse_ms:.3f} ms; dense prefill of 1,100 tokens {dense_ms:.2f} ms ({100 * reuse_ms / dense_ms:.1f} %)")]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="torch device to check (default cuda)")
@@ -206,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttft", nargs="+", default=["1.7b:bf16", "1.7b:fp32", "8b:bf16"], metavar="SHAPE:DTYPE",
                         help=f"model shapes ({', '.join(SHAPES)}) and dtypes ({', '.join(DTYPES)}) the TTFT step times "
                              "(default: 1.7b:bf16 1.7b:fp32 8b:bf16)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=("selfcheck", "exact", "agreement", "ttft"),
+    parser.add_argument("--skip", nargs="*", default=[], choices=("selfcheck", "exact", "agreement", "fused", "ttft"),
                         help="checks to leave out")
     args = parser.parse_args(argv)
     from kvcomm.integrations.transformers.embedded import parse_device
@@ -221,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"== torch {torch.__version__}, device {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.startswith("cuda") else ""), flush=True)
     steps = {"selfcheck": lambda: selfcheck_rows(device), "exact": lambda: exact_rows(tokenizer, device),
-             "agreement": lambda: device_agreement_rows(tokenizer, device)}
+             "agreement": lambda: device_agreement_rows(tokenizer, device), "fused": lambda: fused_rows(device)}
     rows, reports, ok = [], {}, True
     for name, step in steps.items():
         if name in args.skip:
@@ -241,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
             if shape not in SHAPES or dtype_name not in DTYPES:
                 parser.error(f"--ttft {setting}: expected SHAPE:DTYPE with SHAPE in {', '.join(SHAPES)} and DTYPE in {', '.join(DTYPES)}")
             try:
+                if device.startswith("cuda") and shape != "tiny":
+                    for row in reuse_cost_rows(tokenizer, device, dtype_name, shape):
+                        print(f"{row[1]:5} {row[0]:34} {row[2]}", flush=True)
+                        rows.append(row)
                 got, reports[setting] = ttft_rows(tokenizer, device, dtype_name, shape)
             except Exception:
                 got = [(f"ttft[{setting}]", "FAIL", _failure())]
