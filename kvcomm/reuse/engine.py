@@ -105,6 +105,11 @@ class ReuseEngine:
         with self._lock:
             return self._held_base(shared_id) is not None
 
+    def base_ids(self) -> tuple[str, ...]:
+        """Content ids of the bases the engine itself holds (anchors' bases aside)."""
+        with self._lock:
+            return tuple(self._bases)
+
     def stored_base(self, shared_id: str) -> KV | None:
         """The position-free base KV held for shared content ``shared_id``, or None."""
         with self._lock:

@@ -6,12 +6,14 @@ SmolLM2-135M's 3 KV heads do not split over 2 ranks).
 Both runs use vLLM's default multiprocess engine, each in a subprocess of its own
 (``support/pipeline_run.py``): the demo pipeline's rows 0-2, an exact repeat of the first
 prompt and a request that does not opt in. ``strict`` is on, so a refusal fails the run.
-Both save their state at exit (``state_dir``); a third run at TP=2 restores it; two more
-runs (TP=1, TP=2) serve under a tenant byte cap."""
+Both save their state at exit (``state_dir``); a third run at TP=2 restores it, a fourth
+restores it with one rank's save lost; two more runs (TP=1, TP=2) serve under a tenant byte
+cap."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -36,7 +38,12 @@ def runs(model, tmp_path_factory) -> dict:
     state = tmp_path_factory.mktemp("state")
     out: dict = {tp: run_in_subprocess("mp", model, str(tp), str(state / f"tp{tp}")) for tp in (1, 2)}
     out["saves"] = {1: _save(state / "tp1"), **{f"rank{r}": _save(state / "tp2" / f"tp2-rank{r}") for r in (0, 1)}}
+    # the same saves with rank 1's tenant folder gone (a save at exit cut short before its first write)
+    shutil.copytree(state / "tp2", state / "tp2-rank1-lost")
+    for tenant in (state / "tp2-rank1-lost" / "tp2-rank1").iterdir():
+        shutil.rmtree(tenant)
     out["restored"] = run_in_subprocess("mp", model, "2", str(state / "tp2"))
+    out["rank1_lost"] = run_in_subprocess("mp", model, "2", str(state / "tp2-rank1-lost"))
     return out
 
 
@@ -129,3 +136,11 @@ def test_a_byte_cap_split_over_two_ranks_evicts_as_the_whole_cap_on_one(capped, 
     assert reused(capped[1]) < reused(runs[1])  # the cap binds
     for name in ("calls", "repeat", "plain"):
         assert capped[2][name] == capped[1][name], name
+
+
+def test_ranks_that_restored_different_states_all_start_cold(runs):
+    """Rank 1's save is lost, rank 0's restores: the ranks would plan every request differently
+    (and so reuse nothing); they agree to start cold instead, and serve as the first run did."""
+    lost = runs["rank1_lost"]["calls"]
+    assert all("error" not in c["kvcomm"] for c in lost), [c["kvcomm"] for c in lost]
+    assert lost == runs[2]["calls"]
