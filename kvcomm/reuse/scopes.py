@@ -41,8 +41,8 @@ reuse among the scopes that pass there.
 - ``all``: every token with a base: the template's text, the shared inputs, the other agents'
   replies (their producers' decode KV as base). Picked by MMLU.
 - ``all-reader-replies``: ``all``, but a reply is computed by its first reader, whose
-  computation becomes its base. Picked by retrieval; the only scope that passes on all four
-  workloads, so the default.
+  computation becomes its base. Picked by retrieval; of the scopes that pass on all four
+  workloads the one that reuses most, so the default.
 - ``content``: shared content only; the template text after it is computed, replies are served
   from their producer's decode KV. Picked by GSM and HumanEval (long replies).
 
