@@ -4,7 +4,7 @@ requests that reuse nothing, against a plugin-free vLLM engine in the same run.
 
     OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind \\
     .venv/bin/python benchmarks/bench_vllm.py [--rows 5] [--passes 3] [--min-document-tokens 1000]
-                                              [--max-new-tokens 12] [--reuse-scope all] [--repeats 10] [--json]
+                                              [--max-new-tokens 12] [--reuse-scope all-reader-replies] [--repeats 10] [--json]
     .venv/bin/python benchmarks/bench_vllm.py --data-path [--repeats N] [--tokens 1000]
 
 **Pipeline section.** The bundled review pipeline (`kvcomm demo`'s: four agents read one

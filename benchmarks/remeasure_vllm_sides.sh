@@ -97,8 +97,8 @@ step_eval() {
 }
 
 step_run() {
-  # The review pipeline with the demo's settings (gamma 1, first_use base), every row.
-  run_step run-review "$KVCOMM" run "$ROOT/kvcomm/data/review_pipeline.json" --backend vllm --gamma 1 --base-source first_use --json
+  # The review pipeline with the demo's settings of then (gamma 1, first_use base, scope all), every row.
+  run_step run-review "$KVCOMM" run "$ROOT/kvcomm/data/review_pipeline.json" --backend vllm --gamma 1 --base-source first_use --reuse-scope all --json
   # The chain pipeline as the 2026-11 history figure ran it: 3 rows, 8-token replies, first_use.
   "$PYTHON" - "$ROOT/kvcomm/data/demo_pipeline.json" "$OUT/chain3.json" <<'EOF'
 import json, sys
@@ -106,12 +106,13 @@ spec = json.load(open(sys.argv[1]))
 spec["inputs"], spec["max_new_tokens"] = spec["inputs"][:3], 8
 json.dump(spec, open(sys.argv[2], "w"), indent=2)
 EOF
-  run_step run-chain3 "$KVCOMM" run "$OUT/chain3.json" --backend vllm --base-source first_use --json
+  run_step run-chain3 "$KVCOMM" run "$OUT/chain3.json" --backend vllm --base-source first_use --reuse-scope all --json
 }
 
 step_bench() {
-  # docs/measurements/2026-12-02-bench-vllm.md: the defaults (5 rows, 3 passes, documents >= 1,000 tokens, 12-token replies)
-  run_step bench-vllm "$PYTHON" "$ROOT/benchmarks/bench_vllm.py" --json
+  # docs/measurements/2026-12-02-bench-vllm.md: the defaults of then (5 rows, 3 passes, documents >= 1,000 tokens,
+  # 12-token replies; scope all, the default until 2026-12-06)
+  run_step bench-vllm "$PYTHON" "$ROOT/benchmarks/bench_vllm.py" --reuse-scope all --json
 }
 
 summary() {
@@ -142,7 +143,7 @@ for folder in ("mmlu24-vllm-scopes", "retr24-vllm-scopes", "gsm24-vllm-scopes"):
           f"{'reply eq':>8} {'prefix hit':>17}")
     sums = {}
     for row in (r for r in data["aggregates"] if r["seed"] == "pooled"):
-        key = "dense" if row["mode"] == "dense" else (row["scope"] or "all")
+        key = "dense" if row["mode"] == "dense" else (row["scope"] or data["settings"]["scopes"][0])
         sums[key] = sum(c["ttft_s"] for c in data["calls"] if c["mode"] == row["mode"] and c["setting"] == row["setting"])
         ratio = sums["dense"] / sums[key]
         was = PUBLISHED.get((folder, key))

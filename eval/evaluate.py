@@ -170,7 +170,7 @@ class RunSpec:
 
     @property
     def setting(self) -> str:
-        """The run's settings as the results name them: "gamma=1,V=20", "scope=inputs", both, or ""."""
+        """The run's settings as the results name them: "gamma=1,V=20", "scope=content", both, or ""."""
         parts = [] if self.gamma is None and self.max_anchors is None else [f"gamma={self.gamma:g}", f"V={self.max_anchors}"]
         return ",".join(parts + ([f"scope={self.scope}"] if self.scope is not None else []))
 

@@ -36,18 +36,20 @@ from kvcomm.eval.metrics import bootstrap_ratio_interval
 
 POOLED = "pooled"
 DISTINGUISHING = ("base_source", "min_estimate_anchors", "recompute_ratio", "recompute_selection", "recompute_boundary", "dtype",
-                  "pool", "embedder", "reuse", "warm_rows")
+                  "pool", "embedder", "reuse", "warm_rows", "scopes")
 """Run settings that make two results' points different configurations (shown in labels when
 they differ between the runs of one workload). ``min_estimate_anchors``, ``recompute_selection``,
 ``recompute_boundary`` and ``reuse`` are settings of results written before those variants were
-removed; the chart still reads such results."""
+removed; the chart still reads such results. ``scopes`` tells apart runs of the default scope
+alone, which name no scope in their setting (``all`` until 2026-12-06, ``all-reader-replies``
+since)."""
 ONLY_FOR = {
     "pool": ("kvcomm", "kvblend"), "min_estimate_anchors": ("kvcomm", "kvblend"), "embedder": ("kvcomm", "kvblend"),
     "recompute_ratio": ("cacheblend", "kvblend"), "recompute_selection": ("cacheblend", "kvblend"),
     "recompute_boundary": ("cacheblend", "kvblend"),
 }
 """Settings that change only these modes' runs: other modes' labels leave them out."""
-SETTING_DEFAULTS = {"embedder": "kv", "warm_rows": 0}
+SETTING_DEFAULTS = {"embedder": "kv", "warm_rows": 0, "scopes": ["all"]}
 """What a result written before one of those settings existed ran with."""
 COMPUTED_POSITIONS = ("compute_trailing_text", "decode_reply_bases", "bases_after_estimates", "compute_tail")
 """Scope fields (and the removed ``compute_tail``) that change which prompt positions a run
@@ -56,6 +58,14 @@ written before scopes were presets carry them as ``reuse`` overrides."""
 
 _OLD_DEFAULTS = {**dataclasses.asdict(Scope()), "compute_tail": 1}
 """What a result's ``reuse`` overrides were relative to."""
+RETIRED_SCOPES = {
+    "reader-replies": Scope(decode_reply_bases=False, bases_after_estimates=True, compute_trailing_text=True),
+    "inputs": Scope(decode_reply_bases=False, compute_trailing_text=True),
+}
+"""Presets deleted on 2026-12-06 (no workload picked them; docs/decisions.md), kept here only so
+that results written with them are still named and placed by their scope."""
+_READABLE_SCOPES = {**SCOPES, **RETIRED_SCOPES}
+_LABEL_NAMES = {"scopes": "scope"}
 KL_INTERVAL = {"draws": 2000, "seed": 0, "level": 0.95}
 """The bootstrap behind each point's KL interval: inputs resampled with replacement."""
 
@@ -123,9 +133,10 @@ def load_results(folders: list[str | os.PathLike]) -> tuple[list[Point], list[Fl
             if row["seed"] != POOLED:
                 continue
             label = f"{row['mode']} {row['setting']}".strip()
-            suffix = ", ".join(f"{k.replace('_', ' ')} {_setting(_value(settings, k))}" for k in varying
+            suffix = ", ".join(f"{_LABEL_NAMES.get(k, k.replace('_', ' '))} {_setting(_value(settings, k))}" for k in varying
                                if row["mode"] in ONLY_FOR.get(k, (row["mode"],))
-                               and not (k == "reuse" and row.get("scope") and not _value(settings, k)))  # named by its setting
+                               and not (k == "reuse" and row.get("scope") and not _value(settings, k))  # named by its setting
+                               and not (k == "scopes" and (row.get("scope") or _value(settings, "reuse"))))  # named otherwise
             if suffix and row["mode"] != "dense":
                 label += f" ({suffix})"
             points.append(Point(
@@ -168,15 +179,17 @@ def _setting(value) -> str:
     up a reuse scope by the scope's name), nothing as "default"."""
     if not value:
         return "default"
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):  # ``scopes``: a default-scope run's
+        return value[0]
     if isinstance(value, list):
         pairs = dict(value)
         parts = []
-        matching = [name for name, scope in SCOPES.items() if _overrides(scope)
+        matching = [name for name, scope in _READABLE_SCOPES.items() if _overrides(scope)
                     and all(pairs.get(k) == v for k, v in _overrides(scope).items())]
-        scope = max(matching, key=lambda name: len(_overrides(SCOPES[name])), default=None)  # the most specific
+        scope = max(matching, key=lambda name: len(_overrides(_READABLE_SCOPES[name])), default=None)  # the most specific
         if scope is not None:
             parts.append(f"scope {scope}")
-            pairs = {k: v for k, v in pairs.items() if k not in _overrides(SCOPES[scope])}
+            pairs = {k: v for k, v in pairs.items() if k not in _overrides(_READABLE_SCOPES[scope])}
         return " ".join(parts + [f"{k}={v}" for k, v in pairs.items()])
     return str(value)
 
@@ -191,7 +204,7 @@ def _computed_positions(settings: dict, scope: str | None) -> str:
     first scope, "all" for results that name none; plus any old ``reuse`` overrides), as a
     comparable string."""
     scope = scope or (settings.get("scopes") or ["all"])[0]
-    values = {**_OLD_DEFAULTS, **dict(settings.get("reuse") or []), **_overrides(SCOPES.get(scope, Scope()))}
+    values = {**_OLD_DEFAULTS, **dict(settings.get("reuse") or []), **_overrides(_READABLE_SCOPES.get(scope, Scope()))}
     return json.dumps({k: values[k] for k in COMPUTED_POSITIONS}, sort_keys=True)
 
 

@@ -168,11 +168,10 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 def add_reuse_scope_option(parser: argparse.ArgumentParser) -> None:
     """``--reuse-scope``, one of ``SCOPES`` (kvcomm run, demo, serve and bench_vllm.py)."""
     parser.add_argument("--reuse-scope", choices=tuple(SCOPES), default=DEFAULT_SCOPE,
-                        help="what is served from stored KV: all (default: template text, inputs, replies), "
-                        "all-reader-replies (all, but each reply computed by its first reader and reused by the later "
-                        "ones as that reader computed it), content (the template text after the shared content computed), "
-                        "reader-replies (content, replies as in all-reader-replies), inputs (replies computed by every "
-                        "reader: the closest to dense, the least reuse; docs/anchor-pool.md)")
+                        help="what is served from stored KV: all-reader-replies (default: the template text, "
+                        "inputs and replies, each reply computed by its first reader and reused by the later ones as "
+                        "that reader computed it), all (replies served from their producer's decode KV), content (as "
+                        "all, but the template text after the shared content computed); docs/anchor-pool.md")
 
 
 def build_parser() -> argparse.ArgumentParser:

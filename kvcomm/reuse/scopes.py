@@ -32,23 +32,28 @@ SCOPES: dict[str, Scope] = {
     "all": Scope(),
     "all-reader-replies": Scope(decode_reply_bases=False, bases_after_estimates=True),
     "content": Scope(compute_trailing_text=True),
-    "reader-replies": Scope(decode_reply_bases=False, bases_after_estimates=True, compute_trailing_text=True),
-    "inputs": Scope(decode_reply_bases=False, compute_trailing_text=True),
 }
-"""The presets, roughly from the most reuse to the closest to dense:
+"""The presets, each the one some measured workload picks under the rule of docs/decisions.md
+(2026-12-06, "The default reuse scope, by a rule written down"): its first-token KL at most
+CacheBlend's at its defaults, at least as many replies equal to dense's, and the most token
+reuse among the scopes that pass there.
 
 - ``all``: every token with a base: the template's text, the shared inputs, the other agents'
-  replies (their producers' decode KV as base).
+  replies (their producers' decode KV as base). Picked by MMLU.
 - ``all-reader-replies``: ``all``, but a reply is computed by its first reader, whose
-  computation becomes its base.
-- ``content``: shared content only; the template text after it is computed.
-- ``reader-replies``: ``content`` with ``all-reader-replies``' reply bases.
-- ``inputs``: ``content``, and each reply computed by its readers until one computes it
-  cleanly: the workload's own inputs are what is reused.
+  computation becomes its base. Picked by retrieval; of the scopes that pass on all four
+  workloads the one that reuses most, so the default.
+- ``content``: shared content only; the template text after it is computed, replies are served
+  from their producer's decode KV. Picked by GSM and HumanEval (long replies).
+
+``reader-replies`` and ``inputs`` (both computing the template text, and each reply once or
+at every reader) were deleted on 2026-12-06: they pass the bar where measured but no workload
+picks them; docs/measurements/2026-12-05-where-the-error-is.md keeps their figures.
 """
 
-DEFAULT_SCOPE = "all"
-"""The scope of every entry point (CLI, connector, benchmarks) when none is named."""
+DEFAULT_SCOPE = "all-reader-replies"
+"""The scope of every entry point (CLI, connector, benchmarks) when none is named: the one the
+rule of docs/decisions.md (2026-12-06) picks. It was ``all`` until then."""
 
 
 def check_scope(name: str) -> str:

@@ -399,41 +399,42 @@ def test_pool_settings_reach_the_kvcomm_runs_and_bad_ones_are_refused():
 
 def test_reuse_scopes_run_every_reuse_mode_once_each_and_name_their_runs():
     args = _parser().parse_args(["eval", "--workload", "mmlu", "--out", "x", "--modes", "realign,kvcomm",
-                                 "--reuse-scope", "all,inputs"])
+                                 "--reuse-scope", "all,content"])
     from kvcomm.eval.cli_eval import settings_from_args
 
     settings = settings_from_args(args)
     runs = settings.runs()
-    assert [r.setting for r in runs] == ["scope=all", "scope=inputs", "gamma=1,V=20,scope=all", "gamma=1,V=20,scope=inputs"]
+    assert [r.setting for r in runs] == ["scope=all", "scope=content", "gamma=1,V=20,scope=all", "gamma=1,V=20,scope=content"]
     configs = [settings.config(r) for r in runs]
-    assert [(c.mode, c.scope) for c in configs] == [("realign", "all"), ("realign", "inputs"), ("kvcomm", "all"), ("kvcomm", "inputs")]
+    assert [(c.mode, c.scope) for c in configs] == [("realign", "all"), ("realign", "content"), ("kvcomm", "all"), ("kvcomm", "content")]
     scopes = [SCOPES[c.scope] for c in configs]
-    assert [(s.compute_trailing_text, s.decode_reply_bases) for s in scopes] == [(False, True), (True, False)] * 2
+    assert [(s.compute_trailing_text, s.decode_reply_bases) for s in scopes] == [(False, True), (True, True)] * 2
     # the default scope alone names nothing: results of earlier versions keep their settings
     assert [r.setting for r in EvalSettings(modes=("realign", "kvcomm")).runs()] == ["", "gamma=1,V=20"]
     assert [r.setting for r in EvalSettings(modes=("realign",), scopes=("content",)).runs()] == ["scope=content"]
+    assert [r.setting for r in EvalSettings(modes=("realign",), scopes=("all",)).runs()] == ["scope=all"]  # no longer the default
     with pytest.raises(ValueError, match="scopes must be distinct reuse scopes"):
         EvalSettings(scopes=("everything",))
 
 
 def test_scopes_share_one_dense_reference_and_the_narrower_scope_computes_more(tiny_executor, tmp_path):
     workload = _inline_workload(rows=3, max_new_tokens=4)
-    settings = EvalSettings(modes=("realign",), scopes=("all", "inputs"))
+    settings = EvalSettings(modes=("realign",), scopes=("all", "content"))
     result = evaluate(workload, tiny_executor, settings, progress=False)
     write_outputs(result, tmp_path)
     data, rows = _check_result_files(tmp_path, ("dense", "realign"))
     _check_sane(data)
     assert len(data["calls"]) == 3 * 3 * 3  # dense once, realign once per scope
     pooled = {a["setting"]: a for a in data["aggregates"] if a["seed"] == POOLED}
-    assert set(pooled) == {"", "scope=all", "scope=inputs"} and pooled["scope=inputs"]["scope"] == "inputs"
-    # inputs computes the template text after the task and every reply, which all serves from stored KV
-    assert pooled["scope=inputs"]["token_reuse_rate"] < pooled["scope=all"]["token_reuse_rate"]
-    assert {r["scope"] for r in rows} == {"", "all", "inputs"}
+    assert set(pooled) == {"", "scope=all", "scope=content"} and pooled["scope=content"]["scope"] == "content"
+    # content computes the template text after the shared content, which all serves from stored KV
+    assert pooled["scope=content"]["token_reuse_rate"] < pooled["scope=all"]["token_reuse_rate"]
+    assert {r["scope"] for r in rows} == {"", "all", "content"}
     from kvcomm.eval.frontier import load_results
 
     points, _ = load_results([tmp_path])
     positions = {p.label: p.computed_positions for p in points}
-    assert positions["realign scope=all"] != positions["realign scope=inputs"]
+    assert positions["realign scope=all"] != positions["realign scope=content"]
 
 
 def test_the_embedder_setting_reaches_every_reuse_engine(tiny_executor, monkeypatch):

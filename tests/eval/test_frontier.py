@@ -162,6 +162,19 @@ def test_a_kl_mean_is_weighed_only_against_runs_computing_the_same_positions(tmp
     assert "marked among runs that compute the same positions" in markdown(points, [])
 
 
+def test_default_scope_runs_from_before_and_after_the_default_changed_are_told_apart(tmp_path):
+    # a run of the default scope alone names no scope in its setting; its results record the
+    # scopes it ran (``all`` until 2026-12-06, ``all-reader-replies`` since; none before scopes existed)
+    old = _write(tmp_path / "a", "mmlu", [_row("dense", "", 0.0, 0.0), _row("kvcomm", "gamma=1,V=20", 0.75, 4e-3)])
+    was = _write(tmp_path / "b", "mmlu", [_row("kvcomm", "gamma=1,V=20", 0.74, 4e-3)], scopes=["all"])
+    now = _write(tmp_path / "c", "mmlu", [_row("kvcomm", "gamma=1,V=20", 0.69, 3e-3)], scopes=["all-reader-replies"])
+    points, _ = load_results([old, was, now])
+    assert [p.label for p in points] == ["dense", "kvcomm gamma=1,V=20 (scope all)", "kvcomm gamma=1,V=20 (scope all)",
+                                         "kvcomm gamma=1,V=20 (scope all-reader-replies)"]
+    assert points[1].computed_positions == points[2].computed_positions != points[3].computed_positions
+    assert [p.label for p in load_results([was, old])[0]] == ["kvcomm gamma=1,V=20", "dense", "kvcomm gamma=1,V=20"]
+
+
 def test_a_label_has_one_colour_in_every_panel(tmp_path):
     # gsm lacks the cacheblend point and kvcomm's first-token KL: a per-panel colour cycle would
     # give the shared labels other colours there

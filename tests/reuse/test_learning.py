@@ -21,6 +21,7 @@ from kvcomm.anchors.config import PoolConfig
 from kvcomm.anchors.pool import AnchorPool
 from kvcomm.reuse.config import ReuseConfig
 from kvcomm.reuse.engine import ReuseEngine
+from kvcomm.reuse.scopes import SCOPES
 from kvcomm.core.kv import KV, place
 from kvcomm.core.rope import Rotary
 from kvcomm.core.segments import Prompt, Segment, content_id
@@ -236,12 +237,16 @@ def _two_slot_prompt(doc: tuple[int, ...], doc_id: str, note: tuple[int, ...], n
     ))
 
 
+@pytest.mark.parametrize("scope", list(SCOPES))
 @pytest.mark.parametrize("provider", [True, False], ids=["standalone", "first_use"])
-def test_nothing_is_learned_from_kv_computed_behind_estimates(provider):
+def test_nothing_is_learned_from_kv_computed_behind_estimates(provider, scope):
+    """Invariant 4 of docs/anchor-pool.md, with its one exception by scope: where
+    ``bases_after_estimates`` is set (``all-reader-replies``), new content's first-use base is
+    taken behind estimates; nothing else is."""
     gen = torch.Generator().manual_seed(5)
     rotary = _rotary()
     provide = (lambda s: _rand(gen, len(s))) if provider else None
-    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), prefix_store_bytes=NO_PREFIX))
+    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), scope=scope, prefix_store_bytes=NO_PREFIX))
     doc = tuple(range(200, 212))
     first = _two_slot_prompt(doc, "doc-1", tuple(range(300, 306)), "note-1", (50, 51))
     engine.register_base(first.segments[1], _rand(gen, len(doc)))
@@ -260,8 +265,8 @@ def test_nothing_is_learned_from_kv_computed_behind_estimates(provider):
     assert set(engine._fixed_bases) == fixed_before  # the new middle and tail are not learned
     assert engine.pool("note").get("note-2") is None
     assert engine.prefix_store.nbytes == 0
-    if not provider:
-        assert not engine.has_base("note-2")  # no first-use base either
+    if not provider:  # no first-use base either, but where the scope takes it behind estimates
+        assert engine.has_base("note-2") is SCOPES[scope].bases_after_estimates
 
 
 def test_what_a_plan_does_behind_an_estimate_with_a_segment_its_pool_sends_dense():

@@ -56,7 +56,7 @@ def _adds_up(p) -> bool:
         ({"recompute_ratio": -0.1}, "recompute_ratio must be in (0, 1]"),
         ({"recompute_ratio": float("nan")}, "recompute_ratio must be in (0, 1]"),
         ({"base_source": "prefill"}, "unknown base_source 'prefill'; valid: first_use, standalone"),
-        ({"scope": "everything"}, "unknown reuse scope 'everything'; valid: all, all-reader-replies, content, reader-replies, inputs"),
+        ({"scope": "everything"}, "unknown reuse scope 'everything'; valid: all, all-reader-replies, content"),
         ({"prefix_store_bytes": -1}, "prefix_store_bytes must be an integer >= 0 (got -1)"),
         ({"workspace_bytes": -1}, "workspace_bytes must be an integer >= 0 (got -1)"),
         ({"workspace_bytes": 1.5}, "workspace_bytes must be an integer >= 0 (got 1.5)"),
@@ -70,7 +70,8 @@ def test_bad_config_is_refused_clearly(kwargs, message):
 
 def test_valid_configs():
     assert ReuseConfig().mode == "kvcomm" and ReuseConfig().recompute_ratio == 0.15 and CHECK_LAYER == 1
-    assert ReuseConfig().scope == "all"
+    assert ReuseConfig().scope == "all-reader-replies"  # the rule's choice (docs/decisions.md, 2026-12-06)
+    assert set(SCOPES) == {"all", "all-reader-replies", "content"}  # each picked by a measured workload
     for mode in MODES:
         ReuseConfig(mode=mode, recompute_ratio=1.0)
     for scope in SCOPES:

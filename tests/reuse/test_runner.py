@@ -15,8 +15,11 @@ def _prompt(tail: tuple[int, ...]) -> Prompt:
     return Prompt("reader", (Segment((300, 301)), Segment(DOC, slot="doc", shared_id="doc"), Segment(tail)))
 
 
-def test_a_reply_becomes_a_base_only_from_a_request_that_did_not_estimate(tiny_executor):
-    engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(mode="realign", prefix_store_bytes=0))
+@pytest.mark.parametrize("scope", [name for name, scope in SCOPES.items() if scope.decode_reply_bases])
+def test_a_reply_becomes_a_base_only_from_a_request_that_did_not_estimate(tiny_executor, scope):
+    """Scopes with decode_reply_bases: the producer's decode KV is the reply's base, from a
+    request that estimated nothing."""
+    engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(mode="realign", scope=scope, prefix_store_bytes=0))
     first, first_use = run_agent(tiny_executor, engine, _prompt((500, 501)), 3)
     assert first_use.estimated_tokens == 0  # the document is new: computed, its base learned
     assert engine.has_base(Segment(first.reply_ids, slot="_").shared_id)  # a clean request's reply always
@@ -26,7 +29,7 @@ def test_a_reply_becomes_a_base_only_from_a_request_that_did_not_estimate(tiny_e
     assert not engine.has_base(Segment(second.reply_ids, slot="_").shared_id)
 
 
-@pytest.mark.parametrize("scope", ["all-reader-replies", "reader-replies", "inputs"])
+@pytest.mark.parametrize("scope", [name for name, scope in SCOPES.items() if not scope.decode_reply_bases])
 def test_without_decode_reply_bases_a_reply_is_computed_until_a_clean_reader_takes_its_base(tiny_executor, scope):
     """Scopes without decode_reply_bases: the producer's decode KV is not the reply's base,
     even from a clean request; the first reader that computes it cleanly gives it one, which
@@ -44,25 +47,25 @@ def test_without_decode_reply_bases_a_reply_is_computed_until_a_clean_reader_tak
     assert second_read.estimated_tokens == len(reply)
 
 
-@pytest.mark.parametrize("scope", ["inputs", "reader-replies", "all-reader-replies"])
-def test_a_reader_that_estimated_gives_a_reply_its_base_only_when_asked(tiny_executor, scope):
+@pytest.mark.parametrize("scope", [name for name, scope in SCOPES.items() if not scope.decode_reply_bases])
+def test_a_reader_that_estimated_gives_a_reply_its_base(tiny_executor, scope):
     """decode_reply_bases=False with every reader estimating the document: bases_after_estimates
-    (scopes reader-replies, all-reader-replies) lets the first reader's computed KV of the reply become its base, so
-    the next reader reuses the reply; without it (scope inputs) the reply stays computed."""
-    config = ReuseConfig(mode="realign", scope=scope, prefix_store_bytes=0)
-    after_estimates = SCOPES[scope].bases_after_estimates
-    engine = ReuseEngine(tiny_executor.rotary, config)
+    (which every such scope sets) lets the first reader's computed KV of the reply become its
+    base, so the next reader reuses the reply."""
+    assert SCOPES[scope].bases_after_estimates
+    engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(mode="realign", scope=scope, prefix_store_bytes=0))
     produced, _ = run_agent(tiny_executor, engine, _prompt((500, 501)), 3)
     reply = Segment(produced.reply_ids, slot="reply")
 
     def reader(tail: tuple[int, ...]) -> Prompt:
         return Prompt("reader", (Segment((300, 301)), Segment(DOC, slot="doc", shared_id="doc"), reply, Segment(tail)))
 
+    assert not engine.has_base(reply.shared_id)  # not from its producer
     _, first_read = run_agent(tiny_executor, engine, reader((700, 701)), 2)
     assert first_read.estimated_tokens == len(DOC)  # the document realigned, the reply computed behind it
-    assert engine.has_base(reply.shared_id) is after_estimates
+    assert engine.has_base(reply.shared_id)
     _, second_read = run_agent(tiny_executor, engine, reader((702, 703)), 2)
-    assert second_read.estimated_tokens == len(DOC) + (len(reply) if after_estimates else 0)
+    assert second_read.estimated_tokens == len(DOC) + len(reply)
 
 
 def test_namespaced_gives_each_caller_a_new_salt_and_leaves_runtimes_without_a_prefix_cache_alone(tiny_executor):

@@ -27,14 +27,17 @@ def _team(client: KvcommChatCompletionClient) -> RoundRobinGroupChat:
     return RoundRobinGroupChat([writer, reviewer], max_turns=2)
 
 
-def _reuse_backend(executor, max_new_tokens: int = 12) -> ChatBackend:
+def _reuse_backend(executor, max_new_tokens: int = 12, scope: str = ReuseConfig.scope) -> ChatBackend:
     # gamma 1: any two compatible anchors are close enough, so reuse starts after two samples
-    return ChatBackend(executor, ReuseEngine(executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), base_source="standalone")), max_new_tokens)
+    config = ReuseConfig(pool=PoolConfig(gamma=1.0), base_source="standalone", scope=scope)
+    return ChatBackend(executor, ReuseEngine(executor.rotary, config), max_new_tokens)
 
 
 @pytest.mark.slow
 def test_round_robin_reviewer_reuses_writers_reply(tiny_executor):
-    client = KvcommChatCompletionClient(_reuse_backend(tiny_executor))
+    # scope all: the writer's reply is served from its decode KV to its only reader; under the
+    # default (all-reader-replies) its first reader computes it
+    client = KvcommChatCompletionClient(_reuse_backend(tiny_executor, scope="all"))
     replies = []
     for task in TASKS:
         result = asyncio.run(_team(client).run(task=task))

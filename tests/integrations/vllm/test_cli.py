@@ -86,12 +86,12 @@ def test_serve_passes_the_reuse_scope_to_the_connector_and_it_refuses_an_unknown
 
     parse = build_parser().parse_known_args
     assert "reuse_scope" not in engine_settings(parse(["serve"])[0])  # the default: nothing to pass
-    extra = engine_settings(parse(["serve", "--reuse-scope", "inputs"])[0])
-    assert extra["reuse_scope"] == "inputs"
+    extra = engine_settings(parse(["serve", "--reuse-scope", "content"])[0])
+    assert extra["reuse_scope"] == "content"
     scope = SCOPES[ReuseConfig(scope=extra["reuse_scope"]).scope]
-    assert scope.compute_trailing_text and not scope.decode_reply_bases
-    assert SCOPES[ReuseConfig(scope="content").scope].decode_reply_bases
-    with pytest.raises(ValueError, match="unknown reuse scope 'everything'; valid: all, all-reader-replies, content, reader-replies, inputs"):
+    assert scope.compute_trailing_text and scope.decode_reply_bases
+    assert engine_settings(parse(["serve", "--reuse-scope", "all"])[0])["reuse_scope"] == "all"  # no longer the default
+    with pytest.raises(ValueError, match="unknown reuse scope 'everything'; valid: all, all-reader-replies, content"):
         _connector(kv_extra={"reuse_scope": "everything"})
 
 
