@@ -68,6 +68,13 @@ class ProcessGroupHeads(HeadShards):
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
+    def agree(self, value: object) -> bool:
+        import torch.distributed as dist
+
+        values: list[object] = [None] * self.size
+        dist.all_gather_object(values, value, group=self.group)
+        return all(v == values[0] for v in values)
+
     def gather(self, parts: Sequence[torch.Tensor], dims: Sequence[int]) -> list[torch.Tensor]:
         import torch.distributed as dist
 

@@ -107,23 +107,23 @@ class KVTarget:
             return
         storage = _storage_view(self.paged.caches[layer])
         k_at, v_at = self._element_indices(storage.device, at, m)
-        storage.index_put_((k_at,), keys.transpose(0, 1).reshape(-1))
-        storage.index_put_((v_at,), values.transpose(0, 1).reshape(-1))
+        storage.index_put_((k_at,), keys.reshape(-1))  # a view when keys are contiguous, as the composite's are
+        storage.index_put_((v_at,), values.reshape(-1))
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's keys and values at the target's tokens, ``[H, n, D]`` each (copies; from a
-        paged cache token-major ones, transposed, so that writing them is the only other copy)."""
+        """One layer's keys and values at the target's tokens, ``[H, n, D]`` each (copies)."""
         if self.buffer is not None:
             span = self.buffer.span(self.start, self.start + self.n)
             return span.keys[layer].clone(), span.values[layer].clone()
         storage = _storage_view(self.paged.caches[layer])
         k_at, v_at = self._element_indices(storage.device, 0, self.n)
-        shape = (self.n, *self.paged.key_offsets.shape[1:])
-        return storage[k_at].view(shape).transpose(0, 1), storage[v_at].view(shape).transpose(0, 1)
+        heads, dim = self.paged.key_offsets.shape[1:]
+        return storage[k_at].view(heads, self.n, dim), storage[v_at].view(heads, self.n, dim)
 
     def _element_indices(self, device: torch.device, at: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat storage indices (relative to a cache's first element) of every key and value
-        element of the target's tokens ``[at, at + m)``, ``[m * H * D]`` each, token-major."""
+        element of the target's tokens ``[at, at + m)``, ``[H * m * D]`` each, in ``[H, m, D]``
+        order (a contiguous layer of KV flattens onto them without a copy)."""
         held = self._indices.get((device, at, m))
         if held is not None:
             return held
@@ -131,8 +131,8 @@ class KVTarget:
         slots = self.slots[at : at + m].to(device)
         start = (slots // p.block_size * p.block_stride)[:, None, None]
         inner = slots % p.block_size
-        held = self._indices[(device, at, m)] = ((start + p.key_offsets.to(device)[inner]).reshape(-1),
-                                                 (start + p.value_offsets.to(device)[inner]).reshape(-1))
+        held = self._indices[(device, at, m)] = ((start + p.key_offsets.to(device)[inner]).transpose(0, 1).reshape(-1),
+                                                 (start + p.value_offsets.to(device)[inner]).transpose(0, 1).reshape(-1))
         return held
 
 
