@@ -43,3 +43,19 @@ def test_the_torch_composite_is_counted_as_it_runs():
     (small, large) = _run("--layers", "2", "--anchors", "2,8", "--segments", "1", "--tokens", "8", triton="0")
     assert small["triton_launches"] == 0 and small["kernel_ops"] > 16 + 4
     assert large["kernel_ops"] > small["kernel_ops"]
+
+
+def test_the_vllm_workers_write_and_capture_meet_the_targets_in_a_paged_cache():
+    """``--target paged``: the plan's pieces written at scattered slots of a paged cache, and a
+    step's capture copied out, as the vLLM worker does: the same targets for the write; the
+    capture a constant few ops (its tables' upload and one kernel), no host sync, floor bytes."""
+    cases = _run("--target", "paged", "--layers", "2,8", "--anchors", "2", "--segments", "1,2", "--tokens", "8")
+    assert len(cases) == 4
+    for c in cases:
+        assert c["kernel_ops"] <= 16 + 4 * c["segments"] and c["host_syncs"] <= 1, c
+        assert c["bytes_moved"] <= 1.2 * c["floor_bytes"], c
+        assert c["capture_kernel_ops"] <= 3 and c["capture_host_syncs"] == 0, c
+        assert c["capture_bytes_moved"] <= 1.2 * c["capture_floor_bytes"], c
+    for segments in (1, 2):
+        assert len({c["kernel_ops"] for c in cases if c["segments"] == segments}) == 1, cases
+    assert len({c["capture_kernel_ops"] for c in cases}) == 1, cases
