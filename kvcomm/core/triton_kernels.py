@@ -70,6 +70,16 @@ def _weighted(src, s_sl, s_sh, s_st, kv, layer, head, t_idx, d_idx, mask,
 
 
 @triton.jit
+def _tile(n, D, BT: tl.constexpr, BD: tl.constexpr):
+    """This program's (layer, head, token indices ``[BT]``, channel indices ``[BD]``, token mask,
+    element mask ``[BT, BD]``) on a (layers, heads, cdiv(n, BT)) grid."""
+    t_idx = tl.program_id(2) * BT + tl.arange(0, BT)
+    d_idx = tl.arange(0, BD)
+    t_ok = t_idx < n
+    return tl.program_id(0), tl.program_id(1), t_idx, d_idx, t_ok, t_ok[:, None] & (d_idx[None, :] < D)
+
+
+@triton.jit
 def place_kernel(
     base_k, base_v, s_sl, s_sh, s_st,
     dev_table, dev_f64, n_dev, first,
@@ -83,12 +93,7 @@ def place_kernel(
     """Write position-free KV ``base`` (+ the anchors' weighted deviations) for ``n`` tokens,
     keys rotated to positions ``pos0 + t`` (``cos``/``sin`` ``[positions, R2]``, attention
     scaling included), into the destination. Grid: (layers, heads, cdiv(n, BT))."""
-    layer = tl.program_id(0)
-    head = tl.program_id(1)
-    t_idx = tl.program_id(2) * BT + tl.arange(0, BT)
-    d_idx = tl.arange(0, BD)
-    t_ok = t_idx < n
-    mask = t_ok[:, None] & (d_idx[None, :] < D)
+    layer, head, t_idx, d_idx, t_ok, mask = _tile(n, D, BT, BD)
     values = _weighted(base_v, s_sl, s_sh, s_st, 1, layer, head, t_idx, d_idx, mask, dev_table, dev_f64, n_dev, first,
                        logits, w_sa, w_sl, w_sh, w_st, w_sd, w_sj, n_sum, scale, tau, alpha, alpha_sr, HAS_DEV, SQRT)
     keys = _weighted(base_k, s_sl, s_sh, s_st, 0, layer, head, t_idx, d_idx, mask, dev_table, dev_f64, n_dev, first,
@@ -191,12 +196,7 @@ def copy_kernel(src_layers, src_tok, src_off, src_koff, src_voff, s_sb, s_sh,
                 n, D, BT: tl.constexpr, BD: tl.constexpr):
     """Copy the keys and values of ``n`` tokens from one addressed KV to another (both in the
     addressing of the module docstring), every layer; grid (layers, heads, cdiv(n, BT))."""
-    layer = tl.program_id(0)
-    head = tl.program_id(1)
-    t_idx = tl.program_id(2) * BT + tl.arange(0, BT)
-    d_idx = tl.arange(0, BD)
-    t_ok = t_idx < n
-    mask = t_ok[:, None] & (d_idx[None, :] < D)
+    layer, head, t_idx, d_idx, t_ok, mask = _tile(n, D, BT, BD)
     src = tl.load(src_layers + layer).to(tl.pointer_type(like.dtype.element_ty))
     dst = tl.load(dst_layers + layer).to(tl.pointer_type(like.dtype.element_ty))
     s_inner = tl.load(src_off + t_idx, mask=t_ok, other=0)[:, None] * s_sb + head * s_sh + d_idx[None, :]
