@@ -36,11 +36,11 @@ def _logprobs(output) -> list[dict]:
     return [{k: v.logprob for k, v in step.items()} for step in output.outputs[0].logprobs]
 
 
-def _garbage(executor, ids) -> Injection:
+def _garbage(executor, ids) -> KV:
     layers, heads, dim = 30, 3, 64
     generator = torch.Generator().manual_seed(0)
-    return Injection.of_kv(KV(torch.randn(layers, heads, len(ids) - 1, dim, generator=generator),
-                              torch.randn(layers, heads, len(ids) - 1, dim, generator=generator)))
+    return KV(torch.randn(layers, heads, len(ids) - 1, dim, generator=generator),
+              torch.randn(layers, heads, len(ids) - 1, dim, generator=generator))
 
 
 def test_no_opt_in_gets_stock_output_after_approximate_reuse(vllm_llm, vllm_executor):
@@ -66,7 +66,7 @@ def test_without_the_salt_injected_blocks_would_leak(vllm_llm, vllm_executor):
     clean = _plain(vllm_llm, [ids])[0]
     vllm_llm.reset_prefix_cache()
     try:
-        vllm_executor._run(ids, Order(_garbage(vllm_executor, ids), len(ids) - 1, len(ids)), 1, salted=False)
+        vllm_executor._run(ids, Order(Injection.of_kv(_garbage(vllm_executor, ids)), len(ids) - 1, len(ids)), 1, salted=False)
         leaked = _plain(vllm_llm, [ids])[0]
         assert leaked.num_cached_tokens > 0 and leaked.outputs[0].token_ids != clean.outputs[0].token_ids
     finally:
