@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
-from kvcomm.integrations.local.backend import ChatCall, ChatReply, slot_reuse, summarize
+from kvcomm.integrations.local.backend import ChatCall, ChatReply, calling_agent, slot_reuse, summarize
 from kvcomm.integrations.local.segments import ChatPrompt, ChatTurn, parse_tool_calls, render_chat, supports_tools
 from kvcomm.integrations.remote import wire
 
@@ -182,19 +182,20 @@ class RemoteChatBackend:
 
     def complete(
         self, turns: Sequence[ChatTurn], *, tools: Sequence[dict] | None = None, max_new_tokens: int | None = None,
-        on_token: Any = None, context_ids: Sequence[str] = (),
+        on_token: Any = None, context_ids: Sequence[str] = (), agent: str | None = None,
     ) -> ChatReply:
-        """One greedy completion of ``turns`` (blocking; ``acomplete`` streams and cancels)."""
+        """One greedy completion of ``turns`` (blocking; ``acomplete`` streams and cancels).
+        agent: the calling agent's name (``ChatCall.agent``)."""
         if on_token is not None:
             raise ValueError("token callbacks need the async path: use acomplete(on_text=...) on a remote backend")
         started = time.perf_counter()
         chat, body = self._prepare(turns, tools, max_new_tokens, context_ids, stream=False)
         data = self._post("/v1/completions", body)
-        return self._finish(turns, chat, tools, started, data)
+        return self._finish(turns, chat, tools, started, data, agent=agent)
 
     async def acomplete(
         self, turns: Sequence[ChatTurn], *, tools: Sequence[dict] | None = None, max_new_tokens: int | None = None,
-        on_text: Callable[[str], None] | None = None, context_ids: Sequence[str] = (),
+        on_text: Callable[[str], None] | None = None, context_ids: Sequence[str] = (), agent: str | None = None,
     ) -> ChatReply:
         """One greedy completion; with ``on_text`` the server streams and each text delta is
         passed on as it arrives. Cancelling the awaiting task closes the HTTP connection,
@@ -210,9 +211,9 @@ class RemoteChatBackend:
                     await self._stream(http, body, streamed, on_text)
                     data = streamed.response()
         except asyncio.CancelledError:
-            self._log_cancelled(turns, chat, started, streamed)
+            self._log_cancelled(turns, chat, started, streamed, agent)
             raise
-        return self._finish(turns, chat, tools, started, data,
+        return self._finish(turns, chat, tools, started, data, agent=agent,
                             why_unknown="streamed: vLLM streams no kv_transfer_params (use create for the split)" if on_text else "")
 
     async def _asend(self, pending) -> httpx.Response:
@@ -239,7 +240,9 @@ class RemoteChatBackend:
         except httpx.HTTPError as error:
             raise RemoteError(f"the stream from {self.base_url} broke ({error})") from error
 
-    def _finish(self, turns, chat: ChatPrompt, tools, started: float, data: dict[str, Any], why_unknown: str = "") -> ChatReply:
+    def _finish(
+        self, turns, chat: ChatPrompt, tools, started: float, data: dict[str, Any], *, agent: str | None = None, why_unknown: str = "",
+    ) -> ChatReply:
         choice = (data.get("choices") or [None])[0]
         if not isinstance(choice, dict):
             raise RemoteError(f"the server's completion has no choices: {str(data)[:300]}")
@@ -261,19 +264,17 @@ class RemoteChatBackend:
         # reader reuses it when the text re-tokenizes to the same ids.
         registered = bool(self.reuse and summary and "error" not in summary and reason != "length"
                           and reply_ids and self.encode(self.decode(reply_ids)) == reply_ids)
-        agent = next((t.source for t in reversed(turns) if t.role == "assistant" and t.source), None)
         call = ChatCall(
-            chat.prompt.template_id, agent, provenance, int(usage.get("completion_tokens", len(reply_ids))), reason, registered,
+            chat.prompt.template_id, calling_agent(turns, agent), provenance, int(usage.get("completion_tokens", len(reply_ids))), reason, registered,
             time.perf_counter() - started, {}, chat.note, slot_reuse(chat, provenance),
         )
         self.calls.append(call)
         return ChatReply(text_out, tuple(reply_ids), call, tool_calls)
 
-    def _log_cancelled(self, turns, chat: ChatPrompt, started: float, streamed: wire.StreamedCompletion) -> None:
+    def _log_cancelled(self, turns, chat: ChatPrompt, started: float, streamed: wire.StreamedCompletion, agent: str | None) -> None:
         provenance = wire.provenance(chat, len(chat.prompt), None, self.reuse, why_unknown="cancelled: the server aborted the request")
-        agent = next((t.source for t in reversed(turns) if t.role == "assistant" and t.source), None)
         self.calls.append(ChatCall(
-            chat.prompt.template_id, agent, provenance, len(streamed.token_ids), "cancelled", False,
+            chat.prompt.template_id, calling_agent(turns, agent), provenance, len(streamed.token_ids), "cancelled", False,
             time.perf_counter() - started, {}, chat.note, slot_reuse(chat, provenance),
         ))
 
