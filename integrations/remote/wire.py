@@ -82,7 +82,8 @@ def provenance(
     every prompt token counts as computed and the note says why. The counts are kvcomm's plan;
     ``cached_tokens`` (vLLM's ``usage.prompt_tokens_details.cached_tokens``, when the server
     reports it) is vLLM's own count, quoted in the note with what separates the two
-    (``cached_note``).
+    (``cached_note``); ``Provenance.cached_tokens`` is the part of kvcomm's computed tokens that
+    vLLM's prefix cache served instead (as the in-process vLLM executor reports it).
     """
     shared = sum(len(chat.prompt.segments[i]) for i in chat.turn_segments.values())
     reused = None if summary is None or "error" in summary else (
@@ -98,7 +99,8 @@ def provenance(
         if not why_unknown:
             why_unknown = "dense: no kvcomm options sent" if not reuse else (
                 "the server returned no kvcomm provenance (started with --no-plan, or not `kvcomm serve`?)")
-        return Provenance(prompt_tokens, 0, 0, prompt_tokens, shared, 0, False, _join(why_unknown, extra), ttft_s)
+        return Provenance(prompt_tokens, 0, 0, prompt_tokens, shared, 0, False, _join(why_unknown, extra), ttft_s,
+                          cached_tokens=cached_tokens or 0)
     exact, estimated = int(summary["exact_tokens"]), int(summary["estimated_tokens"])
     end = exact + estimated
     reused_shared = 0
@@ -109,6 +111,7 @@ def provenance(
     return Provenance(
         int(summary["prompt_tokens"]), exact, estimated, int(summary["computed_tokens"]), shared, reused_shared,
         bool(summary.get("fallback", False)), note, ttft_s,
+        cached_tokens=max(0, cached_tokens - end) if cached_tokens is not None else 0,
     )
 
 

@@ -78,7 +78,10 @@ def test_provenance_from_a_server_summary_and_without_one(tokenizer):
     # vLLM's own prefix cache reached further than kvcomm's plan: the note says which count is which
     p = provenance(chat, n, summary | {"exact_tokens": 0, "estimated_tokens": 0, "computed_tokens": n}, True, cached_tokens=32)
     assert p.computed_tokens == n and p.note.endswith("vs kvcomm's plan 0 exact+estimated: 32 of kvcomm's computed tokens were a vLLM prefix-cache hit")
+    assert p.cached_tokens == 32  # of the computed tokens, those vLLM's prefix cache served (as in process)
+    assert provenance(chat, n, summary, True, cached_tokens=first + 3).cached_tokens == 0
     p = provenance(chat, n, None, False, cached_tokens=32)
+    assert p.cached_tokens == 32 and p.computed_tokens == n
     assert p.note == "dense: no kvcomm options sent; vLLM cached_tokens 32: vLLM's prefix-cache hit (kvcomm reported no split)"
     for rejected in ({"error": "bad slot"}, None, {"note": "x"}):
         p = provenance(chat, n, rejected, True)
