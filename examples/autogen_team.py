@@ -71,7 +71,7 @@ def make_clients(args) -> tuple[dict[str, KvcommChatCompletionClient], dict[str,
     name of each template id."""
     if args.remote:
         clients = {mode: KvcommChatCompletionClient.remote(
-            args.remote, reuse=mode == "reuse", max_new_tokens=args.max_tokens, api_key=args.api_key)
+            args.remote, reuse=mode == "reuse", max_tokens=args.max_tokens, api_key=args.api_key)
                    for mode in ("dense", "reuse")}
         tokenizer, encode = clients["reuse"].backend.tokenizer, clients["reuse"].backend.encode
     else:

@@ -52,6 +52,8 @@ def test_round_robin_reviewer_reuses_writers_reply(tiny_executor):
     # a reply's KV becomes a base only when its whole context was computed or exact
     assert not any(c.reply_registered for c in calls if c.provenance.estimated_tokens > 0)
     assert any(c.reply_registered for c in calls)
+    # a reply cut by max_tokens is a base too (the remote clients match it: tests/integrations/remote)
+    assert any(c.reply_registered and c.finish_reason == "length" for c in calls)
     assert reviewer.provenance.estimated_tokens > 0 and not reviewer.provenance.fallback
     for call in calls:
         p = call.provenance
