@@ -1,7 +1,9 @@
 """An autogen-core ``ChatCompletionClient`` served by kvcomm in process (AutoGen 0.7).
 
 Give every agent of a team the same client: they then share one executor and one reuse
-engine, and each agent reuses the KV of what the others wrote (see ``local.backend``).
+engine, and each agent reuses the KV of what the others wrote from its second call on (its
+first computes its new system message and, today, the rest of its prompt: docs/autogen.md,
+warm-up; see ``local.backend``).
 
     client = KvcommChatCompletionClient()            # embedded SmolLM2, with reuse
     dense = KvcommChatCompletionClient(reuse=False)  # the same model, dense prefill
