@@ -11,8 +11,10 @@ reuse, median TTFT in both modes, and how often the greedy reply matched the den
 
 A few minutes on a laptop CPU (SmolLM2-135M, fp32). With ``--remote`` the same team runs
 against a server (its anchor pools, its ``--gamma``); the dense run sends plain requests
-without the kvcomm opt-in. TTFT there is the server's own measure when it runs with
-``--enable-per-request-metrics``, else the call's wall time (marked "wall").
+without the kvcomm opt-in. TTFT there is the server's own measure (`kvcomm serve` reports
+it unless started with ``--disable-log-stats``), else the call's wall time (marked "wall").
+Reuse starts from the second task: each agent's first call computes its whole prompt
+(docs/autogen.md, warm-up).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def make_clients(args) -> tuple[dict[str, KvcommChatCompletionClient], dict[str,
     name of each template id."""
     if args.remote:
         clients = {mode: KvcommChatCompletionClient.remote(
-            args.remote, reuse=mode == "reuse", max_new_tokens=args.max_tokens, api_key=args.api_key)
+            args.remote, reuse=mode == "reuse", max_tokens=args.max_tokens, api_key=args.api_key)
                    for mode in ("dense", "reuse")}
         tokenizer, encode = clients["reuse"].backend.tokenizer, clients["reuse"].backend.encode
     else:

@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     # bundled documents differ in content and a lower gamma may compute them all.
     demo.set_defaults(backend="vllm", gamma=DEMO_GAMMA, base_source="first_use")
     demo.add_argument("--chart", default=DEMO_CHART, help=f"where to write the PNG chart (default: {DEMO_CHART})")
-    serve = sub.add_parser("serve", help="vLLM's OpenAI-compatible server with the kvcomm plugin (other args go to vLLM)")
+    serve = sub.add_parser("serve", help="vLLM's OpenAI-compatible server with the kvcomm plugin, on 127.0.0.1 unless "
+                           "--host is given (other args go to vLLM)")
     serve.add_argument("--model", help="local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
     serve.add_argument("--no-plan", action="store_true", help="no server-side planning of annotated requests")
     serve.add_argument("--slots", nargs="+", help="the slot names annotations may use (default: any)")

@@ -5,9 +5,11 @@
     agent.register_model_client(KvcommAG2Client, backend=backend)
 
 Register the same ``ChatBackend`` with every agent so they share one executor and one reuse
-engine. Reuse statistics: ``response.kvcomm`` (a ``ChatCall``) on each response, and
-``backend.calls`` / ``backend.summary()``. Per-call options in the config entry or the
-``create`` params: ``max_tokens``, ``context_ids``. AG2's own response cache
+engine, each with its name (``agent_name=``) so the call log says which agent called: AG2
+does not pass the agent to a model client. Reuse statistics: ``response.kvcomm`` (a
+``ChatCall``) on each response, and ``backend.calls`` / ``backend.summary()``. Per-call
+options in the config entry or the ``create`` params: ``max_tokens`` (the reply budget;
+``max_new_tokens`` is a deprecated alias), ``context_ids``. AG2's own response cache
 (``cache_seed``) is separate: keep it None to measure kvcomm.
 
 Remote flavour (against ``kvcomm serve``): a ``base_url`` in the config entry, e.g.
@@ -24,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcomm.integrations.local.backend import ChatBackend, ChatCall
+from kvcomm.integrations.local.backend import ChatBackend, ChatCall, reply_budget
 from kvcomm.integrations.local.segments import ChatTurn
 
 _ids = itertools.count()
@@ -80,10 +82,14 @@ class AG2Response:
 class KvcommAG2Client:
     """config: the config-list entry AG2 passes in. backend: the shared ``ChatBackend`` or
     ``RemoteChatBackend`` (default: a new one, remote when ``config["base_url"]`` is set,
-    else on the embedded model; reuse on unless ``config["kvcomm_reuse"]`` is False)."""
+    else on the embedded model; reuse on unless ``config["kvcomm_reuse"]`` is False).
+    agent_name: the agent this client serves (``ChatCall.agent``), e.g.
+    ``agent.register_model_client(KvcommAG2Client, backend=backend, agent_name=agent.name)``;
+    None: the author of the conversation's last assistant message, if named."""
 
-    def __init__(self, config: dict[str, Any], backend: ChatBackend | None = None, **_: Any):
+    def __init__(self, config: dict[str, Any], backend: ChatBackend | None = None, agent_name: str | None = None, **_: Any):
         self.config = dict(config)
+        self.agent_name = agent_name
         reuse = bool(self.config.get("kvcomm_reuse", True))
         if backend is None and self.config.get("base_url"):
             from kvcomm.integrations.remote.backend import RemoteChatBackend
@@ -106,9 +112,12 @@ class KvcommAG2Client:
         tools = params.get("tools") or None
         if params.get("functions"):
             raise ValueError("legacy `functions` are not supported; register tools (`tools`) instead")
+        budget = reply_budget(params, "create params")
+        if budget is None:
+            budget = reply_budget(self.config, "the config entry")
         reply = self.backend.complete(
-            to_turns(messages), tools=tools, max_new_tokens=params.get("max_tokens", self.config.get("max_tokens")),
-            context_ids=tuple(params.get("context_ids", self.config.get("context_ids", ()))),
+            to_turns(messages), tools=tools, max_new_tokens=budget,
+            context_ids=tuple(params.get("context_ids", self.config.get("context_ids", ()))), agent=self.agent_name,
         )
         tool_calls = [
             {"id": f"call_{next(_ids)}", "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}

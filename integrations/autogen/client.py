@@ -1,7 +1,9 @@
 """An autogen-core ``ChatCompletionClient`` served by kvcomm in process (AutoGen 0.7).
 
 Give every agent of a team the same client: they then share one executor and one reuse
-engine, and each agent reuses the KV of what the others wrote (see ``local.backend``).
+engine, and each agent reuses the KV of what the others wrote from its second call on (its
+first computes its new system message and, today, the rest of its prompt: docs/autogen.md,
+warm-up; see ``local.backend``).
 
     client = KvcommChatCompletionClient()            # embedded SmolLM2, with reuse
     dense = KvcommChatCompletionClient(reuse=False)  # the same model, dense prefill
@@ -29,7 +31,7 @@ from pydantic import BaseModel
 
 from kvcomm.reuse.config import ReuseConfig
 from kvcomm.reuse.handles import ContextHandle
-from kvcomm.integrations.local.backend import Cancelled, ChatBackend, ChatCall, ChatReply
+from kvcomm.integrations.local.backend import Cancelled, ChatBackend, ChatCall, ChatReply, reply_budget
 from kvcomm.integrations.local.segments import ChatTurn
 
 if TYPE_CHECKING:
@@ -42,30 +44,45 @@ class KvcommChatCompletionClient(ChatCompletionClient):
     """backend: a ``ChatBackend`` to share (e.g. with an AG2 client, or a reuse and a dense
     client side by side), or a ``RemoteChatBackend`` (see ``remote``); by default one is
     built on the embedded model with ``reuse`` and ``config``. max_tokens: default reply
-    budget of a new backend.
+    budget of a new backend (the same name in ``remote`` and in ``extra_create_args``).
+    agent_name: the agent this client serves (``ChatCall.agent``); None: inside an AutoGen
+    team, the participant that is calling (read from autogen-core's message-handler
+    context), else the author of the conversation's last assistant message.
 
-    ``extra_create_args``: ``max_tokens`` (reply budget), ``context_ids`` (handles this call
-    expects to hit; reported in ``ChatCall.contexts``). Anything else is an error.
+    ``extra_create_args``: ``max_tokens`` (reply budget; ``max_new_tokens`` is a deprecated
+    alias), ``context_ids`` (handles this call expects to hit; reported in
+    ``ChatCall.contexts``). Anything else is an error.
     """
 
     component_type = "model"
 
     def __init__(
         self, backend: "ChatBackend | RemoteChatBackend | None" = None, *, reuse: bool = True, config: ReuseConfig | None = None,
-        max_tokens: int = 128,
+        max_tokens: int = 128, agent_name: str | None = None,
     ):
         self.backend = backend if backend is not None else ChatBackend.embedded(reuse, config, max_new_tokens=max_tokens)
+        self.agent_name = agent_name
         self._total = RequestUsage(0, 0)
         self._actual = RequestUsage(0, 0)
         self._closed = False
 
     @classmethod
-    def remote(cls, base_url: str, **options: Any) -> "KvcommChatCompletionClient":
-        """A client of ``kvcomm serve`` at ``base_url``; ``options`` go to ``RemoteChatBackend``
-        (``tokenizer``, ``model``, ``reuse``, ``tenant``, ``max_new_tokens``, ``api_key``, ...)."""
+    def remote(cls, base_url: str, *, max_tokens: int | None = None, agent_name: str | None = None, **options: Any) -> "KvcommChatCompletionClient":
+        """A client of ``kvcomm serve`` at ``base_url``. max_tokens: default reply budget (128;
+        ``max_new_tokens`` is a deprecated alias); ``options`` go to ``RemoteChatBackend``
+        (``tokenizer``, ``model``, ``reuse``, ``tenant``, ``api_key``, ...)."""
         from kvcomm.integrations.remote.backend import RemoteChatBackend
 
-        return cls(RemoteChatBackend(base_url, **options))
+        budget = reply_budget({"max_tokens": max_tokens, "max_new_tokens": options.pop("max_new_tokens", None)},
+                              "KvcommChatCompletionClient.remote")
+        if budget is not None:
+            options["max_new_tokens"] = budget
+        return cls(RemoteChatBackend(base_url, **options), agent_name=agent_name)
+
+    def for_agent(self, agent_name: str) -> "KvcommChatCompletionClient":
+        """A client on the same backend (one engine, one call log) whose calls are logged as
+        ``agent_name``'s: give one to each agent where no team tells the agents apart."""
+        return type(self)(self.backend, agent_name=agent_name)
 
     # -- reuse statistics and handles --------------------------------------------------------
 
@@ -121,7 +138,8 @@ class KvcommChatCompletionClient(ChatCompletionClient):
             raise ValueError(f"unknown extra_create_args {sorted(unknown)}; supported: {sorted(_KNOWN_ARGS)}")
         turns = to_turns(messages)
         schemas = [] if tool_choice == "none" else tool_schemas(tools)
-        budget = extra.get("max_tokens", extra.get("max_new_tokens"))
+        budget = reply_budget(extra, "extra_create_args")
+        agent = self.agent_name or _team_participant()
         if token is not None and token.is_cancelled():
             raise asyncio.CancelledError("cancelled before the call started")
         context_ids = tuple(extra.get("context_ids", ()))
@@ -129,10 +147,10 @@ class KvcommChatCompletionClient(ChatCompletionClient):
             on_text = queue.put_nowait if queue is not None else None
             # a task of this loop: cancelling it closes the HTTP request, and the server aborts
             work = asyncio.ensure_future(self.backend.acomplete(
-                turns, tools=schemas or None, max_new_tokens=budget, on_text=on_text, context_ids=context_ids,
+                turns, tools=schemas or None, max_new_tokens=budget, on_text=on_text, context_ids=context_ids, agent=agent,
             ))
         else:
-            work = self._in_process(turns, schemas, budget, context_ids, token, queue)
+            work = self._in_process(turns, schemas, budget, context_ids, token, queue, agent)
         if token is not None:
             token.link_future(work)  # the await ends at once; decoding stops at the next token
         if queue is not None:
@@ -149,7 +167,7 @@ class KvcommChatCompletionClient(ChatCompletionClient):
             raise asyncio.CancelledError(str(error)) from None
         yield self._result(reply)
 
-    def _in_process(self, turns, schemas, budget, context_ids, token, queue: asyncio.Queue | None) -> asyncio.Future:
+    def _in_process(self, turns, schemas, budget, context_ids, token, queue: asyncio.Queue | None, agent: str | None) -> asyncio.Future:
         """The in-process backend's call in a worker thread; tokens go to ``queue`` as text."""
         loop = asyncio.get_running_loop()
         decoder = _Chunker(self.backend.executor)
@@ -163,7 +181,7 @@ class KvcommChatCompletionClient(ChatCompletionClient):
 
         return loop.run_in_executor(
             None, lambda: self.backend.complete(
-                turns, tools=schemas or None, max_new_tokens=budget, on_token=on_token, context_ids=context_ids,
+                turns, tools=schemas or None, max_new_tokens=budget, on_token=on_token, context_ids=context_ids, agent=agent,
             ),
         )
 
@@ -205,6 +223,23 @@ class KvcommChatCompletionClient(ChatCompletionClient):
             vision=False, function_calling=self.backend.supports_tools, json_output=False, family=ModelFamily.UNKNOWN,
             structured_output=False, multiple_system_messages=True,
         )
+
+
+def _team_participant() -> str | None:
+    """The name of the AutoGen team participant whose message handler is running this call, or
+    None outside an agent runtime. A team registers participant ``name`` as agent type
+    ``f"{name}_{team_id}"`` with key ``team_id`` (autogen-agentchat 0.7); another runtime's
+    agent type is returned as it is."""
+    from autogen_core import MessageHandlerContext
+
+    try:
+        agent_id = MessageHandlerContext.agent_id()
+    except (RuntimeError, LookupError):
+        return None
+    suffix = f"_{agent_id.key}"
+    if agent_id.type.endswith(suffix) and len(agent_id.type) > len(suffix):
+        return agent_id.type[: -len(suffix)]
+    return agent_id.type
 
 
 def to_turns(messages: Sequence[LLMMessage]) -> list[ChatTurn]:

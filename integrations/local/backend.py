@@ -35,12 +35,16 @@ class ChatCall:
 
     provenance: exact / estimated / computed prompt tokens (they add up to ``prompt_tokens``),
         fallback, note, TTFT (seconds, planning included).
-    template_id: the agent (hash of its system message). agent: the name on the agent's own
-        earlier replies in this conversation, if any (AutoGen ``source``, AG2 ``name``).
+    template_id: the agent (hash of its system message). agent: the calling agent's name: what
+        its client was told (AutoGen: the team participant that is calling, or ``agent_name=``;
+        AG2: ``agent_name=`` at ``register_model_client``), else the name on the agent's own earlier
+        replies in this conversation (AutoGen ``source``, AG2 ``name``), else None.
     reply_registered: the reply's KV was kept as a base for whoever reads it next (False when
         its text does not re-tokenize to the same ids, or without reuse).
-    contexts: for each ``context_id`` the call named, "hit" (retained KV served), "fallback"
-        (released or evicted: recomputed from the text) or "absent" (no message carries it).
+    contexts: for each ``context_id`` the call named, "hit" (retained and its tokens' KV served
+        from stored KV), "unused" (retained, but this call reused none of its tokens: the plan
+        stopped before the message, ``provenance.note`` says why), "fallback" (released or
+        evicted: recomputed from the text) or "absent" (no message carries it).
     latency_s: wall seconds of the whole call.
     slots: per shared message, its slot (``"{author}#{k}"``) -> (tokens whose KV was reused,
         exact or estimated; tokens in the message).
@@ -177,10 +181,12 @@ class ChatBackend:
 
     def complete(
         self, turns: Sequence[ChatTurn], *, tools: Sequence[dict] | None = None, max_new_tokens: int | None = None,
-        on_token: OnToken | None = None, context_ids: Sequence[str] = (),
+        on_token: OnToken | None = None, context_ids: Sequence[str] = (), agent: str | None = None,
     ) -> ChatReply:
-        """One greedy completion of ``turns``. Raises ``Cancelled`` when ``on_token`` returned
-        False (the call is still logged, and what it learned is kept: all its KV is real)."""
+        """One greedy completion of ``turns``. agent: the calling agent's name (``ChatCall.agent``;
+        None: the author of the last assistant turn, if any). Raises ``Cancelled`` when
+        ``on_token`` returned False (the call is still logged, and what it learned is kept: all
+        its KV is real)."""
         budget = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         if budget < 1:
             raise ValueError(f"max_tokens must be >= 1 (got {budget})")
@@ -193,7 +199,7 @@ class ChatBackend:
                     f"prompt of {len(prompt)} tokens + {budget} new tokens exceeds the model's context of "
                     f"{self.max_context}; shorten the conversation (e.g. a BufferedChatCompletionContext) or max_tokens"
                 )
-            contexts = self._context_report(chat, context_ids)
+            live = self._live_contexts(chat, context_ids)
             stopped = []
 
             def watch(token: int) -> bool | None:
@@ -217,9 +223,9 @@ class ChatBackend:
                 reason = "function_calls"
             else:
                 reason = "length" if len(generation.reply_ids) >= budget else "stop"
-            agent = next((t.source for t in reversed(turns) if t.role == "assistant" and t.source), None)
+            contexts = context_report(chat, provenance, context_ids, live)
             call = ChatCall(
-                prompt.template_id, agent, provenance, len(generation.reply_ids), reason, registered,
+                prompt.template_id, calling_agent(turns, agent), provenance, len(generation.reply_ids), reason, registered,
                 time.perf_counter() - started, contexts, chat.note, slot_reuse(chat, provenance),
             )
             self.calls.append(call)
@@ -283,17 +289,10 @@ class ChatBackend:
                 self.contexts.note(segment.shared_id, per_token * len(segment))
         self.contexts.touch([s.shared_id for s in segments])
 
-    def _context_report(self, chat: ChatPrompt, context_ids: Sequence[str]) -> dict[str, str]:
-        report = {}
+    def _live_contexts(self, chat: ChatPrompt, context_ids: Sequence[str]) -> set[str]:
+        """The named handles whose KV is held before the call (its plan may still not use it)."""
         present = set(chat.shared_ids)
-        for context_id in context_ids:
-            if context_id not in present:
-                report[context_id] = "absent"
-            elif self.contexts is not None and self.contexts.state(context_id) == "live":
-                report[context_id] = "hit"
-            else:
-                report[context_id] = "fallback"
-        return report
+        return {c for c in context_ids if c in present and self.contexts is not None and self.contexts.state(c) == "live"}
 
     def summary(self) -> dict[str, Any]:
         with self._lock:
@@ -312,6 +311,49 @@ def summarize(calls: Sequence[ChatCall]) -> dict[str, Any]:
         "agent_reuse_rate": sum(c.provenance.reused for c in calls) / len(calls) if calls else 0.0,
         "fallbacks": sum(c.provenance.fallback for c in calls),
     }
+
+
+def context_report(chat: ChatPrompt, provenance: Provenance, context_ids: Sequence[str], live: set[str]) -> dict[str, str]:
+    """``ChatCall.contexts``: "absent" when no message carries the id; "fallback" when its KV
+    was not held (released or evicted); else "hit" when this call served some of its tokens
+    from stored KV, "unused" when the plan reused none of them (e.g. it stopped at an agent's
+    new system message before the message: ``provenance.note``)."""
+    present = set(chat.shared_ids)
+    end, prompt = provenance.reuse_end, chat.prompt
+    reused = {prompt.segments[i].shared_id for i in chat.turn_segments.values() if prompt.starts[i] < end}
+    report = {}
+    for context_id in context_ids:
+        if context_id not in present:
+            report[context_id] = "absent"
+        elif context_id not in live:
+            report[context_id] = "fallback"
+        else:
+            report[context_id] = "hit" if context_id in reused else "unused"
+    return report
+
+
+def calling_agent(turns: Sequence[ChatTurn], agent: str | None) -> str | None:
+    """``ChatCall.agent``: the name the client was given, else the author of the last assistant turn."""
+    if agent:
+        return agent
+    return next((t.source for t in reversed(turns) if t.role == "assistant" and t.source), None)
+
+
+def reply_budget(options: Any, where: str) -> int | None:
+    """The reply budget in ``options`` (a mapping): ``max_tokens``, the one name the clients use
+    in process and remotely; ``max_new_tokens`` is accepted as a deprecated alias (a
+    ``DeprecationWarning``), and both with different values is a ``ValueError``. ``where``
+    names the place for messages (e.g. "extra_create_args")."""
+    import warnings
+
+    budget, alias = options.get("max_tokens"), options.get("max_new_tokens")
+    if alias is None:
+        return budget
+    if budget is not None and int(budget) != int(alias):
+        raise ValueError(f"{where} gives max_tokens={budget} and max_new_tokens={alias}; give only max_tokens (the reply budget)")
+    warnings.warn(f"{where}: max_new_tokens is a deprecated alias of max_tokens (the reply budget); use max_tokens",
+                  DeprecationWarning, stacklevel=3)
+    return alias if budget is None else budget
 
 
 def slot_reuse(chat: ChatPrompt, provenance: Provenance) -> dict[str, tuple[int, int]]:

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
-from kvcomm.integrations.local.backend import ChatCall, ChatReply, slot_reuse, summarize
+from kvcomm.integrations.local.backend import ChatCall, ChatReply, calling_agent, slot_reuse, summarize
 from kvcomm.integrations.local.segments import ChatPrompt, ChatTurn, parse_tool_calls, render_chat, supports_tools
 from kvcomm.integrations.remote import wire
 
@@ -165,7 +165,12 @@ class RemoteChatBackend:
 
     # -- completion ------------------------------------------------------------------------
 
-    def _prepare(self, turns, tools, max_new_tokens, context_ids, stream: bool) -> tuple[ChatPrompt, dict[str, Any]]:
+    def _prepare(self, turns, tools, max_new_tokens, context_ids, stream: bool) -> tuple[ChatPrompt, dict[str, Any], int]:
+        """The rendered chat, the request body and the reply budget. An annotated, unstreamed
+        request asks the server for one token more than the budget and the reply is cut back
+        to it (``_finish``): the server computes the KV of every token it feeds back, which is
+        all but the last it samples, so a reply cut by the budget keeps its KV as a base, as in
+        process (where the executor feeds the last token back itself)."""
         if context_ids:
             raise NotImplementedError(_NO_HANDLES)
         budget = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
@@ -177,30 +182,32 @@ class RemoteChatBackend:
                 f"prompt of {len(chat.prompt)} tokens + {budget} new tokens exceeds the server's max_model_len of "
                 f"{self.max_context}; shorten the conversation (e.g. a BufferedChatCompletionContext) or max_tokens"
             )
-        body = wire.completion_body(self.model_name, chat, budget, reuse=self.reuse, tenant=self.tenant, stream=stream)
-        return chat, body
+        ask = budget + 1 if self.reuse and not stream and len(chat.prompt) + budget + 1 <= self.max_context else budget
+        body = wire.completion_body(self.model_name, chat, ask, reuse=self.reuse, tenant=self.tenant, stream=stream)
+        return chat, body, budget
 
     def complete(
         self, turns: Sequence[ChatTurn], *, tools: Sequence[dict] | None = None, max_new_tokens: int | None = None,
-        on_token: Any = None, context_ids: Sequence[str] = (),
+        on_token: Any = None, context_ids: Sequence[str] = (), agent: str | None = None,
     ) -> ChatReply:
-        """One greedy completion of ``turns`` (blocking; ``acomplete`` streams and cancels)."""
+        """One greedy completion of ``turns`` (blocking; ``acomplete`` streams and cancels).
+        agent: the calling agent's name (``ChatCall.agent``)."""
         if on_token is not None:
             raise ValueError("token callbacks need the async path: use acomplete(on_text=...) on a remote backend")
         started = time.perf_counter()
-        chat, body = self._prepare(turns, tools, max_new_tokens, context_ids, stream=False)
+        chat, body, budget = self._prepare(turns, tools, max_new_tokens, context_ids, stream=False)
         data = self._post("/v1/completions", body)
-        return self._finish(turns, chat, tools, started, data)
+        return self._finish(turns, chat, tools, started, data, budget, agent=agent)
 
     async def acomplete(
         self, turns: Sequence[ChatTurn], *, tools: Sequence[dict] | None = None, max_new_tokens: int | None = None,
-        on_text: Callable[[str], None] | None = None, context_ids: Sequence[str] = (),
+        on_text: Callable[[str], None] | None = None, context_ids: Sequence[str] = (), agent: str | None = None,
     ) -> ChatReply:
         """One greedy completion; with ``on_text`` the server streams and each text delta is
         passed on as it arrives. Cancelling the awaiting task closes the HTTP connection,
         which makes vLLM abort the request; the call is logged as "cancelled"."""
         started = time.perf_counter()
-        chat, body = self._prepare(turns, tools, max_new_tokens, context_ids, stream=on_text is not None)
+        chat, body, budget = self._prepare(turns, tools, max_new_tokens, context_ids, stream=on_text is not None)
         streamed = wire.StreamedCompletion()
         try:
             async with httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
@@ -210,9 +217,9 @@ class RemoteChatBackend:
                     await self._stream(http, body, streamed, on_text)
                     data = streamed.response()
         except asyncio.CancelledError:
-            self._log_cancelled(turns, chat, started, streamed)
+            self._log_cancelled(turns, chat, started, streamed, agent)
             raise
-        return self._finish(turns, chat, tools, started, data,
+        return self._finish(turns, chat, tools, started, data, budget, agent=agent,
                             why_unknown="streamed: vLLM streams no kv_transfer_params (use create for the split)" if on_text else "")
 
     async def _asend(self, pending) -> httpx.Response:
@@ -239,7 +246,10 @@ class RemoteChatBackend:
         except httpx.HTTPError as error:
             raise RemoteError(f"the stream from {self.base_url} broke ({error})") from error
 
-    def _finish(self, turns, chat: ChatPrompt, tools, started: float, data: dict[str, Any], why_unknown: str = "") -> ChatReply:
+    def _finish(
+        self, turns, chat: ChatPrompt, tools, started: float, data: dict[str, Any], budget: int, *, agent: str | None = None,
+        why_unknown: str = "",
+    ) -> ChatReply:
         choice = (data.get("choices") or [None])[0]
         if not isinstance(choice, dict):
             raise RemoteError(f"the server's completion has no choices: {str(data)[:300]}")
@@ -252,28 +262,38 @@ class RemoteChatBackend:
             cached_tokens=wire.cached_tokens(usage), ttft_s=wire.ttft_seconds(data), why_unknown=why_unknown,
         )
         reply_ids = list(choice.get("token_ids") or [])
-        if reply_ids and choice.get("finish_reason") == "stop" and reply_ids[-1] in self.tokenizer.all_special_ids:
+        stopped = choice.get("finish_reason") == "stop"
+        if reply_ids and stopped and reply_ids[-1] in self.tokenizer.all_special_ids:
             reply_ids.pop()
         text = str(choice.get("text") or "")
+        # The server feeds back every token but the last it samples: a stop token, or the one
+        # token asked beyond the budget (``_prepare``), cut here. Either way the KV of every
+        # kept token exists, and the server keeps it as the reply's base.
+        fed = stopped
+        if len(reply_ids) > budget:
+            reply_ids, fed = reply_ids[:budget], True
+            text = self.decode(reply_ids)
+        completion_tokens = min(int(usage.get("completion_tokens", len(reply_ids))), budget)
         tool_calls, text_out = parse_tool_calls(text) if tools else ([], text)
-        reason = "function_calls" if tool_calls else str(choice.get("finish_reason") or "stop")
-        # The server keeps a reply's decode KV as a base when it ended with a stop token; a
-        # reader reuses it when the text re-tokenizes to the same ids.
-        registered = bool(self.reuse and summary and "error" not in summary and reason != "length"
+        reason = str(choice.get("finish_reason") or "stop")
+        if len(reply_ids) >= budget:
+            reason = "length"  # as in process: the budget was reached
+        if tool_calls:
+            reason = "function_calls"
+        # A reader reuses the reply's base when the text re-tokenizes to the same ids.
+        registered = bool(self.reuse and summary and "error" not in summary and fed
                           and reply_ids and self.encode(self.decode(reply_ids)) == reply_ids)
-        agent = next((t.source for t in reversed(turns) if t.role == "assistant" and t.source), None)
         call = ChatCall(
-            chat.prompt.template_id, agent, provenance, int(usage.get("completion_tokens", len(reply_ids))), reason, registered,
+            chat.prompt.template_id, calling_agent(turns, agent), provenance, completion_tokens, reason, registered,
             time.perf_counter() - started, {}, chat.note, slot_reuse(chat, provenance),
         )
         self.calls.append(call)
         return ChatReply(text_out, tuple(reply_ids), call, tool_calls)
 
-    def _log_cancelled(self, turns, chat: ChatPrompt, started: float, streamed: wire.StreamedCompletion) -> None:
+    def _log_cancelled(self, turns, chat: ChatPrompt, started: float, streamed: wire.StreamedCompletion, agent: str | None) -> None:
         provenance = wire.provenance(chat, len(chat.prompt), None, self.reuse, why_unknown="cancelled: the server aborted the request")
-        agent = next((t.source for t in reversed(turns) if t.role == "assistant" and t.source), None)
         self.calls.append(ChatCall(
-            chat.prompt.template_id, agent, provenance, len(streamed.token_ids), "cancelled", False,
+            chat.prompt.template_id, calling_agent(turns, agent), provenance, len(streamed.token_ids), "cancelled", False,
             time.perf_counter() - started, {}, chat.note, slot_reuse(chat, provenance),
         ))
 

@@ -79,11 +79,16 @@ def provenance(
     """The call's provenance from the server's ``kv_transfer_params["kvcomm"]`` summary.
 
     Where the server reported no split (dense call, streamed call, rejected annotations),
-    every prompt token counts as computed and the note says why; ``cached_tokens`` (vLLM's
-    ``prompt_tokens_details``, when the server reports it) is quoted in the note.
+    every prompt token counts as computed and the note says why. The counts are kvcomm's plan;
+    ``cached_tokens`` (vLLM's ``usage.prompt_tokens_details.cached_tokens``, when the server
+    reports it) is vLLM's own count, quoted in the note with what separates the two
+    (``cached_note``); ``Provenance.cached_tokens`` is the part of kvcomm's computed tokens that
+    vLLM's prefix cache served instead (as the in-process vLLM executor reports it).
     """
     shared = sum(len(chat.prompt.segments[i]) for i in chat.turn_segments.values())
-    extra = f"server reports {cached_tokens} cached prompt tokens" if cached_tokens is not None else ""
+    reused = None if summary is None or "error" in summary else (
+        int(summary.get("exact_tokens", 0)) + int(summary.get("estimated_tokens", 0)))
+    extra = cached_note(cached_tokens, reused if summary is not None and "exact_tokens" in summary else None)
     if summary is not None and "error" in summary:
         why_unknown = f"server rejected the kvcomm options (served without reuse): {summary['error']}"
         summary = None
@@ -94,7 +99,8 @@ def provenance(
         if not why_unknown:
             why_unknown = "dense: no kvcomm options sent" if not reuse else (
                 "the server returned no kvcomm provenance (started with --no-plan, or not `kvcomm serve`?)")
-        return Provenance(prompt_tokens, 0, 0, prompt_tokens, shared, 0, False, _join(why_unknown, extra), ttft_s)
+        return Provenance(prompt_tokens, 0, 0, prompt_tokens, shared, 0, False, _join(why_unknown, extra), ttft_s,
+                          cached_tokens=cached_tokens or 0)
     exact, estimated = int(summary["exact_tokens"]), int(summary["estimated_tokens"])
     end = exact + estimated
     reused_shared = 0
@@ -105,7 +111,28 @@ def provenance(
     return Provenance(
         int(summary["prompt_tokens"]), exact, estimated, int(summary["computed_tokens"]), shared, reused_shared,
         bool(summary.get("fallback", False)), note, ttft_s,
+        cached_tokens=max(0, cached_tokens - end) if cached_tokens is not None else 0,
     )
+
+
+def cached_note(cached: int | None, reused: int | None) -> str:
+    """vLLM's cached count next to kvcomm's, saying which is which. vLLM's ``cached_tokens`` are
+    the prompt tokens vLLM did not compute: its own prefix-cache hit (under kvcomm's salt its
+    blocks may hold KV kvcomm wrote earlier, estimated included) plus the KV kvcomm's connector
+    loaded past that hit. kvcomm's exact + estimated (``reused``) are what its plan served; the
+    plan does not see vLLM's hit, so where the hit reaches further, vLLM computed fewer tokens
+    than kvcomm's computed count says."""
+    if cached is None:
+        return ""
+    if reused is None:
+        return f"vLLM cached_tokens {cached}: vLLM's prefix-cache hit (kvcomm reported no split)"
+    note = (f"vLLM cached_tokens {cached} (vLLM's prefix-cache hit plus KV kvcomm loaded past it) vs kvcomm's plan "
+            f"{reused} exact+estimated")
+    if cached > reused:
+        note += f": {cached - reused} of kvcomm's computed tokens were a vLLM prefix-cache hit"
+    elif cached < reused:
+        note += f": vLLM counts {reused - cached} fewer than kvcomm's plan served"
+    return note
 
 
 def _join(*parts: str) -> str:

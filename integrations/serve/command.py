@@ -15,6 +15,9 @@ from kvcomm.reuse.scopes import DEFAULT_SCOPE
 
 
 MIDDLEWARE = "kvcomm.integrations.serve.middleware.KvcommTenantMiddleware"
+DEFAULT_HOST = "127.0.0.1"
+"""Where `kvcomm serve` listens unless ``--host`` is given: loopback only (vLLM's own default
+binds every interface). ``--host 0.0.0.0`` serves other machines; pair it with ``--api-key``."""
 ENGINE_TEARDOWN_S = 30
 """Seconds the engine-core process is given on top of its worker's grace: vLLM's 4 s from the
 worker's SIGTERM to its SIGKILL, then the engine core's own teardown (3-8 s measured on an idle
@@ -83,7 +86,9 @@ def serve_argv(
 ) -> list[str]:
     """vLLM OpenAI server arguments (``sys.argv`` of its API server entry point) for the model with the kvcomm connector (server-side planning
     of annotated requests on unless ``plan`` is False; ``engine``: more ``kv_connector_extra_config``
-    such as gamma, max_anchors, byte caps) and kvcomm's tenant middleware; ``vllm_args`` pass through and win."""
+    such as gamma, max_anchors, byte caps) and kvcomm's tenant middleware; ``vllm_args`` pass through and win.
+    Unless given: ``--host 127.0.0.1`` (``DEFAULT_HOST``) and per-request metrics (TTFT in every
+    response), besides fp32, a 2,048-token context, eager mode and prompt token details."""
     from kvcomm.integrations.transformers.embedded import resolve_model_dir
     from kvcomm.integrations.vllm.llm import CONNECTOR, CONNECTOR_MODULE
 
@@ -100,6 +105,12 @@ def serve_argv(
     for flag in ("--enforce-eager", "--enable-prompt-tokens-details"):
         if flag not in given:
             argv.append(flag)
+    # the server's TTFT per request in each response (ChatCall.provenance.ttft_s of the remote
+    # clients); vLLM refuses it next to --disable-log-stats
+    if "--enable-per-request-metrics" not in given and "--disable-log-stats" not in given:
+        argv.append("--enable-per-request-metrics")
+    if "--host" not in given:
+        argv += ["--host", DEFAULT_HOST]  # vLLM's default binds every interface
     if (engine or {}).get("state_dir") and "--shutdown-timeout" not in given:
         # vLLM's default (0) force-kills the engine-core process (and so its worker) at once on
         # shutdown, before the planner in the worker can write its save at exit; see

@@ -250,10 +250,11 @@ class KvcommConnectorScheduler:
             return False, {"kvcomm": {"error": error}}
         if tracked is None or not tracked.planned:
             return False, None
-        reply = list(request.output_token_ids)
-        stops = set(request.sampling_params.all_stop_token_ids) if request.sampling_params else set()
-        if reply and reply[-1] in stops:
-            reply.pop()
+        # The last sampled token is never fed back, so its KV does not exist: a stop token is
+        # dropped from the reply, and so is the last token of a reply cut by max_tokens (the
+        # remote chat clients ask for one token more than they keep, so the reply they pass on
+        # is the part whose KV exists and becomes its base).
+        reply = list(request.output_token_ids)[:-1]
         self._finished.append(Finished(request.request_id, tuple(reply)))  # the worker learns from it
         if tracked.summary is None:
             return False, None  # aborted before the worker answered its plan

@@ -20,7 +20,7 @@ def _pair(backend: ChatBackend) -> tuple[ConversableAgent, ConversableAgent]:
     writer = ConversableAgent("writer", system_message=WRITER, llm_config=CONFIG, human_input_mode="NEVER")
     reviewer = ConversableAgent("reviewer", system_message=REVIEWER, llm_config=CONFIG, human_input_mode="NEVER")
     for agent in (writer, reviewer):
-        agent.register_model_client(KvcommAG2Client, backend=backend)
+        agent.register_model_client(KvcommAG2Client, backend=backend, agent_name=agent.name)
     return writer, reviewer
 
 
@@ -41,6 +41,7 @@ def test_two_agent_exchange_reuses_the_other_agents_reply(tiny_executor):
     assert len(first_replies) >= 2, "the warm-up rows must give the pool two distinct reviewer replies"
     calls = backend.calls
     assert len(calls) == 3 * len(TASKS)
+    assert [c.agent for c in calls] == ["reviewer", "writer", "reviewer"] * len(TASKS)  # as registered
     writer_call = calls[-2]  # the writer reads the reviewer's first reply
     reused, length = writer_call.slots["reviewer#0"]
     assert reused > 0 and length > 0, writer_call
@@ -86,4 +87,11 @@ def test_model_client_protocol_and_errors(tiny_executor):
         client.create({"messages": []})
     with pytest.raises(ValueError, match="streaming"):
         client.create({"messages": [{"role": "user", "content": "Hi"}], "stream": True})
-    assert len(backend.calls) == 1
+    assert len(backend.calls) == 1 and backend.last.agent is None  # no agent_name, no earlier reply
+    with pytest.warns(DeprecationWarning, match="max_new_tokens is a deprecated alias of max_tokens"):
+        response = client.create({"messages": [{"role": "user", "content": "Hi"}], "max_new_tokens": 2})
+    assert response.usage.completion_tokens == 2
+    configured = KvcommAG2Client({"model": "kvcomm-tiny", "max_tokens": 1}, backend=backend)
+    assert configured.create({"messages": [{"role": "user", "content": "Hi"}]}).usage.completion_tokens == 1
+    with pytest.raises(ValueError, match="max_tokens=3 and max_new_tokens=2"):
+        client.create({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "max_new_tokens": 2})

@@ -45,6 +45,8 @@ def test_round_robin_reviewer_reuses_writers_reply(tiny_executor):
         replies.append(result.messages[1].content)
     calls = client.call_log
     assert len(calls) == 2 * len(TASKS)
+    # the log says which participant called, the first time each speaks too (no earlier reply to read it from)
+    assert [c.agent for c in calls] == ["writer", "reviewer"] * len(TASKS)
     assert len(set(replies[:3])) >= 2, "the warm-up rows must give the pool two distinct writer replies"
     reviewer = calls[-1]
     assert reviewer.template_id != calls[-2].template_id  # two agents, told apart by their system messages
@@ -53,6 +55,8 @@ def test_round_robin_reviewer_reuses_writers_reply(tiny_executor):
     # a reply's KV becomes a base only when its whole context was computed or exact
     assert not any(c.reply_registered for c in calls if c.provenance.estimated_tokens > 0)
     assert any(c.reply_registered for c in calls)
+    # a reply cut by max_tokens is a base too (the remote clients match it: tests/integrations/remote)
+    assert any(c.reply_registered and c.finish_reason == "length" for c in calls)
     assert reviewer.provenance.estimated_tokens > 0 and not reviewer.provenance.fallback
     for call in calls:
         p = call.provenance
@@ -152,6 +156,33 @@ def test_interface_counts_tools_and_bad_input(tiny_executor):
 
 
 @pytest.mark.slow
+def test_reply_budget_is_max_tokens_and_max_new_tokens_a_deprecated_alias(tiny_executor):
+    client = KvcommChatCompletionClient(ChatBackend(tiny_executor, None, max_new_tokens=12))
+    messages = [SystemMessage(content=WRITER), UserMessage(content=TASKS[0], source="user")]
+    assert asyncio.run(client.create(messages, extra_create_args={"max_tokens": 3})).usage.completion_tokens == 3
+    with pytest.warns(DeprecationWarning, match="max_new_tokens is a deprecated alias of max_tokens"):
+        result = asyncio.run(client.create(messages, extra_create_args={"max_new_tokens": 2}))
+    assert result.usage.completion_tokens == 2
+    with pytest.raises(ValueError, match="max_tokens=3 and max_new_tokens=2"):
+        asyncio.run(client.create(messages, extra_create_args={"max_tokens": 3, "max_new_tokens": 2}))
+
+
+@pytest.mark.slow
+def test_calls_name_their_agent_outside_a_team_too(tiny_executor):
+    """Outside a team no runtime says who calls: ``for_agent`` gives each agent a client on the
+    shared backend under its name; an unnamed client falls back to the last reply's author."""
+    client = KvcommChatCompletionClient(ChatBackend(tiny_executor, None, max_new_tokens=3))
+    critic = client.for_agent("critic")
+    assert critic.backend is client.backend
+    asyncio.run(AssistantAgent("critic", critic, system_message=REVIEWER).run(task=TASKS[0]))
+    asyncio.run(AssistantAgent("anonymous", client, system_message=WRITER).run(task=TASKS[0]))
+    messages = [SystemMessage(content=WRITER), UserMessage(content=TASKS[1], source="user"),
+                AssistantMessage(content="Jupiter.", source="writer"), UserMessage(content="Why?", source="user")]
+    asyncio.run(client.create(messages))
+    assert [c.agent for c in client.call_log] == ["critic", None, "writer"]
+
+
+@pytest.mark.slow
 def test_selector_group_chat_runs_on_one_shared_client(tiny_executor):
     """The selector's own calls go through the same client: its prompt (the transcript) is
     one user message, with no system message. The random model names no agent, so AutoGen
@@ -165,6 +196,7 @@ def test_selector_group_chat_runs_on_one_shared_client(tiny_executor):
     result = asyncio.run(team.run(task=TASKS[0]))
     assert [m.source for m in result.messages] == ["user", "writer", "reviewer"]
     selector, written, reviewed = client.call_log
+    assert (selector.agent, written.agent, reviewed.agent) == ("SelectorGroupChatManager", "writer", "reviewer")
     assert selector.template_id == "chat:default" and set(selector.slots) == {"user#0"}
     # three different templates: the selector's, the writer's and the reviewer's system messages
     assert len({selector.template_id, written.template_id, reviewed.template_id}) == 3

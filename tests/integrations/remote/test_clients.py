@@ -46,7 +46,7 @@ def _sums_add_up(calls) -> None:
 def test_autogen_reviewer_reuses_the_writers_reply_on_the_server(server):
     from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
 
-    client = KvcommChatCompletionClient.remote(**server, max_new_tokens=BUDGET)
+    client = KvcommChatCompletionClient.remote(**server, max_tokens=BUDGET)
     for task in TASKS:
         result = asyncio.run(_team(client).run(task=task))
         assert [m.source for m in result.messages] == ["user", "writer", "reviewer"]
@@ -64,6 +64,33 @@ def test_autogen_reviewer_reuses_the_writers_reply_on_the_server(server):
     usage = client.total_usage()
     assert usage.prompt_tokens == sum(c.prompt_tokens for c in calls)
     assert usage.completion_tokens == sum(c.completion_tokens for c in calls)
+
+
+def test_cut_off_replies_become_bases_on_the_server_as_in_process(server):
+    """The writer's replies (8-10 tokens) cut at 4 by max_tokens are what the reviewer reads.
+    In process their KV becomes their base (the executor feeds the last token back); the
+    server computes the KV of every token it feeds back, all but the last it samples, so the
+    client asks for one token more and keeps max_tokens of them: the server keeps their KV as
+    the base and the reviewer's third call estimates the writer's cut reply, as in process.
+    The log also names each call's agent, and has the server's TTFT without a server flag."""
+    from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
+
+    client = KvcommChatCompletionClient.remote(**server, max_tokens=4)
+    for task in TASKS:
+        result = asyncio.run(_team(client).run(task=task))
+        assert [m.source for m in result.messages] == ["user", "writer", "reviewer"]
+    calls = client.call_log
+    print("\n" + "\n".join(f"{c.agent} {c.finish_reason} {c.completion_tokens} {c.slots} {c.provenance}" for c in calls))
+    _sums_add_up(calls)
+    assert [c.agent for c in calls] == ["writer", "reviewer"] * len(TASKS)
+    assert all(c.finish_reason == "length" and c.completion_tokens == 4 and c.reply_registered for c in calls[0::2])
+    assert all(c.slots["writer#0"][1] == 4 for c in calls[1::2])
+    assert all(c.provenance.ttft_s is not None and 0 < c.provenance.ttft_s <= c.latency_s for c in calls)
+    assert calls[-1].slots["writer#0"][0] > 0 and calls[-1].provenance.estimated_tokens > 0, calls[-1]
+    with pytest.warns(DeprecationWarning, match="deprecated alias"):
+        KvcommChatCompletionClient.remote(**server, max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_tokens=4 and max_new_tokens=5"):
+        KvcommChatCompletionClient.remote(**server, max_tokens=4, max_new_tokens=5)
 
 
 def test_ag2_pair_reuses_the_other_agents_reply_on_the_server(server):
@@ -112,7 +139,7 @@ def test_dense_remote_client_equals_the_servers_own_chat_completions(server):
 
     from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
 
-    client = KvcommChatCompletionClient.remote(**server, reuse=False, max_new_tokens=12)
+    client = KvcommChatCompletionClient.remote(**server, reuse=False, max_tokens=12)
     result = asyncio.run(_team(client).run(task=TASKS[1]))
     task, written, reviewed = (m.content for m in result.messages)
     seen = [(written, [("system", WRITER), ("user", task)]), (reviewed, [("system", REVIEWER), ("user", task), ("user", written)])]
@@ -132,7 +159,7 @@ def test_stream_and_cancellation_close_the_server_request(server):
 
     from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
 
-    client = KvcommChatCompletionClient.remote(**server, max_new_tokens=8)
+    client = KvcommChatCompletionClient.remote(**server, max_tokens=8)
     messages = [SystemMessage(content=REVIEWER), UserMessage(content="Which planet is the largest one?", source="user")]
 
     def stream(token=None, cancel_after=None):
@@ -214,7 +241,7 @@ def test_concurrent_remote_calls_run_together_and_equal_sequential_ones(server, 
                 exchanges.append((started, time.perf_counter()))
 
     monkeypatch.setattr(httpx.AsyncClient, "send", timed_send)
-    client = KvcommChatCompletionClient.remote(**server, reuse=False, max_new_tokens=24)
+    client = KvcommChatCompletionClient.remote(**server, reuse=False, max_tokens=24)
     conversations = [[SystemMessage(content=s), UserMessage(content=t, source="user")] for s, t in zip((WRITER, REVIEWER, WRITER), TASKS)]
     asyncio.run(client.create(conversations[0]))  # first-call costs (connection, caches) out of the timings
     exchanges.clear()

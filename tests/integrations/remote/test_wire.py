@@ -74,7 +74,15 @@ def test_provenance_from_a_server_summary_and_without_one(tokenizer):
                "fallback": False, "note": ""}
     p = provenance(chat, n, summary, True, cached_tokens=first + 3)
     assert (p.exact_tokens, p.estimated_tokens, p.reused_shared_tokens) == (first, 3, 3)
-    assert "cached" in p.note
+    assert p.note == f"vLLM cached_tokens {first + 3} (vLLM's prefix-cache hit plus KV kvcomm loaded past it) vs kvcomm's plan {first + 3} exact+estimated"
+    # vLLM's own prefix cache reached further than kvcomm's plan: the note says which count is which
+    p = provenance(chat, n, summary | {"exact_tokens": 0, "estimated_tokens": 0, "computed_tokens": n}, True, cached_tokens=32)
+    assert p.computed_tokens == n and p.note.endswith("vs kvcomm's plan 0 exact+estimated: 32 of kvcomm's computed tokens were a vLLM prefix-cache hit")
+    assert p.cached_tokens == 32  # of the computed tokens, those vLLM's prefix cache served (as in process)
+    assert provenance(chat, n, summary, True, cached_tokens=first + 3).cached_tokens == 0
+    p = provenance(chat, n, None, False, cached_tokens=32)
+    assert p.cached_tokens == 32 and p.computed_tokens == n
+    assert p.note == "dense: no kvcomm options sent; vLLM cached_tokens 32: vLLM's prefix-cache hit (kvcomm reported no split)"
     for rejected in ({"error": "bad slot"}, None, {"note": "x"}):
         p = provenance(chat, n, rejected, True)
         assert p.computed_tokens == n and p.exact_tokens == p.estimated_tokens == 0 and p.note

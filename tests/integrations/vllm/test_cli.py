@@ -162,3 +162,29 @@ def test_serve_passes_the_capture_budget_to_the_connector():
     parse = build_parser().parse_known_args
     assert "max_capture_bytes" not in engine_settings(parse(["serve"])[0])  # the connector's default
     assert engine_settings(parse(["serve", "--max-capture-bytes", "1048576"])[0])["max_capture_bytes"] == 1 << 20
+
+
+def _vllm_parsed(argv: list[str]):
+    """``argv`` (``serve_argv``'s) as vLLM's own API server parses and validates it."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[1:])
+    validate_parsed_serve_args(args)
+    return args
+
+
+def test_serve_listens_on_loopback_and_reports_ttft_unless_told_otherwise():
+    """vLLM binds every interface and leaves per-request metrics (the TTFT the remote clients
+    report) off by default; `kvcomm serve` listens on 127.0.0.1 and turns the metrics on, and
+    the user's --host, or --disable-log-stats (which vLLM refuses next to them), win."""
+    from kvcomm.integrations.serve.command import DEFAULT_HOST
+
+    args = _vllm_parsed(serve_argv(None, True, None, ["--port", "8001"]))
+    assert DEFAULT_HOST == "127.0.0.1" and args.host == DEFAULT_HOST and args.enable_per_request_metrics
+    args = _vllm_parsed(serve_argv(None, True, None, ["--host", "0.0.0.0"]))
+    assert args.host == "0.0.0.0" and args.enable_per_request_metrics
+    argv = serve_argv(None, True, None, ["--host=::1", "--disable-log-stats"])
+    assert argv.count("--host") == 0 and "--enable-per-request-metrics" not in argv
+    args = _vllm_parsed(argv)
+    assert args.host == "::1" and not args.enable_per_request_metrics

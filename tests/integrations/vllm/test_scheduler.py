@@ -69,6 +69,22 @@ def test_an_annotated_request_waits_for_the_workers_plan_then_claims_it():
     assert _step(connector).finished == [Finished("a", (7, 8))]  # the stop token is not the reply's
 
 
+def test_a_reply_cut_by_max_tokens_is_learned_without_its_last_token():
+    """vLLM never feeds back the last token it samples, so that token has no KV: a stop token,
+    or the last token of a reply cut by max_tokens. The worker learns the reply without it (the
+    remote chat clients ask for one token more than they keep, so what they pass on is a base)."""
+    connector = _scheduler_connector()
+    request = _request("c")
+    request.output_token_ids = [7, 8, 9]  # no stop token: cut by max_tokens
+    connector.get_num_new_matched_tokens(request, 0)
+    _step(connector)
+    summary = {"prompt_tokens": 40, "exact_tokens": 0, "estimated_tokens": 0, "computed_tokens": 40,
+               "fallback": True, "note": ""}
+    connector.update_connector_output(_output({"c": PlanAnswer(0, 0, summary)}))
+    connector.request_finished(request, [])
+    assert _step(connector).finished == [Finished("c", (7, 8))]
+
+
 def test_a_workers_error_is_that_requests_error_and_an_abort_before_the_answer_is_clean():
     connector = _scheduler_connector()
     failing, aborted = _request("f"), _request("x")
