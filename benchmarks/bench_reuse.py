@@ -6,7 +6,7 @@ repeated, and reported as medians, on one OpenMP thread by default (see --thread
 matching vs pool size, 5 embedders.
 
     python benchmarks/bench_reuse.py [--quick] [--json PATH] [--sections 12345] [--threads N]
-                                     [--anchors 2,4,8] [--baseline] [--key-distances] [--anchor-dtype D] [--max-candidates K]
+                                     [--anchors 2,4,8] [--baseline] [--max-candidates K]
                                      [--backend transformers|vllm]
 """
 

@@ -3,15 +3,16 @@
 Every standard vLLM attention backend (CPU, FlashAttention, FlashInfer, Triton) keeps one
 tensor per layer whose *logical* shape is ``[num_blocks, kv_heads, block_size, 2 * head_dim]``
 but whose element order inside a block is the backend's own (strided views, keys stored
-transposed per block on some CPU ISAs). We never hand-code any of those layouts:
-
-- **Writes** go through the layer's own op, ``layer.impl.do_kv_cache_update(layer, key,
-  value, kv_cache, slot_mapping)``: the very call vLLM's forward uses to store computed KV.
-- **Reads** use a gather index learned once per cache geometry (backend implementation,
-  block shape, strides, dtype, device, KV cache dtype) by writing known values through the
-  same op into a one-block probe cache with the real cache's strides and finding where each
-  element landed. A round trip of random KV through the op and the learned gather must be
-  exact before the index is used (``LayoutError`` otherwise).
+transposed per block on some CPU ISAs). We never hand-code any of those layouts: where each
+key and value element of a block is stored is learned once per cache geometry (backend
+implementation, block shape, strides, dtype, device, KV cache dtype) by writing known values
+through the layer's own op, ``layer.impl.do_kv_cache_update(layer, key, value, kv_cache,
+slot_mapping)`` (the very call vLLM's forward uses to store computed KV), into a one-block
+probe cache with the real cache's strides and finding where each element landed. A round trip
+of random KV through the op and the learned offsets must be exact before they are used
+(``LayoutError`` otherwise). The connector's worker writes and reads every layer at once
+through those offsets (``KvIO.offsets``, ``kvcomm.core.kv_target.Paged``); ``KvIO.write``
+and ``KvIO.read`` do one layer through the op and the offsets.
 
 A slot is ``block * block_size + offset`` with ``block_size = kv_cache.shape[2]`` (the
 kernel block size), the flat numbering of vLLM's slot mappings. Quantized (fp8) caches are
