@@ -35,8 +35,8 @@ Refused at start-up, never inside a forward (``refusals``): rotary embeddings kv
 realign exactly, attention backends other than CPU_ATTN, FLASH_ATTN, TRITON_ATTN and FLASHINFER
 (MLA included), sliding-window, chunked-local or hybrid layers, KV sharing between layers, fp8 KV
 caches, pipeline parallelism, tensor parallelism that would replicate KV heads, executors other
-than ``uni`` and ``mp``, and on an accelerator a reuse state without a byte cap
-(``max_total_bytes``) or one that does not fit in the memory vLLM leaves free. A refused connector stays loaded but inert (requests that opt in get the
+than ``uni`` and ``mp``, and on an accelerator a ``max_total_bytes`` that does not fit in the
+memory vLLM leaves free (without one the cap is set from that memory). A refused connector stays loaded but inert (requests that opt in get the
 reason as their error); with ``kv_connector_extra_config={"strict": true}`` the engine fails to
 start instead. Requests without ``kv_transfer_params["kvcomm"]`` are not touched.
 

@@ -1,6 +1,6 @@
 """What the connector refuses to run on, decided at start-up and never inside a forward: engine
 configurations (``config_refusal``, ``engine_refusal``), attention layers (``layer_refusal``), the
-device memory the reuse state needs (``device_memory_refusal``), and,
+device memory the reuse state needs (``device_memory_budget``), and,
 under tensor parallelism, any rank's refusal for all of them (``refusal_of_any_rank``). Each reason
 says what to change. What a refusal does (``apply_refusal``): the connector stays loaded but inert,
 or with ``strict`` the engine fails to start."""
@@ -64,32 +64,43 @@ def engine_refusal(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | 
                           None if model is None else model.get_total_num_kv_heads())
 
 
-def device_memory_refusal(device_type: str, free_bytes: int | None, max_total_bytes: Any, capture_bytes: int,
-                          ranks: int = 1) -> str | None:
-    """Why the reuse state cannot fit beside vLLM's KV cache on an accelerator, or None.
+DEVICE_MEMORY_SHARE = 0.9
+"""Of the accelerator memory vLLM leaves free (less one request's capture), the share the reuse
+state may use when no ``max_total_bytes`` is given; the rest is headroom for the plans' and
+kernels' temporaries."""
+
+
+def device_memory_budget(device_type: str, free_bytes: int | None, max_total_bytes: Any, capture_bytes: int,
+                         ranks: int = 1) -> tuple[Any, str | None]:
+    """(the ``max_total_bytes`` to use, the refusal or None) for the reuse state beside vLLM's KV cache.
 
     On an accelerator, bases, anchors, exact prefixes and captures live in the device memory
     vLLM leaves free after allocating its KV cache (``free_bytes``, this rank's, read at
-    start-up). They must be capped (``max_total_bytes``, all ranks together, so each rank holds
-    ``1/ranks`` of it) and the cap plus one request's capture (``capture_bytes``) must fit in
-    what is free, or the first large plan would fail inside a forward. On a CPU the state lives
-    in host memory and the byte caps are the operator's business."""
+    start-up). They are capped by ``max_total_bytes`` (all ranks together, so each rank holds
+    ``1/ranks`` of it); without one the cap is ``DEVICE_MEMORY_SHARE`` of what is free less one
+    request's capture (``capture_bytes``). A given cap whose share plus one capture does not fit
+    is refused, or the first large plan would fail inside a forward. On a CPU (host memory) the
+    caps are what the operator set."""
     if device_type == "cpu" or free_bytes is None:
-        return None
+        return max_total_bytes, None
     gib = 1 << 30
+    if max_total_bytes is None:
+        room = int(DEVICE_MEMORY_SHARE * (free_bytes - capture_bytes)) * ranks
+        if room <= 0:
+            return None, (f"vLLM leaves {free_bytes / gib:.1f} GiB free beside its KV cache on this {device_type} rank, "
+                          f"less than one request's capture budget ({capture_bytes / gib:.1f} GiB, max_capture_bytes): "
+                          "lower --gpu-memory-utilization or max_capture_bytes")
+        return room, None
     if not isinstance(max_total_bytes, int) or isinstance(max_total_bytes, bool) or max_total_bytes <= 0:
-        room = max(0, free_bytes - capture_bytes) * ranks
-        return (f"on a {device_type} device kvcomm keeps its reuse state in the memory vLLM leaves free beside its KV "
-                f"cache ({free_bytes / gib:.1f} GiB on this rank), so it needs a byte cap: set kv_connector_extra_config "
-                f"max_total_bytes (kvcomm serve --max-total-bytes) to at most {room} ({room / gib:.1f} GiB), or lower "
-                "--gpu-memory-utilization to leave more room")
+        return max_total_bytes, None  # TenantRegistry refuses it with its own message
     need = max_total_bytes // ranks + capture_bytes
     if need > free_bytes:
-        return (f"max_total_bytes {max_total_bytes} ({max_total_bytes / gib:.1f} GiB over {ranks} rank(s)) plus one "
-                f"request's capture budget ({capture_bytes / gib:.1f} GiB, max_capture_bytes) needs {need / gib:.1f} GiB "
-                f"per rank, but vLLM leaves {free_bytes / gib:.1f} GiB free beside its KV cache: lower max_total_bytes "
-                "or max_capture_bytes, or lower --gpu-memory-utilization")
-    return None
+        return max_total_bytes, (
+            f"max_total_bytes {max_total_bytes} ({max_total_bytes / gib:.1f} GiB over {ranks} rank(s)) plus one request's "
+            f"capture budget ({capture_bytes / gib:.1f} GiB, max_capture_bytes) needs {need / gib:.1f} GiB per rank, but "
+            f"vLLM leaves {free_bytes / gib:.1f} GiB free beside its KV cache: lower max_total_bytes or max_capture_bytes, "
+            "or --gpu-memory-utilization")
+    return max_total_bytes, None
 
 
 def apply_refusal(channel: "Channel", refused: str | None, strict: bool) -> None:

@@ -25,7 +25,7 @@ from kvcomm.core.rope import RopeError
 from kvcomm.integrations.vllm.channel import Capture, Channel
 from kvcomm.integrations.vllm.layout import KvIO, LayoutError
 from kvcomm.integrations.vllm.messages import KvcommMetadata, KvcommWorkerMetadata, StepRequest
-from kvcomm.integrations.vllm.refusals import apply_refusal, device_memory_refusal, layer_refusal, refusal_of_any_rank
+from kvcomm.integrations.vllm.refusals import apply_refusal, device_memory_budget, layer_refusal, refusal_of_any_rank
 from kvcomm.integrations.vllm.worker_plans import WorkerPlans
 
 if TYPE_CHECKING:
@@ -116,14 +116,18 @@ class KvcommConnectorWorker:
         apply_refusal(self.channel, self.refused, self._strict)
 
     def _memory_refusal(self) -> str | None:
-        """``refusals.device_memory_refusal`` for this rank's KV device, after vLLM allocated its cache."""
+        """``refusals.device_memory_budget`` for this rank's KV device, after vLLM allocated its
+        cache; the cap it settles on is the planner's ``max_total_bytes``."""
         from kvcomm.integrations.vllm.scheduler import DEFAULT_MAX_CAPTURE_BYTES
 
         extra = self._vllm_config.kv_transfer_config
         free = torch.cuda.mem_get_info(self._device)[0] if self._device.type == "cuda" else None
-        return device_memory_refusal(self._device.type, free, extra.get_from_extra_config("max_total_bytes", None),
-                                     int(extra.get_from_extra_config("max_capture_bytes", DEFAULT_MAX_CAPTURE_BYTES)),
-                                     self._vllm_config.parallel_config.tensor_parallel_size)
+        cap, refused = device_memory_budget(
+            self._device.type, free, extra.get_from_extra_config("max_total_bytes", None),
+            int(extra.get_from_extra_config("max_capture_bytes", DEFAULT_MAX_CAPTURE_BYTES)),
+            self._vllm_config.parallel_config.tensor_parallel_size)
+        self._plans.max_total_bytes = cap
+        return refused
 
     def _register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = self._vllm_config.compilation_config.static_forward_context

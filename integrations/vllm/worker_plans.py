@@ -35,6 +35,8 @@ class WorkerPlans:
         self.channel = channel
         self.planner: ServerPlanner | None = None
         self._planned: dict[str, PlannedRequest] = {}
+        self.max_total_bytes = vllm_config.kv_transfer_config.get_from_extra_config("max_total_bytes", None)
+        """All ranks' byte cap; the worker sets it from the device memory at start-up (``refusals.device_memory_budget``)."""
 
     def answer(self, ask: PlanAsk, refused: str | None) -> PlanAnswer:
         """Plan ``ask``; a failure answers with the error (that request gets no reuse)."""
@@ -42,7 +44,7 @@ class WorkerPlans:
             return PlanAnswer(error=f"kvcomm is off in this engine: {refused}")
         try:
             if self.planner is None:
-                self.planner = make_planner(self._vllm_config, self.channel)
+                self.planner = make_planner(self._vllm_config, self.channel, self.max_total_bytes)
             planned = self.planner.prepare(list(ask.token_ids), ask.params, salted=ask.salted, max_tokens=ask.max_tokens)
             self.channel.place(handle_of(ask.req_id), planned.order)
         except Exception as error:  # a planning failure must not take the engine down
@@ -106,11 +108,12 @@ def _agree_on_restored(planner: ServerPlanner, heads) -> None:
               "missing); every rank starts cold")
 
 
-def make_planner(vllm_config: "VllmConfig", channel: Channel) -> ServerPlanner:
+def make_planner(vllm_config: "VllmConfig", channel: Channel, max_total_bytes: object = None) -> ServerPlanner:
     """A planner on the served model's own rotary embedding (vLLM's module, self-checked at
     start-up). With ``state_dir`` the checkpoint is also loaded with transformers, once, for
     the fingerprint of the saved state (its config and weights, under transformers' names),
     and the state is restored and then saved periodically and at exit, from this process.
+    ``max_total_bytes``: the byte cap of all ranks together (``WorkerPlans.max_total_bytes``).
 
     Under tensor parallelism (``tensor_parallel_heads``) each rank's planner holds its heads;
     the byte caps are split evenly (a rank holds ``1/size`` of every KV and counts ``1/size`` of
@@ -129,8 +132,8 @@ def make_planner(vllm_config: "VllmConfig", channel: Channel) -> ServerPlanner:
     pool = PoolConfig(gamma=float(extra.get_from_extra_config("gamma", PoolConfig.gamma)),
                       max_anchors=int(extra.get_from_extra_config("max_anchors", PoolConfig.max_anchors)))
     heads = tensor_parallel_heads(vllm_config)
-    caps = {name: _rank_share(extra.get_from_extra_config(name, None), heads.size)
-            for name in ("max_total_bytes", "max_tenant_bytes")}
+    caps = {"max_total_bytes": _rank_share(max_total_bytes, heads.size),
+            "max_tenant_bytes": _rank_share(extra.get_from_extra_config("max_tenant_bytes", None), heads.size)}
     scope = extra.get_from_extra_config("reuse_scope", DEFAULT_SCOPE)  # checked at start by the connector
     planner = ServerPlanner(rotary, ReuseConfig(pool=pool, scope=scope), heads=heads, **caps)
     state_dir = extra.get_from_extra_config("state_dir", None)

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("vllm")
 
 from kvcomm.integrations.vllm.connector import KvcommConnector  # noqa: E402
-from kvcomm.integrations.vllm.refusals import config_refusal, device_memory_refusal  # noqa: E402
+from kvcomm.integrations.vllm.refusals import config_refusal, device_memory_budget  # noqa: E402
 
 
 def _group(spec):
@@ -153,17 +153,19 @@ def test_strict_mode_fails_the_start_with_the_reason(windowed_model):
     assert not result["started"] and "SlidingWindowSpec" in result["error"]
 
 
-def test_an_accelerator_needs_a_byte_cap_that_fits_beside_vllms_kv_cache():
-    """On a GPU the reuse state shares the memory vLLM leaves free: no cap, or a cap that does
-    not fit with one request's capture, is refused at start-up with what to set; on a CPU (host
-    memory) nothing is asked."""
+def test_on_an_accelerator_the_reuse_state_is_capped_to_fit_beside_vllms_kv_cache():
+    """On a GPU the reuse state shares the memory vLLM leaves free: without a cap it gets 90% of
+    that less one request's capture; a given cap that does not fit with one capture is refused
+    at start-up with what to change; on a CPU (host memory) the operator's caps stand."""
     gib = 1 << 30
-    assert device_memory_refusal("cpu", None, None, gib) is None
-    missing = device_memory_refusal("cuda", 10 * gib, None, gib)
-    assert "max_total_bytes" in missing and "--max-total-bytes" in missing and "9.0 GiB" in missing
-    too_big = device_memory_refusal("cuda", 10 * gib, 12 * gib, gib)
-    assert "lower max_total_bytes" in too_big and "13.0 GiB" in too_big
-    assert device_memory_refusal("cuda", 10 * gib, 9 * gib, gib) is None  # exactly fits
-    assert device_memory_refusal("cuda", 10 * gib, 9 * gib + 1, gib) is not None
-    assert device_memory_refusal("cuda", 10 * gib, 18 * gib, gib, ranks=2) is None  # 9 GiB on each of two ranks
-    assert device_memory_refusal("cuda", 10 * gib, True, gib) is not None  # not a byte count
+    assert device_memory_budget("cpu", None, None, gib) == (None, None)
+    assert device_memory_budget("cpu", None, 5, gib) == (5, None)
+    assert device_memory_budget("cuda", 11 * gib, None, gib) == (9 * gib, None)
+    assert device_memory_budget("cuda", 11 * gib, None, gib, ranks=2) == (18 * gib, None)
+    cap, refused = device_memory_budget("cuda", gib // 2, None, gib)
+    assert cap is None and "--gpu-memory-utilization" in refused
+    cap, refused = device_memory_budget("cuda", 10 * gib, 12 * gib, gib)
+    assert cap == 12 * gib and "lower max_total_bytes" in refused and "13.0 GiB" in refused
+    assert device_memory_budget("cuda", 10 * gib, 9 * gib, gib) == (9 * gib, None)  # exactly fits
+    assert device_memory_budget("cuda", 10 * gib, 9 * gib + 1, gib)[1] is not None
+    assert device_memory_budget("cuda", 10 * gib, 18 * gib, gib, ranks=2)[1] is None  # 9 GiB on each of two ranks
