@@ -28,6 +28,33 @@ def server(kvcomm_server, fresh_key) -> dict:
     return {"base_url": kvcomm_server.base_url, "api_key": fresh_key()}
 
 
+REPLY_KEYS = ("kvcomm-test-replies-a", "kvcomm-test-replies-b", "kvcomm-test-replies-c")
+
+
+@pytest.fixture(scope="module")
+def replies_server(tmp_path_factory):
+    """A `kvcomm serve` under scope `all`, where a reply's base is the KV its writer decoded it
+    with, so the reviewer's first call reads it from stored KV (under the default
+    `all-reader-replies` the reviewer, as its first reader, computes it). Keys ``REPLY_KEYS``."""
+    from support.serve_client import start_server
+
+    running = start_server(tmp_path_factory.mktemp("kvcomm-serve-replies") / "server.log", REPLY_KEYS,
+                           "--reuse-scope", "all")
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture
+def reply_server(replies_server, request) -> dict:
+    """Connection options of ``replies_server`` with a key (tenant) of this test alone."""
+    names = ("test_autogen_reviewer_reuses_the_writers_reply_on_the_server",
+             "test_cut_off_replies_become_bases_on_the_server_as_in_process",
+             "test_ag2_pair_reuses_the_other_agents_reply_on_the_server")
+    return {"base_url": replies_server.base_url, "api_key": REPLY_KEYS[names.index(request.node.name)]}
+
+
 def _team(client):
     from autogen_agentchat.agents import AssistantAgent
     from autogen_agentchat.teams import RoundRobinGroupChat
@@ -43,10 +70,10 @@ def _sums_add_up(calls) -> None:
         assert p.exact_tokens + p.estimated_tokens + p.computed_tokens == p.prompt_tokens and p.computed_tokens >= 1, p
 
 
-def test_autogen_reviewer_reuses_the_writers_reply_on_the_server(server):
+def test_autogen_reviewer_reuses_the_writers_reply_on_the_server(reply_server):
     from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
 
-    client = KvcommChatCompletionClient.remote(**server, max_tokens=BUDGET)
+    client = KvcommChatCompletionClient.remote(**reply_server, max_tokens=BUDGET)
     for task in TASKS:
         result = asyncio.run(_team(client).run(task=task))
         assert [m.source for m in result.messages] == ["user", "writer", "reviewer"]
@@ -66,7 +93,7 @@ def test_autogen_reviewer_reuses_the_writers_reply_on_the_server(server):
     assert usage.completion_tokens == sum(c.completion_tokens for c in calls)
 
 
-def test_cut_off_replies_become_bases_on_the_server_as_in_process(server):
+def test_cut_off_replies_become_bases_on_the_server_as_in_process(reply_server):
     """The writer's replies (8-10 tokens) cut at 4 by max_tokens are what the reviewer reads.
     In process their KV becomes their base (the executor feeds the last token back); the
     server computes the KV of every token it feeds back, all but the last it samples, so the
@@ -75,7 +102,7 @@ def test_cut_off_replies_become_bases_on_the_server_as_in_process(server):
     The log also names each call's agent, and has the server's TTFT without a server flag."""
     from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
 
-    client = KvcommChatCompletionClient.remote(**server, max_tokens=4)
+    client = KvcommChatCompletionClient.remote(**reply_server, max_tokens=4)
     for task in TASKS:
         result = asyncio.run(_team(client).run(task=task))
         assert [m.source for m in result.messages] == ["user", "writer", "reviewer"]
@@ -88,12 +115,12 @@ def test_cut_off_replies_become_bases_on_the_server_as_in_process(server):
     assert all(c.provenance.ttft_s is not None and 0 < c.provenance.ttft_s <= c.latency_s for c in calls)
     assert calls[-1].slots["writer#0"][0] > 0 and calls[-1].provenance.estimated_tokens > 0, calls[-1]
     with pytest.warns(DeprecationWarning, match="deprecated alias"):
-        KvcommChatCompletionClient.remote(**server, max_new_tokens=4)
+        KvcommChatCompletionClient.remote(**reply_server, max_new_tokens=4)
     with pytest.raises(ValueError, match="max_tokens=4 and max_new_tokens=5"):
-        KvcommChatCompletionClient.remote(**server, max_tokens=4, max_new_tokens=5)
+        KvcommChatCompletionClient.remote(**reply_server, max_tokens=4, max_new_tokens=5)
 
 
-def test_ag2_pair_reuses_the_other_agents_reply_on_the_server(server):
+def test_ag2_pair_reuses_the_other_agents_reply_on_the_server(reply_server):
     """The reviewer opens with the task; the writer answers (call 1); the reviewer answers
     that (call 2), reading the writer's reply, whose decode KV the server kept."""
     from autogen import ConversableAgent
@@ -102,7 +129,7 @@ def test_ag2_pair_reuses_the_other_agents_reply_on_the_server(server):
     from kvcomm.integrations.remote.backend import RemoteChatBackend
 
     config = {"config_list": [{"model": "kvcomm", "model_client_cls": "KvcommAG2Client"}], "cache_seed": None}
-    backend = RemoteChatBackend(**server, max_new_tokens=BUDGET)
+    backend = RemoteChatBackend(**reply_server, max_new_tokens=BUDGET)
     for task in TASKS:
         writer = ConversableAgent("writer", system_message=WRITER, llm_config=config, human_input_mode="NEVER")
         reviewer = ConversableAgent("reviewer", system_message=REVIEWER, llm_config=config, human_input_mode="NEVER")
