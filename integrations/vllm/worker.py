@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,7 +42,6 @@ class _DeviceStep:
 
     step: StepRequest
     pieces: list[Piece]
-    capture: bool = field(default=False)
 
 
 class DeviceClock:
@@ -175,7 +174,7 @@ class KvcommConnectorWorker:
                     raise RuntimeError(f"kvcomm: the order for {step.handle!r} vanished before its KV was loaded")
                 start = int(step.load_positions[0])
                 loaded = clip(list(order.inject.pieces), start, start + step.load_positions.numel())
-            self._device_steps.append(_DeviceStep(step, loaded, step.capture_slots.numel() > 0))
+            self._device_steps.append(_DeviceStep(step, loaded))
         return self._device_steps
 
     def wait_for_layer_load(self, layer_name: str, meta: "KVConnectorMetadata") -> None:
@@ -224,8 +223,8 @@ class KvcommConnectorWorker:
         if not meta.requests:
             return
         for item in work:
-            if item.capture:
-                step = item.step
+            step = item.step
+            if step.capture_slots.numel():
                 capture = self._capture(step)
                 first = int(step.capture_positions[0])
                 copy_tokens(KVTarget.at_slots(self._paged, step.capture_slots),
