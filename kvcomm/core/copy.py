@@ -7,11 +7,9 @@ composite reads and writes layer by layer. Bit-exact either way (no arithmetic).
 
 from __future__ import annotations
 
-
-import numpy as np
 import torch
 
-from kvcomm.core.device import OP_BYTES, upload, uses_triton
+from kvcomm.core.device import OP_BYTES, upload_tables, uses_triton
 from kvcomm.core.kv_target import KVTarget
 
 _NAMES = ("layer_ptrs", "tok", "off", "koff", "voff")
@@ -29,11 +27,7 @@ def copy_tokens(source: KVTarget, dest: KVTarget) -> None:
             keys, values = source.read(layer)
             dest.write(layer, 0, keys, values)
         return
-    tables = [source.tables(), dest.tables()]
-    arrays = [t[name].reshape(-1) for t in tables for name in _NAMES]
-    starts = np.cumsum([0] + [a.size for a in arrays])
-    packed = upload(np.concatenate(arrays), dest.device)
-    views = [packed[starts[i] : starts[i + 1]].view(tables[i // 5][_NAMES[i % 5]].shape) for i in range(10)]
+    _, views = upload_tables([t[name] for t in (source.tables(), dest.tables()) for name in _NAMES], dest.device)
     heads, dim = views[3].shape[1], views[3].shape[2]
     like = torch.empty(0, dtype=dest.dtype, device=dest.device)
     copy_op(*views, like, source.n, source.layers, heads, dim)

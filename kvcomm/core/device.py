@@ -51,6 +51,17 @@ def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(device)
 
 
+def upload_tables(tables: Sequence[np.ndarray], device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``tables`` (int64, numpy) on ``device`` in one ``upload``: the packed 1-D tensor and a view
+    of it shaped like each table."""
+    packed = upload(np.concatenate([t.reshape(-1) for t in tables]), device)
+    views, start = [], 0
+    for table in tables:
+        views.append(packed[start : start + table.size].view(table.shape))
+        start += table.size
+    return packed, views
+
+
 def pointer_table(tensors: Sequence[torch.Tensor]) -> np.ndarray:
     """The addresses of ``tensors``' first elements, int64 ``[len(tensors)]`` on the host (the
     caller uploads it with the call's other small tables, in one copy)."""

@@ -10,14 +10,13 @@ round each element once, to the target's dtype.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvcomm.core.blocks import block_layers
-from kvcomm.core.device import OP_BYTES, float_bits, upload, uses_triton
+from kvcomm.core.device import OP_BYTES, float_bits, upload_tables, uses_triton
 from kvcomm.core.estimate import Estimate
 from kvcomm.core.kv import KV, positions
 from kvcomm.core.kv_target import KVTarget
@@ -111,26 +110,16 @@ def _place_triton(pieces: list[Piece], target: KVTarget, rotary: Rotary) -> None
     device = target.device
     tables = target.tables()
     cos, sin = rotary.cos_sin_table(device, max(p.position + p.base.length for p in pieces))
-    host, at = [], {}
-
-    def put(name, table: np.ndarray) -> None:
-        at[name] = (sum(t.size for t in host), table.shape)
-        host.append(table.reshape(-1))
-
-    for name in ("layer_ptrs", "tok", "off", "koff", "voff"):
-        put(name, tables[name])
+    host = {name: tables[name] for name in ("layer_ptrs", "tok", "off", "koff", "voff")}
     for i, piece in enumerate(pieces):
         est = piece.estimate
         if est is not None:
             rows = est.rows if est.rows is not None else range(len(est.parts))
-            put(i, np.array([[p.keys.data_ptr(), p.values.data_ptr(), p.keys.stride(0), p.keys.stride(1), row, bits]
-                             for p, row, bits in zip(est.parts, rows, float_bits(est.divisors))], dtype=np.int64))
-    packed = upload(np.concatenate(host), device)
+            host[i] = np.array([[p.keys.data_ptr(), p.values.data_ptr(), p.keys.stride(0), p.keys.stride(1), row, bits]
+                                for p, row, bits in zip(est.parts, rows, float_bits(est.divisors))], dtype=np.int64)
+    packed, uploaded = upload_tables(list(host.values()), device)
     floats = packed.view(torch.float64)
-
-    def view(name, of=packed):
-        offset, shape = at[name]
-        return of[offset : offset + math.prod(shape)].view(shape)
+    views = dict(zip(host, uploaded))
 
     out_like = torch.empty(0, dtype=target.dtype, device=device)
     none = _placeholder(device)
@@ -146,7 +135,7 @@ def _place_triton(pieces: list[Piece], target: KVTarget, rotary: Rotary) -> None
             if any(p.keys.stride(2) != k.stride(2) or p.keys.stride(3) != 1 or p.values.stride() != p.keys.stride()
                    for p in est.parts):
                 raise ValueError("deviation parts need the base's token stride and contiguous channels")
-            dev_table, dev_f64, logits = view(i), view(i, floats), est.distances
+            dev_table, dev_f64, logits = views[i], views[i].view(torch.float64), est.distances
             if est.per_token and logits.ndim == 3:  # [rows, heads, T]: summed over heads in the kernel
                 strides, n_sum = [logits.stride(0), 0, 0, logits.stride(2), 0, logits.stride(1)], logits.shape[1]
             elif est.per_token:  # [rows, T]
@@ -156,8 +145,8 @@ def _place_triton(pieces: list[Piece], target: KVTarget, rotary: Rotary) -> None
         place_op(k, v, dev_table, dev_f64, logits, strides, n_sum, 1.0 if est is None else est.scale,
                  est is not None and est.sqrt, 1.0 if est is None else float(est.tau), none if est is None else est.alpha,
                  0 if est is None else len(est.parts), 0 if est is None else est.first_layer,
-                 cos, sin, piece.position, view("layer_ptrs"), view("tok")[piece.at : piece.at + n],
-                 view("off")[piece.at : piece.at + n], view("koff"), view("voff"), out_like,
+                 cos, sin, piece.position, views["layer_ptrs"], views["tok"][piece.at : piece.at + n],
+                 views["off"][piece.at : piece.at + n], views["koff"], views["voff"], out_like,
                  rotary.rotary_dim // 2, piece.rotate, rotary.interleaved)
 
 
