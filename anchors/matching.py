@@ -48,6 +48,8 @@ class Candidates:
     covered: int = 0
     identical: Anchor | None = None
     refusal: str | None = None
+    cold: bool = False
+    """Refused because fewer than ``min_compatible`` anchors have a deviation for this slot."""
 
     @property
     def used(self) -> tuple[Anchor, ...]:

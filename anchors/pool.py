@@ -147,6 +147,7 @@ class AnchorPool:
             compatible = [a for a in self._anchors.values() if slot in a.deviations]
             if len(compatible) < self.config.min_compatible:
                 found.refusal = f"{len(compatible)} compatible anchors, {self.config.min_compatible} needed"
+                found.cold = True
                 return found
             compatible = self._narrow(compatible, embedding)
             covered = self._coverage(compatible, length)

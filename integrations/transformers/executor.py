@@ -43,6 +43,9 @@ class TransformersExecutor:
     a model without reuse.
     """
 
+    computes_heads = True
+    """``generate`` takes ``head``: plans may compute new text before the reused content."""
+
     def __init__(self, model, tokenizer, dense_only: bool = False):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -120,6 +123,7 @@ class TransformersExecutor:
     def generate(
         self, token_ids: Sequence[int], prefix: KV | None, max_new_tokens: int, started: float | None = None,
         keep_logprobs: bool = False, blend: BlendRequest | None = None, on_token: OnToken | None = None,
+        head: tuple[int, int] | None = None,
     ) -> Generation:
         started = time.perf_counter() if started is None else started
         n = len(token_ids)
@@ -128,6 +132,7 @@ class TransformersExecutor:
             raise ValueError(f"prefix covers {reused} of {n} prompt tokens; at least the last token must be computed")
         if prefix is not None:
             prefix = KV(prefix.keys.to(self.device, self.kv_dtype), prefix.values.to(self.device, self.kv_dtype))
+        head_kv = None if head is None else self._head(token_ids, prefix, *head)
         cache = self._cache(prefix)
         recomputed: tuple[int, ...] = ()
         if blend is not None:
@@ -153,7 +158,20 @@ class TransformersExecutor:
         if reply and cache.get_seq_length() < n + len(reply):
             self._forward(reply[-1:], cache, n + len(reply) - 1)  # the reply's KV is the next agent's base
         reply_kv = self._span(cache, n, n + len(reply)) if reply else None
-        return Generation(tuple(reply), self._span(cache, reused, n), reply_kv, ttft, logprobs, recomputed)
+        return Generation(tuple(reply), self._span(cache, reused, n), reply_kv, ttft, logprobs, recomputed, head=head_kv)
+
+    def _head(self, token_ids: Sequence[int], prefix: KV | None, start: int, end: int) -> KV:
+        """Compute prompt tokens ``[start, end)`` behind ``prefix``'s first ``start`` tokens, write
+        their KV into ``prefix`` there (it is this call's memory) and return a copy of it."""
+        if prefix is None or not 0 <= start < end < prefix.length:
+            raise ValueError(f"head [{start}, {end}) must lie inside the {0 if prefix is None else prefix.length}-token "
+                             "prefix with reused tokens after it")
+        cache = self._cache(prefix.span(0, start) if start else None)
+        self._forward(token_ids[start:end], cache, start)
+        kv = self._span(cache, start, end)
+        prefix.keys[:, :, start:end] = kv.keys
+        prefix.values[:, :, start:end] = kv.values
+        return kv
 
     # -- CacheBlend ------------------------------------------------------------------------
 

@@ -172,13 +172,15 @@ class ReuseEngine:
 
     # -- plan --------------------------------------------------------------------------------
 
-    def plan(self, prompt: Prompt, provide_base: BaseProvider | None = None) -> ReusePlan:
+    def plan(self, prompt: Prompt, provide_base: BaseProvider | None = None, heads: bool = False) -> ReusePlan:
         """Decide which prompt tokens are exact, estimated or computed (see ``ReusePlan``).
 
         Shared content without a base: ``provide_base`` computes it now; without a provider
-        the content is computed densely (reuse stops there) and ``learn`` takes its base from
-        this request (``plan.new_bases``)."""
-        plan = ReusePlan(prompt)
+        the content is computed densely and ``learn`` takes its base from this request
+        (``plan.new_bases``). heads: the executor computes a head before the reused pieces
+        (``Executor.computes_heads``), so text the engine cannot serve (an agent's unseen
+        system prompt) need not end reuse of the shared content after it."""
+        plan = ReusePlan(prompt, heads=heads)
         last = len(prompt) - 1
         try:
             self.rotary.check_length(len(prompt))
@@ -204,9 +206,9 @@ class ReuseEngine:
             _drop_trailing_text(plan)
         if provide_base is None and mode.uses_bases:
             plan.new_bases = [i for i, s in enumerate(prompt.segments)
-                              if s.is_shared and self._held_base(s.shared_id) is None and prompt.starts[i] >= plan.reuse_end]
+                              if s.is_shared and self._held_base(s.shared_id) is None and plan.computes(i)]
         if mode.recompute and plan.estimated_tokens > 0:
-            plan.blend = BlendRequest(plan.exact_length, plan.reuse_end, self.config.recompute_ratio, CHECK_LAYER)
+            plan.blend = BlendRequest(plan.pieces_start, plan.reuse_end, self.config.recompute_ratio, CHECK_LAYER)
         return plan
 
     def calibration_plan(self, prompt: Prompt, provide_base: BaseProvider | None = None) -> ReusePlan:
@@ -297,14 +299,19 @@ class ReuseEngine:
 
     # -- learn -------------------------------------------------------------------------------
 
-    def learn(self, plan: ReusePlan, computed: KV, reply_ids: tuple[int, ...] = (), reply_kv: KV | None = None) -> None:
+    def learn(self, plan: ReusePlan, computed: KV, reply_ids: tuple[int, ...] = (), reply_kv: KV | None = None,
+              head: KV | None = None) -> None:
         """Record what the dense forward revealed; ``computed`` is the real, rotated KV of
-        prompt tokens ``[plan.reuse_end, len(prompt))``. Costs no forward pass.
+        prompt tokens ``[plan.reuse_end, len(prompt))``, ``head`` that of the computed head
+        ``[plan.exact_length, plan.pieces_start)`` (``Generation.head``; required when the plan
+        has one). Costs no forward pass.
 
         reply_ids, reply_kv: the reply generated after the prompt and its real KV at positions
         ``[len(prompt), len(prompt) + len(reply_ids))`` (None: not all of it was computed, e.g. a
         cancelled call); the reply becomes shared content with that KV, de-rotated, as its base
         when ``learns_reply_from(plan)``."""
+        if plan.computed_head:
+            self._learn_head(plan, head)
         self._learn_prompt(plan, computed)
         if reply_kv is not None and reply_ids and self.uses_bases and self.learns_reply_from(plan):
             n = len(plan.prompt)
@@ -331,7 +338,7 @@ class ReuseEngine:
         if not clean and not self.scope.bases_after_estimates:
             return
         with self._lock:
-            self._take_new_bases(plan, real)
+            self._take_new_bases(plan, real, [i for i in plan.new_bases if prompt.starts[i] >= begin])
             if not clean:
                 return  # computed behind estimated KV: its errors would become every later estimate's
             if plan.estimated_tokens == 0:
@@ -349,11 +356,41 @@ class ReuseEngine:
             for index in plan.learn:
                 self._record(prompt, index, real)
 
-    def _take_new_bases(self, plan: ReusePlan, real: Callable[[int], KV]) -> None:
-        """Register the computed KV of each content in ``plan.new_bases`` still without a base."""
+    def _learn_head(self, plan: ReusePlan, head: KV | None) -> None:
+        """What the computed head revealed, computed behind exact KV only, so clean: bases of new
+        content in it, its fixed segments' bases, and the exact prefix up to its end (an agent's
+        next call finds its system prompt there)."""
+        prompt, begin, end = plan.prompt, plan.exact_length, plan.pieces_start
+        if head is None or head.length != end - begin:
+            raise ValueError(f"learn needs KV of the {end - begin}-token computed head, got "
+                             f"{'none' if head is None else head.length}")
+        if not self.learns_at(len(prompt)):
+            return
+
+        def real(index: int) -> KV:
+            start = prompt.starts[index]
+            return to_position_free(head.span(start - begin, prompt.end(index) - begin), self.rotary, start)
+
+        inside = [i for i in range(len(prompt.segments)) if begin <= prompt.starts[i] and prompt.end(i) <= end]
+        with self._lock:
+            self._take_new_bases(plan, real, inside)
+            for index in inside:
+                key = _fixed_key(prompt, index)
+                if not prompt.segments[index].is_shared and key not in self._fixed_bases:
+                    self._fixed_bases[key] = real(index).clone()
+            count = next(i for i in range(len(prompt.segments)) if prompt.starts[i] == end)
+            exact = plan.exact_kv
+            if exact is not None and plan.exact_position_free:
+                exact = place(exact, self.rotary, 0)
+            kv = head if exact is None else KV.cat([exact, head.to(exact.keys.dtype)])
+            self.prefix_store.put(Prompt(prompt.template_id, prompt.segments[:count]), kv)
+
+    def _take_new_bases(self, plan: ReusePlan, real: Callable[[int], KV], among: list[int] | None = None) -> None:
+        """Register the computed KV of each content in ``plan.new_bases`` (those ``among`` the
+        given indices, if given) still without a base."""
         for index in plan.new_bases:
             segment = plan.prompt.segments[index]
-            if self._held_base(segment.shared_id) is None:
+            if (among is None or index in among) and self._held_base(segment.shared_id) is None:
                 self.register_base(segment, real(index).clone())
 
     def _record(self, prompt: Prompt, index: int, real: Callable[[int], KV]) -> None:

@@ -36,6 +36,8 @@ class Generation:
     cached_tokens: prompt tokens after the injected prefix that the runtime's own prefix cache
         served instead of computing them (vLLM's ``num_cached_tokens`` less the injected
         prefix); always 0 on a runtime without one (transformers).
+    head: real KV of the head ``generate`` was asked to compute first (its ``head`` range),
+        rotated at its positions; None without one.
     """
 
     reply_ids: tuple[int, ...]
@@ -45,12 +47,15 @@ class Generation:
     prompt_logprobs: torch.Tensor | None = None
     recomputed: tuple[int, ...] = ()
     cached_tokens: int = 0
+    head: KV | None = None
 
 
 class Executor(Protocol):
     """A model runtime. One with a prefix cache of its own (vLLM) may also offer
     ``with_salt(salt) -> Executor``: the same runtime, with the calls that inject nothing
-    sharing that cache only with calls made under the same salt (``namespaced``)."""
+    sharing that cache only with calls made under the same salt (``namespaced``). One that
+    sets ``computes_heads = True`` takes ``generate(..., head=(start, end))``: plans for it may
+    compute new text before the reused content (``ReusePlan.computed_head``)."""
 
     rotary: Rotary
     """The model's rotary embedding, self-checked; executors refuse to exist for models that fail."""
@@ -79,8 +84,11 @@ class Executor(Protocol):
 
         keep_logprobs: fill ``Generation.prompt_logprobs``. blend: before the tail, recompute
         the selected tokens of ``prefix`` (CacheBlend) and correct their cached KV. on_token:
-        see ``OnToken``. All three are optional: callers pass them only when set, so executors
-        without them keep working for the modes that do not need them.
+        see ``OnToken``. head ``(start, end)``: the prompt positions ``[start, end)`` inside
+        ``prefix`` hold nothing yet: compute them first, behind ``prefix``'s first ``start``
+        tokens, and return their KV (``Generation.head``). All four are optional: callers pass
+        them only when set, so executors without them keep working for the plans that do not
+        need them.
         """
         ...
 

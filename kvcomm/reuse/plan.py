@@ -73,16 +73,21 @@ def ratio_count(ratio: float, tokens: int) -> int:
 
 @dataclass
 class ReusePlan:
-    """The KV for prompt tokens ``[0, reuse_end)`` is supplied, the rest computed densely.
+    """The KV for prompt tokens ``[0, reuse_end)`` is supplied, except a computed head; the
+    rest is computed densely.
 
     ``[0, exact_length)`` comes from ``exact_kv`` (stored, exact: rotated at its positions, or
-    position-free when ``exact_position_free``, a template's first segment); the pieces tile
-    ``[exact_length, reuse_end)`` contiguously, in order. ``reuse_end <= len(prompt) - 1``
+    position-free when ``exact_position_free``, a template's first segment). The computed head
+    ``[exact_length, pieces_start)`` (empty unless ``head_end`` was set and there are pieces;
+    only planned when ``heads``: the executor can compute it, ``Executor.computes_heads``) is
+    computed densely behind the exact prefix first: text new to the engine, e.g. an agent's
+    unseen system prompt, after which shared content is served. The pieces tile
+    ``[pieces_start, reuse_end)`` contiguously, in order. ``reuse_end <= len(prompt) - 1``
     always: the last prompt token is recomputed so its logits come from a real forward.
-    ``learn`` lists shared segment indices, all inside ``[reuse_end, len(prompt))``, whose
-    deviations are recorded after the forward pass. ``new_bases`` lists shared segment
-    indices, all inside ``[reuse_end, len(prompt))``, whose content had no base KV when
-    planned; ``learn`` takes their base from the computed KV. ``note`` says why reuse stopped.
+    ``learn`` lists shared segment indices, all computed (``computes``), whose deviations are
+    recorded after the forward pass. ``new_bases`` lists shared segment indices, all computed,
+    whose content had no base KV when planned; ``learn`` takes their base from the computed
+    KV. ``note`` says why reuse stopped.
 
     ``blend`` (modes "cacheblend", "kvblend"): the selective recompute the executor is to run over the
     estimated tokens; ``recompute`` the sorted prompt positions it recomputed (filled in
@@ -93,7 +98,9 @@ class ReusePlan:
     """
 
     prompt: Prompt
+    heads: bool = False
     exact_length: int = 0
+    head_end: int = 0
     exact_kv: KV | None = None
     exact_position_free: bool = False
     pieces: list[EstimatedPiece] = field(default_factory=list)
@@ -109,14 +116,35 @@ class ReusePlan:
         return self.pieces[-1].end if self.pieces else self.exact_length
 
     @property
+    def pieces_start(self) -> int:
+        """Where the pieces start: after the computed head, if any, else after the exact prefix."""
+        return max(self.exact_length, self.head_end) if self.pieces else self.exact_length
+
+    @property
+    def computed_head(self) -> int:
+        """Tokens of the computed head ``[exact_length, pieces_start)``."""
+        return self.pieces_start - self.exact_length
+
+    @property
+    def next_start(self) -> int:
+        """Where a strategy's next piece must start: the end of the last piece, or of the head
+        being planned (``head_end``), or of the exact prefix."""
+        return self.pieces[-1].end if self.pieces else max(self.exact_length, self.head_end)
+
+    @property
     def estimated_tokens(self) -> int:
-        return self.reuse_end - self.exact_length
+        return self.reuse_end - self.pieces_start
+
+    def computes(self, index: int) -> bool:
+        """Whether segment ``index`` is computed whole by the forward pass (in the head or the tail)."""
+        start, end = self.prompt.starts[index], self.prompt.end(index)
+        return start >= self.reuse_end or (self.exact_length <= start and end <= self.pieces_start)
 
     def provenance(self, ttft_s: float | None = None, cached_tokens: int = 0) -> "Provenance":
         prompt, end = self.prompt, self.reuse_end
         recomputed = self.recompute or ()
-        if any(not self.exact_length <= p < end for p in recomputed) or len(set(recomputed)) != len(recomputed):
-            raise ValueError(f"recomputed positions must be distinct and in [{self.exact_length}, {end})")
+        if any(not self.pieces_start <= p < end for p in recomputed) or len(set(recomputed)) != len(recomputed):
+            raise ValueError(f"recomputed positions must be distinct and in [{self.pieces_start}, {end})")
         shared = [i for i, s in enumerate(prompt.segments) if s.is_shared]
         in_shared = [False] * len(prompt)
         for i in shared:
@@ -128,7 +156,7 @@ class ReusePlan:
             prompt_tokens=len(prompt),
             exact_tokens=self.exact_length,
             estimated_tokens=estimated,
-            computed_tokens=len(prompt) - end + len(recomputed),
+            computed_tokens=len(prompt) - end + len(recomputed) + self.computed_head,
             shared_tokens=sum(len(prompt.segments[i]) for i in shared),
             reused_shared_tokens=reused_shared,
             fallback=outside_exact and estimated == 0,
@@ -136,6 +164,7 @@ class ReusePlan:
             ttft_s=ttft_s,
             recomputed_tokens=len(recomputed),
             cached_tokens=cached_tokens,
+            head_tokens=self.computed_head,
         )
 
 
@@ -152,6 +181,8 @@ class Provenance:
     prefix cache served instead (``Generation.cached_tokens``: vLLM's prefix-cache hit beyond
     what kvcomm injected; 0 on transformers). They stay in ``computed_tokens`` (kvcomm did not
     serve them), and are reported so that a comparison can see what a prefix cache gave.
+    head_tokens: of the computed tokens, those computed before the reused ones (the plan's
+    computed head: new text, such as an agent's unseen system prompt, ahead of shared content).
     """
 
     prompt_tokens: int
@@ -165,12 +196,13 @@ class Provenance:
     ttft_s: float | None = None
     recomputed_tokens: int = 0
     cached_tokens: int = 0
+    head_tokens: int = 0
 
     @property
     def reuse_end(self) -> int:
         """End of the injected prefix: the prompt positions ``[reuse_end, prompt_tokens)``
         were computed by the tail forward (``Generation.prompt_logprobs`` covers them)."""
-        return self.prompt_tokens - self.computed_tokens + self.recomputed_tokens
+        return self.prompt_tokens - self.computed_tokens + self.recomputed_tokens + self.head_tokens
 
     @property
     def reused(self) -> bool:

@@ -73,9 +73,10 @@ def run_agent(
     if engine is None:
         generation = executor.generate(prompt.token_ids, None, max_new_tokens, started, **_options(keep_logprobs, on_token))
         return generation, dense_provenance(prompt, generation.ttft_s, generation.cached_tokens)
-    plan = (engine.calibration_plan if calibrate else engine.plan)(prompt, engine.base_provider(executor))
+    provide = engine.base_provider(executor)
+    plan = engine.calibration_plan(prompt, provide) if calibrate else engine.plan(prompt, provide, computes_heads(executor))
     generation = execute(executor, engine, plan, max_new_tokens, started, keep_logprobs, on_token)
-    engine.learn(plan, generation.computed, generation.reply_ids, generation.reply_kv)
+    engine.learn(plan, generation.computed, generation.reply_ids, generation.reply_kv, generation.head)
     return generation, plan.provenance(generation.ttft_s, generation.cached_tokens)
 
 
@@ -88,11 +89,18 @@ def execute(
     options = _options(keep_logprobs, on_token)
     if plan.blend is not None:
         options["blend"] = plan.blend
+    if plan.computed_head:
+        options["head"] = (plan.exact_length, plan.pieces_start)
     with engine.materialized(plan) as prefix:  # executors copy the prefix into their own cache
         generation = executor.generate(plan.prompt.token_ids, prefix, max_new_tokens, started, **options)
     if plan.blend is not None:
         plan.recompute = tuple(generation.recomputed)
     return generation
+
+
+def computes_heads(executor: Executor) -> bool:
+    """Whether ``executor`` computes a plan's head before injecting its pieces (``Executor.computes_heads``)."""
+    return bool(getattr(executor, "computes_heads", False))
 
 
 def _options(keep_logprobs: bool, on_token: OnToken | None) -> dict:

@@ -81,17 +81,18 @@ class TenantEngine(ReuseEngine):
                 self._local.depth -= 1
         self._grew()
 
-    def plan(self, prompt: Prompt, provide_base: BaseProvider | None = None) -> ReusePlan:
+    def plan(self, prompt: Prompt, provide_base: BaseProvider | None = None, heads: bool = False) -> ReusePlan:
         # A concurrent shrink must not drop a base between its registration and its use.
         with self._held_without_shrink():
-            return super().plan(prompt, provide_base)
+            return super().plan(prompt, provide_base, heads)
 
-    def learn(self, plan: ReusePlan, computed: KV, reply_ids: tuple[int, ...] = (), reply_kv: KV | None = None) -> None:
+    def learn(self, plan: ReusePlan, computed: KV, reply_ids: tuple[int, ...] = (), reply_kv: KV | None = None,
+              head: KV | None = None) -> None:
         with self._held_without_shrink():  # new content's bases are registered, then learned from
             # A base evicted under memory pressure since planning cannot be learned from:
             # skip that segment (it stays a dense sample) rather than fail the request.
             plan.learn = [i for i in plan.learn if self.has_base(plan.prompt.segments[i].shared_id)]
-            super().learn(plan, computed, reply_ids, reply_kv)
+            super().learn(plan, computed, reply_ids, reply_kv, head)
 
     def register_base(self, segment: Segment, base: KV) -> KV:
         held = super().register_base(segment, base)

@@ -114,9 +114,12 @@ def test_bad_guard_config_is_refused_and_a_guard_serves_one_engine():
 
 def _estimated_plan(executor):
     """(engine, plan) of a prompt whose shared segment is estimated from an anchor: the same
-    prompt seen once before (a prefix store with no room, so only the anchor path can reuse it)."""
+    prompt seen twice before (a prefix store with no room, so only the anchor path can reuse
+    it; the first call, the agent's first, serves the cold slot realigned behind its new
+    system prompt, the second computes it and makes it an anchor)."""
     engine = ReuseEngine(executor.rotary, ReuseConfig(prefix_store_bytes=0, base_source="standalone"))
     prompt = agent_prompt(executor, SPEC.agents[1], {"doc": SPEC.inputs[0]["doc"], "reader": "A river."})
+    run_agent(executor, engine, prompt, 1)
     run_agent(executor, engine, prompt, 1)
     plan = engine.plan(prompt, executor.base_kv)
     assert plan.estimated_tokens > 0

@@ -14,12 +14,16 @@ content or a fixed segment with no stored base.
 from __future__ import annotations
 
 from kvcomm.reuse.plan import EstimatedPiece, ReusePlan
-from kvcomm.reuse.strategies.realign import add_realigned, first_after_exact, new_content_note
+from kvcomm.reuse.strategies.realign import add_realigned, first_after_exact, head_before, new_content_note, start_head
 
 
 def plan_estimates(engine, plan: ReusePlan, provide) -> None:
     prompt, last = plan.prompt, engine.reuse_limit(plan.prompt)
     index, reusing = first_after_exact(plan), True
+    head = head_before(engine, plan, index, provide)
+    if head is not None and _servable_behind_head(plan.decisions[head[0]], head[1]):
+        index = head[0]
+        start_head(plan, index)
     while index < len(prompt.segments):
         segment, start = prompt.segments[index], prompt.starts[index]
         reusing = reusing and start < last  # the last token is always computed
@@ -33,12 +37,21 @@ def plan_estimates(engine, plan: ReusePlan, provide) -> None:
                 plan.note = plan.note or new_content_note(segment)
             reusing = False
             index += 1
-        elif not reusing or start != plan.reuse_end:
+        elif not reusing or start != plan.next_start:
             reusing = False
             _mark_dense_sample(plan, index)
             index += 1
         else:
             reusing, index = _serve_shared(engine, plan, index, last, known)
+
+
+def _servable_behind_head(decision, new_text: bool) -> bool:
+    """Whether a computed head is worth planning before this shared segment: its pool
+    estimates it, or its slot is cold (too few anchors for an estimate) behind text new to the
+    engine, an agent's first call: then it is served as its realigned base (the cold-slot rule
+    of docs/decisions.md, 2026-12-06). A cold slot behind known text is computed and learned
+    from instead, as without a head, so that slots warm up."""
+    return decision.match is not None or (new_text and decision.candidates.cold)
 
 
 def _mark_dense_sample(plan: ReusePlan, index: int) -> None:
@@ -51,7 +64,7 @@ def _mark_dense_sample(plan: ReusePlan, index: int) -> None:
 def _serve_fixed(engine, plan: ReusePlan, index: int, last: int) -> bool:
     """A fixed segment reached by reuse: served realigned behind an estimate, else reuse ends."""
     start = plan.prompt.starts[index]
-    if start == plan.reuse_end and plan.estimated_tokens > 0:
+    if start == plan.next_start and plan.estimated_tokens > 0:
         fixed = engine.fixed_base(plan.prompt, index)
         if fixed is None:
             plan.note = plan.note or f"fixed segment {index} at {start} has no base yet"
@@ -71,7 +84,7 @@ def _serve_shared(engine, plan: ReusePlan, index: int, last: int, known) -> tupl
     decision = plan.decisions[index]
     match = decision.match
     if match is None:
-        if plan.estimated_tokens > 0:
+        if plan.estimated_tokens > 0 or (not plan.pieces and plan.head_end == start and decision.candidates.cold):
             return add_realigned(plan, index, base, last), index + 1
         plan.learn.append(index)
         plan.note = f"slot {segment.slot!r} not shareable ({decision.refusal}): new anchor"

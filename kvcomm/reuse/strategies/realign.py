@@ -10,9 +10,14 @@ def plan_realigned(engine, plan: ReusePlan, provide) -> None:
     base; fixed: the template's stored base), in order, up to the first without one. No
     anchors, no admission."""
     prompt, last = plan.prompt, engine.reuse_limit(plan.prompt)
-    for index in range(first_after_exact(plan), len(prompt.segments)):
+    first = first_after_exact(plan)
+    head = head_before(engine, plan, first, provide)
+    if head is not None:
+        first = head[0]
+        start_head(plan, first)
+    for index in range(first, len(prompt.segments)):
         segment = prompt.segments[index]
-        if prompt.starts[index] != plan.reuse_end:  # the exact prefix ends inside this segment
+        if prompt.starts[index] != plan.next_start:  # the exact prefix ends inside this segment
             return
         if segment.is_shared:
             known = engine.base(segment, provide)
@@ -29,6 +34,33 @@ def plan_realigned(engine, plan: ReusePlan, provide) -> None:
             return
 
 
+def head_before(engine, plan: ReusePlan, index: int, provide) -> tuple[int, bool] | None:
+    """(the segment a computed head would end at, whether the head holds text new to the
+    engine), when the plan may have one (``plan.heads``) and segment ``index`` (the first after
+    the exact prefix, starting right there) cannot be served first: the first shared segment
+    from ``index`` on whose content has a base, if text the engine does not serve on its own
+    lies before it (fixed segments; new content, or a fixed segment without a stored base, is
+    new) and it starts before the last prompt token. Computing the head is clean, so the engine
+    learns from it. None otherwise: reuse stops where it did."""
+    prompt = plan.prompt
+    if not plan.heads or plan.pieces or index >= len(prompt.segments) or prompt.starts[index] != plan.exact_length:
+        return None
+    new = False
+    for k in range(index, len(prompt.segments)):
+        segment = prompt.segments[k]
+        known = engine.base(segment, provide) is not None if segment.is_shared else engine.fixed_base(prompt, k) is not None
+        if segment.is_shared and known:
+            return (k, new) if k > index and prompt.starts[k] < engine.reuse_limit(prompt) else None
+        new = new or not known
+    return None
+
+
+def start_head(plan: ReusePlan, index: int) -> None:
+    """Plan the computed head up to segment ``index``: pieces start there."""
+    plan.head_end = plan.prompt.starts[index]
+    plan.note = f"computed head: {plan.head_end - plan.exact_length} tokens of new text before the reused content"
+
+
 def first_after_exact(plan: ReusePlan) -> int:
     """Index of the first segment that ends after the exact prefix (``len(segments)`` if none)."""
     prompt = plan.prompt
@@ -43,7 +75,7 @@ def add_realigned(plan: ReusePlan, index: int, base, last: int, offset: int = 0)
     it was cut short."""
     prompt = plan.prompt
     start = prompt.starts[index] + offset
-    if start != plan.reuse_end:  # the exact prefix ends inside this segment
+    if start != plan.next_start:  # the exact prefix ends inside this segment
         return False
     end = min(len(prompt.segments[index]), base.length, last - prompt.starts[index])
     if end <= offset:

@@ -1,0 +1,84 @@
+"""Computed heads: an agent's unseen system prompt is computed, the shared content after it served
+(issue 40). Checked against a dense prefill of the same prompt on a tiny random model."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcomm.core.kv import KV
+from kvcomm.reuse.config import ReuseConfig
+from kvcomm.reuse.engine import ReuseEngine
+from kvcomm.reuse.pipeline import parse_pipeline
+from kvcomm.reuse.runner import run_agent
+from tests.support.two_agent_case import PIPELINE, agent_prompt
+
+SPEC = parse_pipeline(PIPELINE)
+DOC = "The river Seine flows through Paris and into the English Channel. " * 6
+
+
+def _engine(executor, **config) -> ReuseEngine:
+    return ReuseEngine(executor.rotary, ReuseConfig(**config))
+
+
+def test_a_new_agent_computes_its_system_prompt_and_serves_the_document_behind_it(tiny_executor):
+    engine = _engine(tiny_executor)
+    run_agent(tiny_executor, engine, agent_prompt(tiny_executor, SPEC.agents[0], {"doc": DOC}), 4)
+    prompt = agent_prompt(tiny_executor, SPEC.agents[1], {"doc": DOC, "reader": "A river."})
+    doc = next(i for i, s in enumerate(prompt.segments) if s.slot == "doc")
+
+    plan = engine.plan(prompt, heads=True)
+    assert plan.exact_length == 0 and plan.computed_head == prompt.starts[doc] > 0
+    assert plan.pieces[0].segment_index == doc and plan.pieces[0].match is None  # cold slot: realigned base
+    assert plan.decisions[doc].candidates.cold
+    assert plan.reuse_end >= prompt.end(doc)
+    p = plan.provenance()
+    assert p.exact_tokens + p.estimated_tokens + p.computed_tokens == p.prompt_tokens
+    assert p.head_tokens == prompt.starts[doc] and p.reused_shared_tokens >= len(prompt.segments[doc])
+    assert p.reuse_end == plan.reuse_end
+
+    without = engine.plan(prompt)  # an executor that cannot compute heads: reuse stops at the new text
+    assert without.pieces == [] and without.computed_head == 0 and "not reusable on its own" in without.note
+
+
+def test_generating_with_a_head_equals_dense_when_the_pieces_hold_dense_kv(tiny_executor):
+    prompt = agent_prompt(tiny_executor, SPEC.agents[1], {"doc": DOC, "reader": "A river."})
+    ids, n = prompt.token_ids, len(prompt)
+    dense = tiny_executor.generate(ids, None, 6, keep_logprobs=True)
+    start, end, reused = 3, prompt.starts[1] + 5, n - 4
+    truth = dense.computed.span(0, reused)
+    prefix = KV(truth.keys.clone(), truth.values.clone())
+    prefix.keys[:, :, start:end] = torch.randn_like(prefix.keys[:, :, start:end])  # the head's slots hold garbage
+    prefix.values[:, :, start:end] = 7.0
+
+    got = tiny_executor.generate(ids, prefix, 6, keep_logprobs=True, head=(start, end))
+    torch.testing.assert_close(got.head.keys, truth.keys[:, :, start:end], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.head.values, truth.values[:, :, start:end], rtol=1e-4, atol=1e-4)
+    assert got.reply_ids == dense.reply_ids
+    torch.testing.assert_close(got.prompt_logprobs, dense.prompt_logprobs[reused:], rtol=1e-4, atol=1e-4)
+
+
+def test_the_head_is_learned_so_the_agents_next_call_starts_from_it_exactly(tiny_executor):
+    engine = _engine(tiny_executor)
+    run_agent(tiny_executor, engine, agent_prompt(tiny_executor, SPEC.agents[0], {"doc": DOC}), 4)
+    prompt = agent_prompt(tiny_executor, SPEC.agents[1], {"doc": DOC, "reader": "A river."})
+    _, first = run_agent(tiny_executor, engine, prompt, 4)
+    assert first.head_tokens > 0 and first.reused
+
+    other = agent_prompt(tiny_executor, SPEC.agents[1], {"doc": "Bananas are yellow.", "reader": "Fruit."})
+    plan = engine.plan(other, heads=True)
+    assert plan.exact_length == first.head_tokens  # the system prompt and template text
+    assert engine.prefix_store.longest(other)[0] == first.head_tokens  # also past a template's first segment
+    assert all(engine.fixed_base(prompt, i) is not None for i in range(len(prompt.segments))
+               if prompt.starts[i] < first.head_tokens)
+
+
+def test_a_cold_slot_behind_known_text_is_computed_and_becomes_an_anchor(tiny_executor):
+    engine = _engine(tiny_executor, prefix_store_bytes=0)  # no exact prefix: every call has text before the doc
+    run_agent(tiny_executor, engine, agent_prompt(tiny_executor, SPEC.agents[0], {"doc": DOC}), 4)
+    prompt = agent_prompt(tiny_executor, SPEC.agents[1], {"doc": DOC, "reader": "A river."})
+    doc = next(i for i, s in enumerate(prompt.segments) if s.slot == "doc")
+    _, first = run_agent(tiny_executor, engine, prompt, 4)
+    assert first.head_tokens > 0  # the agent's first call: new text, cold slot served realigned
+
+    plan = engine.plan(prompt, heads=True)  # its text is known now: the slot must warm up
+    assert plan.pieces == [] and doc in plan.learn
