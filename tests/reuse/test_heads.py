@@ -10,7 +10,7 @@ from kvcomm.reuse.config import ReuseConfig
 from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.reuse.pipeline import parse_pipeline
 from kvcomm.reuse.runner import run_agent
-from tests.support.two_agent_case import PIPELINE, agent_prompt
+from support.two_agent_case import PIPELINE, agent_prompt
 
 SPEC = parse_pipeline(PIPELINE)
 DOC = "The river Seine flows through Paris and into the English Channel. " * 6
