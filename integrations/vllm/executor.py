@@ -45,6 +45,9 @@ class VllmExecutor:
     vLLM's shared unsalted prefix cache); see the module docstring and ``with_salt``.
     """
 
+    computes_heads = True
+    """``generate`` takes ``head``: a request of its own computes it first (``_head``)."""
+
     # Text handling is the reference executor's, token for token (same tokenizer).
     encode = TransformersExecutor.encode
     decode = TransformersExecutor.decode
@@ -159,6 +162,7 @@ class VllmExecutor:
     def generate(
         self, token_ids: Sequence[int], prefix: KV | None, max_new_tokens: int, started: float | None = None,
         keep_logprobs: bool = False, blend: BlendRequest | None = None, on_token: OnToken | None = None,
+        head: tuple[int, int] | None = None,
     ) -> Generation:
         started = time.perf_counter() if started is None else started
         if keep_logprobs or blend is not None:
@@ -170,6 +174,7 @@ class VllmExecutor:
         reused = 0 if prefix is None else prefix.length
         if not 0 <= reused < n:
             raise ValueError(f"prefix covers {reused} of {n} prompt tokens; at least the last token must be computed")
+        head_kv = None if head is None else self._head(token_ids, prefix, *head)
         inject = None if prefix is None else Injection.of_kv(prefix if prefix.keys.dtype == self.dtype else prefix.to(self.dtype))
         # One token past max_new_tokens, so the last reply token is fed back and its KV
         # (the next agent's base) is computed; the extra token is dropped.
@@ -196,4 +201,22 @@ class VllmExecutor:
         # then its reply KV is not kept (downstream agents prefill the reply as a base).
         complete = reply and bool(capture.filled[n : n + len(reply)].all())
         reply_kv = capture.span(n, n + len(reply)) if complete else None
-        return Generation(tuple(reply), capture.span(reused, n), reply_kv, done_at - started, cached_tokens=cached - reused)
+        return Generation(tuple(reply), capture.span(reused, n), reply_kv, done_at - started, cached_tokens=cached - reused,
+                          head=head_kv)
+
+    def _head(self, token_ids: Sequence[int], prefix: KV | None, start: int, end: int) -> KV:
+        """Compute prompt tokens ``[start, end)`` in a request of their own (the prompt's first
+        ``end`` tokens, ``prefix``'s first ``start`` injected, one token generated and dropped),
+        write their captured KV into ``prefix`` there (this call's memory) and return it. vLLM's
+        connector supplies KV for one range right after its own prefix hit, so the reused KV
+        after a computed head goes in with the call's own request, behind this head."""
+        if prefix is None or not 0 <= start < end < prefix.length:
+            raise ValueError(f"head [{start}, {end}) must lie inside the {0 if prefix is None else prefix.length}-token "
+                             "prefix with reused tokens after it")
+        exact = prefix.span(0, start)
+        inject = Injection.of_kv(exact if exact.keys.dtype == self.dtype else exact.to(self.dtype)) if start else None
+        _, _, capture, _ = self._run(token_ids[:end], Order(inject, start, end), 1, salted=start > 0)
+        kv = capture.span(start, end)
+        prefix.keys[:, :, start:end] = kv.keys.to(prefix.keys.device, prefix.keys.dtype)
+        prefix.values[:, :, start:end] = kv.values.to(prefix.values.device, prefix.values.dtype)
+        return kv
