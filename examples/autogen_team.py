@@ -13,7 +13,8 @@ A few minutes on a laptop CPU (SmolLM2-135M, fp32). With ``--remote`` the same t
 against a server (its anchor pools, its ``--gamma``); the dense run sends plain requests
 without the kvcomm opt-in. TTFT there is the server's own measure (`kvcomm serve` reports
 it unless started with ``--disable-log-stats``), else the call's wall time (marked "wall").
-Reuse starts from the second task: each agent's first call computes its whole prompt
+In process, reuse starts in the first task (each agent's first call computes its new system
+prompt and serves the task after it); against a server, from each agent's second call
 (docs/autogen.md, warm-up).
 """
 

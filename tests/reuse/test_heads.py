@@ -10,6 +10,7 @@ from kvcomm.reuse.config import ReuseConfig
 from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.reuse.pipeline import parse_pipeline
 from kvcomm.reuse.runner import run_agent
+from kvcomm.reuse.strategies.realign import HEAD_MIN_REUSE
 from support.two_agent_case import PIPELINE, agent_prompt
 
 SPEC = parse_pipeline(PIPELINE)
@@ -81,4 +82,33 @@ def test_a_cold_slot_behind_known_text_is_computed_and_becomes_an_anchor(tiny_ex
     assert first.head_tokens > 0  # the agent's first call: new text, cold slot served realigned
 
     plan = engine.plan(prompt, heads=True)  # its text is known now: the slot must warm up
+    assert plan.pieces == [] and doc in plan.learn
+
+
+def test_no_head_is_planned_before_a_short_shared_segment(tiny_executor):
+    engine = _engine(tiny_executor)
+    short = "The river Seine flows through Paris."
+    run_agent(tiny_executor, engine, agent_prompt(tiny_executor, SPEC.agents[0], {"doc": short}), 4)
+    prompt = agent_prompt(tiny_executor, SPEC.agents[1], {"doc": short, "reader": "A river."})
+    assert len(next(s for s in prompt.segments if s.slot == "doc")) < HEAD_MIN_REUSE
+    plan = engine.plan(prompt, heads=True)
+    assert plan.pieces == [] and plan.computed_head == 0
+
+
+def test_a_cold_slot_behind_known_template_text_and_a_new_reply_warms_up(tiny_executor):
+    """Only unseen template text makes a call an agent's first: a reply just written before the
+    document is new content, yet the slot is computed (and becomes an anchor), not served cold."""
+    spec = parse_pipeline({"agents": [
+        {"name": "reader", "system": "You read.", "template": "Text: {doc}\nSummarize it."},
+        {"name": "critic", "system": "You criticize.", "template": "Summary: {reader}\nText: {doc}\nCriticize it."},
+    ], "inputs": [{"doc": DOC}], "max_new_tokens": 4})
+    engine = _engine(tiny_executor)
+    run_agent(tiny_executor, engine, agent_prompt(tiny_executor, spec.agents[0], {"doc": DOC}), 4)
+    first = agent_prompt(tiny_executor, spec.agents[1], {"doc": DOC, "reader": "A river in France."})
+    _, seen = run_agent(tiny_executor, engine, first, 4)
+    assert seen.head_tokens > 0 and seen.reused  # the critic's first call: its template is new
+
+    later = agent_prompt(tiny_executor, spec.agents[1], {"doc": DOC, "reader": "Paris has a river."})
+    doc = next(i for i, s in enumerate(later.segments) if s.slot == "doc")
+    plan = engine.plan(later, heads=True)
     assert plan.pieces == [] and doc in plan.learn

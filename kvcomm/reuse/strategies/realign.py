@@ -34,14 +34,22 @@ def plan_realigned(engine, plan: ReusePlan, provide) -> None:
             return
 
 
+HEAD_MIN_REUSE = 64
+"""Tokens the shared segment right after a computed head must hold for the head to be planned:
+computing a head costs the vLLM executor one more engine step (a request of its own), which a
+few reused tokens do not pay back (docs/measurements/2026-12-06-first-task.md)."""
+
+
 def head_before(engine, plan: ReusePlan, index: int, provide) -> tuple[int, bool] | None:
-    """(the segment a computed head would end at, whether the head holds text new to the
-    engine), when the plan may have one (``plan.heads``) and segment ``index`` (the first after
-    the exact prefix, starting right there) cannot be served first: the first shared segment
-    from ``index`` on whose content has a base, if text the engine does not serve on its own
-    lies before it (fixed segments; new content, or a fixed segment without a stored base, is
-    new) and it starts before the last prompt token. Computing the head is clean, so the engine
-    learns from it. None otherwise: reuse stops where it did."""
+    """(the segment a computed head would end at, whether the head holds template text new to
+    the engine), when the plan may have one (``plan.heads``) and segment ``index`` (the first
+    after the exact prefix, starting right there) cannot be served first: the first shared
+    segment from ``index`` on whose content has a base, if text the engine does not serve on
+    its own lies before it (fixed segments, new content), it starts before the last prompt
+    token and holds at least ``HEAD_MIN_REUSE`` tokens. Template text is new when a fixed
+    segment has no stored base (an agent's first call); new shared content (a reply just
+    written) is not. Computing the head is clean, so the engine learns from it. None
+    otherwise: reuse stops where it did."""
     prompt = plan.prompt
     if not plan.heads or plan.pieces or index >= len(prompt.segments) or prompt.starts[index] != plan.exact_length:
         return None
@@ -50,8 +58,9 @@ def head_before(engine, plan: ReusePlan, index: int, provide) -> tuple[int, bool
         segment = prompt.segments[k]
         known = engine.base(segment, provide) is not None if segment.is_shared else engine.fixed_base(prompt, k) is not None
         if segment.is_shared and known:
-            return (k, new) if k > index and prompt.starts[k] < engine.reuse_limit(prompt) else None
-        new = new or not known
+            worth = len(segment) >= HEAD_MIN_REUSE and prompt.starts[k] < engine.reuse_limit(prompt)
+            return (k, new) if k > index and worth else None
+        new = new or not (segment.is_shared or known)
     return None
 
 
