@@ -3,9 +3,9 @@
 The machine may be shared and noisy: the things compared are interleaved (in alternating order),
 repeated, and reported as medians, on one OpenMP thread by default (see --threads). Sections:
 1 demo pipeline, 2 cost on a miss, 3 reuse-path work for a ~1K-token shared segment, 4 anchor
-matching vs pool size, 5 embedders.
+matching vs pool size, 5 embedders, 6 an agent's first call (a computed head, then reuse).
 
-    python benchmarks/bench_reuse.py [--quick] [--json PATH] [--sections 12345] [--threads N]
+    python benchmarks/bench_reuse.py [--quick] [--json PATH] [--sections 123456] [--threads N]
                                      [--anchors 2,4,8] [--baseline] [--max-candidates K]
                                      [--backend transformers|vllm]
 """
@@ -40,6 +40,7 @@ from kvcomm.core.kv import KV
 from kvcomm.reuse.pipeline import load_demo_pipeline, parse_pipeline
 from kvcomm.reuse.plan import ReusePlan
 from kvcomm.reuse.runner import build_prompt, run_agent
+from kvcomm.reuse.strategies.realign import HEAD_MIN_REUSE
 from kvcomm.core.segments import Segment
 
 med = statistics.median
@@ -411,11 +412,55 @@ def bench_embedders(executor, args):
             "finds_paraphrased_fact": source}
 
 
+# -- 6. an agent's first call: its new system prompt computed, the shared text after it reused --
+
+CRITIC = parse_pipeline({"agents": [{"name": "critic",
+                                     "system": "You are a strict critic who names the weakest point of any text. Be brief.",
+                                     "template": "Text: {task}\nName its weakest point."}], "inputs": [{"task": "-"}]}).agents[0]
+"""Section 6's second agent: a system prompt of its own, the same shared segment as READER's."""
+
+
+def bench_head(executor, args):
+    """TTFT of CRITIC's first call after READER computed the shared text (so it has a base):
+    with reuse (a computed head, the text served realigned: a cold slot) against dense, per
+    shared-text length (``HEAD_MIN_REUSE`` and up)."""
+    out = {"min_reuse": HEAD_MIN_REUSE}
+    rows = []
+    for tokens in args.head_tokens:
+        ids = synthetic_ids(executor, 7, tokens)
+        reader, critic = reader_prompt(executor, ids), build_prompt(executor, CRITIC, {"task": Segment(ids, slot="task")})
+        seen = {}
+
+        def call(reuse):  # -> TTFT of the critic's call
+            fresh(executor)
+            engine = ReuseEngine(executor.rotary, ReuseConfig()) if reuse else None
+            if reuse:
+                run_agent(executor, engine, reader, 1)  # the text's base; not timed
+                fresh(executor)
+            _, provenance = run_agent(executor, engine, critic, 1)
+            seen[reuse] = provenance
+            return provenance.ttft_s
+
+        times = interleave(args.miss_reps, {"dense": lambda: call(False), "head": lambda: call(True)}, f"head {tokens}")
+        p = seen[True]
+        assert p.head_tokens > 0 and p.estimated_tokens >= tokens, p
+        dense, head = med(times["dense"]), med(times["head"])
+        out[str(tokens)] = {"prompt_tokens": p.prompt_tokens, "head_tokens": p.head_tokens, "served_tokens": p.estimated_tokens,
+                            "ttft_dense_s": dense, "ttft_head_s": head, "ratio": dense / head}
+        rows.append([tokens, p.prompt_tokens, p.head_tokens, p.estimated_tokens, ms(dense), ms(head), ratio(dense / head)])
+    print(f"\n== 6. An agent's first call: its system prompt computed (the head), the shared text after it served "
+          f"realigned (a cold slot); fresh engine each time, median of {args.miss_reps}")
+    print(table(["shared tokens", "prompt", "head", "served", "TTFT dense", "TTFT head+reuse", "dense / reuse"], rows))
+    print("on vLLM the head is a request of its own before the call's request (one more engine step)")
+    return out
+
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="~1-minute smoke run (smaller everything)")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
-    parser.add_argument("--sections", default="12345", help="sections to run, e.g. 135 (default all)")
+    parser.add_argument("--sections", default="123456", help="sections to run, e.g. 135 (default all)")
     parser.add_argument("--anchors", default="2,4,8", help="section 3: anchor counts, comma-separated (default 2,4,8)")
     parser.add_argument("--baseline", action="store_true", help="section 3: also time the session-7 distance computation "
                         "side by side (before/now ratio)")
@@ -427,14 +472,15 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1, help="OpenMP threads for torch and faiss (default 1; 0: torch's "
                         "own choice). On a shared machine more threads stall whenever another process holds a core.")
     args = parser.parse_args(argv)
-    if not args.sections or set(args.sections) - set("12345"):
-        parser.error(f"--sections takes digits 1-5, got {args.sections!r}")
-    if args.backend == "vllm" and set(args.sections) - set("123"):
-        parser.error("--backend vllm applies to sections 1-3 (4 and 5 run no model); pass e.g. --sections 13")
+    if not args.sections or set(args.sections) - set("123456"):
+        parser.error(f"--sections takes digits 1-6, got {args.sections!r}")
+    if args.backend == "vllm" and set(args.sections) - set("1236"):
+        parser.error("--backend vllm applies to sections 1-3 and 6 (4 and 5 run no model); pass e.g. --sections 136")
     quick = args.quick
     args.demo_rows, args.demo_new_tokens, args.demo_reps = (3, 4, 1) if quick else (4, 48, 1)
     args.miss_reps = 3 if quick else 7
     args.seg_tokens, args.seg_reps = (128, 3) if quick else (1000, 5)
+    args.head_tokens = (HEAD_MIN_REUSE, 256) if quick else (HEAD_MIN_REUSE, 256, 1000)
     try:
         args.seg_anchors = sorted({int(x) for x in args.anchors.split(",")})
     except ValueError:
@@ -469,7 +515,7 @@ def main(argv=None):
         print("warning: the machine is loaded; multi-threaded timings may stall (try --threads 1)")
     results = {"quick": quick, "backend": args.backend, "torch_threads": torch.get_num_threads(), "load_average_start": os.getloadavg()[0]}
     sections = {"1": ("demo", bench_demo), "2": ("miss", bench_miss), "3": ("segment", bench_segment),
-                "4": ("decide", lambda _, a: bench_decide(a)), "5": ("embedders", bench_embedders)}
+                "4": ("decide", lambda _, a: bench_decide(a)), "5": ("embedders", bench_embedders), "6": ("head", bench_head)}
     for key in args.sections:
         name, bench = sections[key]
         results[name], seconds = timed(bench, executor, args)
