@@ -233,10 +233,8 @@ def test_server_model_checks_and_refusals(server):
         RemoteChatBackend("localhost:8000")
     client = KvcommChatCompletionClient(backend)
     messages = [UserMessage(content="Hi", source="user")]
-    with pytest.raises(NotImplementedError, match="in-process only"):
-        client.retain_context("shared text")
-    with pytest.raises(NotImplementedError, match="in-process only"):
-        asyncio.run(client.create(messages, extra_create_args={"context_ids": ["x"]}))
+    with pytest.raises(RemoteError, match="no context 'ctx-0'"):  # ids are the server's, per tenant
+        asyncio.run(client.create(messages, extra_create_args={"context_ids": ["ctx-0"]}))
     with pytest.raises(ValueError, match="max_model_len"):
         asyncio.run(client.create(messages, extra_create_args={"max_tokens": backend.max_context}))
     assert client.count_tokens(messages) == len(backend.render([ChatTurn("user", "Hi", "user")]).prompt)
