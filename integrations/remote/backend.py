@@ -20,7 +20,8 @@ Context handles work as in process, through the server's context API (``serve.co
 whose ``context_id`` is the server's id (``ctx-...``: any client of the same tenant may name
 it, in this process or another); ``complete(..., context_ids=[...])`` marks the message that
 carries each named context, and ``ChatCall.contexts`` reports "hit", "unused", "fallback"
-(released, expired or restarted: served from the text) or "absent" (no message carries it);
+(released, expired or restarted, or an id the server does not know for this tenant: served
+from the text) or "absent" (no message carries it);
 ``release`` lets the server drop the KV; ``context`` reads the server's record.
 
 Not here: the per-source split of a *streamed* call (vLLM streams no ``kv_transfer_params``:
@@ -197,7 +198,9 @@ class RemoteChatBackend:
             if context_id not in self._content_ids:
                 response = self._send(lambda: self._http.get(f"{CONTEXTS}/{context_id}", params={"tenant": self.tenant}))
                 if response.status_code == 404:
-                    raise RemoteError(f"the server has no context {context_id!r} for this tenant (ids are per tenant)")
+                    # a server restarted without --state-dir, or another tenant's id: the text is sent anyway
+                    log.warning("the server has no context %r for this tenant; the call is served from the text", context_id)
+                    continue
                 self._content_ids[context_id] = _json(response, CONTEXTS)["content_id"]
             if self._content_ids[context_id] in present:
                 named.setdefault(self._content_ids[context_id], context_id)
@@ -340,7 +343,9 @@ class RemoteChatBackend:
         served = (summary or {}).get("contexts") or {}
         report = {}
         for context_id in context_ids:
-            if self._content_ids.get(context_id) not in present:
+            if context_id not in self._content_ids:
+                report[context_id] = "fallback"  # unknown to the server (``_named``)
+            elif self._content_ids[context_id] not in present:
                 report[context_id] = "absent"
             elif context_id in served:
                 report[context_id] = served[context_id]["outcome"]

@@ -72,9 +72,41 @@ MAX_TEXT = 1 << 20
 """Characters of a context's text at most (the model's context length bounds its tokens anyway)."""
 _DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
 
-USES = Counter("kvcomm_context_uses", "Requests naming a retained context, by outcome", ["outcome"])
-RETAINS = Counter("kvcomm_context_retains", "Context retains, by outcome", ["outcome"])
-EVICTIONS = Counter("kvcomm_context_evictions", "Contexts whose KV stopped being kept, by reason", ["reason"])
+
+
+def _counter(name: str, documentation: str, label: str, values_: tuple[str, ...]) -> Counter:
+    """A counter with every label value created now, as a Prometheus multiprocess value when
+    ``PROMETHEUS_MULTIPROC_DIR`` is set: `kvcomm serve`'s ``/metrics`` reads only those, and
+    this process imported ``prometheus_client`` before vLLM set the folder (so its default
+    values stay in this process alone)."""
+    from prometheus_client import values
+
+    saved = values.ValueClass
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        values.ValueClass = values.MultiProcessValue()
+    try:
+        counter = Counter(name, documentation, [label])
+        for value in values_:
+            counter.labels(value)
+    finally:
+        values.ValueClass = saved
+    return counter
+
+
+_COUNTERS: dict[str, Counter] = {}
+
+
+def counter(name: str) -> Counter:
+    """``"uses"``, ``"retains"`` or ``"evictions"``, created on first use: in the API server,
+    after vLLM set up its multiprocess folder (`kvcomm serve` imports this module before)."""
+    if not _COUNTERS:
+        _COUNTERS.update(
+            uses=_counter("kvcomm_context_uses", "Requests naming a retained context, by outcome", "outcome",
+                          ("hit", "unused", "fallback")),
+            retains=_counter("kvcomm_context_retains", "Context retains, by outcome", "outcome", ("retained", "refused")),
+            evictions=_counter("kvcomm_context_evictions", "Contexts whose KV stopped being kept, by reason", "reason",
+                               ("released", "expired", "engine")))
+    return _COUNTERS[name]
 
 
 class BadRequest(ContextError):
@@ -142,7 +174,7 @@ class ContextRoutes:
                 return JSONResponse(context.record())
             context, released, drop = self.store.evict(tenant, parts[0], "released")
             if released:
-                EVICTIONS.labels("released").inc()
+                counter("evictions").labels("released").inc()
             if drop:
                 await self._unpin(context)
             return JSONResponse({**context.record(), "released": released})
@@ -188,9 +220,9 @@ class ContextRoutes:
         try:
             result = retain()
         except ContextError:
-            RETAINS.labels("refused").inc()
+            counter("retains").labels("refused").inc()
             raise
-        RETAINS.labels("retained").inc()
+        counter("retains").labels("retained").inc()
         return result
 
     # -- requests naming contexts ----------------------------------------------------------
@@ -294,7 +326,7 @@ class ContextRoutes:
         return json.dumps(data).encode()
 
     def _count(self, context: Context, outcome: str) -> None:
-        USES.labels(outcome).inc()
+        counter("uses").labels(outcome).inc()
         self.store.count(context, outcome)
 
     # -- the engine ------------------------------------------------------------------------
@@ -308,7 +340,7 @@ class ContextRoutes:
         error = answer.get("kv_transfer_params", {}).get("kvcomm", {}).get("error") if isinstance(answer, dict) else None
         if status != 200 or error:
             self.store.evict(context.tenant, context.id, f"the engine could not keep its KV: {error or str(answer)[:300]}")
-            EVICTIONS.labels("engine").inc()
+            counter("evictions").labels("engine").inc()
 
     async def _unpin(self, context: Context) -> None:
         await self._engine(None, context, list(context.token_ids[:1]), [], {"release": [context.content_id]})
@@ -384,7 +416,7 @@ class ContextRoutes:
 
     async def _expire(self) -> None:
         for context, _, drop in self.store.expire():
-            EVICTIONS.labels("expired").inc()
+            counter("evictions").labels("expired").inc()
             if drop:
                 await self._unpin(context)
 

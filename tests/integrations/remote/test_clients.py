@@ -233,8 +233,11 @@ def test_server_model_checks_and_refusals(server):
         RemoteChatBackend("localhost:8000")
     client = KvcommChatCompletionClient(backend)
     messages = [UserMessage(content="Hi", source="user")]
-    with pytest.raises(RemoteError, match="no context 'ctx-0'"):  # ids are the server's, per tenant
-        asyncio.run(client.create(messages, extra_create_args={"context_ids": ["ctx-0"]}))
+    # an id the server does not know for this tenant (another tenant's, or lost in a restart without
+    # --state-dir): served from the text, reported as a fallback
+    asyncio.run(client.create(messages, extra_create_args={"context_ids": ["ctx-0"]}))
+    assert client.last_call.contexts == {"ctx-0": "fallback"}
+    backend.calls.clear()
     with pytest.raises(ValueError, match="max_model_len"):
         asyncio.run(client.create(messages, extra_create_args={"max_tokens": backend.max_context}))
     assert client.count_tokens(messages) == len(backend.render([ChatTurn("user", "Hi", "user")]).prompt)

@@ -26,6 +26,8 @@ BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4
 WRITER = "You answer briefly."
 READERS = {"reviewer": "You review the answer in one sentence.", "editor": "You shorten the answer to five words."}
 CONTEXTS = "/v1/kvcomm/contexts"
+# Greedy SmolLM2 answers each within 12 tokens, ending with its stop token (tests/integrations/remote/test_clients.py)
+TASKS = ["Name a fruit.", "Name a capital city in Europe.", "Name a color."]
 
 
 @pytest.fixture(scope="module")
@@ -65,23 +67,29 @@ def _uses(server, outcome: str) -> float:
 
 
 def test_a_reply_retained_as_context_is_read_from_stored_kv_and_falls_back_after_release(ctx_server):
-    writer = [ChatTurn("system", WRITER), ChatTurn("user", "Name a fruit and say why it is healthy.", "user")]
     runs = {}
     for key, names in ((A, True), (TWIN, False)):  # the twin tenant sends the same text without naming it
         agent_a = _backend(ctx_server, key)
-        reply = agent_a.complete(writer, agent="writer")
-        handle = agent_a.retain(reply.text)
         readers = {name: _backend(ctx_server, key) for name in READERS}  # separate client objects, agents B and C
         for name, backend in readers.items():
             _warm(backend, READERS[name])
-        hits_before = _uses(ctx_server, "hit")
-        calls = {}
-        for name, backend in readers.items():
-            turns = _reader_turns(READERS[name], reply.text, "Is that right?")
-            calls[name] = backend.complete(turns, agent=name, context_ids=[handle.context_id] if names else ())
-        runs[key] = (agent_a, reply, handle, readers, calls, hits_before)
+        outcomes = []
+        for task in TASKS:  # a pipeline's rounds: each reply retained, then read by B and C
+            reply = agent_a.complete([ChatTurn("system", WRITER), ChatTurn("user", task, "user")], agent="writer")
+            handle = agent_a.retain(reply.text)
+            hits_before = _uses(ctx_server, "hit")
+            calls = {}
+            for name, backend in readers.items():
+                turns = _reader_turns(READERS[name], reply.text, "Is that right?")
+                calls[name] = backend.complete(turns, agent=name, context_ids=[handle.context_id] if names else ())
+            outcomes.append([c.call.contexts.get(handle.context_id) for c in calls.values()])
+        runs[key] = (agent_a, reply, handle, readers, calls, hits_before, outcomes)
+    # The first rounds fill slot writer.0's pools (anchors of each reader's template), by the
+    # rules any shared content is reused by; from then on the context is read from stored KV.
+    assert runs[A][-1] == [["unused", "unused"]] * (len(TASKS) - 1) + [["hit", "hit"]], runs[A][3]["reviewer"].last
+    assert runs[TWIN][-1] == [[None, None]] * len(TASKS)
 
-    agent_a, reply, handle, readers, calls, hits_before = runs[A]
+    agent_a, reply, handle, readers, calls, hits_before, _ = runs[A]
     record = agent_a.context(handle)
     assert record["state"] == "retained" and record["expires_at"] is None and record["adapter"] is None
     assert record["tokens"] == handle.token_count == len(agent_a.encode(reply.text))
@@ -93,7 +101,7 @@ def test_a_reply_retained_as_context_is_read_from_stored_kv_and_falls_back_after
         # the context's tokens are served from stored KV: the plan reused past the message
         assert call.slots["writer#0"] == (record["tokens"], record["tokens"]), call.slots
         twin = runs[TWIN][4][name]
-        assert reply_call.token_ids == twin.token_ids, "naming the context changed the reply"
+        assert reply_call.reply_ids == twin.reply_ids, "naming the context changed the reply"
         assert (call.provenance.exact_tokens, call.provenance.estimated_tokens) == (
             twin.call.provenance.exact_tokens, twin.call.provenance.estimated_tokens)
     assert _uses(ctx_server, "hit") - hits_before == len(READERS)
@@ -132,7 +140,8 @@ def test_a_context_expires_after_its_ttl_and_requests_fall_back(ctx_server):
     record = backend.context(handle)
     assert record["state"] == "retained" and record["expires_at"] - record["created_at"] == pytest.approx(3)
     turns = _reader_turns(READERS["editor"], "The bridge opens at nine and closes at five.", "When?")
-    assert backend.complete(turns, context_ids=[handle.context_id]).call.contexts == {handle.context_id: "hit"}
+    # retained: served by the reuse rules (no anchors in this tenant's slot yet: its first use computes it)
+    assert backend.complete(turns, context_ids=[handle.context_id]).call.contexts == {handle.context_id: "unused"}
     expired_before = _count(ctx_server, 'kvcomm_context_evictions_total{reason="expired"}')
     time.sleep(4)
     # the timer expired it with no request in between
@@ -186,7 +195,7 @@ def test_a_retain_over_the_tenant_cap_is_refused_and_changes_nothing(ctx_server)
     assert ctx_server.request("GET", f"{CONTEXTS}/{half}", key=CAP)[1]["state"] == "evicted"
     _warm(backend, READERS["reviewer"])
     turns = _reader_turns(READERS["reviewer"], "A short note to keep.", "Why?")
-    assert backend.complete(turns, context_ids=[small.context_id]).call.contexts == {small.context_id: "hit"}
+    assert backend.complete(turns, context_ids=[small.context_id]).call.contexts == {small.context_id: "unused"}
 
 
 def test_bad_input_is_a_clear_4xx_and_the_server_keeps_serving(ctx_server):
