@@ -69,3 +69,20 @@ def test_records_survive_a_restart_as_evicted(tmp_path):
     assert again.get("t", kept.id).token_ids == (5, 6) and again.get("t", released.id).reason == "released"
     assert again.retained_bytes() == 0
     assert again.retain("t", kept.id)[1] is True
+
+
+def test_a_pinned_base_survives_every_shrink_and_unpinning_drops_it(tiny_executor):
+    """The engine side of a retained context (``TenantEngine.pin``/``unpin``)."""
+    from kvcomm.core.segments import Segment
+    from kvcomm.services.tenants import TenantRegistry
+
+    engine = TenantRegistry(tiny_executor.rotary).engine("t")
+    kept, other = Segment((5, 6, 7, 8), slot="a"), Segment((9, 10, 11), slot="a")
+    for segment in (kept, other):
+        engine.register_base(segment, tiny_executor.base_kv(segment))
+    engine.pin(kept.shared_id)
+    engine.shrink(0)
+    assert engine.has_base(kept.shared_id) and not engine.has_base(other.shared_id)
+    assert engine.nbytes > 0 and engine.evicted["bases"] == 1
+    assert engine.unpin(kept.shared_id) is True
+    assert not engine.has_base(kept.shared_id) and kept.shared_id not in engine.pinned
