@@ -133,6 +133,7 @@ class ContextRoutes:
         self._auth: dict[str, list] = {}  # tenant -> its bearer header, for TTL expiry's internal requests
         self._template: Scope | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task] = set()
 
     @staticmethod
     def owns(path: str) -> bool:
@@ -429,10 +430,11 @@ class ContextRoutes:
         if self._timer is not None:
             self._timer.cancel()
         delay = max(0.0, due - self.store.clock()) + 0.05
-        self._timer = loop.call_later(delay, lambda: loop.create_task(self._timed()))
+        self._timer = loop.call_later(delay, lambda: self._tasks.add(loop.create_task(self._timed())))
 
     async def _timed(self) -> None:
         self._timer = None
+        self._tasks = {t for t in self._tasks if not t.done()}  # the event loop keeps only weak references
         await self._expire()
         self._schedule()
 

@@ -101,7 +101,8 @@ class ContextStore:
         with self._lock:
             context = self._contexts.get(context_id) if isinstance(context_id, str) else None
             if context is None or context.tenant != tenant:
-                raise NotFound(f"no context {context_id!r} (contexts are per tenant; ids come from POST /v1/kvcomm/contexts)")
+                shown = repr(context_id[:80]) + ("..." if len(context_id) > 80 else "") if isinstance(context_id, str) else "of that type"
+                raise NotFound(f"no context {shown} (contexts are per tenant; ids come from POST /v1/kvcomm/contexts)")
             return context
 
     def list(self, tenant: str) -> list[Context]:

@@ -126,10 +126,16 @@ def test_a_reply_retained_as_context_is_read_from_stored_kv_and_falls_back_after
     assert agent_a.release(handle) is False  # released already: nothing changes
     record = agent_a.context(handle)
     assert record["state"] == "evicted" and record["evicted_reason"] == "released"
+    agains = {}
     for name, backend in readers.items():
         again = backend.complete(_reader_turns(READERS[name], reply.text, "Is that right?"), agent=name,
                                  context_ids=[handle.context_id])
         assert again.call.contexts == {handle.context_id: "fallback"} and again.call.finish_reason in ("stop", "length")
+        agains[name] = again.call
+    # the engine dropped the base: the first reader after the release computes the text (no
+    # anchor holds it: its hits were estimated, and estimates are not learned from); its
+    # prefill makes it a base again, which the next reader may reuse by content
+    assert agains["reviewer"].slots["writer#0"] == (0, record["tokens"]), agains["reviewer"].provenance.note
     assert _uses(ctx_server, "fallback") - fallbacks_before == len(READERS)
 
 
