@@ -164,12 +164,17 @@ class RemoteChatBackend:
     def count_tokens(self, turns: Sequence[ChatTurn], tools: Sequence[dict] | None = None) -> int:
         return len(self.render(turns, tools).prompt)
 
-    def retain(self, text: str, ttl_s: float | None = None) -> ContextHandle:
+    def retain(self, text: str | ChatReply, ttl_s: float | None = None) -> ContextHandle:
         """Have the server keep ``text``'s KV (as a message's content) until ``release`` or
-        ``ttl_s`` seconds; ``RemoteError`` when the server refuses it (over the tenant's byte cap)."""
-        if not self.encode(text):
+        ``ttl_s`` seconds; ``RemoteError`` when the server refuses it (over the tenant's byte cap).
+        A ``ChatReply`` is retained by its token ids (a finished request's reply: under
+        ``--reuse-scope all`` the server already holds its KV and only pins it)."""
+        if isinstance(text, ChatReply):
+            body: dict[str, Any] = {"token_ids": list(text.reply_ids), "tenant": self.tenant}
+        elif not self.encode(text):
             raise ValueError("cannot retain empty text: it has no tokens")
-        body: dict[str, Any] = {"text": text, "tenant": self.tenant}
+        else:
+            body = {"text": text, "tenant": self.tenant}
         if ttl_s is not None:
             body["ttl_s"] = ttl_s
         record = self._post(CONTEXTS, body)

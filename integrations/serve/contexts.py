@@ -5,8 +5,9 @@ them the ``tenant`` field of the body, or ``?tenant=`` on a GET, default ``"defa
 same partition a request's ``kv_transfer_params.kvcomm.tenant`` names):
 
 - ``POST /v1/kvcomm/contexts`` ``{"text": str}`` or ``{"token_ids": [int, ...]}`` (e.g. a finished
-  request's reply, whose KV the server already keeps as a base), optional ``"ttl_s"`` (seconds):
-  creates a retained context; the server computes its KV now unless it holds it already.
+  request's reply, whose decode KV the server keeps as its base under ``--reuse-scope all``),
+  optional ``"ttl_s"`` (seconds): creates a retained context; the server computes its KV now
+  (a one-token request of the context alone) unless it holds its base already.
   Answers its record (below); 409 when retaining it would go over a byte cap.
 - ``GET /v1/kvcomm/contexts`` (the tenant's records), ``GET /v1/kvcomm/contexts/{id}``.
 - ``POST /v1/kvcomm/contexts/{id}/retain`` optional ``{"ttl_s": s}``: retain again (an evicted

@@ -76,7 +76,7 @@ def test_a_reply_retained_as_context_is_read_from_stored_kv_and_falls_back_after
         outcomes = []
         for task in TASKS:  # a pipeline's rounds: each reply retained, then read by B and C
             reply = agent_a.complete([ChatTurn("system", WRITER), ChatTurn("user", task, "user")], agent="writer")
-            handle = agent_a.retain(reply.text)
+            handle = agent_a.retain(reply)  # the finished request's reply, by its token ids
             hits_before = _uses(ctx_server, "hit")
             calls = {}
             for name, backend in readers.items():
