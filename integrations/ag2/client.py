@@ -128,6 +128,15 @@ class KvcommAG2Client:
         usage = AG2Usage(reply.call.prompt_tokens, reply.call.completion_tokens)
         return AG2Response(f"kvcomm-{next(_ids)}", self.model, [AG2Choice(message, finish)], usage, reply.call)
 
+    def retain_context(self, text: str, **options: Any):
+        """Keep ``text``'s KV for messages that carry exactly this text (in process, or on the
+        server for a remote backend, where ``ttl_s=`` is accepted); name the handle's
+        ``context_id`` in ``params["context_ids"]`` (or the config entry's)."""
+        return self.backend.retain(text, **options)
+
+    def release_context(self, handle: Any) -> bool:
+        return self.backend.release(handle)
+
     def message_retrieval(self, response: AG2Response) -> list[str] | list[dict[str, Any]]:
         """Text of each choice, or the message dict where it carries tool calls."""
         return [c.message.model_dump() if c.message.tool_calls else (c.message.content or "") for c in response.choices]

@@ -99,9 +99,10 @@ class KvcommChatCompletionClient(ChatCompletionClient):
     def summary(self) -> dict[str, Any]:
         return self.backend.summary()
 
-    def retain_context(self, text: str) -> ContextHandle:
-        """Prefill ``text`` now and keep its KV for messages that carry exactly this text."""
-        return self.backend.retain(text)
+    def retain_context(self, text: str, **options: Any) -> ContextHandle:
+        """Prefill ``text`` now and keep its KV for messages that carry exactly this text (in
+        process, or on the server for a remote backend, where ``ttl_s=`` is accepted)."""
+        return self.backend.retain(text, **options)
 
     def release_context(self, handle: ContextHandle | str) -> bool:
         return self.backend.release(handle)

@@ -15,10 +15,18 @@ At construction the backend checks that the local tokenizer is the server's: the
 ``max_model_len`` from ``/v1/models``, and the server's own tokenization (``/tokenize``) of a
 probe conversation with its chat template, against the local rendering.
 
-Not here, because the server has no API for them: context handles (``retain`` /
-``release`` raise; shared text is reused by content anyway), and the per-source split of a
-*streamed* call (vLLM streams no ``kv_transfer_params``: a streamed call's provenance counts
-every prompt token as computed and its note says so; ``create`` has the split).
+Context handles work as in process, through the server's context API (``serve.contexts``):
+``retain(text, ttl_s=None)`` has the server keep the text's KV and returns a ``ContextHandle``
+whose ``context_id`` is the server's id (``ctx-...``: any client of the same tenant may name
+it, in this process or another); ``complete(..., context_ids=[...])`` marks the message that
+carries each named context, and ``ChatCall.contexts`` reports "hit", "unused", "fallback"
+(released, expired or restarted, or an id the server does not know for this tenant: served
+from the text) or "absent" (no message carries it);
+``release`` lets the server drop the KV; ``context`` reads the server's record.
+
+Not here: the per-source split of a *streamed* call (vLLM streams no ``kv_transfer_params``:
+a streamed call's provenance counts every prompt token as computed and its note says so, and
+its contexts are "retained" or "fallback" from the response header; ``create`` has the split).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from typing import Any, Callable, Sequence
 import httpx
 
 from kvcomm.integrations.local.backend import ChatCall, ChatReply, calling_agent, slot_reuse, summarize
+from kvcomm.reuse.handles import ContextHandle
 from kvcomm.integrations.local.segments import ChatPrompt, ChatTurn, parse_tool_calls, render_chat, supports_tools
 from kvcomm.integrations.remote import wire
 
@@ -46,10 +55,7 @@ PROBE = (
 )
 
 
-_NO_HANDLES = (
-    "context handles are in-process only: `kvcomm serve` has no API to pin or release KV. Against a server, "
-    "send the text itself: shared messages are reused by content (the server keys them by their token hash)"
-)
+CONTEXTS = "/v1/kvcomm/contexts"
 
 
 class RemoteError(RuntimeError):
@@ -85,6 +91,7 @@ class RemoteChatBackend:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = timeout
         self._http = httpx.Client(base_url=self.base_url, headers=self._headers, timeout=timeout)
+        self._content_ids: dict[str, str] = {}  # context id -> content id (the hash of its token ids)
         self.tokenizer = _load_tokenizer(tokenizer)
         self.model_name, self.max_context = self._served_model(model)
         if verify:
@@ -157,11 +164,52 @@ class RemoteChatBackend:
     def count_tokens(self, turns: Sequence[ChatTurn], tools: Sequence[dict] | None = None) -> int:
         return len(self.render(turns, tools).prompt)
 
-    def retain(self, text: str):
-        raise NotImplementedError(_NO_HANDLES)
+    def retain(self, text: str | ChatReply, ttl_s: float | None = None) -> ContextHandle:
+        """Have the server keep ``text``'s KV (as a message's content) until ``release`` or
+        ``ttl_s`` seconds; ``RemoteError`` when the server refuses it (over the tenant's byte cap).
+        A ``ChatReply`` is retained by its token ids (a finished request's reply: under
+        ``--reuse-scope all`` the server already holds its KV and only pins it)."""
+        if isinstance(text, ChatReply):
+            body: dict[str, Any] = {"token_ids": list(text.reply_ids), "tenant": self.tenant}
+        elif not self.encode(text):
+            raise ValueError("cannot retain empty text: it has no tokens")
+        else:
+            body = {"text": text, "tenant": self.tenant}
+        if ttl_s is not None:
+            body["ttl_s"] = ttl_s
+        record = self._post(CONTEXTS, body)
+        self._content_ids[record["id"]] = record["content_id"]
+        return ContextHandle(record["id"], int(record["tokens"]))
 
-    def release(self, handle: Any) -> bool:
-        raise NotImplementedError(_NO_HANDLES)
+    def release(self, handle: ContextHandle | str) -> bool:
+        """Let the server drop the context's KV; False (nothing changed) for an id this tenant
+        does not have, or one already evicted."""
+        context_id = handle.context_id if isinstance(handle, ContextHandle) else str(handle)
+        response = self._send(lambda: self._http.post(f"{CONTEXTS}/{context_id}/release", json={"tenant": self.tenant}))
+        if response.status_code == 404:
+            return False
+        return bool(_json(response, "release").get("released"))
+
+    def context(self, handle: ContextHandle | str) -> dict[str, Any]:
+        """The server's record of a context (id, tokens, bytes, state, expires_at, ...)."""
+        context_id = handle.context_id if isinstance(handle, ContextHandle) else str(handle)
+        return self._get(f"{CONTEXTS}/{context_id}?tenant={self.tenant}")
+
+    def _named(self, chat: ChatPrompt, context_ids: Sequence[str]) -> dict[str, str]:
+        """content id -> context id for the named contexts whose content a message of ``chat`` carries."""
+        present = set(chat.shared_ids)
+        named = {}
+        for context_id in context_ids:
+            if context_id not in self._content_ids:
+                response = self._send(lambda: self._http.get(f"{CONTEXTS}/{context_id}", params={"tenant": self.tenant}))
+                if response.status_code == 404:
+                    # a server restarted without --state-dir, or another tenant's id: the text is sent anyway
+                    log.warning("the server has no context %r for this tenant; the call is served from the text", context_id)
+                    continue
+                self._content_ids[context_id] = _json(response, CONTEXTS)["content_id"]
+            if self._content_ids[context_id] in present:
+                named.setdefault(self._content_ids[context_id], context_id)
+        return named
 
     # -- completion ------------------------------------------------------------------------
 
@@ -171,8 +219,6 @@ class RemoteChatBackend:
         to it (``_finish``): the server computes the KV of every token it feeds back, which is
         all but the last it samples, so a reply cut by the budget keeps its KV as a base, as in
         process (where the executor feeds the last token back itself)."""
-        if context_ids:
-            raise NotImplementedError(_NO_HANDLES)
         budget = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         if budget < 1:
             raise ValueError(f"max_tokens must be >= 1 (got {budget})")
@@ -183,7 +229,9 @@ class RemoteChatBackend:
                 f"{self.max_context}; shorten the conversation (e.g. a BufferedChatCompletionContext) or max_tokens"
             )
         ask = budget + 1 if self.reuse and not stream and len(chat.prompt) + budget + 1 <= self.max_context else budget
-        body = wire.completion_body(self.model_name, chat, ask, reuse=self.reuse, tenant=self.tenant, stream=stream)
+        named = self._named(chat, context_ids) if context_ids else {}
+        body = wire.completion_body(self.model_name, chat, ask, reuse=self.reuse, tenant=self.tenant, stream=stream,
+                                    contexts=named)
         return chat, body, budget
 
     def complete(
@@ -197,7 +245,7 @@ class RemoteChatBackend:
         started = time.perf_counter()
         chat, body, budget = self._prepare(turns, tools, max_new_tokens, context_ids, stream=False)
         data = self._post("/v1/completions", body)
-        return self._finish(turns, chat, tools, started, data, budget, agent=agent)
+        return self._finish(turns, chat, tools, started, data, budget, agent=agent, context_ids=context_ids)
 
     async def acomplete(
         self, turns: Sequence[ChatTurn], *, tools: Sequence[dict] | None = None, max_new_tokens: int | None = None,
@@ -219,7 +267,7 @@ class RemoteChatBackend:
         except asyncio.CancelledError:
             self._log_cancelled(turns, chat, started, streamed, agent)
             raise
-        return self._finish(turns, chat, tools, started, data, budget, agent=agent,
+        return self._finish(turns, chat, tools, started, data, budget, agent=agent, context_ids=context_ids,
                             why_unknown="streamed: vLLM streams no kv_transfer_params (use create for the split)" if on_text else "")
 
     async def _asend(self, pending) -> httpx.Response:
@@ -231,6 +279,7 @@ class RemoteChatBackend:
     async def _stream(self, http: httpx.AsyncClient, body: dict, streamed: wire.StreamedCompletion, on_text: Callable[[str], None]) -> None:
         try:
             async with http.stream("POST", "/v1/completions", json=body) as response:
+                streamed.contexts = _header_contexts(response.headers.get("x-kvcomm-contexts"))
                 if response.status_code != 200:
                     await response.aread()
                     _json(response, "/v1/completions")
@@ -248,7 +297,7 @@ class RemoteChatBackend:
 
     def _finish(
         self, turns, chat: ChatPrompt, tools, started: float, data: dict[str, Any], budget: int, *, agent: str | None = None,
-        why_unknown: str = "",
+        why_unknown: str = "", context_ids: Sequence[str] = (),
     ) -> ChatReply:
         choice = (data.get("choices") or [None])[0]
         if not isinstance(choice, dict):
@@ -285,10 +334,31 @@ class RemoteChatBackend:
                           and reply_ids and self.encode(self.decode(reply_ids)) == reply_ids)
         call = ChatCall(
             chat.prompt.template_id, calling_agent(turns, agent), provenance, completion_tokens, reason, registered,
-            time.perf_counter() - started, {}, chat.note, slot_reuse(chat, provenance),
+            time.perf_counter() - started, self._context_report(chat, context_ids, summary, data.get("contexts")),
+            chat.note, slot_reuse(chat, provenance),
         )
         self.calls.append(call)
         return ChatReply(text_out, tuple(reply_ids), call, tool_calls)
+
+    def _context_report(self, chat: ChatPrompt, context_ids: Sequence[str], summary: dict | None,
+                        streamed: dict[str, str] | None) -> dict[str, str]:
+        """``ChatCall.contexts``: the server's outcome per named context ("hit", "unused",
+        "fallback"; a streamed call: "retained" or "fallback"), "absent" where no message carries it."""
+        present = set(chat.shared_ids)
+        served = (summary or {}).get("contexts") or {}
+        report = {}
+        for context_id in context_ids:
+            if context_id not in self._content_ids:
+                report[context_id] = "fallback"  # unknown to the server (``_named``)
+            elif self._content_ids[context_id] not in present:
+                report[context_id] = "absent"
+            elif context_id in served:
+                report[context_id] = served[context_id]["outcome"]
+            elif streamed and context_id in streamed:
+                report[context_id] = "retained" if streamed[context_id] == "live" else "fallback"
+            else:
+                report[context_id] = "fallback"  # the server did not plan it (dense client, rejected options)
+        return report
 
     def _log_cancelled(self, turns, chat: ChatPrompt, started: float, streamed: wire.StreamedCompletion, agent: str | None) -> None:
         provenance = wire.provenance(chat, len(chat.prompt), None, self.reuse, why_unknown="cancelled: the server aborted the request")
@@ -299,6 +369,14 @@ class RemoteChatBackend:
 
     def summary(self) -> dict[str, Any]:
         return summarize(list(self.calls))
+
+
+def _header_contexts(value: str | None) -> dict[str, str] | None:
+    try:
+        parsed = json.loads(value) if value else None
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
 
 
 def _root(base_url: str) -> str:

@@ -42,23 +42,30 @@ def wire_slot(slot: str) -> str:
     return f"{clean}_{digest}{suffix}"
 
 
-def annotations(chat: ChatPrompt, tenant: str = "default") -> dict[str, Any]:
+def annotations(chat: ChatPrompt, tenant: str = "default", contexts: dict[str, str] | None = None) -> dict[str, Any]:
     """``kv_transfer_params["kvcomm"]`` for a rendered chat: every shared message's span, in
-    order, for the server's reuse engine of ``tenant`` (a server with API keys overrides it)."""
+    order, for the server's reuse engine of ``tenant`` (a server with API keys overrides it).
+    ``contexts``: content id -> the retained context (``kvcomm serve``'s context API) that the
+    first message with that content names (``"context"`` on its span)."""
     prompt = chat.prompt
-    spans = []
+    spans, named = [], dict(contexts or {})
     for index in sorted(chat.turn_segments.values()):
         segment, start = prompt.segments[index], prompt.starts[index]
-        spans.append({"start": start, "end": start + len(segment), "slot": wire_slot(segment.slot)})
+        span = {"start": start, "end": start + len(segment), "slot": wire_slot(segment.slot)}
+        if segment.shared_id in named:
+            span["context"] = named.pop(segment.shared_id)
+        spans.append(span)
     return {"template": prompt.template_id, "tenant": tenant, "segments": spans}
 
 
 def completion_body(
     model: str, chat: ChatPrompt, max_tokens: int, *, reuse: bool, tenant: str = "default", stream: bool = False,
+    contexts: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """A greedy ``/v1/completions`` request for ``chat``'s token ids. Reuse: the annotations
     and a per-tenant ``cache_salt`` (approximate KV only goes to salted requests; `kvcomm
-    serve` with API keys replaces both tenant and salt by the key's). Dense (``reuse``
+    serve` with API keys replaces both tenant and salt by the key's; ``contexts``: as for
+    ``annotations``). Dense (``reuse``
     False): no kvcomm options and no salt, exactly what a plain OpenAI client would send."""
     body: dict[str, Any] = {
         "model": model, "prompt": list(chat.prompt.token_ids), "max_tokens": max_tokens, "temperature": 0.0,
@@ -67,7 +74,7 @@ def completion_body(
     if stream:
         body["stream_options"] = {"include_usage": True}
     if reuse:
-        body["kv_transfer_params"] = {"kvcomm": annotations(chat, tenant)}
+        body["kv_transfer_params"] = {"kvcomm": annotations(chat, tenant, contexts)}
         body["cache_salt"] = f"kvcomm-{tenant}"
     return body
 
@@ -167,6 +174,8 @@ class StreamedCompletion:
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
         self.metrics: dict[str, Any] | None = None
+        self.contexts: dict[str, str] | None = None
+        """The ``x-kvcomm-contexts`` header: context id -> "live" or "fallback"."""
 
     def add(self, chunk: dict[str, Any]) -> str:
         if chunk.get("usage"):
@@ -183,4 +192,4 @@ class StreamedCompletion:
 
     def response(self) -> dict[str, Any]:
         choice = {"text": "".join(self.text), "token_ids": self.token_ids, "finish_reason": self.finish_reason}
-        return {"choices": [choice], "usage": self.usage, "metrics": self.metrics}
+        return {"choices": [choice], "usage": self.usage, "metrics": self.metrics, "contexts": self.contexts}

@@ -144,6 +144,15 @@ def engine_settings(args) -> dict:
     return engine
 
 
+def contexts_config(engine: dict, vllm_args: list[str]) -> str:
+    """The context API's settings (``serve.contexts.CONFIG_ENV``, JSON): the byte caps retained
+    contexts count against, the state folder their records are kept in, the served dtype."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--dtype", default="float32")  # serve_argv's default
+    return json.dumps({"max_tenant_bytes": engine.get("max_tenant_bytes"), "max_total_bytes": engine.get("max_total_bytes"),
+                       "state_dir": engine.get("state_dir"), "dtype": parser.parse_known_args(vllm_args)[0].dtype})
+
+
 def serve_command(args, vllm_args: list[str]) -> int:
     """`kvcomm serve`: check the options, set the environment, and run vLLM's API server with ``serve_argv``."""
     import os
@@ -156,6 +165,7 @@ def serve_command(args, vllm_args: list[str]) -> int:
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number of bytes, got {getattr(args, name)}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from kvcomm.integrations.serve.contexts import CONFIG_ENV as CONTEXTS_CONFIG_ENV
     from kvcomm.integrations.serve.middleware import API_KEY_DIGESTS_ENV, KEY_DIGESTS_ENV, key_digest
 
     keys = api_keys(vllm_args)
@@ -170,6 +180,7 @@ def serve_command(args, vllm_args: list[str]) -> int:
     setup_multiprocess_prometheus()  # the connector's metrics live in the engine-core and worker processes
     save_interval(str(args.save_interval))  # also when called with a namespace built elsewhere
     engine = engine_settings(args)
+    os.environ[CONTEXTS_CONFIG_ENV] = contexts_config(engine, vllm_args)
     given = shutdown_timeout(vllm_args)
     warning = state_environment(args.state_dir, os.environ, STATE_SHUTDOWN_TIMEOUT_S if given is None else given)
     if warning:

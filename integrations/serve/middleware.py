@@ -37,6 +37,11 @@ Tenants and salts on generation routes:
 Either way blocks holding approximate KV (written only for opted-in, server-salted requests)
 are never an exact prefix hit for a plain request. A ``kvcomm.handle`` (in-process orders
 only) is refused over HTTP with status 400.
+
+Retained contexts (``serve.contexts``): the routes under ``/v1/kvcomm/contexts`` are answered
+here, after the key check, for the tenant decided as above; a generation request naming a
+context (``segments[i].context``) is checked (404 for an id its tenant does not have) and its
+response reports each context's outcome.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvcomm.integrations.serve.contexts import ContextError, ContextRoutes
 from kvcomm.integrations.vllm.params import KvcommParamsError, check_sizes, shown  # noqa: F401 (shown: re-exported)
 
 KEY_DIGESTS_ENV = "KVCOMM_TENANT_KEY_DIGESTS"
@@ -169,6 +175,7 @@ class KvcommTenantMiddleware:
         self.digests = _digests(KEY_DIGESTS_ENV)
         self.api_digests = _digests(API_KEY_DIGESTS_ENV) | self.digests
         self.routes: dict[str, str] | None = None
+        self.contexts = ContextRoutes(app)
 
     def _note_routes(self, scope: Scope) -> None:
         """Once: the served app's routes by kind, in the log."""
@@ -199,7 +206,8 @@ class KvcommTenantMiddleware:
                 return
             await JSONResponse({"error": "Unauthorized"}, 401)(scope, receive, send)
             return
-        if scope["type"] != "http" or method != "POST":
+        contexts = scope["type"] == "http" and ContextRoutes.owns(path)
+        if scope["type"] != "http" or (method != "POST" and not contexts):
             await self.app(scope, receive, send)
             return
         chunks, more = [], True
@@ -215,13 +223,24 @@ class KvcommTenantMiddleware:
             body = json.loads(raw)
         except (ValueError, RecursionError):
             body = None  # not JSON: vLLM answers it as usual
+        if contexts:
+            tenant = tenant_of(key) if self.digests and key is not None and key_digest(key) in self.digests else None
+            await self.contexts.handle(scope, receive, send, tenant, body if method == "POST" else None)
+            return
         if isinstance(body, dict):
             try:
                 body = rewrite(body, key, self.digests, "generation" if kind == "generation" else "plain")
+                uses = await self.contexts.annotate(scope, body) if kind == "generation" else []
+            except ContextError as error:
+                await JSONResponse({"error": {"message": str(error), "type": type(error).__name__, "code": error.status}},
+                                   error.status)(scope, receive, send)
+                return
             except ValueError as error:
                 response = JSONResponse({"error": {"message": str(error), "type": "BadRequestError", "code": 400}}, 400)
                 await response(scope, receive, send)
                 return
+            if uses:
+                send = self.contexts.reporting(send, uses)
             raw = json.dumps(body).encode("utf-8")
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(raw)).encode()))

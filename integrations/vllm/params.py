@@ -8,6 +8,10 @@ Schema (JSON object; every key optional, unknown keys rejected)::
         "template": "<str>",                 # agent template id (default: "default")
         "tenant":   "<str>",                 # tenant key (default: "default"); `kvcomm serve`
                                              # with API keys overwrites it with the key's tenant
+        "contexts": {"retain": ["<content id>"], "release": ["<content id>"]},
+                                             # set by `kvcomm serve`'s context API only (it
+                                             # refuses it from clients): pin / unpin and drop
+                                             # the base KV of retained contexts (serve.contexts)
         "calibrate": false,                  # true: reuse nothing, prefill densely and learn
                                              # everything (each shared segment whose content
                                              # has a base becomes an anchor of its slot, up to
@@ -40,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Collection
 
 _SLOT = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
-_KEYS = {"handle", "template", "tenant", "segments", "calibrate"}
+_KEYS = {"handle", "template", "tenant", "segments", "calibrate", "contexts"}
 MAX_TENANT_LENGTH = 256
 MAX_NAME_LENGTH = 256
 """Characters of a template, handle or segment id at most."""
@@ -108,6 +112,10 @@ class KvcommParams:
     tenant: str = "default"
     calibrate: bool = False
     """Reuse nothing and learn all the dense prefill reveals (``ReuseEngine.calibration_plan``)."""
+    retain: tuple[str, ...] = ()
+    """Content ids whose base KV the tenant's engine keeps from now on (never evicted) until released."""
+    release: tuple[str, ...] = ()
+    """Content ids no longer kept: their bases are dropped (an anchor of the content keeps its own)."""
 
 
 def _int(value: Any, where: str) -> int:
@@ -151,8 +159,9 @@ def parse_params(params: Any, prompt_len: int, known_slots: Collection[str] | No
     if calibrate and handle is not None:
         raise KvcommParamsError("kv_transfer_params.kvcomm.calibrate applies to server-side planning; with a handle the "
                                 "caller plans (calibrate there with kvcomm.run_agent(..., calibrate=True))")
+    retain, release = _contexts(body.get("contexts", {}))
     if "segments" not in body:
-        return KvcommParams(handle, template, None, tenant, calibrate)
+        return KvcommParams(handle, template, None, tenant, calibrate, retain, release)
     raw = body["segments"]
     if not isinstance(raw, list):
         raise KvcommParamsError(f"kv_transfer_params.kvcomm.segments must be a list, got {type(raw).__name__}")
@@ -182,4 +191,19 @@ def parse_params(params: Any, prompt_len: int, known_slots: Collection[str] | No
                 f"[{segments[-1].start}, {segments[-1].end}); give segments sorted and non-overlapping"
             )
         segments.append(SpanAnnotation(start, end, slot, shared_id))
-    return KvcommParams(handle, template, tuple(segments), tenant, calibrate)
+    return KvcommParams(handle, template, tuple(segments), tenant, calibrate, retain, release)
+
+
+def _contexts(value: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``kvcomm.contexts``: (content ids to retain, content ids to release)."""
+    where = "kv_transfer_params.kvcomm.contexts"
+    if not isinstance(value, dict) or set(value) - {"retain", "release"}:
+        raise KvcommParamsError(f"{where} must be an object with lists 'retain' and/or 'release', got {shown(value)}")
+    lists = []
+    for key in ("retain", "release"):
+        ids = value.get(key, [])
+        if not isinstance(ids, list) or len(ids) > MAX_SEGMENTS or not all(
+                isinstance(i, str) and 0 < len(i) <= MAX_NAME_LENGTH for i in ids):
+            raise KvcommParamsError(f"{where}.{key} must be a list of at most {MAX_SEGMENTS} content ids, got {shown(ids)}")
+        lists.append(tuple(ids))
+    return lists[0], lists[1]

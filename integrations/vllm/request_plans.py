@@ -111,13 +111,19 @@ class ServerPlanner:
         computed tail and the reply.
         Without annotated segments, known shared runs are detected in the prompt. A
         ``calibrate`` request is planned by ``ReuseEngine.calibration_plan``: nothing is
-        reused (so it needs no cache salt) and everything its prefill reveals is learned."""
+        reused (so it needs no cache salt) and everything its prefill reveals is learned.
+        ``params.release`` / ``params.retain`` (retained contexts, set by `kvcomm serve` only)
+        unpin and drop, then pin, those content ids' bases in the tenant's engine first."""
         tenant = params.tenant if tenant is None else tenant
         if params.segments is None:
             params = dataclasses.replace(params, segments=self.runs(tenant).find(token_ids))
         params = self.ids.bind(tenant, token_ids, params)  # keyed by content; an id reused for other tokens: refused
         prompt = annotated_prompt(token_ids, params)
         engine = self.engine(tenant)
+        for shared_id in params.release:  # before planning: this request already falls back for them
+            engine.unpin(shared_id)
+        for shared_id in params.retain:  # before planning: a base this request registers is kept
+            engine.pin(shared_id)
         if params.calibrate:
             plan = engine.calibration_plan(prompt)
         elif not salted:

@@ -63,6 +63,9 @@ class TenantEngine(ReuseEngine):
         super().__init__(rotary, config, embedder, workspace, heads)
         self.on_grow = on_grow
         self.evicted = {"prefix_store": 0, "bases": 0, "fixed_bases": 0, "anchors": 0}
+        self.pinned: set[str] = set()
+        """Content ids whose bases ``shrink`` never evicts (retained contexts); whoever pins
+        keeps their bytes within the caps (``kvcomm.services.contexts``)."""
         self._local = threading.local()
 
     def _grew(self) -> None:
@@ -99,6 +102,18 @@ class TenantEngine(ReuseEngine):
         self._grew()
         return held
 
+    def pin(self, shared_id: str) -> None:
+        """Keep the base of ``shared_id`` through every ``shrink`` (it may be registered later)."""
+        with self._lock:
+            self.pinned.add(shared_id)
+
+    def unpin(self, shared_id: str) -> bool:
+        """Stop keeping ``shared_id`` and drop the engine's base of it (an anchor of that
+        content keeps its own base). Returns whether the engine held one."""
+        with self._lock:
+            self.pinned.discard(shared_id)
+            return self.drop_base(shared_id)
+
     def memory(self) -> EngineBytes:
         with self._lock:
             return EngineBytes(
@@ -127,7 +142,7 @@ class TenantEngine(ReuseEngine):
     def shrink(self, target: int) -> int:
         """Evict until this engine holds <= ``target`` bytes (or nothing is left); returns
         the bytes freed. Cheapest to rebuild goes first: exact prefixes (LRU), base KV of
-        shared content that no anchor holds (oldest first; recomputed on demand), fixed-segment bases (oldest
+        shared content that no anchor holds and nobody pinned (oldest first; recomputed on demand), fixed-segment bases (oldest
         first; relearned by the next dense prefill), then anchors, from the largest pool
         by its own eviction rule."""
         with self._lock:
@@ -137,7 +152,7 @@ class TenantEngine(ReuseEngine):
                 held -= self.prefix_store.drop_oldest()
                 self.evicted["prefix_store"] += 1
             shared = self._anchor_bases()
-            for shared_id in [s for s, (kv, _) in self._bases.items() if id(kv.values) not in shared]:
+            for shared_id in [s for s, (kv, _) in self._bases.items() if id(kv.values) not in shared and s not in self.pinned]:
                 if held <= target:
                     break
                 kv, embedding = self._bases.pop(shared_id)  # an anchor's base frees nothing: kept

@@ -158,6 +158,32 @@ def test_ag2_config_entry_with_base_url_selects_the_remote_backend(server):
         client.create({"messages": [{"role": "user", "content": "Hi"}], "stream": True})
 
 
+def test_autogen_and_ag2_clients_retain_name_and_release_contexts_on_the_server(server):
+    """The clients' context handles against `kvcomm serve` (its context API): one client retains,
+    the other names the id; released, the same call falls back to the text."""
+    from autogen_core.models import SystemMessage, UserMessage
+
+    from kvcomm.integrations.ag2.client import KvcommAG2Client
+    from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
+
+    note = "The library opens at nine and closes at five on weekdays."
+    autogen = KvcommChatCompletionClient.remote(server["base_url"], api_key=server["api_key"], max_tokens=4)
+    ag2 = KvcommAG2Client({"model": "kvcomm", "base_url": server["base_url"], "api_key": server["api_key"], "max_tokens": 4})
+    handle = autogen.retain_context(note, ttl_s=600)
+    record = autogen.backend.context(handle)
+    assert handle.context_id.startswith("ctx-") and record["state"] == "retained" and record["expires_at"] is not None
+    messages = [{"role": "system", "content": WRITER}, {"role": "user", "content": note},
+                {"role": "user", "content": "When does it open?"}]
+    response = ag2.create({"messages": messages, "context_ids": [handle.context_id]})
+    assert response.kvcomm.contexts[handle.context_id] in ("hit", "unused")  # retained: planned by content
+    asyncio.run(autogen.create([SystemMessage(content=WRITER), UserMessage(content="Hi", source="user")],
+                               extra_create_args={"context_ids": [handle.context_id]}))
+    assert autogen.last_call.contexts == {handle.context_id: "absent"}  # no message carries it
+    assert ag2.release_context(handle) is True and ag2.release_context(handle) is False
+    assert ag2.create({"messages": messages, "context_ids": [handle.context_id]}).kvcomm.contexts == {
+        handle.context_id: "fallback"}
+
+
 def test_dense_remote_client_equals_the_servers_own_chat_completions(server):
     """Without the kvcomm opt-in the client's requests are plain vLLM requests: each reply and
     prompt length equal the server's /v1/chat/completions (its chat template, its tokenizer)
@@ -233,10 +259,11 @@ def test_server_model_checks_and_refusals(server):
         RemoteChatBackend("localhost:8000")
     client = KvcommChatCompletionClient(backend)
     messages = [UserMessage(content="Hi", source="user")]
-    with pytest.raises(NotImplementedError, match="in-process only"):
-        client.retain_context("shared text")
-    with pytest.raises(NotImplementedError, match="in-process only"):
-        asyncio.run(client.create(messages, extra_create_args={"context_ids": ["x"]}))
+    # an id the server does not know for this tenant (another tenant's, or lost in a restart without
+    # --state-dir): served from the text, reported as a fallback
+    asyncio.run(client.create(messages, extra_create_args={"context_ids": ["ctx-0"]}))
+    assert client.last_call.contexts == {"ctx-0": "fallback"}
+    backend.calls.clear()
     with pytest.raises(ValueError, match="max_model_len"):
         asyncio.run(client.create(messages, extra_create_args={"max_tokens": backend.max_context}))
     assert client.count_tokens(messages) == len(backend.render([ChatTurn("user", "Hi", "user")]).prompt)

@@ -62,3 +62,13 @@ def test_errors_show_client_values_cut_short(body):
     with pytest.raises(KvcommParamsError) as error:
         parse_params({"kvcomm": body}, 10)
     assert len(str(error.value)) < 600, len(str(error.value))
+
+
+def test_contexts_name_content_ids_to_retain_and_release():
+    """``kvcomm.contexts``: what `kvcomm serve`'s context API tells the tenant's engine to pin and drop."""
+    params = parse_params({"kvcomm": {"segments": [], "contexts": {"retain": ["c1"], "release": ["c2", "c3"]}}}, 4)
+    assert (params.retain, params.release) == (("c1",), ("c2", "c3"))
+    assert (parse_params({"kvcomm": {}}, 4).retain, parse_params({"kvcomm": {}}, 4).release) == ((), ())
+    for bad in ({"keep": ["c"]}, {"retain": "c"}, {"release": [""]}, {"retain": [1]}, ["c"]):
+        with pytest.raises(KvcommParamsError, match="kvcomm.contexts"):
+            parse_params({"kvcomm": {"contexts": bad}}, 4)
