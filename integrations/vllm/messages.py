@@ -36,7 +36,8 @@ class PlanAsk:
 
     token_ids: the whole prompt; params: its validated ``kv_transfer_params["kvcomm"]``;
     salted: it carries a ``cache_salt`` (without one: exact reuse only); max_tokens: its
-    reply budget (the worker keeps the reply's KV for learning).
+    reply budget (the worker keeps the reply's KV for learning); adapter: the identity of the
+    LoRA adapter it runs under (``vllm.scheduler.adapter_identity``; None: the base model).
     """
 
     req_id: str
@@ -44,6 +45,7 @@ class PlanAsk:
     params: KvcommParams
     salted: bool
     max_tokens: int
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,10 @@ as computed (reuse stops there), and its base becomes its position-free KV as ca
 that first prefill (``ReuseConfig.base_source`` "first_use": no extra forward pass is run).
 Later requests estimate from it.
 
+Adapters: a request under a LoRA adapter is planned, learned and detected in its tenant's
+engine for that adapter (``kvcomm.services.tenants.adapter_key``); its ``PlannedRequest.tenant``
+is that engine key. Adapter engines are saved and restored like any tenant's, under their key.
+
 Safety: approximate KV only goes to requests carrying a ``cache_salt`` (so vLLM's prefix
 cache keeps their blocks apart from every request without that salt); an annotated
 request without a salt gets exact reuse only.
@@ -32,7 +36,7 @@ from kvcomm.core.kv import KV, to_position_free
 from kvcomm.reuse.plan import ReusePlan
 from kvcomm.core.rope import Rotary
 from kvcomm.core.segments import Prompt, Segment
-from kvcomm.services.tenants import TenantRegistry
+from kvcomm.services.tenants import TenantRegistry, adapter_key
 from kvcomm.integrations.vllm.channel import Capture, Injection, Order
 from kvcomm.reuse.assemble import pieces
 from kvcomm.integrations.vllm.detect import RunIndex
@@ -105,14 +109,17 @@ class ServerPlanner:
 
     def prepare(
         self, token_ids: list[int], params: KvcommParams, salted: bool, max_tokens: int, tenant: str | None = None,
+        adapter: str | None = None,
     ) -> PlannedRequest:
         """Plan; the order's injection is the plan's pieces (position-free KV, estimates), which
         the worker writes into the request's cache slots at load, and it captures the prompt's
         computed tail and the reply.
         Without annotated segments, known shared runs are detected in the prompt. A
         ``calibrate`` request is planned by ``ReuseEngine.calibration_plan``: nothing is
-        reused (so it needs no cache salt) and everything its prefill reveals is learned."""
-        tenant = params.tenant if tenant is None else tenant
+        reused (so it needs no cache salt) and everything its prefill reveals is learned.
+        ``adapter``: the LoRA adapter's identity (None: the base model); its requests use their
+        own engine in ``tenant`` (``adapter_key``)."""
+        tenant = adapter_key(params.tenant if tenant is None else tenant, adapter)
         if params.segments is None:
             params = dataclasses.replace(params, segments=self.runs(tenant).find(token_ids))
         params = self.ids.bind(tenant, token_ids, params)  # keyed by content; an id reused for other tokens: refused

@@ -13,15 +13,21 @@ Capture memory is admitted here: the worker keeps an annotated request's real KV
 ``max_tokens`` positions, every layer, keys and values (``capture_bytes``), on the KV device and
 outside vLLM's KV budget. A request whose capture would exceed ``max_capture_bytes``
 (``kv_connector_extra_config``, default ``DEFAULT_MAX_CAPTURE_BYTES``) is not planned: it is
-served as stock vLLM serves it, the reason in its ``kv_transfer_params``. So is an opted-in
-request under a LoRA adapter (vLLM's ``request.lora_request``): stored KV, anchors and plans
-are not keyed by adapter, and KV of one adapter is wrong for another.
+served as stock vLLM serves it, the reason in its ``kv_transfer_params``.
+
+LoRA adapters: an opted-in request under an adapter (vLLM's ``request.lora_request``) is
+planned in its tenant's engine for that adapter (``adapter_identity``, carried in its
+``PlanAsk``; ``kvcomm.services.tenants.adapter_key``): KV computed under one adapter never
+serves another adapter or the base model, requests under the same adapter reuse each other.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import hashlib
+import os
 
 import torch
 from vllm.logger import init_logger
@@ -53,6 +59,27 @@ def capture_bytes_per_token(kv_cache_config: "KVCacheConfig") -> int:
         spec = group.kv_cache_spec
         total += len(group.layer_names) * (spec.page_size_bytes // spec.block_size)
     return total
+
+
+_ADAPTER_DIGESTS: dict[tuple, str] = {}
+
+
+def adapter_identity(lora) -> str | None:
+    """Who an adapter is, for keying stored KV: ``<digest>`` of its name, its path and, when the
+    path is a folder, its files' names, sizes and modification times (so an adapter whose
+    weights were replaced at the same path and name is another adapter; a restart with the
+    same files is the same one). 24 hex characters; None for no adapter."""
+    if lora is None:
+        return None
+    path = str(getattr(lora, "lora_path", None) or getattr(lora, "path", "") or "")
+    files: tuple = ()
+    if path and os.path.isdir(path):
+        with os.scandir(path) as entries:
+            files = tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries if e.is_file()))
+    key = (str(getattr(lora, "lora_name", "")), path, files)
+    if key not in _ADAPTER_DIGESTS:
+        _ADAPTER_DIGESTS[key] = hashlib.blake2b(repr(key).encode("utf-8"), digest_size=12).hexdigest()
+    return _ADAPTER_DIGESTS[key]
 
 
 @dataclass
@@ -134,15 +161,6 @@ class KvcommConnectorScheduler:
             params = parse_params(request.kv_transfer_params, request.num_prompt_tokens, self._known_slots)
             if params is None:
                 return None
-            lora = getattr(request, "lora_request", None)
-            if lora is not None:
-                # KV computed under one adapter is wrong for another (and for the base model)
-                # wherever the adapter touches the k/v projections; nothing kvcomm stores is
-                # keyed by adapter, so such a request gets no reuse and teaches nothing.
-                raise KvcommParamsError(
-                    f"served without reuse: kvcomm does not reuse or learn KV under a LoRA adapter "
-                    f"(this request uses {shown(getattr(lora, 'lora_name', '?'))}); send it without "
-                    "kv_transfer_params.kvcomm, or to the base model")
             if params.handle is not None:
                 order = self.channel.order(params.handle)
                 if order is None:
@@ -150,6 +168,10 @@ class KvcommConnectorScheduler:
                         f"kv_transfer_params.kvcomm.handle {params.handle!r} names no pending order of this "
                         "engine (handles come from in-process callers such as VllmExecutor, in the engine's process)"
                     )
+                if getattr(request, "lora_request", None) is not None:
+                    raise KvcommParamsError(
+                        "served without reuse: an in-process order's KV is not keyed by LoRA adapter "
+                        f"(this request uses {shown(getattr(request.lora_request, 'lora_name', '?'))})")
                 inject = 0 if order.inject is None else order.inject.length
                 tracked = _Tracked(params.handle, request.num_prompt_tokens, inject, order.capture_from, order.capture_to)
             else:
@@ -181,8 +203,9 @@ class KvcommConnectorScheduler:
                 f"({n} prompt + {request.max_tokens} max_tokens positions x {self._token_bytes} bytes), over "
                 f"max_capture_bytes {self.max_capture_bytes}; lower max_tokens or raise the budget")
         self._asked.add(request.request_id)
+        adapter = adapter_identity(getattr(request, "lora_request", None))
         self._asks.append(PlanAsk(request.request_id, tuple(request.prompt_token_ids), params,
-                                  request.cache_salt is not None, request.max_tokens))
+                                  request.cache_salt is not None, request.max_tokens, adapter))
         return _Tracked(handle_of(request.request_id), n, capture_to=n + request.max_tokens, planned=True, pending=True)
 
     def update_connector_output(self, connector_output) -> None:

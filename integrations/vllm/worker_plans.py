@@ -45,7 +45,8 @@ class WorkerPlans:
         try:
             if self.planner is None:
                 self.planner = make_planner(self._vllm_config, self.channel, self.max_total_bytes)
-            planned = self.planner.prepare(list(ask.token_ids), ask.params, salted=ask.salted, max_tokens=ask.max_tokens)
+            planned = self.planner.prepare(list(ask.token_ids), ask.params, salted=ask.salted, max_tokens=ask.max_tokens,
+                                           adapter=ask.adapter)
             self.channel.place(handle_of(ask.req_id), planned.order)
         except Exception as error:  # a planning failure must not take the engine down
             log.exception("kvcomm: planning request %s failed; serving it without reuse", ask.req_id)

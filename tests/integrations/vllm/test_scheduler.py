@@ -150,19 +150,27 @@ def test_a_request_whose_capture_would_exceed_the_budget_is_served_plainly_with_
         _scheduler_connector(max_capture_bytes=0)
 
 
-def test_an_opted_in_request_under_a_lora_adapter_gets_no_reuse_and_teaches_nothing():
-    """vLLM hands the connector the Request with its lora_request; KV under one adapter is wrong
-    for another, and kvcomm keys nothing by adapter: no ask, no claim, a clear note."""
+def test_an_opted_in_request_under_a_lora_adapter_is_asked_for_with_the_adapters_identity(tmp_path):
+    """vLLM hands the connector the Request with its lora_request; the worker plans it in the
+    tenant's engine for that adapter, named by ``adapter_identity``: the same for the same
+    adapter, another for another name, another path, or the same path with other files."""
     from vllm.lora.request import LoRARequest
 
+    from kvcomm.integrations.vllm.scheduler import adapter_identity
+
+    folder = tmp_path / "critic"
+    folder.mkdir()
+    (folder / "adapter_model.safetensors").write_bytes(b"weights")
     connector = _scheduler_connector()
-    persona = _request("lora")
-    persona.lora_request = LoRARequest("critic-persona", 1, "/adapters/critic")
-    base = _request("base")
-    base.lora_request = None
-    assert connector.get_num_new_matched_tokens(persona, 0) == (0, False)
+    persona, base = _request("lora"), _request("base")
+    persona.lora_request, base.lora_request = LoRARequest("critic-persona", 1, str(folder)), None
+    assert connector.get_num_new_matched_tokens(persona, 0) == (None, False)
     assert connector.get_num_new_matched_tokens(base, 0) == (None, False)
-    assert [ask.req_id for ask in _step(connector).asks] == ["base"]
-    _, params = connector.request_finished(persona, [])
-    assert "LoRA adapter" in params["kvcomm"]["error"] and "'critic-persona'" in params["kvcomm"]["error"]
-    assert _step(connector).finished == []  # nothing to learn from
+    asks = {ask.req_id: ask for ask in _step(connector).asks}
+    same = adapter_identity(LoRARequest("critic-persona", 7, str(folder)))
+    assert asks["lora"].adapter == same and len(same) == 24 and asks["base"].adapter is None
+    assert pickle.loads(pickle.dumps(asks["lora"])) == asks["lora"]
+    assert adapter_identity(LoRARequest("writer-persona", 1, str(folder))) != same
+    assert adapter_identity(LoRARequest("critic-persona", 1, str(tmp_path))) != same
+    (folder / "adapter_model.safetensors").write_bytes(b"other weights")
+    assert adapter_identity(LoRARequest("critic-persona", 1, str(folder))) != same  # replaced weights: another adapter
