@@ -112,8 +112,9 @@ class ServerPlanner:
         adapter: str | None = None,
     ) -> PlannedRequest:
         """Plan; the order's injection is the plan's pieces (position-free KV, estimates), which
-        the worker writes into the request's cache slots at load, and it captures the prompt's
-        computed tail and the reply.
+        the worker writes into the request's cache slots at load, and it captures what learning
+        needs: the prompt's computed tail, and the reply only when its decode KV may become a
+        base (``ReuseEngine.learns_reply_from``).
         Without annotated segments, known shared runs are detected in the prompt. A
         ``calibrate`` request is planned by ``ReuseEngine.calibration_plan``: nothing is
         reused (so it needs no cache salt) and everything its prefill reveals is learned.
@@ -136,14 +137,15 @@ class ServerPlanner:
         else:
             plan = engine.plan(prompt)  # no base provider: new content's base comes from this prefill
         inject = Injection(tuple(pieces(plan)), plan.reuse_end) if plan.reuse_end else None  # written at load, into the slots
-        return PlannedRequest(engine, plan, Order(inject, plan.reuse_end, len(prompt) + max_tokens), tenant)
+        reply = max_tokens if engine.learns_reply_from(plan) else 0
+        return PlannedRequest(engine, plan, Order(inject, plan.reuse_end, len(prompt) + reply), tenant)
 
     def finish(self, planned: PlannedRequest, capture: Capture | None, reply_ids: list[int]) -> None:
         """Learn from the captured real KV of prompt positions ``[reuse_end, len(prompt))``;
         ``reply_ids`` (stop token excluded) becomes shared content with its decode KV as base
         when all of it was fed back (a reply cut by max_tokens lacks its last token's KV)."""
         plan, prompt = planned.plan, planned.plan.prompt
-        if capture is None or len(prompt) > capture.filled.numel() or not bool(capture.filled[plan.reuse_end : len(prompt)].all()):
+        if capture is None or not capture.has(plan.reuse_end, len(prompt)):
             return  # aborted before its prefill completed: nothing to learn
         computed: KV = capture.span(plan.reuse_end, len(prompt))
         runs = self.runs(planned.tenant)
@@ -152,9 +154,9 @@ class ServerPlanner:
             if segment.is_shared:
                 runs.add(segment.token_ids, segment.slot)
         n, r = len(prompt), len(reply_ids)
-        if r and n + r <= capture.filled.numel() and bool(capture.filled[n : n + r].all()) and planned.engine.learns_at(n + r):
+        if r and planned.engine.learns_at(n + r):
             reply = Segment(tuple(reply_ids), slot="_")
-            if not planned.engine.has_base(reply.shared_id) and planned.engine.learns_reply_from(plan):
+            if capture.has(n, n + r) and not planned.engine.has_base(reply.shared_id) and planned.engine.learns_reply_from(plan):
                 planned.engine.register_base(reply, to_position_free(capture.span(n, n + r), self.rotary, n))
             runs.add(reply_ids, f"{prompt.template_id}.reply")  # a pool per producing template
         provenance = plan.provenance()

@@ -9,11 +9,16 @@ arrives through ``update_connector_output``, and the next lookup claims the toke
 (``vllm.messages``). When the request finishes its reply goes down in a ``Finished`` and its
 summary (or error) goes back in its ``kv_transfer_params``.
 
-Capture memory is admitted here: the worker keeps an annotated request's real KV for prompt +
-``max_tokens`` positions, every layer, keys and values (``capture_bytes``), on the KV device and
-outside vLLM's KV budget. A request whose capture would exceed ``max_capture_bytes``
-(``kv_connector_extra_config``, default ``DEFAULT_MAX_CAPTURE_BYTES``) is not planned: it is
-served as stock vLLM serves it, the reason in its ``kv_transfer_params``.
+Capture memory is admitted here: the worker keeps an annotated request's real KV, every layer,
+keys and values (``capture_bytes_per_token`` a position), on the KV device and outside vLLM's KV
+budget, for the positions learning needs (``PlanAnswer.capture_from`` to ``capture_to``: the
+prompt's computed tail, and the reply only when the scope learns its decode KV).
+``max_capture_bytes`` (``kv_connector_extra_config``, default ``DEFAULT_MAX_CAPTURE_BYTES``)
+bounds the captures of all requests in flight together: a request is reserved prompt +
+``max_tokens`` positions when asked for, cut to its plan's capture when the answer comes, and
+released two steps after its ``Finished`` went down (the worker frees the buffer at the end of
+the step that carries it). A request that would not fit is not planned: it is served as stock
+vLLM serves it, the reason in its ``kv_transfer_params``.
 
 LoRA adapters: an opted-in request under an adapter (vLLM's ``request.lora_request``) is
 planned in its tenant's engine for that adapter (``adapter_identity``, carried in its
@@ -48,7 +53,8 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 _EMPTY = torch.zeros(0, dtype=torch.int64)
 DEFAULT_MAX_CAPTURE_BYTES = 1 << 30
-"""Bytes of captured KV one opted-in request may hold (1 GiB: 8,192 positions of an 8B model in bf16)."""
+"""Bytes of captured KV all opted-in requests in flight may hold together (1 GiB: 8,192 positions
+of an 8B model in bf16)."""
 
 
 def capture_bytes_per_token(kv_cache_config: "KVCacheConfig") -> int:
@@ -135,6 +141,9 @@ class KvcommConnectorScheduler:
         self._asks: list[PlanAsk] = []
         self._finished: list[Finished] = []
         self._asked: set[str] = set()  # annotated requests whose plan was asked of the worker, until they finish
+        self._capture_held: dict[str, int] = {}  # bytes of capture reserved per request id
+        self._releasing: list[tuple[int, str]] = []  # (build number, request id) of Finished sent down
+        self._builds = 0
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens the connector supplies beyond vLLM's hit; None ("ask again") while the worker
@@ -202,11 +211,23 @@ class KvcommConnectorScheduler:
                 f"served without reuse: learning from this request would capture {needed} bytes of KV "
                 f"({n} prompt + {request.max_tokens} max_tokens positions x {self._token_bytes} bytes), over "
                 f"max_capture_bytes {self.max_capture_bytes}; lower max_tokens or raise the budget")
+        held = self.capture_bytes_held
+        if held + needed > self.max_capture_bytes:
+            raise KvcommParamsError(
+                f"served without reuse: requests in flight hold {held} bytes of captured KV, and this one's "
+                f"{needed} would exceed max_capture_bytes {self.max_capture_bytes}; retry later, lower max_tokens, "
+                "or raise the budget")
+        self._capture_held[request.request_id] = needed
         self._asked.add(request.request_id)
         adapter = adapter_identity(getattr(request, "lora_request", None))
         self._asks.append(PlanAsk(request.request_id, tuple(request.prompt_token_ids), params,
                                   request.cache_salt is not None, request.max_tokens, adapter))
         return _Tracked(handle_of(request.request_id), n, capture_to=n + request.max_tokens, planned=True, pending=True)
+
+    @property
+    def capture_bytes_held(self) -> int:
+        """Bytes of captured KV reserved for requests in flight (at most ``max_capture_bytes``)."""
+        return sum(self._capture_held.values())
 
     def update_connector_output(self, connector_output) -> None:
         """Take the worker's plan answers: claimable tokens, capture start, summary, or error."""
@@ -222,6 +243,10 @@ class KvcommConnectorScheduler:
                 self._reject(req_id, answer.error)
                 continue
             tracked.inject, tracked.capture_from, tracked.summary = answer.inject_length, answer.capture_from, answer.summary
+            if answer.capture_to is not None:
+                tracked.capture_to = answer.capture_to
+            if req_id in self._capture_held:
+                self._capture_held[req_id] = max(0, tracked.capture_to - tracked.capture_from) * self._token_bytes
             tracked.pending = False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
@@ -233,6 +258,10 @@ class KvcommConnectorScheduler:
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvcommMetadata:
         meta = KvcommMetadata(asks=self._asks, finished=self._finished)
+        self._builds += 1
+        self._releasing += [(self._builds, done.req_id) for done in self._finished]
+        while self._releasing and self._releasing[0][0] <= self._builds - 2:  # the worker has freed it by now
+            self._capture_held.pop(self._releasing.pop(0)[1], None)
         self._asks, self._finished = [], []
         if not self._tracked:
             return meta
@@ -258,7 +287,7 @@ class KvcommConnectorScheduler:
             tracked.first_step = False
             meta.requests.append(StepRequest(
                 tracked.handle, load, _slots(blocks, load, block_size), capture, _slots(blocks, capture, block_size),
-                tracked.capture_to, start < tracked.prompt_len <= start + count,
+                tracked.capture_to, start < tracked.prompt_len <= start + count, tracked.capture_from,
             ))
         return meta
 
@@ -270,6 +299,8 @@ class KvcommConnectorScheduler:
         if error:
             if asked:  # the worker may hold its plan (e.g. ranks that disagreed): let it forget, learning nothing
                 self._finished.append(Finished(request.request_id, ()))
+            else:
+                self._capture_held.pop(request.request_id, None)
             return False, {"kvcomm": {"error": error}}
         if tracked is None or not tracked.planned:
             return False, None

@@ -53,7 +53,8 @@ class WorkerPlans:
             return PlanAnswer(error=f"kvcomm planning failed ({type(error).__name__}: {error}); served without reuse")
         self._planned[ask.req_id] = planned
         inject = planned.order.inject
-        return PlanAnswer(0 if inject is None else inject.length, planned.order.capture_from, planned.summary())
+        return PlanAnswer(0 if inject is None else inject.length, planned.order.capture_from, planned.summary(),
+                          capture_to=planned.order.capture_to)
 
     def finish(self, done: Finished) -> None:
         """Learn from the request's captured KV (if its prefill completed) and drop its state."""

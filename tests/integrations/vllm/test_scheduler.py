@@ -123,7 +123,7 @@ def test_an_in_process_order_is_claimed_beyond_vllms_hit_and_sent_as_slots_of_th
         scheduled_new_reqs=[SimpleNamespace(req_id="o", num_computed_tokens=16)],
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]), num_scheduled_tokens={"o": 24}))
     (step,) = meta.requests
-    assert step.handle == "h" and step.prompt_done and step.capture_capacity == 45
+    assert step.handle == "h" and step.prompt_done and (step.capture_start, step.capture_capacity) == (20, 45)
     assert step.load_positions.tolist() == [16, 17, 18, 19] and step.load_slots.tolist() == [0, 1, 2, 3]  # block 0
     assert step.capture_positions.tolist() == list(range(20, 40))
     assert step.capture_slots.tolist() == list(range(4, 16)) + list(range(112, 120))  # blocks 0 and 7 (block size 16)
@@ -148,6 +148,40 @@ def test_a_request_whose_capture_would_exceed_the_budget_is_served_plainly_with_
     assert "would capture 70656 bytes" in params["kvcomm"]["error"] and "max_capture_bytes 69120" in params["kvcomm"]["error"]
     with pytest.raises(ValueError, match="max_capture_bytes must be a positive number of bytes"):
         _scheduler_connector(max_capture_bytes=0)
+
+
+def test_captures_in_flight_together_stay_within_the_budget():
+    """max_capture_bytes bounds the captures of all requests in flight: prompt + max_tokens
+    positions are reserved at the ask, cut to the plan's capture range at the answer (here the
+    prompt's computed tail only), and released once the worker has freed the buffer (two steps
+    after the request's Finished went down); a request that does not fit is served plainly."""
+    position = 1536
+    connector = _scheduler_connector(max_capture_bytes=100 * position)
+    scheduler = connector.scheduler
+    a, b, c = _request("a"), _request("b"), _request("c")  # 40 + 5 positions each
+    assert connector.get_num_new_matched_tokens(a, 0) == (None, False)
+    assert connector.get_num_new_matched_tokens(b, 0) == (None, False)
+    assert scheduler.capture_bytes_held == 90 * position
+    assert connector.get_num_new_matched_tokens(c, 0) == (0, False)  # 135 positions would not fit
+    assert "requests in flight hold 138240 bytes" in connector.request_finished(c, [])[1]["kvcomm"]["error"]
+    assert [ask.req_id for ask in _step(connector).asks] == ["a", "b"]
+    summary = {"prompt_tokens": 40, "exact_tokens": 20, "estimated_tokens": 0, "computed_tokens": 20,
+               "fallback": False, "note": ""}
+    connector.update_connector_output(_output({"a": PlanAnswer(20, 20, summary, capture_to=40)}))
+    assert scheduler.capture_bytes_held == (20 + 45) * position  # a captures [20, 40) only
+    d = _request("d", n=30)
+    assert connector.get_num_new_matched_tokens(d, 0) == (None, False)  # 65 + 35 = 100 positions: fits
+    assert scheduler.capture_bytes_held == 100 * position
+    connector.request_finished(a, [])
+    assert scheduler.capture_bytes_held == 100 * position  # the worker has not freed a's buffer yet
+    assert _step(connector).finished[0].req_id == "a"
+    assert scheduler.capture_bytes_held == 100 * position
+    _step(connector)
+    assert scheduler.capture_bytes_held == 100 * position  # under async scheduling that step may still run
+    _step(connector)
+    assert scheduler.capture_bytes_held == 80 * position  # the step that carried a's Finished has ended
+    e = _request("e", n=15, options={"segments": [{"start": 2, "end": 10, "slot": "task"}]})
+    assert connector.get_num_new_matched_tokens(e, 0) == (None, False)  # 80 + 20 = 100
 
 
 def test_an_opted_in_request_under_a_lora_adapter_is_asked_for_with_the_adapters_identity(tmp_path):
