@@ -20,6 +20,16 @@ released two steps after its ``Finished`` went down (the worker frees the buffer
 the step that carries it). A request that would not fit is not planned: it is served as stock
 vLLM serves it, the reason in its ``kv_transfer_params``.
 
+vLLM's own prefix hit and learning: the worker learns from the KV of positions ``capture_from``
+on, as if computed. Where vLLM's prefix cache serves some of them (its hit reaches past
+``capture_from``), those blocks may hold approximate KV: KV kvcomm injected with estimates, or KV
+computed after it, in an earlier opted-in request with the same salt (and so in the same
+tenant). The scheduler remembers the block hashes of such requests (every full block from the
+first loaded one on, up to ``MAX_APPROXIMATE_BLOCKS``, oldest forgotten first); a request whose
+hit past ``capture_from`` touches one of them learns nothing from its prompt (its capture starts
+at the hit, so the worker finds the prompt incomplete), and its note says so. Hits on blocks of
+requests that reused exactly or computed everything are learned from as before.
+
 LoRA adapters: an opted-in request under an adapter (vLLM's ``request.lora_request``) is
 planned in its tenant's engine for that adapter (``adapter_identity``, carried in its
 ``PlanAsk``; ``kvcomm.services.tenants.adapter_key``): KV computed under one adapter never
@@ -33,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import hashlib
 import os
+from collections import OrderedDict
 
 import torch
 from vllm.logger import init_logger
@@ -67,6 +78,8 @@ def capture_bytes_per_token(kv_cache_config: "KVCacheConfig") -> int:
     return total
 
 
+MAX_APPROXIMATE_BLOCKS = 1 << 16
+"""Block hashes of blocks that may hold approximate KV remembered (about 2 MiB)."""
 _ADAPTER_DIGESTS: dict[tuple, str] = {}
 
 
@@ -110,6 +123,7 @@ class _Tracked:
     load_start: int = 0
     load_count: int = 0
     first_step: bool = True
+    loaded_from: int | None = None  # the first position the connector loaded (None: nothing loaded)
 
 
 class KvcommConnectorScheduler:
@@ -144,6 +158,7 @@ class KvcommConnectorScheduler:
         self._capture_held: dict[str, int] = {}  # bytes of capture reserved per request id
         self._releasing: list[tuple[int, str]] = []  # (build number, request id) of Finished sent down
         self._builds = 0
+        self._approximate: OrderedDict = OrderedDict()  # block hash -> None: blocks that may hold approximate KV
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens the connector supplies beyond vLLM's hit; None ("ask again") while the worker
@@ -154,7 +169,30 @@ class KvcommConnectorScheduler:
         if tracked.pending:
             return None, False
         tracked.hit = num_computed_tokens
+        if tracked.planned and num_computed_tokens > tracked.capture_from and self._hits_approximate(request, tracked):
+            tracked.capture_from = num_computed_tokens  # the prompt stays incomplete: nothing learned from it
+            if tracked.summary is not None and "approximate" not in tracked.summary.get("note", ""):
+                tracked.summary = {**tracked.summary, "note": (tracked.summary.get("note") or "") + (
+                    "; vLLM's prefix cache served planned-computed positions from blocks that may hold approximate "
+                    "KV: not learned from")}
         return max(0, tracked.inject - num_computed_tokens), False
+
+    def _hits_approximate(self, request: "Request", tracked: _Tracked) -> bool:
+        """Whether vLLM's hit past ``capture_from`` covers a block that may hold approximate KV."""
+        block_size = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        hashes = getattr(request, "block_hashes", None) or []
+        first, last = tracked.capture_from // block_size, min(tracked.hit // block_size, len(hashes))
+        return any(hashes[i] in self._approximate for i in range(first, last))
+
+    def _remember_approximate(self, request: "Request", tracked: _Tracked) -> None:
+        """The request's full blocks from the first loaded one on may hold approximate KV (loaded
+        with estimates, or computed after them); remember their hashes."""
+        block_size = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        for block_hash in (getattr(request, "block_hashes", None) or [])[tracked.loaded_from // block_size:]:
+            self._approximate[block_hash] = None
+            self._approximate.move_to_end(block_hash)
+        while len(self._approximate) > MAX_APPROXIMATE_BLOCKS:
+            self._approximate.popitem(last=False)
 
     def _track(self, request: "Request") -> _Tracked | None:
         if request.request_id in self._tracked:
@@ -254,6 +292,8 @@ class KvcommConnectorScheduler:
         if tracked is None:
             return
         tracked.load_start, tracked.load_count = tracked.hit, num_external_tokens
+        if num_external_tokens:
+            tracked.loaded_from = tracked.hit
         tracked.first_step = True
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvcommMetadata:
@@ -293,6 +333,9 @@ class KvcommConnectorScheduler:
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
         tracked = self._tracked.pop(request.request_id, None)
+        if tracked is not None and tracked.loaded_from is not None and (
+                not tracked.planned or (tracked.summary or {}).get("estimated_tokens", 1) > 0):
+            self._remember_approximate(request, tracked)  # an in-process order's KV: unknown, so counted
         error = self._rejected.pop(request.request_id, None)
         asked = request.request_id in self._asked
         self._asked.discard(request.request_id)

@@ -208,3 +208,52 @@ def test_an_opted_in_request_under_a_lora_adapter_is_asked_for_with_the_adapters
     assert adapter_identity(LoRARequest("critic-persona", 1, str(tmp_path))) != same
     (folder / "adapter_model.safetensors").write_bytes(b"other weights")
     assert adapter_identity(LoRARequest("critic-persona", 1, str(folder))) != same  # replaced weights: another adapter
+
+
+def _captured_from(connector, request, hit: int) -> int:
+    """The first position the request's first step captures, with vLLM's hit at ``hit``."""
+    connector.update_state_after_alloc(request, None, 0)
+    meta = connector.build_connector_meta(SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=request.request_id, num_computed_tokens=hit)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={request.request_id: request.num_prompt_tokens - hit}))
+    (step,) = [s for s in meta.requests if s.handle.endswith(request.request_id)]
+    return int(step.capture_positions[0])
+
+
+def test_a_prefix_hit_on_blocks_that_may_hold_approximate_kv_is_not_learned_from():
+    """vLLM's prefix cache may serve a later request (same salt) blocks into which kvcomm loaded
+    estimates, or blocks computed after them. A plan that computes those positions would learn
+    them as real KV; instead the request learns nothing from its prompt (its capture starts at
+    the hit) and says so. A hit on blocks of a request that reused exactly is learned from."""
+    connector = _scheduler_connector()
+    connector.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda req_id: ([1, 2, 3],), block_pool=None))
+    summary = {"prompt_tokens": 40, "exact_tokens": 0, "estimated_tokens": 16, "computed_tokens": 24,
+               "fallback": False, "note": ""}
+    computed = {**summary, "estimated_tokens": 0, "computed_tokens": 40, "fallback": True}
+
+    def planned(req_id: str, hashes: list[str], answer: PlanAnswer):
+        request = _request(req_id)
+        request.block_hashes = hashes
+        connector.get_num_new_matched_tokens(request, 0)
+        _step(connector)
+        connector.update_connector_output(_output({req_id: answer}))
+        return request
+
+    estimated = planned("est", ["h0", "h1"], PlanAnswer(32, 32, summary))
+    assert connector.get_num_new_matched_tokens(estimated, 0) == (32, False)
+    connector.update_state_after_alloc(estimated, None, 32)  # kvcomm loads [0, 32): estimates among them
+    connector.request_finished(estimated, [])
+    exact = planned("exact", ["e0", "e1"], PlanAnswer(32, 32, {**summary, "exact_tokens": 32, "estimated_tokens": 0}))
+    connector.get_num_new_matched_tokens(exact, 0)
+    connector.update_state_after_alloc(exact, None, 32)
+    connector.request_finished(exact, [])
+
+    tainted = planned("after-est", ["h0", "h1"], PlanAnswer(0, 0, computed))  # planned to compute everything
+    assert connector.get_num_new_matched_tokens(tainted, 32) == (0, False)  # vLLM's hit: the estimated blocks
+    assert _captured_from(connector, tainted, 32) == 32  # the prompt stays incomplete: nothing learned
+    assert "may hold approximate KV: not learned from" in connector.request_finished(tainted, [])[1]["kvcomm"]["note"]
+    clean = planned("after-exact", ["e0", "e1"], PlanAnswer(0, 0, computed))
+    assert connector.get_num_new_matched_tokens(clean, 32) == (0, False)
+    assert _captured_from(connector, clean, 32) == 0  # exact blocks: learned from as before
+    assert "approximate" not in connector.request_finished(clean, [])[1]["kvcomm"]["note"]
