@@ -203,8 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_reuse_scope_option(serve)
     serve.add_argument("--max-tenant-bytes", type=int, help="byte cap of each tenant's pools, bases and prefixes")
     serve.add_argument("--max-total-bytes", type=int, help="byte cap of all tenants together")
-    serve.add_argument("--max-capture-bytes", type=int, help="bytes of KV one opted-in request may capture for "
-                       "learning (prompt + max_tokens positions, every layer; default 1 GiB); over it: served without reuse")
+    serve.add_argument("--max-capture-bytes", type=int, help="bytes of KV the opted-in requests in flight "
+                       "may capture together for learning (default 1 GiB); a request that does not fit: served without reuse")
     serve.add_argument("--state-dir", help="keep anchor pools and bases here across restarts (restored at start, "
                        "saved every --save-interval seconds and at exit; gives vLLM --shutdown-timeout "
                        f"{STATE_SHUTDOWN_TIMEOUT_S} unless set, so the engine lives long enough to save)")

@@ -28,22 +28,38 @@ from kvcomm.core.rope import Rotary
 class Capture:
     """Real KV read back from vLLM's cache for one request, rotated at absolute positions.
 
-    keys, values: ``[layers, kv_heads, capacity, head_dim]``; position ``p`` is valid once
-    ``filled[p]`` is set (``[capacity]`` bool).
+    keys, values: ``[layers, kv_heads, capacity, head_dim]`` holding positions
+    ``[start, start + capacity)`` (buffer index ``p - start``); position ``p`` is valid once
+    ``filled[p - start]`` is set (``[capacity]`` bool).
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     filled: torch.Tensor
+    start: int = 0
 
     @staticmethod
     def empty(layers: int, heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
-              device: torch.device | str = "cpu") -> "Capture":
-        """Buffers on ``device`` (the KV cache's: the connector copies each step's captured
-        tokens there, every layer at once, and the engine learns from them there; nothing goes
-        through the host), keys and values views of one allocation; ``filled`` on the host."""
+              device: torch.device | str = "cpu", start: int = 0) -> "Capture":
+        """Buffers for positions ``[start, start + capacity)`` on ``device`` (the KV cache's: the
+        connector copies each step's captured tokens there, every layer at once, and the engine
+        learns from them there; nothing goes through the host), keys and values views of one
+        allocation; ``filled`` on the host."""
         both = torch.empty(layers, 2, heads, capacity, head_dim, dtype=dtype, device=device)
-        return Capture(both[:, 0], both[:, 1], torch.zeros(capacity, dtype=torch.bool))
+        return Capture(both[:, 0], both[:, 1], torch.zeros(capacity, dtype=torch.bool), start)
+
+    @property
+    def end(self) -> int:
+        """One past the last position the buffers hold."""
+        return self.start + self.filled.numel()
+
+    def has(self, start: int, end: int) -> bool:
+        """Whether every position of ``[start, end)`` was captured."""
+        return self.start <= start <= end <= self.end and bool(self.filled[start - self.start : end - self.start].all())
+
+    def mark(self, positions: torch.Tensor) -> None:
+        """Positions (absolute) now captured."""
+        self.filled[positions - self.start] = True
 
     @property
     def kv(self) -> KV:
@@ -51,10 +67,11 @@ class Capture:
 
     def span(self, start: int, end: int) -> KV:
         """Captured KV of positions ``[start, end)``; raises if any was not captured."""
-        if end > self.filled.numel() or not bool(self.filled[start:end].all()):
-            missing = [p for p in range(start, end) if p >= self.filled.numel() or not self.filled[p]]
+        if not self.has(start, end):
+            missing = [p for p in range(start, end) if not self.has(p, p + 1)]
             raise RuntimeError(f"kvcomm connector did not capture positions {missing[:8]}... of [{start}, {end})")
-        return KV(self.keys[:, :, start:end].clone(), self.values[:, :, start:end].clone())
+        a, b = start - self.start, end - self.start
+        return KV(self.keys[:, :, a:b].clone(), self.values[:, :, a:b].clone())
 
 
 @dataclass(frozen=True)

@@ -199,7 +199,7 @@ class VllmExecutor:
             raise RuntimeError("the kvcomm connector did not see the prompt's last token computed")
         # A call cancelled by on_token may end before its last reply token was fed back:
         # then its reply KV is not kept (downstream agents prefill the reply as a base).
-        complete = reply and bool(capture.filled[n : n + len(reply)].all())
+        complete = reply and capture.has(n, n + len(reply))
         reply_kv = capture.span(n, n + len(reply)) if complete else None
         return Generation(tuple(reply), capture.span(reused, n), reply_kv, done_at - started, cached_tokens=cached - reused,
                           head=head_kv)

@@ -36,7 +36,8 @@ class PlanAsk:
 
     token_ids: the whole prompt; params: its validated ``kv_transfer_params["kvcomm"]``;
     salted: it carries a ``cache_salt`` (without one: exact reuse only); max_tokens: its
-    reply budget (the worker keeps the reply's KV for learning).
+    reply budget (the worker keeps the reply's KV for learning); adapter: the identity of the
+    LoRA adapter it runs under (``vllm.scheduler.adapter_identity``; None: the base model).
     """
 
     req_id: str
@@ -44,12 +45,14 @@ class PlanAsk:
     params: KvcommParams
     salted: bool
     max_tokens: int
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
 class PlanAnswer:
     """The worker's plan for one request: inject prompt positions ``[0, inject_length)``,
-    capture real KV from ``capture_from`` (the end of the reused range) on. ``summary`` is
+    capture real KV of positions ``[capture_from, capture_to)`` (from the end of the reused
+    range to the prompt's end, plus the reply's when it is learned from). ``summary`` is
     the per-request provenance returned to the client (``PlannedRequest.summary``).
     With ``error`` set the request gets no reuse and the error is returned instead."""
 
@@ -57,6 +60,7 @@ class PlanAnswer:
     capture_from: int = 0
     summary: dict | None = None
     error: str | None = None
+    capture_to: int | None = None
 
 
 @dataclass(frozen=True)
@@ -74,8 +78,9 @@ class StepRequest:
 
     load_positions/load_slots: prompt positions to inject (``[N]`` int64, consecutive) and their
     cache slots. capture_positions/capture_slots: positions (``[M]`` int64, consecutive) whose
-    KV to copy into the capture buffer once the step's forward has run. prompt_done: this step
-    computes the request's last prompt token. All on the host, as the scheduler builds them; the
+    KV to copy into the capture buffer once the step's forward has run; the buffer holds
+    positions ``[capture_start, capture_capacity)``. prompt_done: this step computes the
+    request's last prompt token. All on the host, as the scheduler builds them; the
     worker's fused writer and copy upload the slots with their tables.
     """
 
@@ -86,6 +91,7 @@ class StepRequest:
     capture_slots: torch.Tensor
     capture_capacity: int
     prompt_done: bool
+    capture_start: int = 0
 
 
 @dataclass

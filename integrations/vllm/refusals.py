@@ -65,7 +65,7 @@ def engine_refusal(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | 
 
 
 DEVICE_MEMORY_SHARE = 0.9
-"""Of the accelerator memory vLLM leaves free (less one request's capture), the share the reuse
+"""Of the accelerator memory vLLM leaves free (less the capture budget), the share the reuse
 state may use when no ``max_total_bytes`` is given; the rest is headroom for the plans' and
 kernels' temporaries."""
 
@@ -77,8 +77,10 @@ def device_memory_budget(device_type: str, free_bytes: int | None, max_total_byt
     On an accelerator, bases, anchors, exact prefixes and captures live in the device memory
     vLLM leaves free after allocating its KV cache (``free_bytes``, this rank's, read at
     start-up). They are capped by ``max_total_bytes`` (all ranks together, so each rank holds
-    ``1/ranks`` of it); without one the cap is ``DEVICE_MEMORY_SHARE`` of what is free less one
-    request's capture (``capture_bytes``). A given cap whose share plus one capture does not fit
+    ``1/ranks`` of it); without one the cap is ``DEVICE_MEMORY_SHARE`` of what is free less the
+    capture budget (``capture_bytes``: ``max_capture_bytes``, which bounds the captures of all
+    requests in flight together, ``vllm.scheduler``). A given cap whose share plus the capture
+    budget does not fit
     is refused, or the first large plan would fail inside a forward. On a CPU (host memory) the
     caps are what the operator set."""
     if device_type == "cpu" or free_bytes is None:
@@ -88,7 +90,7 @@ def device_memory_budget(device_type: str, free_bytes: int | None, max_total_byt
         room = int(DEVICE_MEMORY_SHARE * (free_bytes - capture_bytes)) * ranks
         if room <= 0:
             return None, (f"vLLM leaves {free_bytes / gib:.1f} GiB free beside its KV cache on this {device_type} rank, "
-                          f"less than one request's capture budget ({capture_bytes / gib:.1f} GiB, max_capture_bytes): "
+                          f"less than the capture budget ({capture_bytes / gib:.1f} GiB, max_capture_bytes): "
                           "lower --gpu-memory-utilization or max_capture_bytes")
         return room, None
     if not isinstance(max_total_bytes, int) or isinstance(max_total_bytes, bool) or max_total_bytes <= 0:

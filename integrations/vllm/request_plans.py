@@ -13,6 +13,10 @@ as computed (reuse stops there), and its base becomes its position-free KV as ca
 that first prefill (``ReuseConfig.base_source`` "first_use": no extra forward pass is run).
 Later requests estimate from it.
 
+Adapters: a request under a LoRA adapter is planned, learned and detected in its tenant's
+engine for that adapter (``kvcomm.services.tenants.adapter_key``); its ``PlannedRequest.tenant``
+is that engine key. Adapter engines are saved and restored like any tenant's, under their key.
+
 Safety: approximate KV only goes to requests carrying a ``cache_salt`` (so vLLM's prefix
 cache keeps their blocks apart from every request without that salt); an annotated
 request without a salt gets exact reuse only.
@@ -32,7 +36,7 @@ from kvcomm.core.kv import KV, to_position_free
 from kvcomm.reuse.plan import ReusePlan
 from kvcomm.core.rope import Rotary
 from kvcomm.core.segments import Prompt, Segment
-from kvcomm.services.tenants import TenantRegistry
+from kvcomm.services.tenants import TenantRegistry, adapter_key
 from kvcomm.integrations.vllm.channel import Capture, Injection, Order
 from kvcomm.reuse.assemble import pieces
 from kvcomm.integrations.vllm.detect import RunIndex
@@ -105,16 +109,20 @@ class ServerPlanner:
 
     def prepare(
         self, token_ids: list[int], params: KvcommParams, salted: bool, max_tokens: int, tenant: str | None = None,
+        adapter: str | None = None,
     ) -> PlannedRequest:
         """Plan; the order's injection is the plan's pieces (position-free KV, estimates), which
-        the worker writes into the request's cache slots at load, and it captures the prompt's
-        computed tail and the reply.
+        the worker writes into the request's cache slots at load, and it captures what learning
+        needs: the prompt's computed tail, and the reply only when its decode KV may become a
+        base (``ReuseEngine.learns_reply_from``).
         Without annotated segments, known shared runs are detected in the prompt. A
         ``calibrate`` request is planned by ``ReuseEngine.calibration_plan``: nothing is
         reused (so it needs no cache salt) and everything its prefill reveals is learned.
         ``params.release`` / ``params.retain`` (retained contexts, set by `kvcomm serve` only)
-        unpin and drop, then pin, those content ids' bases in the tenant's engine first."""
-        tenant = params.tenant if tenant is None else tenant
+        unpin and drop, then pin, those content ids' bases in the tenant's engine first.
+        ``adapter``: the LoRA adapter's identity (None: the base model); its requests use their
+        own engine in ``tenant`` (``adapter_key``)."""
+        tenant = adapter_key(params.tenant if tenant is None else tenant, adapter)
         if params.segments is None:
             params = dataclasses.replace(params, segments=self.runs(tenant).find(token_ids))
         params = self.ids.bind(tenant, token_ids, params)  # keyed by content; an id reused for other tokens: refused
@@ -135,14 +143,15 @@ class ServerPlanner:
         else:
             plan = engine.plan(prompt)  # no base provider: new content's base comes from this prefill
         inject = Injection(tuple(pieces(plan)), plan.reuse_end) if plan.reuse_end else None  # written at load, into the slots
-        return PlannedRequest(engine, plan, Order(inject, plan.reuse_end, len(prompt) + max_tokens), tenant)
+        reply = max_tokens if engine.learns_reply_from(plan) else 0
+        return PlannedRequest(engine, plan, Order(inject, plan.reuse_end, len(prompt) + reply), tenant)
 
     def finish(self, planned: PlannedRequest, capture: Capture | None, reply_ids: list[int]) -> None:
         """Learn from the captured real KV of prompt positions ``[reuse_end, len(prompt))``;
         ``reply_ids`` (stop token excluded) becomes shared content with its decode KV as base
         when all of it was fed back (a reply cut by max_tokens lacks its last token's KV)."""
         plan, prompt = planned.plan, planned.plan.prompt
-        if capture is None or len(prompt) > capture.filled.numel() or not bool(capture.filled[plan.reuse_end : len(prompt)].all()):
+        if capture is None or not capture.has(plan.reuse_end, len(prompt)):
             return  # aborted before its prefill completed: nothing to learn
         computed: KV = capture.span(plan.reuse_end, len(prompt))
         runs = self.runs(planned.tenant)
@@ -151,9 +160,9 @@ class ServerPlanner:
             if segment.is_shared:
                 runs.add(segment.token_ids, segment.slot)
         n, r = len(prompt), len(reply_ids)
-        if r and n + r <= capture.filled.numel() and bool(capture.filled[n : n + r].all()) and planned.engine.learns_at(n + r):
+        if r and planned.engine.learns_at(n + r):
             reply = Segment(tuple(reply_ids), slot="_")
-            if not planned.engine.has_base(reply.shared_id) and planned.engine.learns_reply_from(plan):
+            if capture.has(n, n + r) and not planned.engine.has_base(reply.shared_id) and planned.engine.learns_reply_from(plan):
                 planned.engine.register_base(reply, to_position_free(capture.span(n, n + r), self.rotary, n))
             runs.add(reply_ids, f"{prompt.template_id}.reply")  # a pool per producing template
         provenance = plan.provenance()

@@ -9,19 +9,41 @@ arrives through ``update_connector_output``, and the next lookup claims the toke
 (``vllm.messages``). When the request finishes its reply goes down in a ``Finished`` and its
 summary (or error) goes back in its ``kv_transfer_params``.
 
-Capture memory is admitted here: the worker keeps an annotated request's real KV for prompt +
-``max_tokens`` positions, every layer, keys and values (``capture_bytes``), on the KV device and
-outside vLLM's KV budget. A request whose capture would exceed ``max_capture_bytes``
-(``kv_connector_extra_config``, default ``DEFAULT_MAX_CAPTURE_BYTES``) is not planned: it is
-served as stock vLLM serves it, the reason in its ``kv_transfer_params``. So is an opted-in
-request under a LoRA adapter (vLLM's ``request.lora_request``): stored KV, anchors and plans
-are not keyed by adapter, and KV of one adapter is wrong for another.
+Capture memory is admitted here: the worker keeps an annotated request's real KV, every layer,
+keys and values (``capture_bytes_per_token`` a position), on the KV device and outside vLLM's KV
+budget, for the positions learning needs (``PlanAnswer.capture_from`` to ``capture_to``: the
+prompt's computed tail, and the reply only when the scope learns its decode KV).
+``max_capture_bytes`` (``kv_connector_extra_config``, default ``DEFAULT_MAX_CAPTURE_BYTES``)
+bounds the captures of all requests in flight together: a request is reserved prompt +
+``max_tokens`` positions when asked for, cut to its plan's capture when the answer comes, and
+released two steps after its ``Finished`` went down (the worker frees the buffer at the end of
+the step that carries it). A request that would not fit is not planned: it is served as stock
+vLLM serves it, the reason in its ``kv_transfer_params``.
+
+vLLM's own prefix hit and learning: the worker learns from the KV of positions ``capture_from``
+on, as if computed. Where vLLM's prefix cache serves some of them (its hit reaches past
+``capture_from``), those blocks may hold approximate KV: KV kvcomm injected with estimates, or KV
+computed after it, in an earlier opted-in request with the same salt (and so in the same
+tenant). The scheduler remembers the block hashes of such requests (every full block from the
+first loaded one on, up to ``MAX_APPROXIMATE_BLOCKS``, oldest forgotten first); a request whose
+hit past ``capture_from`` touches one of them learns nothing from its prompt (its capture starts
+at the hit, so the worker finds the prompt incomplete), and its note says so. Hits on blocks of
+requests that reused exactly or computed everything are learned from as before.
+
+LoRA adapters: an opted-in request under an adapter (vLLM's ``request.lora_request``) is
+planned in its tenant's engine for that adapter (``adapter_identity``, carried in its
+``PlanAsk``; ``kvcomm.services.tenants.adapter_key``): KV computed under one adapter never
+serves another adapter or the base model, requests under the same adapter reuse each other.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import hashlib
+import os
+from collections import OrderedDict
 
 import torch
 from vllm.logger import init_logger
@@ -42,7 +64,8 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 _EMPTY = torch.zeros(0, dtype=torch.int64)
 DEFAULT_MAX_CAPTURE_BYTES = 1 << 30
-"""Bytes of captured KV one opted-in request may hold (1 GiB: 8,192 positions of an 8B model in bf16)."""
+"""Bytes of captured KV all opted-in requests in flight may hold together (1 GiB: 8,192 positions
+of an 8B model in bf16)."""
 
 
 def capture_bytes_per_token(kv_cache_config: "KVCacheConfig") -> int:
@@ -53,6 +76,29 @@ def capture_bytes_per_token(kv_cache_config: "KVCacheConfig") -> int:
         spec = group.kv_cache_spec
         total += len(group.layer_names) * (spec.page_size_bytes // spec.block_size)
     return total
+
+
+MAX_APPROXIMATE_BLOCKS = 1 << 16
+"""Block hashes of blocks that may hold approximate KV remembered (about 2 MiB)."""
+_ADAPTER_DIGESTS: dict[tuple, str] = {}
+
+
+def adapter_identity(lora) -> str | None:
+    """Who an adapter is, for keying stored KV: ``<digest>`` of its name, its path and, when the
+    path is a folder, its files' names, sizes and modification times (so an adapter whose
+    weights were replaced at the same path and name is another adapter; a restart with the
+    same files is the same one). 24 hex characters; None for no adapter."""
+    if lora is None:
+        return None
+    path = str(getattr(lora, "lora_path", None) or getattr(lora, "path", "") or "")
+    files: tuple = ()
+    if path and os.path.isdir(path):
+        with os.scandir(path) as entries:
+            files = tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries if e.is_file()))
+    key = (str(getattr(lora, "lora_name", "")), path, files)
+    if key not in _ADAPTER_DIGESTS:
+        _ADAPTER_DIGESTS[key] = hashlib.blake2b(repr(key).encode("utf-8"), digest_size=12).hexdigest()
+    return _ADAPTER_DIGESTS[key]
 
 
 @dataclass
@@ -77,6 +123,7 @@ class _Tracked:
     load_start: int = 0
     load_count: int = 0
     first_step: bool = True
+    loaded_from: int | None = None  # the first position the connector loaded (None: nothing loaded)
 
 
 class KvcommConnectorScheduler:
@@ -108,6 +155,10 @@ class KvcommConnectorScheduler:
         self._asks: list[PlanAsk] = []
         self._finished: list[Finished] = []
         self._asked: set[str] = set()  # annotated requests whose plan was asked of the worker, until they finish
+        self._capture_held: dict[str, int] = {}  # bytes of capture reserved per request id
+        self._releasing: list[tuple[int, str]] = []  # (build number, request id) of Finished sent down
+        self._builds = 0
+        self._approximate: OrderedDict = OrderedDict()  # block hash -> None: blocks that may hold approximate KV
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens the connector supplies beyond vLLM's hit; None ("ask again") while the worker
@@ -118,7 +169,30 @@ class KvcommConnectorScheduler:
         if tracked.pending:
             return None, False
         tracked.hit = num_computed_tokens
+        if tracked.planned and num_computed_tokens > tracked.capture_from and self._hits_approximate(request, tracked):
+            tracked.capture_from = num_computed_tokens  # the prompt stays incomplete: nothing learned from it
+            if tracked.summary is not None and "approximate" not in tracked.summary.get("note", ""):
+                tracked.summary = {**tracked.summary, "note": (tracked.summary.get("note") or "") + (
+                    "; vLLM's prefix cache served planned-computed positions from blocks that may hold approximate "
+                    "KV: not learned from")}
         return max(0, tracked.inject - num_computed_tokens), False
+
+    def _hits_approximate(self, request: "Request", tracked: _Tracked) -> bool:
+        """Whether vLLM's hit past ``capture_from`` covers a block that may hold approximate KV."""
+        block_size = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        hashes = getattr(request, "block_hashes", None) or []
+        first, last = tracked.capture_from // block_size, min(tracked.hit // block_size, len(hashes))
+        return any(hashes[i] in self._approximate for i in range(first, last))
+
+    def _remember_approximate(self, request: "Request", tracked: _Tracked) -> None:
+        """The request's full blocks from the first loaded one on may hold approximate KV (loaded
+        with estimates, or computed after them); remember their hashes."""
+        block_size = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        for block_hash in (getattr(request, "block_hashes", None) or [])[tracked.loaded_from // block_size:]:
+            self._approximate[block_hash] = None
+            self._approximate.move_to_end(block_hash)
+        while len(self._approximate) > MAX_APPROXIMATE_BLOCKS:
+            self._approximate.popitem(last=False)
 
     def _track(self, request: "Request") -> _Tracked | None:
         if request.request_id in self._tracked:
@@ -134,15 +208,6 @@ class KvcommConnectorScheduler:
             params = parse_params(request.kv_transfer_params, request.num_prompt_tokens, self._known_slots)
             if params is None:
                 return None
-            lora = getattr(request, "lora_request", None)
-            if lora is not None:
-                # KV computed under one adapter is wrong for another (and for the base model)
-                # wherever the adapter touches the k/v projections; nothing kvcomm stores is
-                # keyed by adapter, so such a request gets no reuse and teaches nothing.
-                raise KvcommParamsError(
-                    f"served without reuse: kvcomm does not reuse or learn KV under a LoRA adapter "
-                    f"(this request uses {shown(getattr(lora, 'lora_name', '?'))}); send it without "
-                    "kv_transfer_params.kvcomm, or to the base model")
             if params.handle is not None:
                 order = self.channel.order(params.handle)
                 if order is None:
@@ -150,6 +215,10 @@ class KvcommConnectorScheduler:
                         f"kv_transfer_params.kvcomm.handle {params.handle!r} names no pending order of this "
                         "engine (handles come from in-process callers such as VllmExecutor, in the engine's process)"
                     )
+                if getattr(request, "lora_request", None) is not None:
+                    raise KvcommParamsError(
+                        "served without reuse: an in-process order's KV is not keyed by LoRA adapter "
+                        f"(this request uses {shown(getattr(request.lora_request, 'lora_name', '?'))})")
                 inject = 0 if order.inject is None else order.inject.length
                 tracked = _Tracked(params.handle, request.num_prompt_tokens, inject, order.capture_from, order.capture_to)
             else:
@@ -180,10 +249,23 @@ class KvcommConnectorScheduler:
                 f"served without reuse: learning from this request would capture {needed} bytes of KV "
                 f"({n} prompt + {request.max_tokens} max_tokens positions x {self._token_bytes} bytes), over "
                 f"max_capture_bytes {self.max_capture_bytes}; lower max_tokens or raise the budget")
+        held = self.capture_bytes_held
+        if held + needed > self.max_capture_bytes:
+            raise KvcommParamsError(
+                f"served without reuse: requests in flight hold {held} bytes of captured KV, and this one's "
+                f"{needed} would exceed max_capture_bytes {self.max_capture_bytes}; retry later, lower max_tokens, "
+                "or raise the budget")
+        self._capture_held[request.request_id] = needed
         self._asked.add(request.request_id)
+        adapter = adapter_identity(getattr(request, "lora_request", None))
         self._asks.append(PlanAsk(request.request_id, tuple(request.prompt_token_ids), params,
-                                  request.cache_salt is not None, request.max_tokens))
+                                  request.cache_salt is not None, request.max_tokens, adapter))
         return _Tracked(handle_of(request.request_id), n, capture_to=n + request.max_tokens, planned=True, pending=True)
+
+    @property
+    def capture_bytes_held(self) -> int:
+        """Bytes of captured KV reserved for requests in flight (at most ``max_capture_bytes``)."""
+        return sum(self._capture_held.values())
 
     def update_connector_output(self, connector_output) -> None:
         """Take the worker's plan answers: claimable tokens, capture start, summary, or error."""
@@ -199,6 +281,10 @@ class KvcommConnectorScheduler:
                 self._reject(req_id, answer.error)
                 continue
             tracked.inject, tracked.capture_from, tracked.summary = answer.inject_length, answer.capture_from, answer.summary
+            if answer.capture_to is not None:
+                tracked.capture_to = answer.capture_to
+            if req_id in self._capture_held:
+                self._capture_held[req_id] = max(0, tracked.capture_to - tracked.capture_from) * self._token_bytes
             tracked.pending = False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
@@ -206,10 +292,16 @@ class KvcommConnectorScheduler:
         if tracked is None:
             return
         tracked.load_start, tracked.load_count = tracked.hit, num_external_tokens
+        if num_external_tokens:
+            tracked.loaded_from = tracked.hit
         tracked.first_step = True
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvcommMetadata:
         meta = KvcommMetadata(asks=self._asks, finished=self._finished)
+        self._builds += 1
+        self._releasing += [(self._builds, done.req_id) for done in self._finished]
+        while self._releasing and self._releasing[0][0] <= self._builds - 2:  # the worker has freed it by now
+            self._capture_held.pop(self._releasing.pop(0)[1], None)
         self._asks, self._finished = [], []
         if not self._tracked:
             return meta
@@ -235,18 +327,23 @@ class KvcommConnectorScheduler:
             tracked.first_step = False
             meta.requests.append(StepRequest(
                 tracked.handle, load, _slots(blocks, load, block_size), capture, _slots(blocks, capture, block_size),
-                tracked.capture_to, start < tracked.prompt_len <= start + count,
+                tracked.capture_to, start < tracked.prompt_len <= start + count, tracked.capture_from,
             ))
         return meta
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
         tracked = self._tracked.pop(request.request_id, None)
+        if tracked is not None and tracked.loaded_from is not None and (
+                not tracked.planned or (tracked.summary or {}).get("estimated_tokens", 1) > 0):
+            self._remember_approximate(request, tracked)  # an in-process order's KV: unknown, so counted
         error = self._rejected.pop(request.request_id, None)
         asked = request.request_id in self._asked
         self._asked.discard(request.request_id)
         if error:
             if asked:  # the worker may hold its plan (e.g. ranks that disagreed): let it forget, learning nothing
                 self._finished.append(Finished(request.request_id, ()))
+            else:
+                self._capture_held.pop(request.request_id, None)
             return False, {"kvcomm": {"error": error}}
         if tracked is None or not tracked.planned:
             return False, None

@@ -197,7 +197,8 @@ class KvcommConnectorWorker:
             if capture is None:
                 like = self._paged
                 _, heads, dim = like.key_offsets.shape
-                capture = Capture.empty(len(like.caches), heads, step.capture_capacity, dim, like.caches[0].dtype, self._device)
+                capture = Capture.empty(len(like.caches), heads, step.capture_capacity - step.capture_start, dim,
+                                        like.caches[0].dtype, self._device, start=step.capture_start)
                 self.channel.captures[step.handle] = capture
             return capture
 
@@ -228,13 +229,13 @@ class KvcommConnectorWorker:
                 capture = self._capture(step)
                 first = int(step.capture_positions[0])
                 copy_tokens(KVTarget.at_slots(self._paged, step.capture_slots),
-                            KVTarget.contiguous(capture.kv, first, step.capture_positions.numel()))
+                            KVTarget.contiguous(capture.kv, first - capture.start, step.capture_positions.numel()))
         done = self._clock.now() if self._clock is not None else time.perf_counter()
         with self.channel.lock:
             for step in meta.requests:
                 capture = self.channel.captures.get(step.handle)
                 if capture is not None and step.capture_positions.numel():
-                    capture.filled[step.capture_positions] = True
+                    capture.mark(step.capture_positions)
                 if step.prompt_done:
                     self.channel.prompt_done_at[step.handle] = done
 

@@ -45,14 +45,16 @@ class WorkerPlans:
         try:
             if self.planner is None:
                 self.planner = make_planner(self._vllm_config, self.channel, self.max_total_bytes)
-            planned = self.planner.prepare(list(ask.token_ids), ask.params, salted=ask.salted, max_tokens=ask.max_tokens)
+            planned = self.planner.prepare(list(ask.token_ids), ask.params, salted=ask.salted, max_tokens=ask.max_tokens,
+                                           adapter=ask.adapter)
             self.channel.place(handle_of(ask.req_id), planned.order)
         except Exception as error:  # a planning failure must not take the engine down
             log.exception("kvcomm: planning request %s failed; serving it without reuse", ask.req_id)
             return PlanAnswer(error=f"kvcomm planning failed ({type(error).__name__}: {error}); served without reuse")
         self._planned[ask.req_id] = planned
         inject = planned.order.inject
-        return PlanAnswer(0 if inject is None else inject.length, planned.order.capture_from, planned.summary())
+        return PlanAnswer(0 if inject is None else inject.length, planned.order.capture_from, planned.summary(),
+                          capture_to=planned.order.capture_to)
 
     def finish(self, done: Finished) -> None:
         """Learn from the request's captured KV (if its prefill completed) and drop its state."""

@@ -11,6 +11,12 @@ cap is never what evicts, so one tenant's load cannot evict another's entries ei
 the total cap alone, eviction hits the largest tenant first, and a tenant that fills the
 shared budget can observe (by its own misses) that others are active.
 
+Adapters: a tenant may hold one engine more per LoRA adapter its requests run under
+(``adapter_key``): KV computed under one adapter is wrong for another and for the base model,
+so nothing is shared between them, while requests under the same adapter reuse each other.
+A tenant's engines count together against ``max_tenant_bytes``; each is listed, saved and
+labelled under its own key.
+
 Locks: an engine's lock guards its state; the registry's lock guards the tenant map and
 enforcement. Enforcement runs only while no engine lock is held by the calling thread and
 takes one engine lock at a time, so the two never wait on each other in a cycle.
@@ -35,6 +41,25 @@ from kvcomm.core.segments import Prompt, Segment
 from kvcomm.reuse.workspace import KVWorkspace
 
 MAX_TENANT_KEY_LENGTH = 256
+MAX_ADAPTER_ID_LENGTH = 128
+_ADAPTER_SEP = "\x00adapter:"
+
+
+def adapter_key(tenant: str, adapter: str | None) -> str:
+    """The engine key of ``tenant``'s requests under LoRA adapter ``adapter`` (its identity,
+    e.g. ``vllm.params.adapter_identity``; None: the base model, whose key is ``tenant``)."""
+    _check_key(tenant)
+    if adapter is None:
+        return tenant
+    if not isinstance(adapter, str) or not adapter or len(adapter) > MAX_ADAPTER_ID_LENGTH:
+        raise ValueError(f"an adapter identity must be a non-empty string of at most {MAX_ADAPTER_ID_LENGTH} characters")
+    return f"{tenant}{_ADAPTER_SEP}{adapter}"
+
+
+def owner_of(key: str) -> str:
+    """The tenant an engine key belongs to (``adapter_key``'s inverse, less the adapter); a
+    value that is not a string is returned as it is (for ``_check_key`` to refuse)."""
+    return key.split(_ADAPTER_SEP, 1)[0] if isinstance(key, str) else key
 
 
 @dataclass(frozen=True)
@@ -180,8 +205,9 @@ def tenant_label(tenant: str) -> str:
 
 class TenantRegistry:
     """Tenant key -> its own ``TenantEngine``, created on first use, all sharing one rotary
-    and config. After every call that grows an engine: that engine is shrunk to
-    ``max_tenant_bytes`` if set, then, while all engines together exceed ``max_total_bytes``,
+    and config. After every call that grows an engine: if its tenant's engines (``owner_of``)
+    together exceed ``max_tenant_bytes``, that engine is shrunk first, then the tenant's others,
+    largest first, by the excess; then, while all engines together exceed ``max_total_bytes``,
     the largest engine is shrunk by the excess."""
 
     def __init__(
@@ -205,8 +231,10 @@ class TenantRegistry:
         self.workspace = KVWorkspace(self.config.workspace_bytes)  # scratch, not tenant state: outside the byte limits
 
     def engine(self, tenant: str) -> TenantEngine:
-        """The engine of ``tenant`` (created empty on first use)."""
-        _check_key(tenant)
+        """The engine of ``tenant`` (a tenant key, or an ``adapter_key``; created empty on first use)."""
+        _check_key(owner_of(tenant))
+        if tenant != owner_of(tenant):
+            adapter_key(owner_of(tenant), tenant.split(_ADAPTER_SEP, 1)[1])  # checks the adapter part
         with self._lock:
             engine = self._engines.get(tenant)
             if engine is None:
@@ -251,7 +279,16 @@ class TenantRegistry:
         with self._lock:
             freed = 0
             if grown is not None and self.max_tenant_bytes is not None:
-                freed += grown.shrink(self.max_tenant_bytes)
+                owner = next((owner_of(k) for k, e in self._engines.items() if e is grown), None)
+                group = [e for k, e in self._engines.items() if owner is not None and owner_of(k) == owner]
+                sizes = {id(e): e.nbytes for e in group}
+                excess = sum(sizes.values()) - self.max_tenant_bytes
+                for engine in sorted(group, key=lambda e: (e is not grown, -sizes[id(e)])):
+                    if excess <= 0:
+                        break
+                    released = engine.shrink(max(0, sizes[id(engine)] - excess))
+                    freed += released
+                    excess -= released
             if self.max_total_bytes is not None:
                 sizes = {id(e): e.nbytes for e in self._engines.values()}
                 excess = sum(sizes.values()) - self.max_total_bytes
@@ -270,12 +307,15 @@ class TenantRegistry:
         checked as they hold between calls (a growing call exceeds them until it returns)."""
         with self._lock:
             found = []
+            owned: dict[str, int] = {}
             for tenant, engine in self._engines.items():
                 label = tenant_label(tenant)
                 for slot, pool in list(engine.pools.items()):
                     found += [f"tenant {label}, slot {slot!r}: {p}" for p in pool.problems()]
-                if self.max_tenant_bytes is not None and engine.nbytes > self.max_tenant_bytes:
-                    found.append(f"tenant {label} holds {engine.nbytes} bytes > max_tenant_bytes {self.max_tenant_bytes}")
+                owned[owner_of(tenant)] = owned.get(owner_of(tenant), 0) + engine.nbytes
+            for owner, held in owned.items():
+                if self.max_tenant_bytes is not None and held > self.max_tenant_bytes:
+                    found.append(f"tenant {tenant_label(owner)} holds {held} bytes > max_tenant_bytes {self.max_tenant_bytes}")
             total = sum(e.nbytes for e in self._engines.values())
             if self.max_total_bytes is not None and total > self.max_total_bytes:
                 found.append(f"tenants hold {total} bytes > max_total_bytes {self.max_total_bytes}")
@@ -301,9 +341,9 @@ class TenantRegistry:
 
 
 def _check_key(tenant: object) -> None:
-    if not isinstance(tenant, str) or not tenant or len(tenant) > MAX_TENANT_KEY_LENGTH:
+    if not isinstance(tenant, str) or not tenant or len(tenant) > MAX_TENANT_KEY_LENGTH or "\x00" in tenant:
         shown = type(tenant).__name__ if not isinstance(tenant, str) else f"a string of {len(tenant)} characters"
         raise ValueError(
-            f"tenant key must be a non-empty string of at most {MAX_TENANT_KEY_LENGTH} characters, got {shown}; "
+            f"tenant key must be a non-empty string of at most {MAX_TENANT_KEY_LENGTH} characters and no NUL, got {shown}; "
             "pass e.g. the request's API key or a tenant name"
         )

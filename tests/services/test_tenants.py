@@ -15,7 +15,7 @@ from kvcomm.reuse.config import ReuseConfig
 from kvcomm.reuse.pipeline import parse_pipeline
 from kvcomm.core.rope import Rotary
 from kvcomm.reuse.runner import run_agent, run_row
-from kvcomm.services.tenants import TenantRegistry, tenant_label
+from kvcomm.services.tenants import TenantRegistry, adapter_key, owner_of, tenant_label
 from support.one_thread import one_thread  # noqa: F401 (autouse fixture)
 from support.two_agent_case import PIPELINE, agent_prompt
 
@@ -119,6 +119,40 @@ def test_sharing_works_within_a_tenant_and_never_across(tiny_executor):
     _, bob = run_agent(tiny_executor, registry.engine("bob"), prompt, 2)
     assert bob.exact_tokens == 0 and bob.estimated_tokens == 0  # nothing of alice's reaches bob
     assert registry.engine("bob").pools.keys() <= {"doc"} and len(registry.engine("bob").pool("doc")) <= 1
+
+
+@pytest.mark.slow
+def test_a_tenants_adapter_engines_share_nothing_and_count_together_against_its_quota(tiny_executor):
+    """A tenant's engine per LoRA adapter (``adapter_key``) is an engine of its own (what one
+    adapter computed never reaches another or the base model), and the tenant's engines together
+    stay within max_tenant_bytes, while another tenant's engine is untouched."""
+    spec = parse_pipeline(PIPELINE)
+    config = ReuseConfig(pool=PoolConfig(gamma=1.0))
+    probe = TenantRegistry(tiny_executor.rotary, config)
+    prompt = agent_prompt(tiny_executor, spec.agents[0], spec.inputs[0])
+    run_agent(tiny_executor, probe.engine("p"), prompt, 2)
+    quota = 2 * probe.nbytes  # room for about two engines' worth of this prompt
+    registry = TenantRegistry(tiny_executor.rotary, config, max_tenant_bytes=quota)
+    critic, writer = adapter_key("alice", "critic-digest"), adapter_key("alice", "writer-digest")
+    assert owner_of(critic) == owner_of(writer) == "alice" != critic and adapter_key("alice", None) == "alice"
+    run_agent(tiny_executor, registry.engine(critic), prompt, 2)
+    _, again = run_agent(tiny_executor, registry.engine(critic), prompt, 2)
+    assert again.exact_tokens == len(prompt) - 1  # the same adapter: an exact hit
+    for key in (writer, "alice"):
+        _, other = run_agent(tiny_executor, registry.engine(key), prompt, 2)
+        assert other.exact_tokens == other.estimated_tokens == 0  # another adapter, or the base model: nothing
+    run_agent(tiny_executor, registry.engine("bob"), prompt, 2)
+    bob = registry.engine("bob").nbytes
+    alice = lambda: sum(registry.engine(k).nbytes for k in (critic, writer, "alice"))  # noqa: E731
+    uncapped = TenantRegistry(tiny_executor.rotary, config)
+    for key in (critic, writer, "alice"):
+        run_agent(tiny_executor, uncapped.engine(key), prompt, 2)
+    assert uncapped.nbytes > quota  # three engines' worth would be over alice's quota
+    assert alice() <= quota and registry.problems() == [] and registry.engine("bob").nbytes == bob
+    with pytest.raises(ValueError, match="tenant key must be"):  # a tenant cannot name another's adapter engine
+        adapter_key(critic, None)
+    with pytest.raises(ValueError, match="adapter identity"):
+        adapter_key("alice", "x" * 200)
 
 
 @pytest.mark.slow

@@ -17,11 +17,12 @@ from kvcomm.integrations.vllm.request_plans import ServerPlanner
 
 
 def serve(planner: ServerPlanner, executor, ids: list[int], spans: list[dict], tenant: str, max_tokens: int = 3,
-          template: str = "agent", calibrate: bool = False) -> dict:
-    """One annotated request: plan, prefill with the planned prefix, capture, learn."""
+          template: str = "agent", calibrate: bool = False, adapter: str | None = None) -> dict:
+    """One annotated request (under LoRA adapter identity ``adapter``, None: the base model):
+    plan, prefill with the planned prefix, capture, learn."""
     body = {"template": template, "tenant": tenant, "segments": spans, "calibrate": calibrate}
     params = parse_params({"kvcomm": body}, len(ids))
-    planned = planner.prepare(ids, params, salted=True, max_tokens=max_tokens)
+    planned = planner.prepare(ids, params, salted=True, max_tokens=max_tokens, adapter=adapter)
     reuse_end = planned.plan.reuse_end
     # what the worker writes into the request's cache slots (the same pieces, into a buffer)
     assert (planned.order.inject is None) == (reuse_end == 0)

@@ -123,7 +123,7 @@ def test_an_in_process_order_is_claimed_beyond_vllms_hit_and_sent_as_slots_of_th
         scheduled_new_reqs=[SimpleNamespace(req_id="o", num_computed_tokens=16)],
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]), num_scheduled_tokens={"o": 24}))
     (step,) = meta.requests
-    assert step.handle == "h" and step.prompt_done and step.capture_capacity == 45
+    assert step.handle == "h" and step.prompt_done and (step.capture_start, step.capture_capacity) == (20, 45)
     assert step.load_positions.tolist() == [16, 17, 18, 19] and step.load_slots.tolist() == [0, 1, 2, 3]  # block 0
     assert step.capture_positions.tolist() == list(range(20, 40))
     assert step.capture_slots.tolist() == list(range(4, 16)) + list(range(112, 120))  # blocks 0 and 7 (block size 16)
@@ -150,19 +150,110 @@ def test_a_request_whose_capture_would_exceed_the_budget_is_served_plainly_with_
         _scheduler_connector(max_capture_bytes=0)
 
 
-def test_an_opted_in_request_under_a_lora_adapter_gets_no_reuse_and_teaches_nothing():
-    """vLLM hands the connector the Request with its lora_request; KV under one adapter is wrong
-    for another, and kvcomm keys nothing by adapter: no ask, no claim, a clear note."""
+def test_captures_in_flight_together_stay_within_the_budget():
+    """max_capture_bytes bounds the captures of all requests in flight: prompt + max_tokens
+    positions are reserved at the ask, cut to the plan's capture range at the answer (here the
+    prompt's computed tail only), and released once the worker has freed the buffer (two steps
+    after the request's Finished went down); a request that does not fit is served plainly."""
+    position = 1536
+    connector = _scheduler_connector(max_capture_bytes=100 * position)
+    scheduler = connector.scheduler
+    a, b, c = _request("a"), _request("b"), _request("c")  # 40 + 5 positions each
+    assert connector.get_num_new_matched_tokens(a, 0) == (None, False)
+    assert connector.get_num_new_matched_tokens(b, 0) == (None, False)
+    assert scheduler.capture_bytes_held == 90 * position
+    assert connector.get_num_new_matched_tokens(c, 0) == (0, False)  # 135 positions would not fit
+    assert "requests in flight hold 138240 bytes" in connector.request_finished(c, [])[1]["kvcomm"]["error"]
+    assert [ask.req_id for ask in _step(connector).asks] == ["a", "b"]
+    summary = {"prompt_tokens": 40, "exact_tokens": 20, "estimated_tokens": 0, "computed_tokens": 20,
+               "fallback": False, "note": ""}
+    connector.update_connector_output(_output({"a": PlanAnswer(20, 20, summary, capture_to=40)}))
+    assert scheduler.capture_bytes_held == (20 + 45) * position  # a captures [20, 40) only
+    d = _request("d", n=30)
+    assert connector.get_num_new_matched_tokens(d, 0) == (None, False)  # 65 + 35 = 100 positions: fits
+    assert scheduler.capture_bytes_held == 100 * position
+    connector.request_finished(a, [])
+    assert scheduler.capture_bytes_held == 100 * position  # the worker has not freed a's buffer yet
+    assert _step(connector).finished[0].req_id == "a"
+    assert scheduler.capture_bytes_held == 100 * position
+    _step(connector)
+    assert scheduler.capture_bytes_held == 100 * position  # under async scheduling that step may still run
+    _step(connector)
+    assert scheduler.capture_bytes_held == 80 * position  # the step that carried a's Finished has ended
+    e = _request("e", n=15, options={"segments": [{"start": 2, "end": 10, "slot": "task"}]})
+    assert connector.get_num_new_matched_tokens(e, 0) == (None, False)  # 80 + 20 = 100
+
+
+def test_an_opted_in_request_under_a_lora_adapter_is_asked_for_with_the_adapters_identity(tmp_path):
+    """vLLM hands the connector the Request with its lora_request; the worker plans it in the
+    tenant's engine for that adapter, named by ``adapter_identity``: the same for the same
+    adapter, another for another name, another path, or the same path with other files."""
     from vllm.lora.request import LoRARequest
 
+    from kvcomm.integrations.vllm.scheduler import adapter_identity
+
+    folder = tmp_path / "critic"
+    folder.mkdir()
+    (folder / "adapter_model.safetensors").write_bytes(b"weights")
     connector = _scheduler_connector()
-    persona = _request("lora")
-    persona.lora_request = LoRARequest("critic-persona", 1, "/adapters/critic")
-    base = _request("base")
-    base.lora_request = None
-    assert connector.get_num_new_matched_tokens(persona, 0) == (0, False)
+    persona, base = _request("lora"), _request("base")
+    persona.lora_request, base.lora_request = LoRARequest("critic-persona", 1, str(folder)), None
+    assert connector.get_num_new_matched_tokens(persona, 0) == (None, False)
     assert connector.get_num_new_matched_tokens(base, 0) == (None, False)
-    assert [ask.req_id for ask in _step(connector).asks] == ["base"]
-    _, params = connector.request_finished(persona, [])
-    assert "LoRA adapter" in params["kvcomm"]["error"] and "'critic-persona'" in params["kvcomm"]["error"]
-    assert _step(connector).finished == []  # nothing to learn from
+    asks = {ask.req_id: ask for ask in _step(connector).asks}
+    same = adapter_identity(LoRARequest("critic-persona", 7, str(folder)))
+    assert asks["lora"].adapter == same and len(same) == 24 and asks["base"].adapter is None
+    assert pickle.loads(pickle.dumps(asks["lora"])) == asks["lora"]
+    assert adapter_identity(LoRARequest("writer-persona", 1, str(folder))) != same
+    assert adapter_identity(LoRARequest("critic-persona", 1, str(tmp_path))) != same
+    (folder / "adapter_model.safetensors").write_bytes(b"other weights")
+    assert adapter_identity(LoRARequest("critic-persona", 1, str(folder))) != same  # replaced weights: another adapter
+
+
+def _captured_from(connector, request, hit: int) -> int:
+    """The first position the request's first step captures, with vLLM's hit at ``hit``."""
+    connector.update_state_after_alloc(request, None, 0)
+    meta = connector.build_connector_meta(SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=request.request_id, num_computed_tokens=hit)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={request.request_id: request.num_prompt_tokens - hit}))
+    (step,) = [s for s in meta.requests if s.handle.endswith(request.request_id)]
+    return int(step.capture_positions[0])
+
+
+def test_a_prefix_hit_on_blocks_that_may_hold_approximate_kv_is_not_learned_from():
+    """vLLM's prefix cache may serve a later request (same salt) blocks into which kvcomm loaded
+    estimates, or blocks computed after them. A plan that computes those positions would learn
+    them as real KV; instead the request learns nothing from its prompt (its capture starts at
+    the hit) and says so. A hit on blocks of a request that reused exactly is learned from."""
+    connector = _scheduler_connector()
+    connector.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda req_id: ([1, 2, 3],), block_pool=None))
+    summary = {"prompt_tokens": 40, "exact_tokens": 0, "estimated_tokens": 16, "computed_tokens": 24,
+               "fallback": False, "note": ""}
+    computed = {**summary, "estimated_tokens": 0, "computed_tokens": 40, "fallback": True}
+
+    def planned(req_id: str, hashes: list[str], answer: PlanAnswer):
+        request = _request(req_id)
+        request.block_hashes = hashes
+        connector.get_num_new_matched_tokens(request, 0)
+        _step(connector)
+        connector.update_connector_output(_output({req_id: answer}))
+        return request
+
+    estimated = planned("est", ["h0", "h1"], PlanAnswer(32, 32, summary))
+    assert connector.get_num_new_matched_tokens(estimated, 0) == (32, False)
+    connector.update_state_after_alloc(estimated, None, 32)  # kvcomm loads [0, 32): estimates among them
+    connector.request_finished(estimated, [])
+    exact = planned("exact", ["e0", "e1"], PlanAnswer(32, 32, {**summary, "exact_tokens": 32, "estimated_tokens": 0}))
+    connector.get_num_new_matched_tokens(exact, 0)
+    connector.update_state_after_alloc(exact, None, 32)
+    connector.request_finished(exact, [])
+
+    tainted = planned("after-est", ["h0", "h1"], PlanAnswer(0, 0, computed))  # planned to compute everything
+    assert connector.get_num_new_matched_tokens(tainted, 32) == (0, False)  # vLLM's hit: the estimated blocks
+    assert _captured_from(connector, tainted, 32) == 32  # the prompt stays incomplete: nothing learned
+    assert "may hold approximate KV: not learned from" in connector.request_finished(tainted, [])[1]["kvcomm"]["note"]
+    clean = planned("after-exact", ["e0", "e1"], PlanAnswer(0, 0, computed))
+    assert connector.get_num_new_matched_tokens(clean, 32) == (0, False)
+    assert _captured_from(connector, clean, 32) == 0  # exact blocks: learned from as before
+    assert "approximate" not in connector.request_finished(clean, [])[1]["kvcomm"]["note"]

@@ -13,7 +13,7 @@ from kvcomm.reuse.config import ReuseConfig
 from kvcomm.core.fingerprint import model_fingerprint
 from kvcomm.integrations.vllm.state import TENANT_FILE, PlannerState
 from kvcomm.integrations.vllm.request_plans import ServerPlanner
-from kvcomm.services.tenants import tenant_label
+from kvcomm.services.tenants import adapter_key, tenant_label
 from support.one_thread import one_thread  # noqa: F401 (autouse fixture)
 from ..vllm.test_request_plans import request, serve
 
@@ -54,6 +54,28 @@ def test_a_restarted_planner_restores_every_tenant_and_plans_the_same(tiny_execu
         refused = PlannerState(elsewhere, tmp_path, other_model).restore()
     assert all(text.startswith("not restored") for text in refused.values()) and "starts cold" in caplog.text
     assert elsewhere.registry.tenants == () or all(not e.pools for e in elsewhere.engines.values())
+
+
+def test_an_adapters_engine_is_saved_and_restored_under_its_own_key(tiny_executor, tmp_path):
+    """A tenant's engine for a LoRA adapter is saved in a folder of its own (its key names the
+    adapter's identity) and restored there: after a restart the adapter's requests plan as
+    before and the tenant's base-model requests still get nothing of it."""
+    fingerprint = model_fingerprint(tiny_executor.model, tiny_executor.tokenizer, tiny_executor.rotary)
+    first = _planner(tiny_executor)
+    for seed in range(3):  # as in the test above, under the adapter
+        serve(first, tiny_executor, *request(seed), "team-a", adapter="critic-digest")
+        serve(first, tiny_executor, *request(seed, lead=9), "team-a", adapter="critic-digest")
+    serve(first, tiny_executor, *request(5), "team-a", adapter="critic-digest")
+    PlannerState(first, tmp_path, fingerprint, interval_s=3600).save()
+    key = adapter_key("team-a", "critic-digest")
+    assert json.loads((tmp_path / tenant_label(key) / TENANT_FILE).read_text())["tenant"] == key
+    probe = request(5, lead=9)
+    restarted = _planner(tiny_executor)
+    assert PlannerState(restarted, tmp_path, fingerprint).restore() == {tenant_label(key): "restored anchors per slot {'task': 2}"}
+    warm = serve(restarted, tiny_executor, *probe, "team-a", adapter="critic-digest")
+    assert warm["estimated_tokens"] > 0
+    base = serve(restarted, tiny_executor, *probe, "team-a")
+    assert base["estimated_tokens"] == base["exact_tokens"] == 0
 
 
 def _files(folder) -> dict[str, bytes]:

@@ -1,0 +1,338 @@
+"""`kvcomm serve` under hostile input and under a long multi-tenant load (issue 39's must-shows
+2 and 3), against a real server started here.
+
+    .venv/bin/python benchmarks/bench_serve_hostile.py [--fuzz 2000] [--soak 5000] [--clients 16]
+        [--tenants 4] [--max-tenant-bytes 8000000] [--step-tokens 128] [--json]
+
+Fuzz: ``--fuzz`` malformed or oversized requests (``hostile_bodies``: wrong types, spans out of
+range, segment ids sent again with other content, 10 MB strings, huge max_tokens, prompts built
+to blow up detection, bodies that are not JSON, forged tenant and salt fields) from 4 client
+threads over the tenants, while one streaming "canary" request after another runs beside them:
+the longest gap between two of the canary's tokens is the longest engine step it saw (the
+server runs at most ``--step-tokens`` tokens a step, so a step's own prefill work is bounded and
+what planning adds shows). Then each
+tenant sends, as its first sighting, a prompt another tenant taught the server: any exact or
+estimated kvcomm token, or vLLM prefix-cache hit, there is a cross-tenant hit. Printed: "F
+hostile requests: C engine crashes, longest engine step S ms, H cross-tenant hits, L bytes of
+log per request".
+
+Soak: ``--soak`` annotated requests from ``--clients`` threads over ``--tenants`` API keys (each
+tenant its own documents, 40 of them, so its state grows past ``--max-tenant-bytes`` and is
+evicted), every response checked; every 2 s the server's ``kvcomm_tenant_bytes`` (each tenant's
+bytes, as the engine process exports them) and the RSS of the server's process tree are
+sampled. Printed: "N requests, K clients, T tenants: E errors, tenant bytes <= cap at every
+sample (max B), RSS drift D% after warm-up" (drift: the median of the last tenth of samples
+against the median of the tenth after the first fifth of requests).
+
+Server flags as the tests use them (embedded SmolLM2, fp32, 32-token blocks, 8 sequences,
+1024-token context, one OpenMP thread). Figures and their conditions go in ``docs/measurements/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+STARTUP_TIMEOUT_S = 600
+BIG = "x" * 10_000_000
+WORDS = ("pump station generator filter schedule bridge river valley report engineer budget invoice "
+         "contract delay shipment warehouse audit sensor alarm backup").split()
+
+
+def start(keys: list[str], log: Path, *args: str) -> tuple[subprocess.Popen, str, str]:
+    """`kvcomm serve` with ``keys``; returns (process, base URL, model) once it answers."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    command = [sys.executable, "-m", "kvcomm.cli", "serve", "--gamma", "1", "--port", str(port), "--host", "127.0.0.1",
+               "--max-model-len", "1024", "--block-size", "32", "--max-num-seqs", "8", "--api-key", *keys, *args]
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"kvcomm serve exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            reply = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {keys[0]}"}, timeout=5)
+            if reply.status_code == 200:
+                return process, url, reply.json()["data"][0]["id"]
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    process.kill()
+    raise RuntimeError(f"kvcomm serve did not answer within {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+HEAD = "You are a careful assistant. Read the document and answer briefly.\n"
+
+
+def annotated(tokenizer, document: str, question: str, head: str = HEAD) -> tuple[list[int], dict]:
+    """A prompt (instruction, the shared document, a question) and its kvcomm annotation."""
+    head = tokenizer.encode(head)
+    doc = tokenizer.encode(f"Document: {document}\n")
+    ids = head + doc + tokenizer.encode(f"Question: {question}\nAnswer:")
+    return ids, {"template": "qa", "segments": [{"start": len(head), "end": len(head) + len(doc), "slot": "doc"}]}
+
+
+def documents(tenant: int, count: int) -> list[str]:
+    rng = random.Random(1000 + tenant)
+    return [f"Tenant {tenant} case {n}: " + " ".join(rng.choice(WORDS) for _ in range(40)) + "." for n in range(count)]
+
+
+def hostile_bodies(tokenizer, model: str, count: int, seed: int = 0) -> list[object]:
+    """``count`` malformed or oversized requests (dicts for JSON bodies, bytes for raw ones),
+    cycling through the kinds in ``kinds`` with random variations."""
+    rng = random.Random(seed)
+    ids, good = annotated(tokenizer, documents(99, 1)[0], "what failed?")
+    span = good["segments"][0]
+    other = list(reversed(ids))
+
+    def body(**over) -> dict:
+        return {"model": model, "prompt": ids, "max_tokens": 2, "temperature": 0, **over}
+
+    def kv(**fields) -> dict:
+        return {"kv_transfer_params": {"kvcomm": {**good, **fields}}}
+
+    kinds = [
+        lambda: body(**kv(template=BIG)),
+        lambda: body(**kv(segments=[{**span, "slot": BIG[: rng.choice([300, 10_000, 10_000_000])]}])),
+        lambda: body(**kv(segments=[{**span, "id": BIG[: rng.choice([300, 1_000_000])]}])),
+        lambda: body(**kv(segments=[{**span, "start": rng.choice([BIG[:10], -5, 3.5, None, [1]])}])),
+        lambda: body(**kv(segments=[span] * rng.choice([513, 100_000]))),
+        lambda: body(**kv(segments=[{**span, "end": rng.choice([10**12, len(ids) + 1, 0])}])),
+        lambda: body(**kv(segments={"start": 0})),
+        lambda: body(kv_transfer_params={"kvcomm": rng.choice([[1, 2], "x", 7, None])}),
+        lambda: body(kv_transfer_params=rng.choice(["kvcomm", [1], 3])),
+        lambda: body(kv_transfer_params={"kvcomm": {}}, max_tokens=rng.choice([10**9, -1, 0, "many"])),
+        lambda: body(prompt=other, **kv(segments=[{**span, "id": f"doc-{rng.randrange(4)}"}])),  # ids bound to other content
+        lambda: body(prompt=[ids[0]] * rng.choice([500, 1000]), kv_transfer_params={"kvcomm": {}}),  # detection bomb
+        lambda: body(prompt=[rng.randrange(100, 400) for _ in range(900)], kv_transfer_params={"kvcomm": {}}),
+        lambda: body(kv_transfer_params={"kvcomm": {"tenant": BIG[: rng.choice([300, 50])]}}),  # forged tenant
+        lambda: body(cache_salt=rng.choice([BIG, "victim-salt"]), kv_transfer_params={"kvcomm": {}}),  # forged salt
+        lambda: body(prompt=BIG[: rng.choice([5_000, 100_000])]),
+        lambda: b"not json",
+        lambda: b"[1, 2, 3]",
+        lambda: b"{" * rng.choice([1000, 100_000]),
+        lambda: json.dumps(body()).encode()[:-1],
+    ]
+    bodies = [kinds[i % len(kinds)]() for i in range(count)]
+    for i in range(10, count, 10):  # the id rebinding needs the id first bound to this content
+        if i % len(kinds) == 10:
+            bodies[i - 1] = body(**kv(segments=[{**span, "id": f"doc-{rng.randrange(4)}"}]))
+    return bodies
+
+
+def _post(client: httpx.Client, url: str, body: object, key: str) -> int:
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return client.post(url + "/v1/completions", content=content, headers=headers, timeout=600).status_code
+
+
+def canary(url: str, model: str, key: str, tokenizer, stop_event: threading.Event, gaps: list[float]) -> None:
+    """Stream one short completion after another; record every gap between two tokens."""
+    ids, _ = annotated(tokenizer, "the canary document.", "count to twenty")
+    body = {"model": model, "prompt": ids, "max_tokens": 24, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.Client() as client:
+        while not stop_event.is_set():
+            last = None
+            with client.stream("POST", url + "/v1/completions", json=body, timeout=600,
+                               headers={"Authorization": f"Bearer {key}"}) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        now = time.perf_counter()
+                        if last is not None:
+                            gaps.append(now - last)
+                        last = now
+
+
+def fuzz(url: str, model: str, keys: list[str], tokenizer, count: int, log: Path, process: subprocess.Popen) -> dict:
+    bodies = hostile_bodies(tokenizer, model, count)
+    log_before = log.stat().st_size
+    stop_event, gaps = threading.Event(), []
+    probe = threading.Thread(target=canary, args=(url, model, keys[0], tokenizer, stop_event, gaps))
+    probe.start()
+    started = time.perf_counter()
+    with httpx.Client() as client, ThreadPoolExecutor(4) as pool:
+        statuses = list(pool.map(lambda item: _post(client, url, item[1], keys[item[0] % len(keys)]), enumerate(bodies)))
+    seconds = time.perf_counter() - started
+    stop_event.set()
+    probe.join()
+    cross = cross_tenant_hits(url, model, keys, tokenizer)
+    text = log.read_text(errors="replace")
+    crashes = int(process.poll() is not None) + text.count("EngineDeadError") + text.count("encountered a fatal error")
+    bad = [s for s in statuses if not (s == 200 or 400 <= s < 500)]
+    return {"requests": count, "seconds": seconds, "statuses": {str(s): statuses.count(s) for s in sorted(set(statuses))},
+            "non_4xx_failures": len(bad), "engine_crashes": crashes, "longest_step_ms": 1000 * max(gaps, default=0.0),
+            "median_step_ms": 1000 * statistics.median(gaps) if gaps else 0.0,
+            "p99_step_ms": 1000 * statistics.quantiles(gaps, n=100)[-1] if len(gaps) > 1 else 0.0,
+            "canary_gaps": len(gaps), "cross_tenant_hits": cross,
+            "log_bytes_per_request": (log.stat().st_size - log_before) / (count + 1)}
+
+
+def cross_tenant_hits(url: str, model: str, keys: list[str], tokenizer) -> int:
+    """Each tenant teaches a prompt of its own (twice, so it is stored), then the next tenant
+    sends it as its first sighting: kvcomm's exact + estimated tokens and vLLM's cached tokens
+    there, summed over tenants (0 when isolated). Every token of the prompt is new to the
+    second tenant (its instruction too), so whatever it reuses there is the first tenant's."""
+    hits = 0
+    with httpx.Client() as client:
+        for t, key in enumerate(keys):
+            secret = f"{random.Random(t).random()}"
+            ids, kvcomm = annotated(tokenizer, f"secret {secret} of tenant {t}.", "what is it?",
+                                    head=f"Probe {secret}: keep this private.\n")
+            body = {"model": model, "prompt": ids, "max_tokens": 2, "temperature": 0,
+                    "kv_transfer_params": {"kvcomm": kvcomm}}
+            for _ in range(2):
+                client.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=600)
+            other = keys[(t + 1) % len(keys)]
+            reply = client.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {other}"},
+                                timeout=600).json()
+            summary = reply["kv_transfer_params"]["kvcomm"]
+            hits += summary.get("exact_tokens", 0) + summary.get("estimated_tokens", 0)
+            hits += (reply["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return hits
+
+
+def tree_rss(pid: int) -> int:
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            total += process.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def tenant_bytes(client: httpx.Client, url: str, key: str) -> list[float]:
+    text = client.get(url + "/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=60).text
+    return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("kvcomm_tenant_bytes{")]
+
+
+def soak(url: str, model: str, keys: list[str], tokenizer, count: int, clients: int, cap: int, pid: int) -> dict:
+    docs = {key: documents(t, 40) for t, key in enumerate(keys)}
+    done, errors, samples = [0], [], []
+    lock, stop_event = threading.Lock(), threading.Event()
+
+    def client_thread(index: int) -> None:
+        rng = random.Random(index)
+        key = keys[index % len(keys)]
+        with httpx.Client() as client:
+            while True:
+                with lock:
+                    if done[0] >= count:
+                        return
+                    done[0] += 1
+                ids, kvcomm = annotated(tokenizer, rng.choice(docs[key]), f"question {rng.randrange(50)}?")
+                body = {"model": model, "prompt": ids, "max_tokens": 4, "temperature": 0,
+                        "kv_transfer_params": {"kvcomm": kvcomm}}
+                try:
+                    reply = client.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                                        timeout=600)
+                    summary = reply.json()["kv_transfer_params"]["kvcomm"] if reply.status_code == 200 else {}
+                    if reply.status_code != 200 or "error" in summary:
+                        errors.append(f"{reply.status_code}: {str(summary or reply.text)[:200]}")
+                except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
+                    errors.append(repr(error)[:200])
+
+    def sampler() -> None:
+        with httpx.Client() as client:
+            while not stop_event.wait(2):
+                samples.append((done[0], tenant_bytes(client, url, keys[0]), tree_rss(pid)))
+
+    watcher = threading.Thread(target=sampler)
+    watcher.start()
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client_thread, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - started
+    stop_event.set()
+    watcher.join()
+    held = [b for _, sample, _ in samples for b in sample]
+    warm = [rss for n, _, rss in samples if n >= count // 5]
+    tenth = max(1, len(warm) // 10)
+    drift = (statistics.median(warm[-tenth:]) / statistics.median(warm[:tenth]) - 1) if warm else float("nan")
+    return {"requests": count, "clients": clients, "tenants": len(keys), "seconds": seconds, "errors": len(errors),
+            "first_errors": errors[:3], "samples": len(samples), "max_tenant_bytes_seen": max(held, default=0.0),
+            "cap": cap, "over_cap_samples": sum(b > cap for b in held), "rss_drift": drift,
+            "rss_mib_after_warmup": statistics.median(warm[:tenth]) / 2**20 if warm else float("nan")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fuzz", type=int, default=2000, help="hostile requests (default 2000)")
+    parser.add_argument("--soak", type=int, default=5000, help="soak requests (default 5000)")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--tenants", type=int, default=4)
+    parser.add_argument("--max-tenant-bytes", type=int, default=8_000_000)
+    parser.add_argument("--step-tokens", type=int, default=128, help="vLLM's --max-num-batched-tokens (default 128)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    from kvcomm.integrations.transformers.embedded import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
+    keys = [f"bench-hostile-tenant-{t}" for t in range(args.tenants)]
+    result = {}
+    with tempfile.TemporaryDirectory() as folder:
+        log = Path(folder) / "server.log"
+        process, url, model = start(keys, log, "--max-tenant-bytes", str(args.max_tenant_bytes),
+                                    "--max-num-batched-tokens", str(args.step_tokens))
+        try:
+            if args.fuzz:
+                result["fuzz"] = fuzz(url, model, keys, tokenizer, args.fuzz, log, process)
+            if args.soak:
+                result["soak"] = soak(url, model, keys, tokenizer, args.soak, args.clients, args.max_tenant_bytes,
+                                      process.pid)
+        finally:
+            stop(process)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    if "fuzz" in result:
+        f = result["fuzz"]
+        print(f"{f['requests']} hostile requests in {f['seconds']:.0f} s: {f['engine_crashes']} engine crashes, "
+              f"{f['non_4xx_failures']} answers neither 200 nor 4xx, longest engine step {f['longest_step_ms']:.0f} ms "
+              f"(median {f['median_step_ms']:.0f}, p99 {f['p99_step_ms']:.0f}, {f['canary_gaps']} canary gaps), {f['cross_tenant_hits']} cross-tenant hits, "
+              f"{f['log_bytes_per_request']:.0f} bytes of log per request; statuses {f['statuses']}")
+    if "soak" in result:
+        s = result["soak"]
+        print(f"{s['requests']} requests, {s['clients']} clients, {s['tenants']} tenants in {s['seconds']:.0f} s: "
+              f"{s['errors']} errors, {s['over_cap_samples']} tenant samples over the cap {s['cap']} "
+              f"(max {s['max_tenant_bytes_seen']:.0f}, {s['samples']} samples), RSS drift {100 * s['rss_drift']:+.1f}% "
+              f"after warm-up ({s['rss_mib_after_warmup']:.0f} MiB)")
+
+
+if __name__ == "__main__":
+    main()
