@@ -149,7 +149,8 @@ class ReusePlan:
         in_shared = [False] * len(prompt)
         for i in shared:
             in_shared[prompt.starts[i] : prompt.end(i)] = [True] * len(prompt.segments[i])
-        reused_shared = sum(in_shared[:end]) - sum(in_shared[p] for p in recomputed)
+        head = in_shared[self.exact_length : self.pieces_start]  # computed before the pieces
+        reused_shared = sum(in_shared[:end]) - sum(head) - sum(in_shared[p] for p in recomputed)
         outside_exact = any(prompt.end(i) > self.exact_length for i in shared)
         estimated = self.estimated_tokens - len(recomputed)
         return Provenance(

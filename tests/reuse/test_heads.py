@@ -17,6 +17,10 @@ SPEC = parse_pipeline(PIPELINE)
 DOC = "The river Seine flows through Paris and into the English Channel. " * 6
 
 
+def doc_index(prompt) -> int:
+    return next(i for i, s in enumerate(prompt.segments) if s.slot == "doc")
+
+
 def _engine(executor, **config) -> ReuseEngine:
     return ReuseEngine(executor.rotary, ReuseConfig(**config))
 
@@ -107,6 +111,10 @@ def test_a_cold_slot_behind_known_template_text_and_a_new_reply_warms_up(tiny_ex
     first = agent_prompt(tiny_executor, spec.agents[1], {"doc": DOC, "reader": "A river in France."})
     _, seen = run_agent(tiny_executor, engine, first, 4)
     assert seen.head_tokens > 0 and seen.reused  # the critic's first call: its template is new
+
+    reply = next(i for i, s in enumerate(first.segments) if s.slot == "reader")
+    assert seen.reused_shared_tokens == len(first.segments[doc_index(first)])  # the new reply in the head is computed
+    assert first.starts[reply] < seen.head_tokens
 
     later = agent_prompt(tiny_executor, spec.agents[1], {"doc": DOC, "reader": "Paris has a river."})
     doc = next(i for i, s in enumerate(later.segments) if s.slot == "doc")
