@@ -1,7 +1,9 @@
 """Plan strategies: how a plan serves the prompt after its exact prefix, one file each.
 
 Every plan starts with the longest exact prefix (``ReuseEngine.plan``); a strategy then adds
-the pieces it can serve, in prompt order, up to the first segment it cannot. A mode
+the pieces it can serve, in prompt order, up to the first segment it cannot. Where the executor
+computes heads, text right after the exact prefix that no stored KV serves (an agent's unseen
+system prompt) may be computed first and the pieces start after it (``realign.head_before``). A mode
 (``ReuseConfig.mode``) is a strategy, optionally followed by a selective recompute of the
 estimated tokens (``recompute``: CacheBlend's step, run by the executor).
 
