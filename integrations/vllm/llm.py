@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+from contextlib import contextmanager
 from typing import Any
 
 CONNECTOR = "KvcommConnector"
@@ -62,7 +63,35 @@ def make_llm(model: str | None = None, in_process: bool = True, **overrides: Any
         os.environ.setdefault(WORKER_SHUTDOWN_ENV, str(WORKER_SHUTDOWN_S))  # inherited by the worker processes
     if in_process and settings["kv_transfer_config"] is not None:
         _refuse_a_second_connector()
-    return LLM(model=str(resolve_model_dir(model)), **settings)
+    if in_process:
+        return LLM(model=str(resolve_model_dir(model)), **settings)
+    with _multiprocessing():
+        return LLM(model=str(resolve_model_dir(model)), **settings)
+
+
+@contextmanager
+def _multiprocessing():
+    """``VLLM_ENABLE_V1_MULTIPROCESSING=1`` while an engine is built, the earlier value after.
+    An in-process engine set it to 0 for this process, and vLLM caches its environment once an
+    engine has started (``vllm.envs.enable_envs_cache``), so without this a later engine asked
+    for processes of its own would run in this one beside the first, and tear down the
+    first's distributed state when it shuts down."""
+    import vllm.envs as envs
+
+    previous = os.environ.get(MULTIPROCESSING_ENV)
+    os.environ[MULTIPROCESSING_ENV] = "1"
+    envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(MULTIPROCESSING_ENV, None)
+        else:
+            os.environ[MULTIPROCESSING_ENV] = previous
+        envs.disable_envs_cache()
+
+
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 WORKER_SHUTDOWN_S = 60
