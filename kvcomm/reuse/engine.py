@@ -329,11 +329,7 @@ class ReuseEngine:
         if not self.learns_at(len(prompt)):
             return  # keys computed with other RoPE frequencies: de-rotating them would corrupt every base
 
-        def real(index: int) -> KV:
-            start = prompt.starts[index]
-            kv = computed.span(start - begin, prompt.end(index) - begin)
-            return to_position_free(kv, self.rotary, start)
-
+        real = _segment_kv(prompt, computed, begin, self.rotary)
         clean = self.learns_from(plan)
         if not clean and not self.scope.bases_after_estimates:
             return
@@ -342,17 +338,8 @@ class ReuseEngine:
             if not clean:
                 return  # computed behind estimated KV: its errors would become every later estimate's
             if plan.estimated_tokens == 0:
-                exact = plan.exact_kv
-                if exact is not None and plan.exact_position_free:
-                    exact = place(exact, self.rotary, 0)
-                full = computed if exact is None else KV.cat([exact, computed.to(exact.keys.dtype)])
-                self.prefix_store.put(prompt, full)
-            for index, segment in enumerate(prompt.segments):
-                if segment.is_shared or prompt.starts[index] < begin:
-                    continue
-                key = _fixed_key(prompt, index)
-                if key not in self._fixed_bases:
-                    self._fixed_bases[key] = real(index).clone()
+                self._put_prefix(plan, prompt, computed)
+            self._take_fixed_bases(prompt, [i for i in range(len(prompt.segments)) if prompt.starts[i] >= begin], real)
             for index in plan.learn:
                 self._record(prompt, index, real)
 
@@ -366,31 +353,33 @@ class ReuseEngine:
                              f"{'none' if head is None else head.length}")
         if not self.learns_at(len(prompt)):
             return
-
-        def real(index: int) -> KV:
-            start = prompt.starts[index]
-            return to_position_free(head.span(start - begin, prompt.end(index) - begin), self.rotary, start)
-
+        real = _segment_kv(prompt, head, begin, self.rotary)
         inside = [i for i in range(len(prompt.segments)) if begin <= prompt.starts[i] and prompt.end(i) <= end]
         with self._lock:
             self._take_new_bases(plan, real, inside)
-            for index in inside:
-                key = _fixed_key(prompt, index)
-                if not prompt.segments[index].is_shared and key not in self._fixed_bases:
-                    self._fixed_bases[key] = real(index).clone()
-            count = next(i for i in range(len(prompt.segments)) if prompt.starts[i] == end)
-            exact = plan.exact_kv
-            if exact is not None and plan.exact_position_free:
-                exact = place(exact, self.rotary, 0)
-            kv = head if exact is None else KV.cat([exact, head.to(exact.keys.dtype)])
-            self.prefix_store.put(Prompt(prompt.template_id, prompt.segments[:count]), kv)
+            self._take_fixed_bases(prompt, inside, real)
+            self._put_prefix(plan, Prompt(prompt.template_id, prompt.segments[: inside[-1] + 1]), head)
 
-    def _take_new_bases(self, plan: ReusePlan, real: Callable[[int], KV], among: list[int] | None = None) -> None:
-        """Register the computed KV of each content in ``plan.new_bases`` (those ``among`` the
-        given indices, if given) still without a base."""
+    def _put_prefix(self, plan: ReusePlan, prompt: Prompt, computed: KV) -> None:
+        """Store the exact KV of ``prompt`` (the plan's prompt or its first segments): the plan's
+        exact prefix, rotated at its positions, then ``computed``, the KV after it."""
+        exact = plan.exact_kv
+        if exact is not None and plan.exact_position_free:
+            exact = place(exact, self.rotary, 0)
+        self.prefix_store.put(prompt, computed if exact is None else KV.cat([exact, computed.to(exact.keys.dtype)]))
+
+    def _take_fixed_bases(self, prompt: Prompt, indices: list[int], real: Callable[[int], KV]) -> None:
+        """Keep the computed KV of each fixed segment among ``indices`` whose template has no base for it yet."""
+        for index in indices:
+            key = _fixed_key(prompt, index)
+            if not prompt.segments[index].is_shared and key not in self._fixed_bases:
+                self._fixed_bases[key] = real(index).clone()
+
+    def _take_new_bases(self, plan: ReusePlan, real: Callable[[int], KV], indices: list[int]) -> None:
+        """Register the computed KV of each content in ``plan.new_bases`` among ``indices`` still without a base."""
         for index in plan.new_bases:
             segment = plan.prompt.segments[index]
-            if (among is None or index in among) and self._held_base(segment.shared_id) is None:
+            if index in indices and self._held_base(segment.shared_id) is None:
                 self.register_base(segment, real(index).clone())
 
     def _record(self, prompt: Prompt, index: int, real: Callable[[int], KV]) -> None:
@@ -433,6 +422,16 @@ recomputes (CacheBlend's rule: docs/measurements/2026-12-02-disagreement-recompu
 DEVIATION_FIRST_LAYER = 1
 """Deviations are recorded from this model layer on: layer 0's K/V depend only on each token and
 its position, so the realigned base is exact there and any difference is rounding."""
+
+
+def _segment_kv(prompt: Prompt, kv: KV, begin: int, rotary: Rotary) -> Callable[[int], KV]:
+    """Segment index -> its position-free KV, cut from ``kv``, the rotated KV of prompt positions from ``begin`` on."""
+
+    def real(index: int) -> KV:
+        start = prompt.starts[index]
+        return to_position_free(kv.span(start - begin, prompt.end(index) - begin), rotary, start)
+
+    return real
 
 
 def _deep_deviation(real: KV, base: KV) -> KV:
