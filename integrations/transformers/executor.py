@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from kvcomm.reuse.executor import Generation, OnToken
+from kvcomm.reuse.executor import Generation, OnToken, check_head, fill_head
 from kvcomm.core.kv import KV, to_position_free
 from kvcomm.reuse.pipeline import Slot
 from kvcomm.reuse.plan import BlendRequest
@@ -163,15 +163,9 @@ class TransformersExecutor:
     def _head(self, token_ids: Sequence[int], prefix: KV | None, start: int, end: int) -> KV:
         """Compute prompt tokens ``[start, end)`` behind ``prefix``'s first ``start`` tokens, write
         their KV into ``prefix`` there (it is this call's memory) and return a copy of it."""
-        if prefix is None or not 0 <= start < end < prefix.length:
-            raise ValueError(f"head [{start}, {end}) must lie inside the {0 if prefix is None else prefix.length}-token "
-                             "prefix with reused tokens after it")
-        cache = self._cache(prefix.span(0, start) if start else None)
+        cache = self._cache(check_head(prefix, start, end).span(0, start) if start else None)
         self._forward(token_ids[start:end], cache, start)
-        kv = self._span(cache, start, end)
-        prefix.keys[:, :, start:end] = kv.keys
-        prefix.values[:, :, start:end] = kv.values
-        return kv
+        return fill_head(prefix, start, self._span(cache, start, end))
 
     # -- CacheBlend ------------------------------------------------------------------------
 

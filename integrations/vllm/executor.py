@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from kvcomm.reuse.executor import Generation, OnToken
+from kvcomm.reuse.executor import Generation, OnToken, check_head, fill_head
 from kvcomm.core.kv import KV, to_position_free
 from kvcomm.reuse.plan import BlendRequest
 from kvcomm.core.segments import Segment
@@ -210,13 +210,7 @@ class VllmExecutor:
         write their captured KV into ``prefix`` there (this call's memory) and return it. vLLM's
         connector supplies KV for one range right after its own prefix hit, so the reused KV
         after a computed head goes in with the call's own request, behind this head."""
-        if prefix is None or not 0 <= start < end < prefix.length:
-            raise ValueError(f"head [{start}, {end}) must lie inside the {0 if prefix is None else prefix.length}-token "
-                             "prefix with reused tokens after it")
-        exact = prefix.span(0, start)
+        exact = check_head(prefix, start, end).span(0, start)
         inject = Injection.of_kv(exact if exact.keys.dtype == self.dtype else exact.to(self.dtype)) if start else None
         _, _, capture, _ = self._run(token_ids[:end], Order(inject, start, end), 1, salted=start > 0)
-        kv = capture.span(start, end)
-        prefix.keys[:, :, start:end] = kv.keys.to(prefix.keys.device, prefix.keys.dtype)
-        prefix.values[:, :, start:end] = kv.values.to(prefix.values.device, prefix.values.dtype)
-        return kv
+        return fill_head(prefix, start, capture.span(start, end))

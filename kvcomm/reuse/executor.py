@@ -93,6 +93,23 @@ class Executor(Protocol):
         ...
 
 
+def check_head(prefix: KV | None, start: int, end: int) -> KV:
+    """``prefix`` if a head ``[start, end)`` fits inside it with reused tokens after it; else ValueError."""
+    if prefix is None or not 0 <= start < end < prefix.length:
+        raise ValueError(f"head [{start}, {end}) must lie inside the {0 if prefix is None else prefix.length}-token "
+                         "prefix with reused tokens after it")
+    return prefix
+
+
+def fill_head(prefix: KV, start: int, head: KV) -> KV:
+    """Write ``head`` (the computed head's KV) into ``prefix`` from position ``start`` (in its
+    dtype and device) and return ``head``."""
+    end = start + head.length
+    prefix.keys[:, :, start:end] = head.keys.to(prefix.keys.device, prefix.keys.dtype)
+    prefix.values[:, :, start:end] = head.values.to(prefix.values.device, prefix.values.dtype)
+    return head
+
+
 def namespaced(executor, label: str):
     """``executor`` in a prefix-cache namespace of its own, new at every call: the calls made
     through the result that inject nothing share the runtime's own prefix cache (vLLM's) only
