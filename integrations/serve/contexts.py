@@ -61,6 +61,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvcomm.core.segments import content_id
+from kvcomm.integrations.serve.internal import call_app
 from kvcomm.services.contexts import EVICTED, Context, ContextError, ContextStore, NotFound
 
 PREFIX = "/v1/kvcomm/contexts"
@@ -378,41 +379,9 @@ class ContextRoutes:
     async def _internal(self, scope: Scope | None, method: str, path: str, body: dict | None,
                         auth: list | None = None) -> tuple[int, Any]:
         """One request to the served app itself (not through the middleware); (status, JSON)."""
-        base = scope or self._template
-        raw = json.dumps(body).encode() if body is not None else b""
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
-        if auth is None and scope is not None:
-            auth = [(k, v) for k, v in scope.get("headers", []) if k.lower() == b"authorization"]
-        inner = {**base, "method": method, "path": path, "raw_path": path.encode(), "query_string": b"",
-                 "headers": headers + list(auth or [])}
-        done = asyncio.Event()
-        sent = [False]
-        out: dict = {"status": 500, "body": []}
-
-        async def receive() -> Message:
-            if not sent[0]:
-                sent[0] = True
-                return {"type": "http.request", "body": raw, "more_body": False}
-            await done.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                out["status"] = message["status"]
-            elif message["type"] == "http.response.body":
-                out["body"].append(message.get("body", b""))
-                if not message.get("more_body", False):
-                    done.set()
-
-        try:
-            await self.app(inner, receive, send)
-        finally:
-            done.set()
-        text = b"".join(out["body"]).decode("utf-8", "replace")
-        try:
-            return out["status"], json.loads(text)
-        except ValueError:
-            return out["status"], text
+        if auth is None and scope is None:
+            auth = []  # a timer's request: no caller's key
+        return await call_app(self.app, scope or self._template, method, path, body, auth)
 
     # -- TTL -------------------------------------------------------------------------------
 
