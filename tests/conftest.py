@@ -112,9 +112,10 @@ SERVER_KEYS = ("kvcomm-test-key-a", "kvcomm-test-key-b")
 SPARE_KEYS = tuple(f"kvcomm-test-key-{n:02d}" for n in range(24))
 """More keys the server accepts, handed out one per request of ``fresh_key``."""
 _spare = itertools.count()
-MP_SERVER_KEYS = ("kvcomm-test-mp-key-a", "kvcomm-test-mp-key-b", "kvcomm-test-mp-key-c")
+MP_SERVER_KEYS = ("kvcomm-test-mp-key-a", "kvcomm-test-mp-key-b", "kvcomm-test-mp-key-c", "kvcomm-test-mp-key-d")
 """The API keys of ``kvcomm_server_mp``, each its own tenant: the first for the HTTP
-learn-and-reuse test, the other two for the stress test."""
+learn-and-reuse test, the next two for the stress test, the fourth for the first-task team
+(``serve/test_first_task_http.py``)."""
 
 
 @pytest.fixture(scope="session")

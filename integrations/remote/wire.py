@@ -109,17 +109,23 @@ def provenance(
         return Provenance(prompt_tokens, 0, 0, prompt_tokens, shared, 0, False, _join(why_unknown, extra), ttft_s,
                           cached_tokens=cached_tokens or 0)
     exact, estimated = int(summary["exact_tokens"]), int(summary["estimated_tokens"])
-    end = exact + estimated
+    head = int(summary.get("head_tokens", 0))  # computed before the served pieces, in a request of its own
+    end = exact + head + estimated
     reused_shared = 0
     for index in chat.turn_segments.values():
-        start = chat.prompt.starts[index]
-        reused_shared += max(0, min(end - start, len(chat.prompt.segments[index])))
+        start, stop = chat.prompt.starts[index], chat.prompt.starts[index] + len(chat.prompt.segments[index])
+        reused_shared += _overlap(start, stop, 0, exact) + _overlap(start, stop, exact + head, end)
     note = _join(str(summary.get("note") or ""), extra)
     return Provenance(
         int(summary["prompt_tokens"]), exact, estimated, int(summary["computed_tokens"]), shared, reused_shared,
         bool(summary.get("fallback", False)), note, ttft_s,
-        cached_tokens=max(0, cached_tokens - end) if cached_tokens is not None else 0,
+        cached_tokens=max(0, cached_tokens - end) if cached_tokens is not None else 0, head_tokens=head,
     )
+
+
+def _overlap(a: int, b: int, c: int, d: int) -> int:
+    """Length of ``[a, b) & [c, d)``."""
+    return max(0, min(b, d) - max(a, c))
 
 
 def cached_note(cached: int | None, reused: int | None) -> str:

@@ -15,6 +15,7 @@ from kvcomm.reuse.scopes import DEFAULT_SCOPE
 
 
 MIDDLEWARE = "kvcomm.integrations.serve.middleware.KvcommTenantMiddleware"
+WORKER_EXTENSION = "kvcomm.integrations.vllm.worker_extension.KvcommWorkerExtension"
 DEFAULT_HOST = "127.0.0.1"
 """Where `kvcomm serve` listens unless ``--host`` is given: loopback only (vLLM's own default
 binds every interface). ``--host 0.0.0.0`` serves other machines; pair it with ``--api-key``."""
@@ -118,6 +119,8 @@ def serve_argv(
         argv += ["--shutdown-timeout", str(STATE_SHUTDOWN_TIMEOUT_S)]
     if plan:
         argv += ["--middleware", MIDDLEWARE]
+        if "--worker-extension-cls" not in given:  # computed heads: the middleware plans ahead through it
+            argv += ["--worker-extension-cls", WORKER_EXTENSION]
     return argv + vllm_args
 
 

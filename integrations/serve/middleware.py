@@ -57,6 +57,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvcomm.integrations.serve.contexts import ContextError, ContextRoutes
+from kvcomm.integrations.serve.heads import HeadRequests
 from kvcomm.integrations.vllm.params import KvcommParamsError, check_sizes, shown  # noqa: F401 (shown: re-exported)
 
 KEY_DIGESTS_ENV = "KVCOMM_TENANT_KEY_DIGESTS"
@@ -143,6 +144,9 @@ def rewrite(body: Any, key: str | None, digests: frozenset[str], kind: str = "ge
     opted_in = params is not None and "kvcomm" in params
     if isinstance(options, dict) and "handle" in options:
         raise ValueError("kv_transfer_params.kvcomm.handle is for in-process callers only; remove it over HTTP")
+    if isinstance(options, dict) and {"ticket", "computes_head"} & set(options):
+        raise ValueError("kv_transfer_params.kvcomm.ticket and computes_head are set by the server (computed heads); "
+                         "remove them")
     check_sizes(options)  # KvcommParamsError is a ValueError: a 400
     if tenant is not None:
         if isinstance(options, dict):
@@ -176,6 +180,7 @@ class KvcommTenantMiddleware:
         self.api_digests = _digests(API_KEY_DIGESTS_ENV) | self.digests
         self.routes: dict[str, str] | None = None
         self.contexts = ContextRoutes(app)
+        self.heads = HeadRequests(app)
 
     def _note_routes(self, scope: Scope) -> None:
         """Once: the served app's routes by kind, in the log."""
@@ -241,6 +246,8 @@ class KvcommTenantMiddleware:
                 return
             if uses:
                 send = self.contexts.reporting(send, uses)
+            if kind == "generation" and path == "/v1/completions":
+                await self.heads.before(scope, body)
             raw = json.dumps(body).encode("utf-8")
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(raw)).encode()))

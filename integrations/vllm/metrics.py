@@ -62,7 +62,10 @@ PROBLEMS = Gauge("kvcomm_pool_problems", "Broken pool invariants found by Tenant
 
 
 def record_served(summary: dict) -> None:
-    """Count one finished planned request from its summary (``PlannedRequest.summary``)."""
+    """Count one finished planned request from its summary (``PlannedRequest.summary``); a head
+    request counts nothing (its tokens are the computed head of the request it serves)."""
+    if summary.get("computes_head"):
+        return
     for source in ("exact", "estimated", "computed"):
         PROMPT_TOKENS.labels(source).inc(summary[f"{source}_tokens"])
     REQUESTS.labels("planned").inc()

@@ -12,6 +12,12 @@ Schema (JSON object; every key optional, unknown keys rejected)::
                                              # set by `kvcomm serve`'s context API only (it
                                              # refuses it from clients): pin / unpin and drop
                                              # the base KV of retained contexts (serve.contexts)
+        "ticket":   "<str>",                 # set by `kvcomm serve` only (it refuses it from
+                                             # clients): the request was planned ahead under this
+                                             # ticket (``ServerPlanner.plan_ahead``) and uses that plan
+        "computes_head": false,              # with "ticket", set by `kvcomm serve` only: this request
+                                             # computes the planned request's head (its prompt is that
+                                             # request's first ``head_end`` tokens)
         "calibrate": false,                  # true: reuse nothing, prefill densely and learn
                                              # everything (each shared segment whose content
                                              # has a base becomes an anchor of its slot, up to
@@ -44,7 +50,9 @@ from dataclasses import dataclass
 from typing import Any, Collection
 
 _SLOT = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
-_KEYS = {"handle", "template", "tenant", "segments", "calibrate", "contexts"}
+_KEYS = {"handle", "template", "tenant", "segments", "calibrate", "contexts", "ticket", "computes_head"}
+SERVER_KEYS = ("contexts", "ticket", "computes_head")
+"""Keys only `kvcomm serve` itself sets (its middleware refuses them from clients)."""
 MAX_TENANT_LENGTH = 256
 MAX_NAME_LENGTH = 256
 """Characters of a template, handle or segment id at most."""
@@ -73,7 +81,8 @@ def check_sizes(body: Any) -> None:
     for ``parse_params``, which needs the prompt."""
     if not isinstance(body, dict):
         return
-    for key, bound in (("template", MAX_NAME_LENGTH), ("handle", MAX_NAME_LENGTH), ("tenant", MAX_TENANT_LENGTH)):
+    for key, bound in (("template", MAX_NAME_LENGTH), ("handle", MAX_NAME_LENGTH), ("tenant", MAX_TENANT_LENGTH),
+                       ("ticket", MAX_NAME_LENGTH)):
         value = body.get(key)
         if isinstance(value, str) and len(value) > bound:
             raise KvcommParamsError(f"kv_transfer_params.kvcomm.{key} has {len(value)} characters; at most {bound} characters")
@@ -116,6 +125,10 @@ class KvcommParams:
     """Content ids whose base KV the tenant's engine keeps from now on (never evicted) until released."""
     release: tuple[str, ...] = ()
     """Content ids no longer kept: their bases are dropped (an anchor of the content keeps its own)."""
+    ticket: str | None = None
+    """The plan made ahead for this request (``ServerPlanner.plan_ahead``; set by `kvcomm serve`)."""
+    computes_head: bool = False
+    """With ``ticket``: this request computes that plan's head, its prompt the head's end's prefix."""
 
 
 def _int(value: Any, where: str) -> int:
@@ -160,8 +173,16 @@ def parse_params(params: Any, prompt_len: int, known_slots: Collection[str] | No
         raise KvcommParamsError("kv_transfer_params.kvcomm.calibrate applies to server-side planning; with a handle the "
                                 "caller plans (calibrate there with kvcomm.run_agent(..., calibrate=True))")
     retain, release = _contexts(body.get("contexts", {}))
+    ticket, computes_head = body.get("ticket"), body.get("computes_head", False)
+    if ticket is not None and (not isinstance(ticket, str) or not ticket or handle is not None or calibrate):
+        raise KvcommParamsError(f"kv_transfer_params.kvcomm.ticket must be a non-empty string, without handle or "
+                                f"calibrate, got {shown(ticket)}")
+    if not isinstance(computes_head, bool) or (computes_head and ticket is None):
+        raise KvcommParamsError(f"kv_transfer_params.kvcomm.computes_head must be true or false, and true only with "
+                                f"a ticket, got {shown(computes_head)}")
+    ahead = {"ticket": ticket, "computes_head": computes_head}
     if "segments" not in body:
-        return KvcommParams(handle, template, None, tenant, calibrate, retain, release)
+        return KvcommParams(handle, template, None, tenant, calibrate, retain, release, **ahead)
     raw = body["segments"]
     if not isinstance(raw, list):
         raise KvcommParamsError(f"kv_transfer_params.kvcomm.segments must be a list, got {type(raw).__name__}")
@@ -191,7 +212,7 @@ def parse_params(params: Any, prompt_len: int, known_slots: Collection[str] | No
                 f"[{segments[-1].start}, {segments[-1].end}); give segments sorted and non-overlapping"
             )
         segments.append(SpanAnnotation(start, end, slot, shared_id))
-    return KvcommParams(handle, template, tuple(segments), tenant, calibrate, retain, release)
+    return KvcommParams(handle, template, tuple(segments), tenant, calibrate, retain, release, **ahead)
 
 
 def _contexts(value: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -20,12 +20,27 @@ is that engine key. Adapter engines are saved and restored like any tenant's, un
 Safety: approximate KV only goes to requests carrying a ``cache_salt`` (so vLLM's prefix
 cache keeps their blocks apart from every request without that salt); an annotated
 request without a salt gets exact reuse only.
+
+Computed heads (plans made ahead): vLLM's connector supplies KV for one range right after
+vLLM's own prefix hit, so a plan that computes a head (text no stored KV serves, such as an
+agent's unseen system prompt, with shared content after it: ``ReusePlan.head_end``) cannot be
+served by one request. `kvcomm serve` plans such requests ahead, outside the engine step
+(``plan_ahead``, called through vLLM's ``collective_rpc`` by ``vllm.worker_extension``), with
+``heads=True``, as the in-process runner does, and parks the plan under a ticket; when the plan
+has a head it first sends a request of its own for the prompt's first ``head_end`` tokens
+(``computes_head``: the exact prefix injected, the head computed and kept under the ticket), then
+the request itself with the ticket: it is served the plan made ahead, the head's KV (through
+vLLM's prefix cache under the same salt, the rest injected) and the pieces after it, and learns
+the head as the in-process engine does. A ticket is used once; at most ``MAX_AHEAD`` plans are
+parked (oldest dropped), none older than ``AHEAD_TTL_S``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvcomm.reuse.config import ReuseConfig
@@ -33,6 +48,7 @@ from kvcomm.reuse.config import ReuseConfig
 from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV, to_position_free
+from kvcomm.core.place import Piece
 from kvcomm.reuse.plan import ReusePlan
 from kvcomm.core.rope import Rotary
 from kvcomm.core.segments import Prompt, Segment
@@ -42,7 +58,25 @@ from kvcomm.reuse.assemble import pieces
 from kvcomm.integrations.vllm.detect import RunIndex
 from kvcomm.integrations.vllm.ids import SegmentIds
 from kvcomm.integrations.vllm.metrics import record_pools
-from kvcomm.integrations.vllm.params import KvcommParams
+from kvcomm.integrations.vllm.params import KvcommParams, KvcommParamsError, shown
+
+MAX_AHEAD = 64
+"""Plans made ahead and not yet used, per process, at most (the oldest is dropped)."""
+AHEAD_TTL_S = 120.0
+"""Seconds a plan made ahead waits for its request before it is dropped."""
+
+
+@dataclass
+class Ahead:
+    """A plan made ahead (``ServerPlanner.plan_ahead``) for the request with ``token_ids``;
+    ``head``: its computed head's real KV, rotated at its positions, once the head request ran."""
+
+    engine: ReuseEngine
+    plan: ReusePlan
+    tenant: str
+    token_ids: tuple[int, ...]
+    made_at: float
+    head: KV | None = None
 
 
 @dataclass
@@ -53,13 +87,22 @@ class PlannedRequest:
     plan: ReusePlan
     order: Order
     tenant: str = "default"
+    head: KV | None = None
+    """The plan's computed head's KV (computed by the head request), learned with the prompt."""
+    head_of: Ahead | None = None
+    """Set on a head request: the plan made ahead whose head it computes."""
 
     def summary(self) -> dict:
         """Per-request provenance, returned in the output's ``kv_transfer_params["kvcomm"]``."""
+        if self.head_of is not None:
+            start, end = self.plan.exact_length, self.plan.pieces_start
+            return {"prompt_tokens": end, "exact_tokens": start, "estimated_tokens": 0, "computed_tokens": end - start,
+                    "head_tokens": 0, "fallback": False, "computes_head": True,
+                    "note": "computes the head of a request planned ahead"}
         p = self.plan.provenance()
         return {"prompt_tokens": p.prompt_tokens, "exact_tokens": p.exact_tokens,
                 "estimated_tokens": p.estimated_tokens, "computed_tokens": p.computed_tokens,
-                "fallback": p.fallback, "note": self.plan.note}
+                "head_tokens": p.head_tokens, "fallback": p.fallback, "note": self.plan.note}
 
 
 def annotated_prompt(token_ids: list[int], params: KvcommParams) -> Prompt:
@@ -94,6 +137,7 @@ class ServerPlanner:
         self._runs: dict[str, RunIndex] = {}
         self.ids = SegmentIds()
         self._lock = threading.Lock()
+        self._ahead: OrderedDict[str, Ahead] = OrderedDict()
 
     @property
     def engines(self) -> dict[str, ReuseEngine]:
@@ -122,16 +166,9 @@ class ServerPlanner:
         unpin and drop, then pin, those content ids' bases in the tenant's engine first.
         ``adapter``: the LoRA adapter's identity (None: the base model); its requests use their
         own engine in ``tenant`` (``adapter_key``)."""
-        tenant = adapter_key(params.tenant if tenant is None else tenant, adapter)
-        if params.segments is None:
-            params = dataclasses.replace(params, segments=self.runs(tenant).find(token_ids))
-        params = self.ids.bind(tenant, token_ids, params)  # keyed by content; an id reused for other tokens: refused
-        prompt = annotated_prompt(token_ids, params)
-        engine = self.engine(tenant)
-        for shared_id in params.release:  # before planning: this request already falls back for them
-            engine.unpin(shared_id)
-        for shared_id in params.retain:  # before planning: a base this request registers is kept
-            engine.pin(shared_id)
+        if params.ticket is not None:
+            return self._planned_ahead(token_ids, params, salted, max_tokens, adapter)
+        engine, prompt, tenant = self._prompt(token_ids, params, tenant, adapter)
         if params.calibrate:
             plan = engine.calibration_plan(prompt)
         elif not salted:
@@ -142,20 +179,77 @@ class ServerPlanner:
             plan.note = "no cache_salt: exact reuse only"
         else:
             plan = engine.plan(prompt)  # no base provider: new content's base comes from this prefill
-        inject = Injection(tuple(pieces(plan)), plan.reuse_end) if plan.reuse_end else None  # written at load, into the slots
-        reply = max_tokens if engine.learns_reply_from(plan) else 0
-        return PlannedRequest(engine, plan, Order(inject, plan.reuse_end, len(prompt) + reply), tenant)
+        return _request(engine, plan, tenant, max_tokens)
+
+    def _prompt(self, token_ids: list[int], params: KvcommParams, tenant: str | None,
+                adapter: str | None) -> tuple[ReuseEngine, Prompt, str]:
+        """The request's engine (its tenant's for its adapter), prompt and engine key; detects
+        shared runs when none are annotated, binds ids to content, and applies release/retain."""
+        tenant = adapter_key(params.tenant if tenant is None else tenant, adapter)
+        if params.segments is None:
+            params = dataclasses.replace(params, segments=self.runs(tenant).find(token_ids))
+        params = self.ids.bind(tenant, token_ids, params)  # keyed by content; an id reused for other tokens: refused
+        prompt = annotated_prompt(token_ids, params)
+        engine = self.engine(tenant)
+        for shared_id in params.release:  # before planning: this request already falls back for them
+            engine.unpin(shared_id)
+        for shared_id in params.retain:  # before planning: a base this request registers is kept
+            engine.pin(shared_id)
+        return engine, prompt, tenant
+
+    def plan_ahead(self, ticket: str, token_ids: list[int], params: KvcommParams) -> tuple[int, int] | None:
+        """Plan a salted request of the base model before it is submitted, as the in-process
+        runner plans (``heads=True``), and park the plan under ``ticket`` (module docstring).
+        Returns the computed head ``(start, end)`` the request's head request must compute
+        (its prompt: the first ``end`` tokens), or None when the plan has no head."""
+        if params.handle is not None or params.calibrate or params.ticket is not None:
+            raise KvcommParamsError("a plan made ahead is for an annotated request without handle, calibrate or ticket")
+        engine, prompt, tenant = self._prompt(token_ids, params, None, None)
+        plan = engine.plan(prompt, heads=True)
+        now = time.monotonic()
+        with self._lock:
+            self._ahead[ticket] = Ahead(engine, plan, tenant, tuple(token_ids), now)
+            while self._ahead and (len(self._ahead) > MAX_AHEAD or next(iter(self._ahead.values())).made_at < now - AHEAD_TTL_S):
+                self._ahead.popitem(last=False)
+        return (plan.exact_length, plan.pieces_start) if plan.computed_head else None
+
+    def _planned_ahead(self, token_ids: list[int], params: KvcommParams, salted: bool, max_tokens: int,
+                       adapter: str | None) -> PlannedRequest:
+        """The request of a plan made ahead, or its head request (``params.computes_head``)."""
+        with self._lock:
+            ahead = self._ahead.get(params.ticket) if params.computes_head else self._ahead.pop(params.ticket, None)
+        if ahead is None or adapter is not None or not salted:
+            raise KvcommParamsError(f"ticket {shown(params.ticket)} names no plan made ahead in this engine for a salted "
+                                    "request of the base model (expired or used); served without reuse")
+        plan = ahead.plan
+        start, end = plan.exact_length, plan.pieces_start
+        if params.computes_head:
+            if not plan.computed_head or tuple(token_ids) != ahead.token_ids[:end]:
+                raise KvcommParamsError(f"ticket {shown(params.ticket)}: this prompt is not the first {end} tokens of the "
+                                        "planned request, or its plan computes no head")
+            inject = Injection((Piece(plan.exact_kv.span(0, start), 0, 0, rotate=plan.exact_position_free),), start) if start else None
+            return PlannedRequest(ahead.engine, plan, Order(inject, start, end), ahead.tenant, head_of=ahead)
+        if tuple(token_ids) != ahead.token_ids:
+            raise KvcommParamsError(f"ticket {shown(params.ticket)} was planned for another prompt")
+        if plan.computed_head and ahead.head is None:
+            plan = _exact_only(plan, "the head request did not complete: reuse only of the exact prefix")
+        return _request(ahead.engine, plan, ahead.tenant, max_tokens, ahead.head if plan.computed_head else None)
 
     def finish(self, planned: PlannedRequest, capture: Capture | None, reply_ids: list[int]) -> None:
         """Learn from the captured real KV of prompt positions ``[reuse_end, len(prompt))``;
         ``reply_ids`` (stop token excluded) becomes shared content with its decode KV as base
         when all of it was fed back (a reply cut by max_tokens lacks its last token's KV)."""
         plan, prompt = planned.plan, planned.plan.prompt
+        if planned.head_of is not None:  # a head request: its KV waits for the planned request
+            start, end = plan.exact_length, plan.pieces_start
+            if capture is not None and capture.has(start, end):
+                planned.head_of.head = capture.span(start, end)
+            return
         if capture is None or not capture.has(plan.reuse_end, len(prompt)):
             return  # aborted before its prefill completed: nothing to learn
         computed: KV = capture.span(plan.reuse_end, len(prompt))
         runs = self.runs(planned.tenant)
-        planned.engine.learn(plan, computed)  # registers the bases of new shared content too
+        planned.engine.learn(plan, computed, head=planned.head)  # registers the bases of new shared content too
         for segment in prompt.segments:
             if segment.is_shared:
                 runs.add(segment.token_ids, segment.slot)
@@ -173,3 +267,22 @@ class ServerPlanner:
             self.totals["computed"] += provenance.computed_tokens
             self.totals["fallbacks"] += int(provenance.fallback)
         record_pools(self.registry)
+
+
+def _request(engine: ReuseEngine, plan: ReusePlan, tenant: str, max_tokens: int, head: KV | None = None) -> PlannedRequest:
+    """The order of ``plan``: its pieces (``head``, the computed head's real KV, after the exact
+    prefix), written into the request's cache slots at load; the capture learning needs: the
+    prompt's computed tail, and the reply only when its decode KV may become a base
+    (``ReuseEngine.learns_reply_from``)."""
+    parts = pieces(plan)
+    if head is not None:
+        parts.insert(1 if plan.exact_length else 0, Piece(head, plan.exact_length, plan.exact_length, rotate=False))
+    inject = Injection(tuple(parts), plan.reuse_end) if plan.reuse_end else None
+    reply = max_tokens if engine.learns_reply_from(plan) else 0
+    return PlannedRequest(engine, plan, Order(inject, plan.reuse_end, len(plan.prompt) + reply), tenant, head)
+
+
+def _exact_only(plan: ReusePlan, note: str) -> ReusePlan:
+    """``plan`` cut to its exact prefix (its head and pieces computed instead)."""
+    return ReusePlan(plan.prompt, exact_length=plan.exact_length, exact_kv=plan.exact_kv,
+                     exact_position_free=plan.exact_position_free, new_bases=list(plan.new_bases), note=note)

@@ -56,6 +56,26 @@ class WorkerPlans:
         return PlanAnswer(0 if inject is None else inject.length, planned.order.capture_from, planned.summary(),
                           capture_to=planned.order.capture_to)
 
+    def plan_ahead(self, ticket: str, token_ids: list[int], kvcomm: dict, refused: str | None) -> dict:
+        """``ServerPlanner.plan_ahead`` for a request `kvcomm serve` is about to submit (its
+        ``kv_transfer_params["kvcomm"]`` as the middleware rewrote it): ``{"head": [start, end]}``
+        or ``{"head": None}``, or ``{"error": why}`` (the request is then planned in the step as usual)."""
+        from kvcomm.integrations.vllm.params import parse_params
+
+        if refused is not None:
+            return {"error": f"kvcomm is off in this engine: {refused}"}
+        try:
+            if self.planner is None:
+                self.planner = make_planner(self._vllm_config, self.channel, self.max_total_bytes)
+            slots = self._vllm_config.kv_transfer_config.get_from_extra_config("slots", None)
+            params = parse_params({"kvcomm": kvcomm}, len(token_ids), None if slots is None else frozenset(slots))
+            head = self.planner.plan_ahead(ticket, list(token_ids), params)
+        except Exception as error:  # a planning failure must not take the engine down
+            log.warning("kvcomm: planning ahead failed (%s: %s); the request is planned in the engine step",
+                        type(error).__name__, str(error)[:300])
+            return {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+        return {"head": None if head is None else list(head)}
+
     def finish(self, done: Finished) -> None:
         """Learn from the request's captured KV (if its prefill completed) and drop its state."""
         capture, _ = self.channel.take(handle_of(done.req_id))

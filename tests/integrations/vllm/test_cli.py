@@ -29,13 +29,15 @@ def test_eval_on_vllm_refuses_kl_and_cacheblend_with_a_clear_error(tmp_path, cap
 
 
 def test_serve_adds_tenant_middleware_and_reads_api_keys(monkeypatch):
-    from kvcomm.integrations.serve.command import MIDDLEWARE, api_keys
+    from kvcomm.integrations.serve.command import MIDDLEWARE, WORKER_EXTENSION, api_keys
 
     argv = serve_argv(None, True, None, ["--api-key", "k1", "k2"], {"gamma": 1.0, "max_tenant_bytes": 1 << 20})
     assert argv[argv.index("--middleware") + 1] == MIDDLEWARE and "--enable-prompt-tokens-details" in argv
     extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
     assert extra == {"plan": True, "gamma": 1.0, "max_tenant_bytes": 1 << 20}
+    assert argv[argv.index("--worker-extension-cls") + 1] == WORKER_EXTENSION  # computed heads plan ahead through it
     assert "--middleware" not in serve_argv(None, False, None, [])  # --no-plan: stock vLLM serving
+    assert "--worker-extension-cls" not in serve_argv(None, False, None, [])
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     assert api_keys(["--port", "1", "--api-key", "k1", "k2", "--api-key=k3"]) == ["k1", "k2", "k3"]
     assert api_keys([]) == []

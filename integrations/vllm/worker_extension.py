@@ -1,0 +1,23 @@
+"""The kvcomm methods vLLM's workers gain through vLLM's ``--worker-extension-cls`` (set by
+`kvcomm serve`), called from the API server with ``engine_client.collective_rpc``: work on the
+worker's planner outside the engine step.
+
+- ``kvcomm_plan_ahead(ticket, token_ids, kvcomm)``: plan a request before it is submitted and
+  park the plan under ``ticket`` (``vllm.request_plans``, computed heads); returns this rank's
+  ``{"head": [start, end] | None}`` or ``{"error": why}``.
+"""
+
+from __future__ import annotations
+
+
+class KvcommWorkerExtension:
+    """Mixed into vLLM's worker class by vLLM (``parallel_config.worker_extension_cls``)."""
+
+    def kvcomm_plan_ahead(self, ticket: str, token_ids: list[int], kvcomm: dict) -> dict:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        connector = get_kv_transfer_group() if has_kv_transfer_group() else None
+        worker = getattr(connector, "connector_worker", None)
+        if worker is None:
+            return {"error": "this engine's workers run no kvcomm connector"}
+        return worker._plans.plan_ahead(ticket, token_ids, kvcomm, worker.refused)
