@@ -54,12 +54,17 @@ class HeadRequests:
         engine, models = getattr(state, "engine_client", None), getattr(state, "openai_serving_models", None)
         if engine is None or models is None or not models.is_base_model(body.get("model") or models.model_name()):
             return
+        if len(prompt) >= getattr(getattr(engine, "model_config", None), "max_model_len", 1 << 20):
+            return  # vLLM refuses it; nothing to plan
         ticket = uuid.uuid4().hex
         try:
             answers = await engine.collective_rpc(RPC, args=(ticket, prompt, options))
-        except Exception as error:  # e.g. the server runs another --worker-extension-cls
-            self.enabled = False
-            _say(f"computed heads are off: the workers did not plan ahead ({type(error).__name__}: {str(error)[:200]})")
+        except Exception as error:
+            if f"{RPC!r} is not implemented" in str(error):  # vLLM's words: the server runs another --worker-extension-cls
+                self.enabled = False
+                _say(f"computed heads are off: the workers cannot plan ahead ({str(error)[:200]})")
+            else:  # e.g. options that could not travel; the engine step reports them to the request
+                self._failed(f"planning ahead failed ({type(error).__name__}: {str(error)[:200]})")
             return
         heads = {_head(answer) for answer in answers}
         if len(heads) != 1 or "error" in heads:

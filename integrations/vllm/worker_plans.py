@@ -60,7 +60,7 @@ class WorkerPlans:
         """``ServerPlanner.plan_ahead`` for a request `kvcomm serve` is about to submit (its
         ``kv_transfer_params["kvcomm"]`` as the middleware rewrote it): ``{"head": [start, end]}``
         or ``{"head": None}``, or ``{"error": why}`` (the request is then planned in the step as usual)."""
-        from kvcomm.integrations.vllm.params import parse_params
+        from kvcomm.integrations.vllm.params import KvcommParamsError, parse_params
 
         if refused is not None:
             return {"error": f"kvcomm is off in this engine: {refused}"}
@@ -70,6 +70,8 @@ class WorkerPlans:
             slots = self._vllm_config.kv_transfer_config.get_from_extra_config("slots", None)
             params = parse_params({"kvcomm": kvcomm}, len(token_ids), None if slots is None else frozenset(slots))
             head = self.planner.plan_ahead(ticket, list(token_ids), params)
+        except KvcommParamsError as error:  # the client's mistake: the engine step reports it to the request
+            return {"error": str(error)[:300]}
         except Exception as error:  # a planning failure must not take the engine down
             log.warning("kvcomm: planning ahead failed (%s: %s); the request is planned in the engine step",
                         type(error).__name__, str(error)[:300])

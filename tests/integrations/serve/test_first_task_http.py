@@ -18,6 +18,8 @@ from kvcomm.reuse.engine import ReuseEngine
 from ..autogen.test_first_task import AGENTS, MAX_TOKENS, _note, _run
 
 pytestmark = pytest.mark.slow
+NOTE_CHARS = 3000
+"""The note's first paragraphs, up to this many characters (611 tokens)."""
 
 
 def _decisions(client: KvcommChatCompletionClient) -> list[tuple]:
@@ -28,7 +30,8 @@ def _decisions(client: KvcommChatCompletionClient) -> list[tuple]:
 def test_the_team_through_kvcomm_serve_makes_the_in_process_decisions(kvcomm_server_mp, vllm_executor):
     from conftest import MP_SERVER_KEYS
 
-    task = f"Review this design note.\n\n{_note()}"
+    note = _note()
+    task = f"Review this design note.\n\n{note[: note.rfind(chr(10), 0, NOTE_CHARS)]}"  # the servers' max_model_len is 1,024
     local = KvcommChatCompletionClient(ChatBackend(
         vllm_executor, ReuseEngine(vllm_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0))), MAX_TOKENS))
     remote = KvcommChatCompletionClient.remote(kvcomm_server_mp.base_url, api_key=MP_SERVER_KEYS[3], max_tokens=MAX_TOKENS)
