@@ -51,8 +51,6 @@ from typing import Any, Collection
 
 _SLOT = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
 _KEYS = {"handle", "template", "tenant", "segments", "calibrate", "contexts", "ticket", "computes_head"}
-SERVER_KEYS = ("contexts", "ticket", "computes_head")
-"""Keys only `kvcomm serve` itself sets (its middleware refuses them from clients)."""
 MAX_TENANT_LENGTH = 256
 MAX_NAME_LENGTH = 256
 """Characters of a template, handle or segment id at most."""
