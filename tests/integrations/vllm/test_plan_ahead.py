@@ -123,3 +123,22 @@ def test_tickets_and_head_flags_come_from_the_server_only():
         parse_params({"kvcomm": {"computes_head": True}}, 4)
     with pytest.raises(KvcommParamsError, match="without handle or calibrate"):
         parse_params({"kvcomm": {"ticket": "t", "calibrate": True}}, 4)
+
+
+def test_bodies_that_cannot_be_planned_ahead_pass_untouched():
+    """The middleware's head step on hostile or unplannable bodies: nothing raised (a 500 to the
+    client), nothing added; such requests are planned, or refused, in the engine step."""
+    import asyncio
+    import copy
+
+    from kvcomm.integrations.serve.heads import HeadRequests
+
+    ok = {"prompt": [1, 2, 3], "cache_salt": "s", "kv_transfer_params": {"kvcomm": {"segments": []}}}
+    for body in ({**ok, "kv_transfer_params": "kvcomm"}, {**ok, "kv_transfer_params": None},
+                 {**ok, "kv_transfer_params": {"kvcomm": [1, 2]}}, {**ok, "prompt": "text"}, {**ok, "prompt": [[1, 2]]},
+                 {**ok, "prompt": [1, "2"]}, {**ok, "cache_salt": None},
+                 {**ok, "kv_transfer_params": {"kvcomm": {"calibrate": True}}}, ok):  # ok: no served app in the scope
+        before = copy.deepcopy(body)
+        asyncio.run(HeadRequests(None).before({}, body))
+        assert body == before
+
