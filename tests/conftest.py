@@ -115,7 +115,7 @@ _spare = itertools.count()
 MP_SERVER_KEYS = ("kvcomm-test-mp-key-a", "kvcomm-test-mp-key-b", "kvcomm-test-mp-key-c", "kvcomm-test-mp-key-d")
 """The API keys of ``kvcomm_server_mp``, each its own tenant: the first for the HTTP
 learn-and-reuse test, the next two for the stress test, the fourth for the first-task team
-(``serve/test_first_task_http.py``)."""
+(``vllm/test_first_task_serve.py``)."""
 
 
 @pytest.fixture(scope="session")

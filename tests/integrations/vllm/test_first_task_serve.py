@@ -3,7 +3,10 @@
 design note) as remote clients of vLLM's default multiprocess engine, against the same team in
 process on vLLM (``VllmExecutor``, the same model, gamma 1). The server plans ahead and computes
 each later agent's unseen system prompt in a head request (``serve.heads``), so every call makes
-the in-process call's decisions: the same exact, head, estimated and computed token counts."""
+the in-process call's decisions: the same exact, head, estimated and computed token counts.
+It lives beside the tests that share the session's in-process engine (``vllm_executor``): in
+the serve folder that engine would start before the tests that start engines of their own and
+refuse them (one in-process engine at a time)."""
 
 from __future__ import annotations
 
