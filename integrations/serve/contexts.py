@@ -61,7 +61,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvcomm.core.segments import content_id
-from kvcomm.integrations.serve.internal import call_app
+from kvcomm.integrations.serve.internal import call_app, kvcomm_error
 from kvcomm.services.contexts import EVICTED, Context, ContextError, ContextStore, NotFound
 
 PREFIX = "/v1/kvcomm/contexts"
@@ -340,7 +340,7 @@ class ContextRoutes:
         tokens = list(context.token_ids)
         status, answer = await self._engine(scope, context, tokens, [{"start": 0, "end": len(tokens), "slot": SLOT}],
                                             {"retain": [context.content_id]})
-        error = answer.get("kv_transfer_params", {}).get("kvcomm", {}).get("error") if isinstance(answer, dict) else None
+        error = kvcomm_error(answer)
         if status != 200 or error:
             self.store.evict(context.tenant, context.id, f"the engine could not keep its KV: {error or str(answer)[:300]}")
             counter("evictions").labels("engine").inc()

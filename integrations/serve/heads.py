@@ -29,7 +29,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Scope
 
-from kvcomm.integrations.serve.internal import call_app
+from kvcomm.integrations.serve.internal import call_app, kvcomm_error, kvcomm_of
 
 RPC = "kvcomm_plan_ahead"
 
@@ -44,8 +44,7 @@ class HeadRequests:
 
     async def before(self, scope: Scope, body: dict) -> None:
         """Run steps 1-2 for ``body`` (rewritten by the middleware) and add the ticket to it."""
-        params = body.get("kv_transfer_params")
-        options = params.get("kvcomm") if isinstance(params, dict) else None
+        options = kvcomm_of(body)
         prompt = body.get("prompt")
         if not (self.enabled and isinstance(options, dict) and isinstance(body.get("cache_salt"), str)
                 and isinstance(prompt, list) and len(prompt) > 1 and all(type(t) is int for t in prompt)
@@ -82,7 +81,7 @@ class HeadRequests:
                                                      "template": options.get("template", "default"),
                                                      "ticket": ticket, "computes_head": True}}}
         status, answer = await call_app(self.app, scope, "POST", "/v1/completions", request)
-        error = _error(answer)
+        error = kvcomm_error(answer)
         if status != 200 or error:
             self._failed(f"the head request of tokens [{start}, {end}) failed (HTTP {status}): {str(error or answer)[:200]}")
 
@@ -90,13 +89,6 @@ class HeadRequests:
         self.failures += 1
         if self.failures <= 3:  # one request must not flood the log
             _say(f"{why}; the request is served without its computed head")
-
-
-def _error(answer: Any) -> str | None:
-    """The kvcomm error in a completion response, if any (``kv_transfer_params`` may be null)."""
-    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-    options = params.get("kvcomm") if isinstance(params, dict) else None
-    return options.get("error") if isinstance(options, dict) else None
 
 
 def _head(answer: Any) -> tuple[int, int] | None | str:

@@ -49,3 +49,17 @@ async def call_app(app: ASGIApp, base: Scope, method: str, path: str, body: dict
         return out["status"], json.loads(text)
     except ValueError:
         return out["status"], text
+
+
+def kvcomm_of(message: Any) -> Any:
+    """``message["kv_transfer_params"]["kvcomm"]`` of a request body or a response, or None where
+    a level is missing or not an object (vLLM answers ``"kv_transfer_params": null``)."""
+    params = message.get("kv_transfer_params") if isinstance(message, dict) else None
+    return params.get("kvcomm") if isinstance(params, dict) else None
+
+
+def kvcomm_error(answer: Any) -> str | None:
+    """The kvcomm error a response reports, if any."""
+    options = kvcomm_of(answer)
+    return options.get("error") if isinstance(options, dict) else None
+

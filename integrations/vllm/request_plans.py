@@ -54,7 +54,7 @@ from kvcomm.core.rope import Rotary
 from kvcomm.core.segments import Prompt, Segment
 from kvcomm.services.tenants import TenantRegistry, adapter_key
 from kvcomm.integrations.vllm.channel import Capture, Injection, Order
-from kvcomm.reuse.assemble import pieces
+from kvcomm.reuse.assemble import exact_piece, pieces
 from kvcomm.integrations.vllm.detect import RunIndex
 from kvcomm.integrations.vllm.ids import SegmentIds
 from kvcomm.integrations.vllm.metrics import record_pools
@@ -227,7 +227,7 @@ class ServerPlanner:
             if not plan.computed_head or tuple(token_ids) != ahead.token_ids[:end]:
                 raise KvcommParamsError(f"ticket {shown(params.ticket)}: this prompt is not the first {end} tokens of the "
                                         "planned request, or its plan computes no head")
-            inject = Injection((Piece(plan.exact_kv.span(0, start), 0, 0, rotate=plan.exact_position_free),), start) if start else None
+            inject = Injection((exact_piece(plan),), start) if start else None
             return PlannedRequest(ahead.engine, plan, Order(inject, start, end), ahead.tenant, head_of=ahead)
         if tuple(token_ids) != ahead.token_ids:
             raise KvcommParamsError(f"ticket {shown(params.ticket)} was planned for another prompt")

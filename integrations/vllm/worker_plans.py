@@ -37,14 +37,19 @@ class WorkerPlans:
         self._planned: dict[str, PlannedRequest] = {}
         self.max_total_bytes = vllm_config.kv_transfer_config.get_from_extra_config("max_total_bytes", None)
         """All ranks' byte cap; the worker sets it from the device memory at start-up (``refusals.device_memory_budget``)."""
+        slots = vllm_config.kv_transfer_config.get_from_extra_config("slots", None)
+        self._known_slots = None if slots is None else frozenset(slots)
+
+    def _ensure_planner(self) -> None:
+        if self.planner is None:
+            self.planner = make_planner(self._vllm_config, self.channel, self.max_total_bytes)
 
     def answer(self, ask: PlanAsk, refused: str | None) -> PlanAnswer:
         """Plan ``ask``; a failure answers with the error (that request gets no reuse)."""
         if refused is not None:
             return PlanAnswer(error=f"kvcomm is off in this engine: {refused}")
         try:
-            if self.planner is None:
-                self.planner = make_planner(self._vllm_config, self.channel, self.max_total_bytes)
+            self._ensure_planner()
             planned = self.planner.prepare(list(ask.token_ids), ask.params, salted=ask.salted, max_tokens=ask.max_tokens,
                                            adapter=ask.adapter)
             self.channel.place(handle_of(ask.req_id), planned.order)
@@ -65,10 +70,8 @@ class WorkerPlans:
         if refused is not None:
             return {"error": f"kvcomm is off in this engine: {refused}"}
         try:
-            if self.planner is None:
-                self.planner = make_planner(self._vllm_config, self.channel, self.max_total_bytes)
-            slots = self._vllm_config.kv_transfer_config.get_from_extra_config("slots", None)
-            params = parse_params({"kvcomm": kvcomm}, len(token_ids), None if slots is None else frozenset(slots))
+            self._ensure_planner()
+            params = parse_params({"kvcomm": kvcomm}, len(token_ids), self._known_slots)
             head = self.planner.plan_ahead(ticket, list(token_ids), params)
         except KvcommParamsError as error:  # the client's mistake: the engine step reports it to the request
             return {"error": str(error)[:300]}

@@ -33,11 +33,14 @@ def reuse_device(plan: ReusePlan) -> torch.device:
     return like.keys.device
 
 
+def exact_piece(plan: ReusePlan) -> Piece:
+    """The writer's piece for the plan's exact prefix ``[0, plan.exact_length)`` (non-empty)."""
+    return Piece(plan.exact_kv.span(0, plan.exact_length), 0, 0, rotate=plan.exact_position_free)
+
+
 def pieces(plan: ReusePlan) -> list[Piece]:
     """The writer's pieces for prompt tokens ``[0, plan.reuse_end)``, target token = prompt position."""
-    out = []
-    if plan.exact_length:
-        out.append(Piece(plan.exact_kv.span(0, plan.exact_length), 0, 0, rotate=plan.exact_position_free))
+    out = [exact_piece(plan)] if plan.exact_length else []
     for piece in plan.pieces:
         if piece.match is None:  # realigned base, no deviation
             out.append(Piece(piece.base, piece.start, piece.start))
