@@ -19,6 +19,7 @@ from kvcomm.reuse.executor import namespaced
 from kvcomm.reuse.pipeline import PipelineError, PipelineSpec, load_bundled_pipeline, load_pipeline
 from kvcomm.core.rope import RopeError
 from kvcomm.reuse.runner import run_row
+from kvcomm.services.quality_guard import GuardConfig
 from kvcomm.integrations.runtimes import BACKENDS, close_executor, load_executor
 from kvcomm.integrations.serve.command import STATE_SHUTDOWN_TIMEOUT_S, save_interval, serve_command
 
@@ -210,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
                        f"{STATE_SHUTDOWN_TIMEOUT_S} unless set, so the engine lives long enough to save)")
     serve.add_argument("--save-interval", type=save_interval, default=60.0,
                        help="seconds between saves of --state-dir (default 60; positive and finite; also saved at exit)")
+    serve.add_argument("--guard-budget", type=float, metavar="NATS",
+                       help="quality guard: measure a sample of opted-in /v1/completions token requests that estimated "
+                       "KV against their dense twin, after the response, and tighten or disable a slot whose rolling "
+                       "mean first-token KL exceeds NATS (default: no guard)")
+    serve.add_argument("--guard-fraction", type=float, metavar="SHARE",
+                       help=f"with --guard-budget: the share of such requests measured (default {GuardConfig.fraction})")
     serve.add_argument("--no-tenant-per-key", dest="tenant_per_key", action="store_false",
                        help="with vLLM's --api-key: one tenant for all keys (default: each key its own tenant)")
     check = sub.add_parser("selfcheck", help="RoPE realignment self-check on a model")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvcomm.integrations.vllm.llm import WORKER_SHUTDOWN_ENV, WORKER_SHUTDOWN_S
 from kvcomm.reuse.scopes import DEFAULT_SCOPE
+from kvcomm.services.quality_guard import GuardConfig
 
 
 MIDDLEWARE = "kvcomm.integrations.serve.middleware.KvcommTenantMiddleware"
@@ -144,6 +145,12 @@ def engine_settings(args) -> dict:
         engine["reuse_scope"] = args.reuse_scope
     if args.state_dir:
         engine |= {"state_dir": str(Path(args.state_dir).resolve()), "save_interval_s": args.save_interval}
+    budget, fraction = getattr(args, "guard_budget", None), getattr(args, "guard_fraction", None)
+    if fraction is not None and budget is None:
+        raise ValueError("--guard-fraction needs --guard-budget (the KL budget in nats that turns the quality guard on)")
+    if budget is not None:
+        guard = GuardConfig(budget=budget, fraction=GuardConfig.fraction if fraction is None else fraction)  # checks both
+        engine["guard"] = {"budget": guard.budget, "fraction": guard.fraction}
     return engine
 
 

@@ -14,6 +14,9 @@ with a token-id prompt and a reuse salt, the middleware (``HeadRequests.before``
    prefix cache, under the request's salt);
 3. sends the request with the ticket: it is served the plan made ahead.
 
+When the quality guard sampled the plan, ``before`` returns its shadow ticket and top-k for the
+twins sent after the response (``serve.shadows``).
+
 A failed step costs reuse, never the request: no answer from the workers, or ranks that
 disagree, and the request is planned in the engine step as before (no head); a head request
 that fails, and the request reuses its exact prefix only. Requests under a LoRA adapter, with
@@ -23,13 +26,12 @@ both steps (the head request's prefill is part of the call's cost).
 
 from __future__ import annotations
 
-import sys
 import uuid
 from typing import Any
 
 from starlette.types import ASGIApp, Scope
 
-from kvcomm.integrations.serve.internal import call_app, kvcomm_error, kvcomm_of
+from kvcomm.integrations.serve.internal import call_app, kvcomm_error, kvcomm_of, say
 
 RPC = "kvcomm_plan_ahead"
 
@@ -42,38 +44,39 @@ class HeadRequests:
         self.enabled = True
         self.failures = 0
 
-    async def before(self, scope: Scope, body: dict) -> None:
-        """Run steps 1-2 for ``body`` (rewritten by the middleware) and add the ticket to it."""
+    async def before(self, scope: Scope, body: dict) -> tuple[str, int] | None:
+        """Run steps 1-2 for ``body`` (rewritten by the middleware) and add the ticket to it;
+        returns (shadow ticket, top-k) when the quality guard sampled the plan, else None."""
         options = kvcomm_of(body)
         prompt = body.get("prompt")
         if not (self.enabled and isinstance(options, dict) and isinstance(body.get("cache_salt"), str)
                 and isinstance(prompt, list) and len(prompt) > 1 and all(type(t) is int for t in prompt)
                 and not options.get("calibrate")):
-            return
+            return None
         state = getattr(scope.get("app"), "state", None)
         engine, models = getattr(state, "engine_client", None), getattr(state, "openai_serving_models", None)
         if engine is None or models is None or not models.is_base_model(body.get("model") or models.model_name()):
-            return
+            return None
         if len(prompt) >= getattr(getattr(engine, "model_config", None), "max_model_len", 1 << 20):
-            return  # vLLM refuses it; nothing to plan
+            return None  # vLLM refuses it; nothing to plan
         ticket = uuid.uuid4().hex
         try:
             answers = await engine.collective_rpc(RPC, args=(ticket, prompt, options))
         except Exception as error:
             if f"{RPC!r} is not implemented" in str(error):  # vLLM's words: the server runs another --worker-extension-cls
                 self.enabled = False
-                _say(f"computed heads are off: the workers cannot plan ahead ({str(error)[:200]})")
+                say(f"computed heads are off: the workers cannot plan ahead ({str(error)[:200]})")
             else:  # e.g. options that could not travel; the engine step reports them to the request
                 self._failed(f"planning ahead failed ({type(error).__name__}: {str(error)[:200]})")
-            return
-        heads = {_head(answer) for answer in answers}
-        if len(heads) != 1 or "error" in heads:
-            self._failed(f"planning ahead answered {sorted(map(str, heads))[:2]}")
-            return
+            return None
+        outcomes = {_outcome(answer) for answer in answers}
+        if len(outcomes) != 1 or "error" in outcomes:
+            self._failed(f"planning ahead answered {sorted(map(str, outcomes))[:2]}")
+            return None
         options["ticket"] = ticket
-        head = heads.pop()
+        head, shadow = outcomes.pop()
         if head is None:
-            return
+            return shadow
         start, end = head
         request = {"model": body.get("model"), "prompt": prompt[:end], "max_tokens": 1, "temperature": 0.0,
                    "cache_salt": body["cache_salt"],
@@ -84,21 +87,19 @@ class HeadRequests:
         error = kvcomm_error(answer)
         if status != 200 or error:
             self._failed(f"the head request of tokens [{start}, {end}) failed (HTTP {status}): {str(error or answer)[:200]}")
+            return None  # its request reuses the exact prefix only: nothing for the guard to measure
+        return shadow
 
     def _failed(self, why: str) -> None:
         self.failures += 1
         if self.failures <= 3:  # one request must not flood the log
-            _say(f"{why}; the request is served without its computed head")
+            say(f"{why}; the request is served without its computed head")
 
 
-def _head(answer: Any) -> tuple[int, int] | None | str:
+def _outcome(answer: Any) -> tuple[tuple[int, int] | None, tuple[str, int] | None] | str:
+    """A rank's plan-ahead answer as (head, (shadow ticket, top-k) or None), or "error"."""
     if not isinstance(answer, dict) or "error" in answer or "head" not in answer:
         return "error"
-    head = answer["head"]
-    return None if head is None else (int(head[0]), int(head[1]))
-
-
-def _say(line: str) -> None:
-    # printed, as the middleware prints its route table: vLLM's logging setup leaves other
-    # packages' loggers without a handler in the API server
-    print(f"kvcomm: {line}", file=sys.stderr, flush=True)
+    head, shadow = answer["head"], answer.get("shadow")
+    return (None if head is None else (int(head[0]), int(head[1])),
+            None if shadow is None else (str(shadow["ticket"]), int(shadow["top_k"])))

@@ -1,10 +1,12 @@
 """Requests `kvcomm serve` sends to its own served app (below the middleware): the context
-API's engine requests and the head requests of computed heads."""
+API's engine requests, the head requests of computed heads and the quality guard's twins; and
+its lines in the API server's log."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Scope
@@ -63,3 +65,9 @@ def kvcomm_error(answer: Any) -> str | None:
     options = kvcomm_of(answer)
     return options.get("error") if isinstance(options, dict) else None
 
+
+
+def say(line: str) -> None:
+    """One line in the API server's log. Printed, as the middleware prints its route table:
+    vLLM's logging setup leaves other packages' loggers without a handler in the API server."""
+    print(f"kvcomm: {line}", file=sys.stderr, flush=True)

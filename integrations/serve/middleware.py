@@ -58,6 +58,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvcomm.integrations.serve.contexts import ContextError, ContextRoutes
 from kvcomm.integrations.serve.heads import HeadRequests
+from kvcomm.integrations.serve.internal import kvcomm_of
+from kvcomm.integrations.serve.shadows import ShadowRequests
 from kvcomm.integrations.vllm.params import KvcommParamsError, check_sizes, shown  # noqa: F401 (shown: re-exported)
 
 KEY_DIGESTS_ENV = "KVCOMM_TENANT_KEY_DIGESTS"
@@ -144,9 +146,9 @@ def rewrite(body: Any, key: str | None, digests: frozenset[str], kind: str = "ge
     opted_in = params is not None and "kvcomm" in params
     if isinstance(options, dict) and "handle" in options:
         raise ValueError("kv_transfer_params.kvcomm.handle is for in-process callers only; remove it over HTTP")
-    if isinstance(options, dict) and {"ticket", "computes_head"} & set(options):
-        raise ValueError("kv_transfer_params.kvcomm.ticket and computes_head are set by the server (computed heads); "
-                         "remove them")
+    if isinstance(options, dict) and {"ticket", "computes_head", "shadow"} & set(options):
+        raise ValueError("kv_transfer_params.kvcomm.ticket, computes_head and shadow are set by the server (computed "
+                         "heads, the quality guard); remove them")
     check_sizes(options)  # KvcommParamsError is a ValueError: a 400
     if tenant is not None:
         if isinstance(options, dict):
@@ -181,6 +183,7 @@ class KvcommTenantMiddleware:
         self.routes: dict[str, str] | None = None
         self.contexts = ContextRoutes(app)
         self.heads = HeadRequests(app)
+        self.shadows = ShadowRequests(app)
 
     def _note_routes(self, scope: Scope) -> None:
         """Once: the served app's routes by kind, in the log."""
@@ -224,6 +227,7 @@ class KvcommTenantMiddleware:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         raw = b"".join(chunks)
+        shadow = None
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError):
@@ -247,12 +251,24 @@ class KvcommTenantMiddleware:
             if uses:
                 send = self.contexts.reporting(send, uses)
             if kind == "generation" and path == "/v1/completions":
-                await self.heads.before(scope, body)
+                shadow = await self.heads.before(scope, body)
             raw = json.dumps(body).encode("utf-8")
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(raw)).encode()))
         scope = {**scope, "headers": headers}
-        await self.app(scope, _replay([{"type": "http.request", "body": raw, "more_body": False}], receive), send)
+        if shadow is None:
+            await self.app(scope, _replay([{"type": "http.request", "body": raw, "more_body": False}], receive), send)
+            return
+        status = []
+
+        async def sent(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        await self.app(scope, _replay([{"type": "http.request", "body": raw, "more_body": False}], receive), sent)
+        if status == [200]:  # the quality guard sampled its plan: measure it, the response gone
+            self.shadows.after(scope, body, shadow, salt_of(kvcomm_of(body).get("tenant", "default"), False))
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:

@@ -11,6 +11,12 @@ vLLM starts, so the API server's ``/metrics`` aggregates both with vLLM's own.
   planned (annotated) requests whose prefill completed, by where their KV came from.
 - ``kvcomm_requests_total{outcome="planned"|"rejected"}``; ``kvcomm_fallbacks_total``: planned
   requests whose shared content was all recomputed.
+- ``kvcomm_guard_shadowed_total``: requests the quality guard measured against their dense
+  twin (``vllm.guard``); per guarded slot ``kvcomm_guard_kl_mean{tenant,slot}`` (rolling mean
+  KL(dense || reuse) of the first reply token, nats, top-k + other: a lower bound),
+  ``kvcomm_guard_kl_last{tenant,slot}``, ``kvcomm_guard_samples{tenant,slot}``, ``kvcomm_guard_gamma{tenant,slot}`` (the slot's gamma
+  now), ``kvcomm_guard_tightenings{tenant,slot}`` and ``kvcomm_guard_disabled{tenant,slot}``
+  (1: reuse off), refreshed by rank 0 after each sample.
 - ``kvcomm_anchors{slot}``, ``kvcomm_pool_bytes``, ``kvcomm_tenant_bytes{tenant}`` (hash
   label, never the key), ``kvcomm_evictions`` (gauges, refreshed after each learned request);
   ``kvcomm_pool_problems``: invariants found broken (V and byte caps, embedding index, access
@@ -27,6 +33,8 @@ from __future__ import annotations
 import logging
 
 from prometheus_client import Counter, Gauge
+
+from kvcomm.services.tenants import tenant_label
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +65,26 @@ POOL_BYTES = Gauge("kvcomm_pool_bytes", "Bytes held by all anchor pools (all ten
 TENANT_BYTES = Gauge("kvcomm_tenant_bytes", "Bytes held per tenant (pools, bases, exact prefixes)", ["tenant"],
                      multiprocess_mode="livesum")
 EVICTIONS = Gauge("kvcomm_evictions", "Anchors evicted so far (V cap and byte caps)", multiprocess_mode="livesum")
+GUARD_SHADOWED = Counter("kvcomm_guard_shadowed", "Requests the quality guard measured against their dense twin")
+_GUARD = {
+    "kl_mean": "Rolling mean KL(dense || reuse) of the first reply token, nats (top-k + other: a lower bound)",
+    "kl_last": "Latest measured KL(dense || reuse) of the first reply token, nats",
+    "samples": "Samples the quality guard recorded for the slot",
+    "gamma": "The slot pool's admission gamma now",
+    "tightenings": "Tightenings of the slot's gamma in force (lowered minus raised back)",
+    "disabled": "1 when the quality guard disabled reuse for the slot",
+}
+GUARD = {name: Gauge(f"kvcomm_guard_{name}", doc, ["tenant", "slot"], multiprocess_mode="mostrecent")
+         for name, doc in _GUARD.items()}
 PROBLEMS = Gauge("kvcomm_pool_problems", "Broken pool invariants found by TenantRegistry.problems() (0 when consistent)",
                  multiprocess_mode="livesum")
 
 
 def record_served(summary: dict) -> None:
     """Count one finished planned request from its summary (``PlannedRequest.summary``); a head
-    request counts nothing (its tokens are the computed head of the request it serves)."""
-    if summary.get("computes_head"):
+    request counts nothing (its tokens are the computed head of the request it serves), nor does
+    a quality guard's reuse twin."""
+    if summary.get("computes_head") or summary.get("shadow"):
         return
     for source in ("exact", "estimated", "computed"):
         PROMPT_TOKENS.labels(source).inc(summary[f"{source}_tokens"])
@@ -101,6 +121,17 @@ def record_pools(registry) -> None:
         ANCHORS.labels(slot).set(count)
     pools = [pool for tenant in registry.tenants for pool in registry.engine(tenant).pools.values()]
     EVICTIONS.set(sum(pool.evictions for pool in pools))
+
+
+def record_guard(tenant: str, numbers: dict) -> None:
+    """Count one guard sample and refresh its gauges from ``QualityGuard.metrics()`` of
+    ``tenant``'s guard (tenant under its hash label; bounded labels)."""
+    GUARD_SHADOWED.inc()
+    label = bounded("tenant", tenant_label(tenant))
+    for slot, values in numbers["slots"].items():
+        for name, gauge in GUARD.items():
+            if values[name] is not None:
+                gauge.labels(label, bounded("slot", slot)).set(float(values[name]))
 
 
 def record_rejected() -> None:

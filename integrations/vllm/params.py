@@ -18,6 +18,9 @@ Schema (JSON object; every key optional, unknown keys rejected)::
         "computes_head": false,              # with "ticket", set by `kvcomm serve` only: this request
                                              # computes the planned request's head (its prompt is that
                                              # request's first ``head_end`` tokens)
+        "shadow": false,                     # with "ticket", set by `kvcomm serve` only: this request
+                                             # is the quality guard's reuse twin of the planned request
+                                             # (served its plan again, learns nothing)
         "calibrate": false,                  # true: reuse nothing, prefill densely and learn
                                              # everything (each shared segment whose content
                                              # has a base becomes an anchor of its slot, up to
@@ -50,7 +53,7 @@ from dataclasses import dataclass
 from typing import Any, Collection
 
 _SLOT = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
-_KEYS = {"handle", "template", "tenant", "segments", "calibrate", "contexts", "ticket", "computes_head"}
+_KEYS = {"handle", "template", "tenant", "segments", "calibrate", "contexts", "ticket", "computes_head", "shadow"}
 MAX_TENANT_LENGTH = 256
 MAX_NAME_LENGTH = 256
 """Characters of a template, handle or segment id at most."""
@@ -127,6 +130,9 @@ class KvcommParams:
     """The plan made ahead for this request (``ServerPlanner.plan_ahead``; set by `kvcomm serve`)."""
     computes_head: bool = False
     """With ``ticket``: this request computes that plan's head, its prompt the head's end's prefix."""
+    shadow: bool = False
+    """With ``ticket``: this request is the quality guard's reuse twin of that plan's request
+    (``vllm.guard``): served the same plan, it learns nothing."""
 
 
 def _int(value: Any, where: str) -> int:
@@ -178,7 +184,11 @@ def parse_params(params: Any, prompt_len: int, known_slots: Collection[str] | No
     if not isinstance(computes_head, bool) or (computes_head and ticket is None):
         raise KvcommParamsError(f"kv_transfer_params.kvcomm.computes_head must be true or false, and true only with "
                                 f"a ticket, got {shown(computes_head)}")
-    ahead = {"ticket": ticket, "computes_head": computes_head}
+    shadow = body.get("shadow", False)
+    if not isinstance(shadow, bool) or (shadow and (ticket is None or computes_head)):
+        raise KvcommParamsError(f"kv_transfer_params.kvcomm.shadow must be true or false, and true only with a ticket "
+                                f"and without computes_head, got {shown(shadow)}")
+    ahead = {"ticket": ticket, "computes_head": computes_head, "shadow": shadow}
     if "segments" not in body:
         return KvcommParams(handle, template, None, tenant, calibrate, retain, release, **ahead)
     raw = body["segments"]

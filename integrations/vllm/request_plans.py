@@ -33,6 +33,12 @@ the request itself with the ticket: it is served the plan made ahead, the head's
 vLLM's prefix cache under the same salt, the rest injected) and the pieces after it, and learns
 the head as the in-process engine does. A ticket is used once; at most ``MAX_AHEAD`` plans are
 parked (oldest dropped), none older than ``AHEAD_TTL_S``.
+
+Quality guard (``vllm.guard``, with ``guard`` settings): every plan is cut at slots the
+tenant's guard disabled; a plan made ahead that the guard samples is also parked under its
+shadow ticket (``SHADOW_SUFFIX``, at most ``MAX_AHEAD``, none older than ``SHADOW_TTL_S``) for
+the reuse twin `kvcomm serve` sends after the response (``params.shadow``: served the same plan,
+it learns nothing), and ``guard_record`` takes the KL measured from the twins.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvcomm.reuse.config import ReuseConfig
+from kvcomm.services.quality_guard import GuardConfig
 
 from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.core.heads import ALL_HEADS, HeadShards
@@ -56,6 +63,7 @@ from kvcomm.services.tenants import TenantRegistry, adapter_key
 from kvcomm.integrations.vllm.channel import Capture, Injection, Order
 from kvcomm.reuse.assemble import exact_piece, pieces
 from kvcomm.integrations.vllm.detect import RunIndex
+from kvcomm.integrations.vllm.guard import ServerGuards
 from kvcomm.integrations.vllm.ids import SegmentIds
 from kvcomm.integrations.vllm.metrics import record_pools
 from kvcomm.integrations.vllm.params import KvcommParams, KvcommParamsError, shown
@@ -64,6 +72,10 @@ MAX_AHEAD = 64
 """Plans made ahead and not yet used, per process, at most (the oldest is dropped)."""
 AHEAD_TTL_S = 120.0
 """Seconds a plan made ahead waits for its request before it is dropped."""
+SHADOW_SUFFIX = ".shadow"
+"""A sampled plan's shadow ticket: its ticket with this suffix."""
+SHADOW_TTL_S = 600.0
+"""Seconds a sampled plan waits for its twins (sent after the response, which may stream long)."""
 
 
 @dataclass
@@ -91,6 +103,8 @@ class PlannedRequest:
     """The plan's computed head's KV (computed by the head request), learned with the prompt."""
     head_of: Ahead | None = None
     """Set on a head request: the plan made ahead whose head it computes."""
+    shadow: bool = False
+    """The quality guard's reuse twin of a sampled plan: served it again, learns nothing."""
 
     def summary(self) -> dict:
         """Per-request provenance, returned in the output's ``kv_transfer_params["kvcomm"]``."""
@@ -100,9 +114,10 @@ class PlannedRequest:
                     "head_tokens": 0, "fallback": False, "computes_head": True,
                     "note": "computes the head of a request planned ahead"}
         p = self.plan.provenance()
-        return {"prompt_tokens": p.prompt_tokens, "exact_tokens": p.exact_tokens,
-                "estimated_tokens": p.estimated_tokens, "computed_tokens": p.computed_tokens,
-                "head_tokens": p.head_tokens, "fallback": p.fallback, "note": self.plan.note}
+        summary = {"prompt_tokens": p.prompt_tokens, "exact_tokens": p.exact_tokens,
+                   "estimated_tokens": p.estimated_tokens, "computed_tokens": p.computed_tokens,
+                   "head_tokens": p.head_tokens, "fallback": p.fallback, "note": self.plan.note}
+        return summary | {"shadow": True} if self.shadow else summary
 
 
 def annotated_prompt(token_ids: list[int], params: KvcommParams) -> Prompt:
@@ -126,9 +141,10 @@ class ServerPlanner:
     def __init__(
         self, rotary: Rotary, config: ReuseConfig | None = None, *,
         max_total_bytes: int | None = None, max_tenant_bytes: int | None = None, heads: HeadShards = ALL_HEADS,
+        guard: GuardConfig | None = None,
     ):
         """heads: the KV heads this process holds (a tensor-parallel rank's share); the caps
-        apply to what this process holds."""
+        apply to what this process holds. guard: the quality guard's settings (None: none)."""
         self.rotary = rotary
         self.registry = TenantRegistry(rotary, config, max_total_bytes=max_total_bytes, max_tenant_bytes=max_tenant_bytes,
                                        heads=heads)
@@ -138,6 +154,8 @@ class ServerPlanner:
         self.ids = SegmentIds()
         self._lock = threading.Lock()
         self._ahead: OrderedDict[str, Ahead] = OrderedDict()
+        self.guards = ServerGuards(guard, heads.rank)
+        self._shadows: OrderedDict[str, tuple[Ahead, tuple[str, ...]]] = OrderedDict()
 
     @property
     def engines(self) -> dict[str, ReuseEngine]:
@@ -179,6 +197,7 @@ class ServerPlanner:
             plan.note = "no cache_salt: exact reuse only"
         else:
             plan = engine.plan(prompt)  # no base provider: new content's base comes from this prefill
+            self.guards.restrict(tenant, engine, plan, set(self.registry.tenants))
         return _request(engine, plan, tenant, max_tokens)
 
     def _prompt(self, token_ids: list[int], params: KvcommParams, tenant: str | None,
@@ -197,25 +216,47 @@ class ServerPlanner:
             engine.pin(shared_id)
         return engine, prompt, tenant
 
-    def plan_ahead(self, ticket: str, token_ids: list[int], params: KvcommParams) -> tuple[int, int] | None:
+    def plan_ahead(self, ticket: str, token_ids: list[int], params: KvcommParams) -> tuple[tuple[int, int] | None, str | None]:
         """Plan a salted request of the base model before it is submitted, as the in-process
         runner plans (``heads=True``), and park the plan under ``ticket`` (module docstring).
         Returns the computed head ``(start, end)`` the request's head request must compute
-        (its prompt: the first ``end`` tokens), or None when the plan has no head."""
+        (its prompt: the first ``end`` tokens), or None when the plan has no head; and the
+        shadow ticket when the quality guard sampled the plan (else None)."""
         if params.handle is not None or params.calibrate or params.ticket is not None:
             raise KvcommParamsError("a plan made ahead is for an annotated request without handle, calibrate or ticket")
         engine, prompt, tenant = self._prompt(token_ids, params, None, None)
         plan = engine.plan(prompt, heads=True)
+        self.guards.restrict(tenant, engine, plan, set(self.registry.tenants))
+        slots = self.guards.sample(tenant, engine, plan)
         now = time.monotonic()
+        ahead = Ahead(engine, plan, tenant, tuple(token_ids), now)
+        shadow = ticket + SHADOW_SUFFIX if slots else None
         with self._lock:
-            self._ahead[ticket] = Ahead(engine, plan, tenant, tuple(token_ids), now)
-            while self._ahead and (len(self._ahead) > MAX_AHEAD or next(iter(self._ahead.values())).made_at < now - AHEAD_TTL_S):
-                self._ahead.popitem(last=False)
-        return (plan.exact_length, plan.pieces_start) if plan.computed_head else None
+            self._ahead[ticket] = ahead
+            _expire(self._ahead, now - AHEAD_TTL_S, lambda a: a.made_at)
+            if shadow is not None:
+                self._shadows[shadow] = (ahead, slots)
+                _expire(self._shadows, now - SHADOW_TTL_S, lambda entry: entry[0].made_at)
+        return ((plan.exact_length, plan.pieces_start) if plan.computed_head else None), shadow
+
+    def guard_record(self, shadow: str, kl: float, seconds: float) -> bool:
+        """Record ``kl`` (nats, measured from the twins of the plan sampled under the shadow
+        ticket ``shadow``; ``seconds`` they took) in its tenant's guard; False when no such
+        sample is parked (expired or recorded)."""
+        with self._lock:
+            entry = self._shadows.pop(shadow, None)
+        if entry is None:
+            return False
+        ahead, slots = entry
+        self.guards.record(ahead.tenant, ahead.engine, slots, kl, seconds)
+        return True
 
     def _planned_ahead(self, token_ids: list[int], params: KvcommParams, salted: bool, max_tokens: int,
                        adapter: str | None) -> PlannedRequest:
-        """The request of a plan made ahead, or its head request (``params.computes_head``)."""
+        """The request of a plan made ahead, its head request (``params.computes_head``) or its
+        reuse twin (``params.shadow``)."""
+        if params.shadow:
+            return self._shadow(token_ids, params, salted, adapter)
         with self._lock:
             ahead = self._ahead.get(params.ticket) if params.computes_head else self._ahead.pop(params.ticket, None)
         if ahead is None or adapter is not None or not salted:
@@ -235,11 +276,28 @@ class ServerPlanner:
             plan = _exact_only(plan, "the head request did not complete: reuse only of the exact prefix")
         return _request(ahead.engine, plan, ahead.tenant, max_tokens, ahead.head if plan.computed_head else None)
 
+    def _shadow(self, token_ids: list[int], params: KvcommParams, salted: bool, adapter: str | None) -> PlannedRequest:
+        """The reuse twin of a sampled plan: the plan served again as its request was, no
+        capture, nothing learned."""
+        with self._lock:
+            entry = self._shadows.get(params.ticket)
+        if entry is None or adapter is not None or not salted or tuple(token_ids) != entry[0].token_ids:
+            raise KvcommParamsError(f"shadow ticket {shown(params.ticket)} names no sampled plan of this prompt in this "
+                                    "engine (expired or recorded)")
+        ahead = entry[0]
+        if ahead.plan.computed_head and ahead.head is None:
+            raise KvcommParamsError("the sampled plan's head request did not complete: its request reused the exact "
+                                    "prefix only, nothing to measure")
+        twin = _request(ahead.engine, ahead.plan, ahead.tenant, 0, ahead.head if ahead.plan.computed_head else None)
+        return dataclasses.replace(twin, order=Order(twin.order.inject, 0, 0), shadow=True)
+
     def finish(self, planned: PlannedRequest, capture: Capture | None, reply_ids: list[int]) -> None:
         """Learn from the captured real KV of prompt positions ``[reuse_end, len(prompt))``;
         ``reply_ids`` (stop token excluded) becomes shared content with its decode KV as base
         when all of it was fed back (a reply cut by max_tokens lacks its last token's KV)."""
         plan, prompt = planned.plan, planned.plan.prompt
+        if planned.shadow:
+            return
         if planned.head_of is not None:  # a head request: its KV waits for the planned request
             start, end = plan.exact_length, plan.pieces_start
             if capture is not None and capture.has(start, end):
@@ -280,6 +338,12 @@ def _request(engine: ReuseEngine, plan: ReusePlan, tenant: str, max_tokens: int,
     inject = Injection(tuple(parts), plan.reuse_end) if plan.reuse_end else None
     reply = max_tokens if engine.learns_reply_from(plan) else 0
     return PlannedRequest(engine, plan, Order(inject, plan.reuse_end, len(plan.prompt) + reply), tenant, head)
+
+
+def _expire(parked: OrderedDict, before: float, made_at) -> None:
+    """Drop the oldest of ``parked`` past ``MAX_AHEAD`` entries and those made before ``before``."""
+    while parked and (len(parked) > MAX_AHEAD or made_at(next(iter(parked.values()))) < before):
+        parked.popitem(last=False)
 
 
 def _exact_only(plan: ReusePlan, note: str) -> ReusePlan:

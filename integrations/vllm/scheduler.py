@@ -49,6 +49,7 @@ import torch
 from vllm.logger import init_logger
 
 from kvcomm.integrations.vllm.channel import Channel
+from kvcomm.integrations.vllm.guard import guard_config
 from kvcomm.integrations.vllm.messages import Finished, KvcommMetadata, KvcommWorkerMetadata, PlanAsk, StepRequest, handle_of
 from kvcomm.integrations.vllm.metrics import record_rejected, record_served
 from kvcomm.integrations.vllm.params import KvcommParamsError, parse_params, shown
@@ -147,6 +148,7 @@ class KvcommConnectorScheduler:
         if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
             raise ValueError(f"max_capture_bytes must be a positive number of bytes, got {budget!r}")
         self.max_capture_bytes = budget
+        guard_config(extra.get_from_extra_config("guard", None))  # refused here, at start, not at the first plan
         self._token_bytes = capture_bytes_per_token(kv_cache_config)
         slots = extra.get_from_extra_config("slots", None)
         self._known_slots = None if slots is None else frozenset(slots)

@@ -4,7 +4,9 @@ worker's planner outside the engine step.
 
 - ``kvcomm_plan_ahead(ticket, token_ids, kvcomm)``: plan a request before it is submitted and
   park the plan under ``ticket`` (``vllm.request_plans``, computed heads); returns this rank's
-  ``{"head": [start, end] | None}`` or ``{"error": why}``.
+  ``{"head": [start, end] | None, "shadow": ...}`` or ``{"error": why}``.
+- ``kvcomm_guard_record(shadow, kl, seconds)``: record the KL the middleware measured for a
+  plan the quality guard sampled (``vllm.guard``); returns ``{"recorded": bool}`` or ``{"error": why}``.
 """
 
 from __future__ import annotations
@@ -14,10 +16,21 @@ class KvcommWorkerExtension:
     """Mixed into vLLM's worker class by vLLM (``parallel_config.worker_extension_cls``)."""
 
     def kvcomm_plan_ahead(self, ticket: str, token_ids: list[int], kvcomm: dict) -> dict:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-        connector = get_kv_transfer_group() if has_kv_transfer_group() else None
-        worker = getattr(connector, "connector_worker", None)
+        worker = _connector_worker()
         if worker is None:
             return {"error": "this engine's workers run no kvcomm connector"}
         return worker._plans.plan_ahead(ticket, token_ids, kvcomm, worker.refused)
+
+    def kvcomm_guard_record(self, shadow: str, kl: float, seconds: float) -> dict:
+        worker = _connector_worker()
+        if worker is None:
+            return {"error": "this engine's workers run no kvcomm connector"}
+        return worker._plans.guard_record(shadow, kl, seconds)
+
+
+def _connector_worker():
+    """This worker's kvcomm connector worker side, or None."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    connector = get_kv_transfer_group() if has_kv_transfer_group() else None
+    return getattr(connector, "connector_worker", None)

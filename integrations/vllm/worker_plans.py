@@ -14,6 +14,7 @@ import os
 from typing import TYPE_CHECKING
 
 from kvcomm.integrations.vllm.channel import Channel
+from kvcomm.integrations.vllm.guard import guard_config
 from kvcomm.integrations.vllm.messages import Finished, PlanAnswer, PlanAsk, handle_of
 from kvcomm.integrations.vllm.request_plans import PlannedRequest, ServerPlanner
 
@@ -63,8 +64,10 @@ class WorkerPlans:
 
     def plan_ahead(self, ticket: str, token_ids: list[int], kvcomm: dict, refused: str | None) -> dict:
         """``ServerPlanner.plan_ahead`` for a request `kvcomm serve` is about to submit (its
-        ``kv_transfer_params["kvcomm"]`` as the middleware rewrote it): ``{"head": [start, end]}``
-        or ``{"head": None}``, or ``{"error": why}`` (the request is then planned in the step as usual)."""
+        ``kv_transfer_params["kvcomm"]`` as the middleware rewrote it): ``{"head": [start, end] | None,
+        "shadow": None | {"ticket": shadow ticket, "top_k": k}}`` (``shadow``: the quality guard
+        sampled the plan, ``vllm.guard``), or ``{"error": why}`` (the request is then planned in
+        the step as usual)."""
         from kvcomm.integrations.vllm.params import KvcommParamsError, parse_params
 
         if refused is not None:
@@ -72,14 +75,27 @@ class WorkerPlans:
         try:
             self._ensure_planner()
             params = parse_params({"kvcomm": kvcomm}, len(token_ids), self._known_slots)
-            head = self.planner.plan_ahead(ticket, list(token_ids), params)
+            head, shadow = self.planner.plan_ahead(ticket, list(token_ids), params)
         except KvcommParamsError as error:  # the client's mistake: the engine step reports it to the request
             return {"error": str(error)[:300]}
         except Exception as error:  # a planning failure must not take the engine down
             log.warning("kvcomm: planning ahead failed (%s: %s); the request is planned in the engine step",
                         type(error).__name__, str(error)[:300])
             return {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-        return {"head": None if head is None else list(head)}
+        if shadow is not None:
+            shadow = {"ticket": shadow, "top_k": self.planner.guards.config.top_k}
+        return {"head": None if head is None else list(head), "shadow": shadow}
+
+    def guard_record(self, shadow: str, kl: float, seconds: float) -> dict:
+        """``ServerPlanner.guard_record``: ``{"recorded": bool}``, or ``{"error": why}``."""
+        if self.planner is None or not isinstance(shadow, str) or not isinstance(kl, (int, float)) or not kl >= 0:
+            return {"error": f"nothing to record (planner {'not built' if self.planner is None else 'built'}, "
+                             f"KL {str(kl)[:40]})"}
+        try:
+            return {"recorded": self.planner.guard_record(shadow, float(kl), float(seconds))}
+        except Exception as error:  # a guard failure must not take the engine down
+            log.warning("kvcomm: recording a quality guard sample failed (%s: %s)", type(error).__name__, str(error)[:300])
+            return {"error": f"{type(error).__name__}: {str(error)[:300]}"}
 
     def finish(self, done: Finished) -> None:
         """Learn from the request's captured KV (if its prefill completed) and drop its state."""
@@ -162,7 +178,8 @@ def make_planner(vllm_config: "VllmConfig", channel: Channel, max_total_bytes: o
     caps = {"max_total_bytes": _rank_share(max_total_bytes, heads.size),
             "max_tenant_bytes": _rank_share(extra.get_from_extra_config("max_tenant_bytes", None), heads.size)}
     scope = extra.get_from_extra_config("reuse_scope", DEFAULT_SCOPE)  # checked at start by the connector
-    planner = ServerPlanner(rotary, ReuseConfig(pool=pool, scope=scope), heads=heads, **caps)
+    guard = guard_config(extra.get_from_extra_config("guard", None))  # checked at start by the connector
+    planner = ServerPlanner(rotary, ReuseConfig(pool=pool, scope=scope), heads=heads, guard=guard, **caps)
     state_dir = extra.get_from_extra_config("state_dir", None)
     if state_dir and heads.size > 1:
         state_dir = os.path.join(state_dir, f"tp{heads.size}-rank{heads.rank}")  # each rank saves its own heads

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 KL_TOP_K = 20
+MIN_OTHER_MASS = 1e-12
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,24 @@ def kl_topk_other(reference: TopK, logprobs: torch.Tensor) -> torch.Tensor:
     q = _buckets(logprobs.gather(1, reference.ids), _log_mass_outside(logprobs, reference.ids))
     terms = torch.where(p > -math.inf, p.exp() * (p - q), torch.zeros_like(p))
     return terms.sum(dim=1).clamp_min(0.0)
+
+
+def kl_topk_other_of(reference: dict[int, float], other: dict[int, float]) -> float:
+    """``kl_topk_other`` of one position from sparse log-probabilities, as a server reports them:
+    ``reference``: the reference's top-k tokens -> log-probability; ``other``: the other
+    distribution's log-probabilities of (at least) those tokens. The "other" buckets are the mass
+    outside the tokens, 1 minus theirs, at least ``MIN_OTHER_MASS`` (rounded log-probabilities can
+    sum past 1). Raises ValueError when ``other`` lacks a token."""
+    missing = set(reference) - set(other)
+    if missing:
+        raise ValueError(f"the other distribution lacks the log-probabilities of tokens {sorted(missing)[:5]}")
+    ids = list(reference)
+    top = [torch.tensor([[reference[i] for i in ids]], dtype=torch.float64),
+           torch.tensor([[other[i] for i in ids]], dtype=torch.float64)]
+    rest = [torch.log1p(-t.exp().sum(dim=1).clamp(max=1.0 - MIN_OTHER_MASS)) for t in top]
+    p, q = _buckets(top[0], rest[0]), _buckets(top[1], rest[1])
+    terms = torch.where(p > -math.inf, p.exp() * (p - q), torch.zeros_like(p))
+    return float(terms.sum(dim=1).clamp_min(0.0)[0])
 
 
 def top1_matches(reference: TopK, logprobs: torch.Tensor) -> torch.Tensor:

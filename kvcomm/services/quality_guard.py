@@ -120,7 +120,13 @@ class QualityGuard:
         self._rng = random.Random(self.config.seed)
         self._lock = threading.Lock()
 
-    def _bind(self, engine: ReuseEngine) -> None:
+    @property
+    def engine(self) -> ReuseEngine | None:
+        """The engine this guard serves (None until its first request)."""
+        return self._engine
+
+    def bind(self, engine: ReuseEngine) -> None:
+        """Serve ``engine`` (ValueError when this guard already serves another)."""
         if self._engine is None:
             self._engine = engine
         elif self._engine is not engine:
@@ -156,7 +162,7 @@ class QualityGuard:
     def restrict(self, engine: ReuseEngine, plan: ReusePlan) -> None:
         """Cut ``plan`` (before materializing) at its first piece whose shared segment's slot
         is disabled; everything from there on is computed densely."""
-        self._bind(engine)
+        self.bind(engine)
         for i, piece in enumerate(plan.pieces):
             segment = plan.prompt.segments[piece.segment_index]
             if segment.is_shared and self.disabled(segment.slot):
@@ -187,12 +193,19 @@ class QualityGuard:
             engine.learn(engine.calibration_plan(prompt, engine.base_provider(executor)), generation.computed)
         dense = generation.prompt_logprobs[-1]
         kl = float(kl_topk_other(topk_reference(dense[None].float(), self.config.top_k), reuse_logprobs[None].float())[0])
+        self.record(engine, slots, kl, time.perf_counter() - started)
+        return kl
+
+    def record(self, engine: ReuseEngine, slots: tuple[str, ...], kl: float, seconds: float = 0.0) -> None:
+        """Record one shadow sample measured elsewhere (e.g. by `kvcomm serve`'s twin requests):
+        ``kl`` nats of KL(dense || reuse) of the first reply token for ``slots`` of ``engine``,
+        ``seconds`` spent measuring it; act on it as ``shadow`` does."""
+        self.bind(engine)
         with self._lock:
             self.shadowed += 1
-            self.shadow_seconds += time.perf_counter() - started
+            self.shadow_seconds += seconds
             for slot in slots:
                 self._record(engine, slot, kl)
-        return kl
 
     def _record(self, engine: ReuseEngine, slot: str, kl: float) -> None:
         state = self._slot(slot)

@@ -66,7 +66,7 @@ def serve_ahead(planner: ServerPlanner, executor, ids: list[int], spans: list[di
     """What `kvcomm serve` does with one opted-in request: plan ahead, the head request (unless
     ``head_request`` is False: it failed), the request with its ticket."""
     body = {"template": template, "tenant": "t", "segments": spans}
-    head = planner.plan_ahead(ticket, ids, _params(ids, body))
+    head, _ = planner.plan_ahead(ticket, ids, _params(ids, body))
     if head is not None and head_request:
         start, end = head
         summary, _ = _run(planner, executor, ids[:end], {"template": template, "tenant": "t", "ticket": ticket,
@@ -116,13 +116,16 @@ def test_a_failed_head_request_leaves_the_exact_prefix_and_tickets_are_used_once
 def test_tickets_and_head_flags_come_from_the_server_only():
     from kvcomm.integrations.serve.middleware import rewrite
 
-    for options in ({"ticket": "t"}, {"computes_head": True}):
+    for options in ({"ticket": "t"}, {"computes_head": True}, {"shadow": True}):
         with pytest.raises(ValueError, match="set by the server"):
             rewrite({"prompt": [1, 2], "kv_transfer_params": {"kvcomm": options}}, None, frozenset())
     with pytest.raises(KvcommParamsError, match="only with a ticket"):
         parse_params({"kvcomm": {"computes_head": True}}, 4)
     with pytest.raises(KvcommParamsError, match="without handle or calibrate"):
         parse_params({"kvcomm": {"ticket": "t", "calibrate": True}}, 4)
+    for options in ({"shadow": True}, {"shadow": True, "ticket": "t", "computes_head": True}, {"shadow": 1, "ticket": "t"}):
+        with pytest.raises(KvcommParamsError, match="shadow must be"):
+            parse_params({"kvcomm": options}, 4)
 
 
 def test_bodies_that_cannot_be_planned_ahead_pass_untouched():

@@ -1,0 +1,88 @@
+"""The quality guard in the kvcomm connector (``kvcomm.services.quality_guard``): one guard per
+engine of the server's planner (a tenant, or a tenant's adapter), set by
+``kv_connector_extra_config["guard"] = {"budget": nats, "fraction": share}`` (`kvcomm serve
+--guard-budget/--guard-fraction`), checked when the connector starts (``guard_config``).
+
+- Every plan of a guarded engine, made ahead or in the engine step, is cut at the first slot
+  the guard disabled (``ServerGuards.restrict``).
+- A plan made ahead (``ServerPlanner.plan_ahead``) that estimates KV is sampled with the
+  guard's fraction (``ServerGuards.sample``); `kvcomm serve` then measures it after the
+  response (``serve.shadows``): a dense twin (the prompt with no kvcomm, under the tenant's
+  plain salt; the first token's top-k log-probabilities) and a reuse twin (the same plan served
+  again through its shadow ticket, learning nothing; the log-probabilities of the dense twin's
+  top-k tokens) give KL(dense || reuse) over the top-k tokens and an "other" bucket (a lower
+  bound of the full KL), recorded on every rank (``ServerGuards.record``, through
+  ``vllm.worker_extension``). The guard tightens or disables the slots as in process.
+
+Requests planned in the engine step (chat routes, text prompts, adapters) are restricted but not
+sampled: their plans are not kept for a twin. Every rank samples alike (the same seed, the same
+plans in the same order). Guard numbers are exported by rank 0 (``metrics.record_guard``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvcomm.reuse.engine import ReuseEngine
+from kvcomm.reuse.plan import ReusePlan
+from kvcomm.services.quality_guard import GuardConfig, QualityGuard
+from kvcomm.integrations.vllm.metrics import record_guard
+
+GUARD_KEYS = ("budget", "fraction")
+
+
+def guard_config(value: Any) -> GuardConfig | None:
+    """The guard's settings from ``kv_connector_extra_config["guard"]`` (None: no guard); raises
+    ValueError, saying what to change, for anything else than ``{"budget": B[, "fraction": F]}``
+    with B >= 0 nats and F in [0, 1]."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - set(GUARD_KEYS) or "budget" not in value or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()):
+        raise ValueError(f"kv_connector_extra_config guard must be an object {{\"budget\": nats, \"fraction\": share}} "
+                         f"(fraction optional, default {GuardConfig.fraction}), got {str(value)[:200]}")
+    return GuardConfig(budget=float(value["budget"]), fraction=float(value.get("fraction", GuardConfig.fraction)))
+
+
+class ServerGuards:
+    """The planner's guards, one per engine key (module docstring). ``config`` None: no guard,
+    and every method does nothing. ``rank``: this process's tensor-parallel rank."""
+
+    def __init__(self, config: GuardConfig | None, rank: int = 0):
+        self.config = config
+        self.rank = rank
+        self._guards: dict[str, QualityGuard] = {}
+
+    def guard(self, tenant: str, engine: ReuseEngine, live: frozenset[str] | set[str] | None = None) -> QualityGuard | None:
+        """``tenant``'s guard (made on first use; a new one when the tenant's engine was dropped
+        and made again). ``live``: the engine keys that still exist (guards of others are dropped
+        when a guard is made)."""
+        if self.config is None:
+            return None
+        guard = self._guards.get(tenant)
+        if guard is None or guard.engine is not engine:
+            if live is not None:
+                self._guards = {key: g for key, g in self._guards.items() if key in live}
+            guard = self._guards[tenant] = QualityGuard(self.config)
+            guard.bind(engine)
+        return guard
+
+    def restrict(self, tenant: str, engine: ReuseEngine, plan: ReusePlan, live=None) -> None:
+        """Cut ``plan`` at the first slot ``tenant``'s guard disabled."""
+        guard = self.guard(tenant, engine, live)
+        if guard is not None:
+            guard.restrict(engine, plan)
+
+    def sample(self, tenant: str, engine: ReuseEngine, plan: ReusePlan) -> tuple[str, ...]:
+        """The slots a twin measurement of ``plan`` is recorded for, or () to not sample it."""
+        guard = self.guard(tenant, engine)
+        return () if guard is None else guard.sample(plan)
+
+    def record(self, tenant: str, engine: ReuseEngine, slots: tuple[str, ...], kl: float, seconds: float) -> None:
+        """Record a measured ``kl`` (nats) for ``slots`` of ``tenant``'s guard, and export it."""
+        guard = self.guard(tenant, engine)
+        if guard is None:
+            return
+        guard.record(engine, slots, kl, seconds)
+        if self.rank == 0:
+            record_guard(tenant, guard.metrics())
