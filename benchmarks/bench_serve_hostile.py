@@ -17,7 +17,8 @@ p99 (a histogram bucket's upper bound) and the longest step since the server sta
 thread CPU time. Then each tenant sends, as its first sighting, a prompt another tenant taught
 the server: any exact or estimated kvcomm token, or vLLM prefix-cache hit, there is a
 cross-tenant hit. Unless ``--no-baseline``, the same fuzz then runs against a second server
-started with ``--no-plan`` (kvcomm's planning off), for the canary's gaps without it. Printed: "F
+started with ``--no-plan`` (kvcomm's planning off, and with it kvcomm's middleware: no body
+checks, no per-tenant cache salt), for the canary's gaps without them. Printed: "F
 hostile requests: C engine crashes, longest kvcomm work in one engine step S ms (worker W ms,
 scheduler X ms, plan-ahead P ms), longest canary gap G ms (G0 ms without planning), H
 cross-tenant hits, L bytes of log per request". S is W + X + P, a bound: the three longest may
