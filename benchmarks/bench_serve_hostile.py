@@ -2,19 +2,27 @@
 2 and 3), against a real server started here.
 
     .venv/bin/python benchmarks/bench_serve_hostile.py [--fuzz 2000] [--soak 5000] [--clients 16]
-        [--tenants 4] [--max-tenant-bytes 8000000] [--step-tokens 128] [--json]
+        [--tenants 4] [--max-tenant-bytes 8000000] [--step-tokens 128] [--no-baseline] [--json]
 
 Fuzz: ``--fuzz`` malformed or oversized requests (``hostile_bodies``: wrong types, spans out of
 range, segment ids sent again with other content, 10 MB strings, huge max_tokens, prompts built
 to blow up detection, bodies that are not JSON, forged tenant and salt fields) from 4 client
 threads over the tenants, while one streaming "canary" request after another runs beside them:
-the longest gap between two of the canary's tokens is the longest engine step it saw (the
-server runs at most ``--step-tokens`` tokens a step, so a step's own prefill work is bounded and
-what planning adds shows). Then each
-tenant sends, as its first sighting, a prompt another tenant taught the server: any exact or
-estimated kvcomm token, or vLLM prefix-cache hit, there is a cross-tenant hit. Printed: "F
-hostile requests: C engine crashes, longest engine step S ms, H cross-tenant hits, L bytes of
-log per request".
+the longest gap between two of the canary's tokens bounds the longest engine step it saw, vLLM's
+own work (at most ``--step-tokens`` tokens a step), kvcomm's and the machine's other jobs
+together. kvcomm's own work per engine step is read from the server's ``/metrics``
+(``kvcomm_step_seconds`` and ``kvcomm_step_max_seconds`` per side: worker hooks, scheduler
+hooks, plan-ahead RPC; ``kvcomm.integrations.vllm.step_time``), scraped before and after: steps,
+p99 (a histogram bucket's upper bound) and the longest step since the server started, wall and
+thread CPU time. Then each tenant sends, as its first sighting, a prompt another tenant taught
+the server: any exact or estimated kvcomm token, or vLLM prefix-cache hit, there is a
+cross-tenant hit. Unless ``--no-baseline``, the same fuzz then runs against a second server
+started with ``--no-plan`` (kvcomm's planning off, and with it kvcomm's middleware: no body
+checks, no per-tenant cache salt), for the canary's gaps without them. Printed: "F
+hostile requests: C engine crashes, longest kvcomm work in one engine step S ms (worker W ms,
+scheduler X ms, plan-ahead P ms), longest canary gap G ms (G0 ms without planning), H
+cross-tenant hits, L bytes of log per request". S is W + X + P, a bound: the three longest may
+come from different steps, and several plan-ahead calls may run between two steps.
 
 Soak: ``--soak`` annotated requests from ``--clients`` threads over ``--tenants`` API keys (each
 tenant its own documents, 40 of them, so its state grows past ``--max-tenant-bytes`` and is
@@ -22,7 +30,9 @@ evicted), every response checked; every 2 s the server's ``kvcomm_tenant_bytes``
 bytes, as the engine process exports them) and the RSS of the server's process tree are
 sampled. Printed: "N requests, K clients, T tenants: E errors, tenant bytes <= cap at every
 sample (max B), RSS drift D% after warm-up" (drift: the median of the last tenth of samples
-against the median of the tenth after the first fifth of requests).
+against the median of the tenth after the first fifth of requests). Also counted: planned
+requests whose note says they learned nothing because vLLM's prefix cache served them blocks that
+may hold approximate KV (the approximate-block rule, ``kvcomm.integrations.vllm.scheduler``).
 
 Server flags as the tests use them (embedded SmolLM2, fp32, 32-token blocks, 8 sequences,
 1024-token context, one OpenMP thread). Figures and their conditions go in ``docs/measurements/``.
@@ -173,6 +183,7 @@ def canary(url: str, model: str, key: str, tokenizer, stop_event: threading.Even
 def fuzz(url: str, model: str, keys: list[str], tokenizer, count: int, log: Path, process: subprocess.Popen) -> dict:
     bodies = hostile_bodies(tokenizer, model, count)
     log_before = log.stat().st_size
+    metrics_before = metric_samples(url, keys[0])
     stop_event, gaps = threading.Event(), []
     probe = threading.Thread(target=canary, args=(url, model, keys[0], tokenizer, stop_event, gaps))
     probe.start()
@@ -182,15 +193,19 @@ def fuzz(url: str, model: str, keys: list[str], tokenizer, count: int, log: Path
     seconds = time.perf_counter() - started
     stop_event.set()
     probe.join()
+    metrics_after = metric_samples(url, keys[0])
+    steps, cpu = step_figures(metrics_before, metrics_after), step_figures(metrics_before, metrics_after, "cpu_")
     cross = cross_tenant_hits(url, model, keys, tokenizer)
     text = log.read_text(errors="replace")
     crashes = int(process.poll() is not None) + text.count("EngineDeadError") + text.count("encountered a fatal error")
     bad = [s for s in statuses if not (s == 200 or 400 <= s < 500)]
     return {"requests": count, "seconds": seconds, "statuses": {str(s): statuses.count(s) for s in sorted(set(statuses))},
-            "non_4xx_failures": len(bad), "engine_crashes": crashes, "longest_step_ms": 1000 * max(gaps, default=0.0),
-            "median_step_ms": 1000 * statistics.median(gaps) if gaps else 0.0,
-            "p99_step_ms": 1000 * statistics.quantiles(gaps, n=100)[-1] if len(gaps) > 1 else 0.0,
-            "canary_gaps": len(gaps), "cross_tenant_hits": cross,
+            "non_4xx_failures": len(bad), "engine_crashes": crashes, "longest_gap_ms": 1000 * max(gaps, default=0.0),
+            "median_gap_ms": 1000 * statistics.median(gaps) if gaps else 0.0,
+            "p99_gap_ms": 1000 * statistics.quantiles(gaps, n=100)[-1] if len(gaps) > 1 else 0.0,
+            "canary_gaps": len(gaps), "kvcomm_step": steps, "kvcomm_step_cpu": cpu,
+            "kvcomm_longest_step_ms": sum(steps[side]["longest_ms"] for side in steps),
+            "cross_tenant_hits": cross,
             "log_bytes_per_request": (log.stat().st_size - log_before) / (count + 1)}
 
 
@@ -236,9 +251,41 @@ def tenant_bytes(client: httpx.Client, url: str, key: str) -> list[float]:
     return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("kvcomm_tenant_bytes{")]
 
 
+def metric_samples(url: str, key: str) -> dict[tuple[str, tuple], float]:
+    """The server's ``/metrics`` as {(name, sorted label pairs): value}."""
+    import re
+
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=60).text
+    samples = {}
+    for line in text.splitlines():
+        found = re.match(r"^([A-Za-z_:][\w:]*)(?:\{(.*)\})? (\S+)$", line)
+        if found:
+            labels = tuple(sorted(re.findall(r'(\w+)="([^"]*)"', found.group(2) or "")))
+            samples[(found.group(1), labels)] = float(found.group(3))
+    return samples
+
+
+def step_figures(before: dict, after: dict, clock: str = "") -> dict:
+    """kvcomm's time per engine step and side (``kvcomm.integrations.vllm.step_time``) between two
+    scrapes: steps observed, their p99 (the upper bound of the histogram bucket that holds it, in
+    ms) and the longest step since the server started (the max gauge, in ms); ``clock``: "" for
+    wall time, "cpu_" for the thread's CPU time."""
+    figures = {}
+    for side in ("worker", "scheduler", "plan_ahead"):
+        buckets = sorted(((float(dict(labels)["le"]), value - before.get((name, labels), 0.0))
+                          for (name, labels), value in after.items()
+                          if name == f"kvcomm_step_{clock}seconds_bucket" and dict(labels).get("side") == side))
+        total = buckets[-1][1] if buckets else 0.0
+        p99 = next((le for le, count in buckets if count >= 0.99 * total), float("nan")) if total else 0.0
+        longest = after.get((f"kvcomm_step_{clock}max_seconds", (("side", side),)))
+        figures[side] = {"steps": int(total), "p99_ms_at_most": 1000 * p99,
+                         "longest_ms": float("nan") if longest is None else 1000 * longest}
+    return figures
+
+
 def soak(url: str, model: str, keys: list[str], tokenizer, count: int, clients: int, cap: int, pid: int) -> dict:
     docs = {key: documents(t, 40) for t, key in enumerate(keys)}
-    done, errors, samples = [0], [], []
+    done, errors, samples, notes = [0], [], [], []
     lock, stop_event = threading.Lock(), threading.Event()
 
     def client_thread(index: int) -> None:
@@ -259,6 +306,8 @@ def soak(url: str, model: str, keys: list[str], tokenizer, count: int, clients: 
                     summary = reply.json()["kv_transfer_params"]["kvcomm"] if reply.status_code == 200 else {}
                     if reply.status_code != 200 or "error" in summary:
                         errors.append(f"{reply.status_code}: {str(summary or reply.text)[:200]}")
+                    else:
+                        notes.append(summary.get("note") or "")
                 except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
                     errors.append(repr(error)[:200])
 
@@ -283,7 +332,8 @@ def soak(url: str, model: str, keys: list[str], tokenizer, count: int, clients: 
     tenth = max(1, len(warm) // 10)
     drift = (statistics.median(warm[-tenth:]) / statistics.median(warm[:tenth]) - 1) if warm else float("nan")
     return {"requests": count, "clients": clients, "tenants": len(keys), "seconds": seconds, "errors": len(errors),
-            "first_errors": errors[:3], "samples": len(samples), "max_tenant_bytes_seen": max(held, default=0.0),
+            "first_errors": errors[:3], "planned": len(notes),
+            "approximate_notes": sum("approximate" in note for note in notes), "samples": len(samples), "max_tenant_bytes_seen": max(held, default=0.0),
             "cap": cap, "over_cap_samples": sum(b > cap for b in held), "rss_drift": drift,
             "rss_mib_after_warmup": statistics.median(warm[:tenth]) / 2**20 if warm else float("nan")}
 
@@ -296,6 +346,8 @@ def main() -> None:
     parser.add_argument("--tenants", type=int, default=4)
     parser.add_argument("--max-tenant-bytes", type=int, default=8_000_000)
     parser.add_argument("--step-tokens", type=int, default=128, help="vLLM's --max-num-batched-tokens (default 128)")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip the fuzz phase against a second server started with --no-plan")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -317,19 +369,39 @@ def main() -> None:
                                       process.pid)
         finally:
             stop(process)
+        if args.fuzz and not args.no_baseline:  # the same load without kvcomm's planning
+            process, url, model = start(keys, log, "--max-tenant-bytes", str(args.max_tenant_bytes),
+                                        "--max-num-batched-tokens", str(args.step_tokens), "--no-plan")
+            try:
+                result["fuzz_without_planning"] = fuzz(url, model, keys, tokenizer, args.fuzz, log, process)
+            finally:
+                stop(process)
     if args.json:
         print(json.dumps(result, indent=2))
         return
     if "fuzz" in result:
-        f = result["fuzz"]
+        f, steps = result["fuzz"], result["fuzz"]["kvcomm_step"]
+        g0 = result.get("fuzz_without_planning", {}).get("longest_gap_ms", float("nan"))
         print(f"{f['requests']} hostile requests in {f['seconds']:.0f} s: {f['engine_crashes']} engine crashes, "
-              f"{f['non_4xx_failures']} answers neither 200 nor 4xx, longest engine step {f['longest_step_ms']:.0f} ms "
-              f"(median {f['median_step_ms']:.0f}, p99 {f['p99_step_ms']:.0f}, {f['canary_gaps']} canary gaps), {f['cross_tenant_hits']} cross-tenant hits, "
-              f"{f['log_bytes_per_request']:.0f} bytes of log per request; statuses {f['statuses']}")
+              f"{f['non_4xx_failures']} answers neither 200 nor 4xx, longest kvcomm work in one engine step "
+              f"{f['kvcomm_longest_step_ms']:.0f} ms (worker {steps['worker']['longest_ms']:.0f} ms, scheduler "
+              f"{steps['scheduler']['longest_ms']:.0f} ms, plan-ahead {steps['plan_ahead']['longest_ms']:.0f} ms), "
+              f"longest canary gap {f['longest_gap_ms']:.0f} ms ({g0:.0f} ms without planning), "
+              f"{f['cross_tenant_hits']} cross-tenant hits, {f['log_bytes_per_request']:.0f} bytes of log per request; "
+              f"statuses {f['statuses']}")
+        print("kvcomm per engine step: " + "; ".join(
+            f"{side} {v['steps']} steps, p99 <= {v['p99_ms_at_most']:g} ms, longest {v['longest_ms']:.1f} ms "
+            f"(CPU {f['kvcomm_step_cpu'][side]['longest_ms']:.1f} ms)" for side, v in steps.items()))
+    if "fuzz_without_planning" in result:
+        b = result["fuzz_without_planning"]
+        print(f"without planning: longest canary gap {b['longest_gap_ms']:.0f} ms (median {b['median_gap_ms']:.0f}, "
+              f"p99 {b['p99_gap_ms']:.0f}, {b['canary_gaps']} gaps); with: median {f['median_gap_ms']:.0f}, "
+              f"p99 {f['p99_gap_ms']:.0f}, {f['canary_gaps']} gaps")
     if "soak" in result:
         s = result["soak"]
         print(f"{s['requests']} requests, {s['clients']} clients, {s['tenants']} tenants in {s['seconds']:.0f} s: "
-              f"{s['errors']} errors, {s['over_cap_samples']} tenant samples over the cap {s['cap']} "
+              f"{s['errors']} errors, {s['approximate_notes']} of {s['planned']} planned requests learned nothing "
+              f"(approximate blocks), {s['over_cap_samples']} tenant samples over the cap {s['cap']} "
               f"(max {s['max_tenant_bytes_seen']:.0f}, {s['samples']} samples), RSS drift {100 * s['rss_drift']:+.1f}% "
               f"after warm-up ({s['rss_mib_after_warmup']:.0f} MiB)")
 

@@ -31,6 +31,8 @@ object of its side:
         build_connector_worker_meta() - end of every step: learns from finished annotated
             requests, plans new ones (``worker_plans``), answers the scheduler.
 
+Every hook of both sides is timed per engine step (``step_time``).
+
 Refused at start-up, never inside a forward (``refusals``): rotary embeddings kvcomm cannot
 realign exactly, attention backends other than CPU_ATTN, FLASH_ATTN, TRITON_ATTN and FLASHINFER
 (MLA included), sliding-window, chunked-local or hybrid layers, KV sharing between layers, fp8 KV
@@ -55,6 +57,7 @@ from kvcomm.integrations.vllm.channel import Channel, channel
 from kvcomm.integrations.vllm.messages import KvcommWorkerMetadata
 from kvcomm.integrations.vllm.refusals import engine_refusal
 from kvcomm.integrations.vllm.scheduler import KvcommConnectorScheduler
+from kvcomm.integrations.vllm.step_time import CLOCKS
 from kvcomm.integrations.vllm.worker import KvcommConnectorWorker
 from kvcomm.reuse.scopes import DEFAULT_SCOPE, check_scope
 
@@ -66,6 +69,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+
+_SCHEDULER, _WORKER = CLOCKS["scheduler"], CLOCKS["worker"]
 
 
 class KvcommConnector(KVConnectorBase_V1):
@@ -114,18 +120,23 @@ class KvcommConnector(KVConnectorBase_V1):
         super().bind_kv_cache_manager(kv_cache_manager)
         self.scheduler.kv_cache_manager = kv_cache_manager
 
+    @_SCHEDULER.timed()
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @_SCHEDULER.timed()
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    @_SCHEDULER.timed(ends_step=True)
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)
 
+    @_SCHEDULER.timed()
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         self.scheduler.update_connector_output(connector_output)
 
+    @_SCHEDULER.timed()
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request)
 
@@ -134,20 +145,25 @@ class KvcommConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
 
+    @_WORKER.timed()
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """Nothing to start: vLLM calls this after the forward on steps without synchronous
         loads, so the worker prepares the step's work at whichever hook runs first."""
         return
 
+    @_WORKER.timed()
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker.wait_for_layer_load(layer_name, self._get_connector_metadata())
 
+    @_WORKER.timed()
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         self.worker.save_kv_layer(layer_name, self._get_connector_metadata())
 
+    @_WORKER.timed()
     def wait_for_save(self) -> None:
         self.worker.wait_for_save(self._connector_metadata)
 
+    @_WORKER.timed(ends_step=True)
     def build_connector_worker_meta(self) -> KvcommWorkerMetadata | None:
         if self.connector_worker is None:
             return None

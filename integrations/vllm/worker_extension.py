@@ -11,10 +11,13 @@ worker's planner outside the engine step.
 
 from __future__ import annotations
 
+from kvcomm.integrations.vllm.step_time import CLOCKS
+
 
 class KvcommWorkerExtension:
     """Mixed into vLLM's worker class by vLLM (``parallel_config.worker_extension_cls``)."""
 
+    @CLOCKS["plan_ahead"].timed(ends_step=True)
     def kvcomm_plan_ahead(self, ticket: str, token_ids: list[int], kvcomm: dict) -> dict:
         worker = _connector_worker()
         if worker is None:
