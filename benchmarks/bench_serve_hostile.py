@@ -12,17 +12,17 @@ the longest gap between two of the canary's tokens bounds the longest engine ste
 own work (at most ``--step-tokens`` tokens a step), kvcomm's and the machine's other jobs
 together. kvcomm's own work per engine step is read from the server's ``/metrics``
 (``kvcomm_step_seconds`` and ``kvcomm_step_max_seconds`` per side: worker hooks, scheduler
-hooks, plan-ahead RPC; ``kvcomm.integrations.vllm.step_time``), scraped before and after: steps,
+hooks, RPCs to the workers; ``kvcomm.integrations.vllm.step_time``), scraped before and after: steps,
 p99 (a histogram bucket's upper bound) and the longest step since the server started, wall and
 thread CPU time. Then each tenant sends, as its first sighting, a prompt another tenant taught
 the server: any exact or estimated kvcomm token, or vLLM prefix-cache hit, there is a
 cross-tenant hit. Unless ``--no-baseline``, the same fuzz then runs against a second server
-started with ``--no-plan`` (kvcomm's planning off, and with it kvcomm's middleware: no body
-checks, no per-tenant cache salt), for the canary's gaps without them. Printed: "F
+started with ``--no-plan`` (kvcomm's planning off; its middleware still checks keys and sets
+each tenant's cache salt), for the canary's gaps without planning. Printed: "F
 hostile requests: C engine crashes, longest kvcomm work in one engine step S ms (worker W ms,
-scheduler X ms, plan-ahead P ms), longest canary gap G ms (G0 ms without planning), H
+scheduler X ms, RPCs P ms), longest canary gap G ms (G0 ms without planning), H
 cross-tenant hits, L bytes of log per request". S is W + X + P, a bound: the three longest may
-come from different steps, and several plan-ahead calls may run between two steps.
+come from different steps, and several RPCs may run between two steps.
 
 Soak: ``--soak`` annotated requests from ``--clients`` threads over ``--tenants`` API keys (each
 tenant its own documents, 40 of them, so its state grows past ``--max-tenant-bytes`` and is
@@ -271,7 +271,7 @@ def step_figures(before: dict, after: dict, clock: str = "") -> dict:
     ms) and the longest step since the server started (the max gauge, in ms); ``clock``: "" for
     wall time, "cpu_" for the thread's CPU time."""
     figures = {}
-    for side in ("worker", "scheduler", "plan_ahead"):
+    for side in ("worker", "scheduler", "rpc"):
         buckets = sorted(((float(dict(labels)["le"]), value - before.get((name, labels), 0.0))
                           for (name, labels), value in after.items()
                           if name == f"kvcomm_step_{clock}seconds_bucket" and dict(labels).get("side") == side))
@@ -385,7 +385,7 @@ def main() -> None:
         print(f"{f['requests']} hostile requests in {f['seconds']:.0f} s: {f['engine_crashes']} engine crashes, "
               f"{f['non_4xx_failures']} answers neither 200 nor 4xx, longest kvcomm work in one engine step "
               f"{f['kvcomm_longest_step_ms']:.0f} ms (worker {steps['worker']['longest_ms']:.0f} ms, scheduler "
-              f"{steps['scheduler']['longest_ms']:.0f} ms, plan-ahead {steps['plan_ahead']['longest_ms']:.0f} ms), "
+              f"{steps['scheduler']['longest_ms']:.0f} ms, RPCs {steps['rpc']['longest_ms']:.0f} ms), "
               f"longest canary gap {f['longest_gap_ms']:.0f} ms ({g0:.0f} ms without planning), "
               f"{f['cross_tenant_hits']} cross-tenant hits, {f['log_bytes_per_request']:.0f} bytes of log per request; "
               f"statuses {f['statuses']}")

@@ -118,10 +118,9 @@ def serve_argv(
         # shutdown, before the planner in the worker can write its save at exit; see
         # STATE_SHUTDOWN_TIMEOUT_S for why it exceeds the worker's grace.
         argv += ["--shutdown-timeout", str(STATE_SHUTDOWN_TIMEOUT_S)]
-    if plan:
-        argv += ["--middleware", MIDDLEWARE]
-        if "--worker-extension-cls" not in given:  # computed heads: the middleware plans ahead through it
-            argv += ["--worker-extension-cls", WORKER_EXTENSION]
+    argv += ["--middleware", MIDDLEWARE]  # keys on every route and tenants' salts, planning or not
+    if plan and "--worker-extension-cls" not in given:  # computed heads: the middleware plans ahead through it
+        argv += ["--worker-extension-cls", WORKER_EXTENSION]
     return argv + vllm_args
 
 
@@ -176,6 +175,7 @@ def serve_command(args, vllm_args: list[str]) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number of bytes, got {getattr(args, name)}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from kvcomm.integrations.serve.contexts import CONFIG_ENV as CONTEXTS_CONFIG_ENV
+    from kvcomm.integrations.serve.heads import PLAN_AHEAD_ENV
     from kvcomm.integrations.serve.middleware import API_KEY_DIGESTS_ENV, KEY_DIGESTS_ENV, key_digest
 
     keys = api_keys(vllm_args)
@@ -195,6 +195,7 @@ def serve_command(args, vllm_args: list[str]) -> int:
     warning = state_environment(args.state_dir, os.environ, STATE_SHUTDOWN_TIMEOUT_S if given is None else given)
     if warning:
         print(warning, file=sys.stderr)
+    os.environ[PLAN_AHEAD_ENV] = "0" if args.no_plan else "1"
     sys.argv = serve_argv(args.model, not args.no_plan, args.slots, vllm_args, engine)
     tenants = f"{len(keys)} API keys, one tenant each" if keys and args.tenant_per_key else "one tenant"
     print(f"kvcomm: {tenants}; " + " ".join(hidden(sys.argv, keys)), file=sys.stderr)

@@ -26,6 +26,7 @@ both steps (the head request's prefill is part of the call's cost).
 
 from __future__ import annotations
 
+import os
 import uuid
 from typing import Any
 
@@ -34,6 +35,8 @@ from starlette.types import ASGIApp, Scope
 from kvcomm.integrations.serve.internal import call_app, kvcomm_error, kvcomm_of, say
 
 RPC = "kvcomm_plan_ahead"
+PLAN_AHEAD_ENV = "KVCOMM_PLAN_AHEAD"
+""""0": requests are not planned ahead (`kvcomm serve --no-plan`, set by the command)."""
 
 
 class HeadRequests:
@@ -41,7 +44,7 @@ class HeadRequests:
 
     def __init__(self, app: ASGIApp):
         self.app = app
-        self.enabled = True
+        self.enabled = os.environ.get(PLAN_AHEAD_ENV, "1") != "0"
         self.failures = 0
 
     async def before(self, scope: Scope, body: dict) -> tuple[str, int] | None:

@@ -66,7 +66,8 @@ class PlanAnswer:
 @dataclass(frozen=True)
 class Finished:
     """Request ``req_id`` finished; ``reply_ids``: its output tokens without a final stop
-    token. The worker learns from its captured KV and forgets it."""
+    token. The worker learns from its captured KV (in this step, or a later one when this
+    step's learning budget is spent, ``vllm.worker_plans``) and forgets it."""
 
     req_id: str
     reply_ids: tuple[int, ...]
@@ -107,9 +108,12 @@ class KvcommMetadata(KVConnectorMetadata):
 
 @dataclass
 class KvcommWorkerMetadata(KVConnectorWorkerMetadata):
-    """One step's answers from the worker(s), keyed by vLLM request id."""
+    """One step's answers from the worker(s), keyed by vLLM request id, and the finished
+    requests whose captured KV the worker let go of this step (learned from, or nothing to
+    learn): the scheduler releases their capture bytes."""
 
     answers: dict[str, PlanAnswer] = field(default_factory=dict)
+    released: tuple[str, ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KvcommWorkerMetadata":
         """Answers of several workers for one step. Tensor-parallel ranks each answer every
@@ -123,4 +127,5 @@ class KvcommWorkerMetadata(KVConnectorWorkerMetadata):
             if mine is not None and mine != theirs and mine.error is None:
                 answers[req_id] = PlanAnswer(error=f"kvcomm: tensor-parallel ranks planned this request differently "
                                                    f"({mine} vs {theirs}); served without reuse")
-        return KvcommWorkerMetadata(answers)
+        # every rank learns the same requests in the same steps (a budget in positions, not time)
+        return KvcommWorkerMetadata(answers, tuple(dict.fromkeys(self.released + other.released)))

@@ -3,7 +3,7 @@
 Counters live in the process running vLLM's scheduler (the engine core), counted when a
 request finishes (``record_served``, ``record_rejected``), before its response leaves; the
 pool gauges live where the pools are, vLLM's worker (``record_pools``, after the worker
-learned from a finished request: one engine step after its response). With vLLM's default
+learned from a finished request: an engine step or more after its response). With vLLM's default
 engine those are two processes; ``kvcomm serve`` sets up Prometheus multiprocess mode before
 vLLM starts, so the API server's ``/metrics`` aggregates both with vLLM's own.
 

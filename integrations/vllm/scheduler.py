@@ -16,9 +16,10 @@ prompt's computed tail, and the reply only when the scope learns its decode KV).
 ``max_capture_bytes`` (``kv_connector_extra_config``, default ``DEFAULT_MAX_CAPTURE_BYTES``)
 bounds the captures of all requests in flight together: a request is reserved prompt +
 ``max_tokens`` positions when asked for, cut to its plan's capture when the answer comes, and
-released two steps after its ``Finished`` went down (the worker frees the buffer at the end of
-the step that carries it). A request that would not fit is not planned: it is served as stock
-vLLM serves it, the reason in its ``kv_transfer_params``.
+released when the worker reports it let the capture go (``KvcommWorkerMetadata.released``:
+learned from, which may be some steps after its ``Finished`` went down, ``vllm.worker_plans``).
+A request that would not fit is not planned: it is served as stock vLLM serves it, the reason
+in its ``kv_transfer_params``.
 
 vLLM's own prefix hit and learning: the worker learns from the KV of positions ``capture_from``
 on, as if computed. Where vLLM's prefix cache serves some of them (its hit reaches past
@@ -158,8 +159,6 @@ class KvcommConnectorScheduler:
         self._finished: list[Finished] = []
         self._asked: set[str] = set()  # annotated requests whose plan was asked of the worker, until they finish
         self._capture_held: dict[str, int] = {}  # bytes of capture reserved per request id
-        self._releasing: list[tuple[int, str]] = []  # (build number, request id) of Finished sent down
-        self._builds = 0
         self._approximate: OrderedDict = OrderedDict()  # block hash -> None: blocks that may hold approximate KV
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -274,6 +273,8 @@ class KvcommConnectorScheduler:
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, KvcommWorkerMetadata):
             return
+        for req_id in meta.released:
+            self._capture_held.pop(req_id, None)
         for req_id, answer in meta.answers.items():
             tracked = self._tracked.get(req_id)
             if tracked is None:
@@ -300,10 +301,6 @@ class KvcommConnectorScheduler:
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvcommMetadata:
         meta = KvcommMetadata(asks=self._asks, finished=self._finished)
-        self._builds += 1
-        self._releasing += [(self._builds, done.req_id) for done in self._finished]
-        while self._releasing and self._releasing[0][0] <= self._builds - 2:  # the worker has freed it by now
-            self._capture_held.pop(self._releasing.pop(0)[1], None)
         self._asks, self._finished = [], []
         if not self._tracked:
             return meta

@@ -1,7 +1,7 @@
 """kvcomm's own time per vLLM engine step, per side, as Prometheus metrics.
 
-Each hook of the connector (``vllm.connector``) and the plan-ahead RPC
-(``KvcommWorkerExtension.kvcomm_plan_ahead``) is timed with ``time.perf_counter`` (wall
+Each hook of the connector (``vllm.connector``) and each RPC to the workers
+(``vllm.worker_extension``: ``kvcomm_plan_ahead``, ``kvcomm_guard_record``) is timed with ``time.perf_counter`` (wall
 seconds) and ``time.thread_time`` (CPU seconds of the calling thread: less sensitive to other
 jobs on the cores than wall time, blind to time spent waiting). The times are summed per side
 until the side's step ends, then observed once:
@@ -17,11 +17,11 @@ until the side's step ends, then observed once:
   one ended: the previous step's ``update_from_output()`` (``update_connector_output``, the
   finished requests' ``request_finished``) and aborts handled between steps. All of it runs on
   the engine core's thread between two executions of the model.
-- ``plan_ahead``: one ``kvcomm_plan_ahead`` call, each its own observation. vLLM's engine core
+- ``rpc``: one ``kvcomm_plan_ahead`` or ``kvcomm_guard_record`` call, each its own observation. vLLM's engine core
   runs these ``collective_rpc`` calls between steps, so each stalls the engine loop like a step
   (several may run between two steps).
 
-Metrics (label ``side``: "worker", "scheduler", "plan_ahead", all created at import):
+Metrics (label ``side``: "worker", "scheduler", "rpc", all created at import):
 
 - ``kvcomm_step_seconds{side}``, ``kvcomm_step_cpu_seconds{side}``: histograms of a step's
   summed wall and thread CPU seconds (``BUCKETS``: 0.1 ms to 5 s).
@@ -40,7 +40,7 @@ import time
 
 from prometheus_client import Gauge, Histogram
 
-SIDES = ("worker", "scheduler", "plan_ahead")
+SIDES = ("worker", "scheduler", "rpc")
 BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 """Histogram bounds in seconds: 1-500 ms resolved, the 200 ms of issue 39 a bound."""
 

@@ -204,13 +204,15 @@ class KvcommConnectorWorker:
 
     def build_connector_worker_meta(self, meta: "KVConnectorMetadata | None") -> KvcommWorkerMetadata | None:
         """End of every step (also steps with nothing scheduled): learn from the requests that
-        finished, then plan the new annotated ones; their answers go to the scheduler."""
-        if not isinstance(meta, KvcommMetadata) or not (meta.asks or meta.finished):
-            return None
-        for done in meta.finished:
+        finished (within the step's learning budget, ``WorkerPlans.learn``), then plan the new
+        annotated ones; their answers and the released captures go to the scheduler."""
+        asks, finished = (meta.asks, meta.finished) if isinstance(meta, KvcommMetadata) else ([], [])
+        for done in finished:
             self._plans.finish(done)
-        answers = {ask.req_id: self._plans.answer(ask, self.refused) for ask in meta.asks}
-        return KvcommWorkerMetadata(answers) if answers else None
+        released = self._plans.learn()
+        gone = {done.req_id for done in finished}  # aborted before its plan was made: nothing to plan
+        answers = {ask.req_id: self._plans.answer(ask, self.refused) for ask in asks if ask.req_id not in gone}
+        return KvcommWorkerMetadata(answers, released) if answers or released else None
 
     def wait_for_save(self, meta: "KVConnectorMetadata | None") -> None:
         """End of the step's forward: copy each request's captured tokens (every layer at once)

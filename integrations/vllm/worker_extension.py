@@ -17,13 +17,14 @@ from kvcomm.integrations.vllm.step_time import CLOCKS
 class KvcommWorkerExtension:
     """Mixed into vLLM's worker class by vLLM (``parallel_config.worker_extension_cls``)."""
 
-    @CLOCKS["plan_ahead"].timed(ends_step=True)
+    @CLOCKS["rpc"].timed(ends_step=True)
     def kvcomm_plan_ahead(self, ticket: str, token_ids: list[int], kvcomm: dict) -> dict:
         worker = _connector_worker()
         if worker is None:
             return {"error": "this engine's workers run no kvcomm connector"}
         return worker._plans.plan_ahead(ticket, token_ids, kvcomm, worker.refused)
 
+    @CLOCKS["rpc"].timed(ends_step=True)
     def kvcomm_guard_record(self, shadow: str, kl: float, seconds: float) -> dict:
         worker = _connector_worker()
         if worker is None:

@@ -4,16 +4,27 @@ exact prefixes, persistence, learning) lives in the process that holds the KV ca
 ``WorkerPlans`` answers the scheduler's ``PlanAsk`` messages (plan, materialize, place the
 order on this process's ``Channel`` under ``handle_of(req_id)``, where the worker side's
 layer hooks (``vllm.worker``) find the KV to inject and put the captured KV) and learns on ``Finished``. The
-scheduler sees only the ``PlanAnswer`` numbers (``vllm.messages``).
+scheduler sees only the ``PlanAnswer`` numbers (``vllm.messages``) and which captures were let go.
+
+Learning runs in the engine step, so it is bounded per step: a finished request's capture waits
+in a queue, and each step learns from the oldest ones until ``LEARN_POSITIONS_PER_STEP``
+captured positions (at least one request per step). One request finishing at a time is learned
+in the step after it finishes, as before; a burst of long requests that finish together is
+learned over the following steps (and the rest of a burst waits for the next step if the
+server goes idle), its capture bytes held until then. Head requests and reuse twins are taken
+at once (nothing to learn but a head's KV). Every rank learns the same requests in the same
+steps: the budget counts positions, not time. Requests still queued when the server stops are
+not learned from.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from typing import TYPE_CHECKING
 
-from kvcomm.integrations.vllm.channel import Channel
+from kvcomm.integrations.vllm.channel import Capture, Channel
 from kvcomm.integrations.vllm.guard import guard_config
 from kvcomm.integrations.vllm.messages import Finished, PlanAnswer, PlanAsk, handle_of
 from kvcomm.integrations.vllm.request_plans import PlannedRequest, ServerPlanner
@@ -22,6 +33,10 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 log = logging.getLogger(__name__)
+LEARN_POSITIONS_PER_STEP = 1024
+"""Captured positions learned from per engine step, at most (and at least one request): one
+request of 900 positions costs ~60 ms of one CPU core with SmolLM2-135M in fp32 (three copies of
+its KV), so a step stays far under 200 ms (docs/measurements/2026-12-06-serve-hardening.md)."""
 
 
 class WorkerPlans:
@@ -36,6 +51,8 @@ class WorkerPlans:
         self.channel = channel
         self.planner: ServerPlanner | None = None
         self._planned: dict[str, PlannedRequest] = {}
+        self._learning: deque[tuple[Finished, PlannedRequest, Capture]] = deque()
+        self._released: list[str] = []
         self.max_total_bytes = vllm_config.kv_transfer_config.get_from_extra_config("max_total_bytes", None)
         """All ranks' byte cap; the worker sets it from the device memory at start-up (``refusals.device_memory_budget``)."""
         slots = vllm_config.kv_transfer_config.get_from_extra_config("slots", None)
@@ -98,11 +115,37 @@ class WorkerPlans:
             return {"error": f"{type(error).__name__}: {str(error)[:300]}"}
 
     def finish(self, done: Finished) -> None:
-        """Learn from the request's captured KV (if its prefill completed) and drop its state."""
+        """Take the finished request's captured KV off the channel and queue it for ``learn``;
+        a head request's KV (wanted by the next plan), a reuse twin and a request with nothing
+        captured are handled at once."""
         capture, _ = self.channel.take(handle_of(done.req_id))
         planned = self._planned.pop(done.req_id, None)
-        if planned is None:
+        if planned is not None and capture is not None and planned.head_of is None and not planned.shadow:
+            self._learning.append((done, planned, capture))
             return
+        if planned is not None:
+            self._finish(done, planned, capture)
+        self._released.append(done.req_id)
+
+    def learn(self) -> tuple[str, ...]:
+        """Learn from the oldest queued requests, up to ``LEARN_POSITIONS_PER_STEP`` captured
+        positions (at least one request); returns the requests whose captures were let go since
+        the last call (learned, or taken at once by ``finish``)."""
+        spent = 0
+        while self._learning and (not spent or spent + self._learning[0][2].filled.numel() <= LEARN_POSITIONS_PER_STEP):
+            done, planned, capture = self._learning.popleft()
+            spent += capture.filled.numel()
+            self._finish(done, planned, capture)
+            self._released.append(done.req_id)
+        released, self._released = tuple(self._released), []
+        return released
+
+    @property
+    def queued(self) -> int:
+        """Finished requests waiting to be learned from."""
+        return len(self._learning)
+
+    def _finish(self, done: Finished, planned: PlannedRequest, capture: Capture | None) -> None:
         try:
             self.planner.finish(planned, capture, list(done.reply_ids))
         except Exception:  # learning is best effort: the request was already served

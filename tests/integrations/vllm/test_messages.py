@@ -14,6 +14,8 @@ from kvcomm.integrations.vllm.messages import KvcommWorkerMetadata, PlanAnswer, 
 def test_worker_metadata_aggregates_the_answers_of_several_workers():
     one, two = KvcommWorkerMetadata({"a": PlanAnswer(1)}), KvcommWorkerMetadata({"b": PlanAnswer(error="e")})
     assert one.aggregate(two).answers == {"a": PlanAnswer(1), "b": PlanAnswer(error="e")}
+    released = KvcommWorkerMetadata({}, ("x", "y")).aggregate(KvcommWorkerMetadata({}, ("y", "z"))).released
+    assert sorted(released) == ["x", "y", "z"]  # captures let go, by any rank
     with pytest.raises(TypeError, match="cannot aggregate"):
         one.aggregate(object())
     assert isinstance(PlanAsk("a", (1,), None, True, 1), PlanAsk)

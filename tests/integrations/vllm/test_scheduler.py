@@ -153,8 +153,9 @@ def test_a_request_whose_capture_would_exceed_the_budget_is_served_plainly_with_
 def test_captures_in_flight_together_stay_within_the_budget():
     """max_capture_bytes bounds the captures of all requests in flight: prompt + max_tokens
     positions are reserved at the ask, cut to the plan's capture range at the answer (here the
-    prompt's computed tail only), and released once the worker has freed the buffer (two steps
-    after the request's Finished went down); a request that does not fit is served plainly."""
+    prompt's computed tail only), and released when the worker reports it let the capture go
+    (learned from: maybe steps after the request's Finished went down); a request that does not
+    fit is served plainly."""
     position = 1536
     connector = _scheduler_connector(max_capture_bytes=100 * position)
     scheduler = connector.scheduler
@@ -175,11 +176,12 @@ def test_captures_in_flight_together_stay_within_the_budget():
     connector.request_finished(a, [])
     assert scheduler.capture_bytes_held == 100 * position  # the worker has not freed a's buffer yet
     assert _step(connector).finished[0].req_id == "a"
-    assert scheduler.capture_bytes_held == 100 * position
-    _step(connector)
-    assert scheduler.capture_bytes_held == 100 * position  # under async scheduling that step may still run
-    _step(connector)
-    assert scheduler.capture_bytes_held == 80 * position  # the step that carried a's Finished has ended
+    for _ in range(3):  # the worker is still learning from it (its step's learning budget was spent)
+        _step(connector)
+        connector.update_connector_output(_output({}))
+        assert scheduler.capture_bytes_held == 100 * position
+    connector.update_connector_output(SimpleNamespace(kv_connector_worker_meta=KvcommWorkerMetadata({}, ("a",))))
+    assert scheduler.capture_bytes_held == 80 * position  # learned: the buffer is gone
     e = _request("e", n=15, options={"segments": [{"start": 2, "end": 10, "slot": "task"}]})
     assert connector.get_num_new_matched_tokens(e, 0) == (None, False)  # 80 + 20 = 100
 

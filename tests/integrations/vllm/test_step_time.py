@@ -23,8 +23,8 @@ def _observed(side: str) -> tuple[float, float, float]:
 
 
 def test_a_step_sums_its_calls_wall_and_cpu_time_and_the_longest_is_kept():
-    clock = StepClock("plan_ahead")
-    steps, wall, cpu = _observed("plan_ahead")
+    clock = StepClock("rpc")
+    steps, wall, cpu = _observed("rpc")
 
     @clock.timed()
     def sleep(seconds: float) -> None:
@@ -45,16 +45,16 @@ def test_a_step_sums_its_calls_wall_and_cpu_time_and_the_longest_is_kept():
     with pytest.raises(ValueError):
         fail()
     sleep(0.01)
-    assert clock.wall >= 0.04 and clock.cpu >= 0.01 and _observed("plan_ahead")[0] == steps  # not ended yet
+    assert clock.wall >= 0.04 and clock.cpu >= 0.01 and _observed("rpc")[0] == steps  # not ended yet
     assert last() == "answer"
-    after = _observed("plan_ahead")
+    after = _observed("rpc")
     assert after[0] == steps + 1 and after[1] - wall >= 0.04
     assert 0.01 <= after[2] - cpu < 0.03  # sleeping costs no CPU time; the busy loop does
     assert clock.wall == clock.cpu == 0.0 and clock.longest >= 0.04
-    assert REGISTRY.get_sample_value("kvcomm_step_max_seconds", {"side": "plan_ahead"}) == clock.longest
+    assert REGISTRY.get_sample_value("kvcomm_step_max_seconds", {"side": "rpc"}) == clock.longest
     last()  # an empty step: observed, the longest kept
-    assert _observed("plan_ahead")[0] == steps + 2
-    assert REGISTRY.get_sample_value("kvcomm_step_max_seconds", {"side": "plan_ahead"}) == clock.longest >= 0.04
+    assert _observed("rpc")[0] == steps + 2
+    assert REGISTRY.get_sample_value("kvcomm_step_max_seconds", {"side": "rpc"}) == clock.longest >= 0.04
 
 
 def test_every_side_is_exported_from_the_start():
@@ -83,7 +83,7 @@ def test_the_connector_hooks_and_plan_ahead_are_timed_once_per_engine_step(vllm_
     assert "error" not in answer, answer
     grown = {side: [a - b for a, b in zip(_observed(side), before[side])] for side in SIDES}
     print(f"\nsteps, wall s, CPU s per side: {grown}")
-    worker, scheduler, ahead = grown["worker"], grown["scheduler"], grown["plan_ahead"]
+    worker, scheduler, ahead = grown["worker"], grown["scheduler"], grown["rpc"]
     # one pending step (the plan asked), 4+ prefill chunks, 5 decode steps; the worker's step
     # ends with each execution, the scheduler's with each schedule(): as many of each
     assert worker[0] >= 10 and worker[0] == scheduler[0], grown
