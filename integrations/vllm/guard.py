@@ -21,7 +21,7 @@ plans in the same order). Guard numbers are exported by rank 0 (``metrics.record
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Collection
 
 from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.reuse.plan import ReusePlan
@@ -46,30 +46,31 @@ def guard_config(value: Any) -> GuardConfig | None:
 
 class ServerGuards:
     """The planner's guards, one per engine key (module docstring). ``config`` None: no guard,
-    and every method does nothing. ``rank``: this process's tensor-parallel rank."""
+    and every method does nothing. ``rank``: this process's tensor-parallel rank. ``live``: the
+    engine keys that exist now (when a guard is made, the guards of others are dropped)."""
 
-    def __init__(self, config: GuardConfig | None, rank: int = 0):
+    def __init__(self, config: GuardConfig | None, rank: int = 0, live: Callable[[], Collection[str]] = tuple):
         self.config = config
         self.rank = rank
+        self._live = live
         self._guards: dict[str, QualityGuard] = {}
 
-    def guard(self, tenant: str, engine: ReuseEngine, live: frozenset[str] | set[str] | None = None) -> QualityGuard | None:
+    def guard(self, tenant: str, engine: ReuseEngine) -> QualityGuard | None:
         """``tenant``'s guard (made on first use; a new one when the tenant's engine was dropped
-        and made again). ``live``: the engine keys that still exist (guards of others are dropped
-        when a guard is made)."""
+        and made again)."""
         if self.config is None:
             return None
         guard = self._guards.get(tenant)
         if guard is None or guard.engine is not engine:
-            if live is not None:
-                self._guards = {key: g for key, g in self._guards.items() if key in live}
+            live = set(self._live())
+            self._guards = {key: g for key, g in self._guards.items() if key in live}
             guard = self._guards[tenant] = QualityGuard(self.config)
             guard.bind(engine)
         return guard
 
-    def restrict(self, tenant: str, engine: ReuseEngine, plan: ReusePlan, live=None) -> None:
+    def restrict(self, tenant: str, engine: ReuseEngine, plan: ReusePlan) -> None:
         """Cut ``plan`` at the first slot ``tenant``'s guard disabled."""
-        guard = self.guard(tenant, engine, live)
+        guard = self.guard(tenant, engine)
         if guard is not None:
             guard.restrict(engine, plan)
 

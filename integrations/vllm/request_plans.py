@@ -154,7 +154,7 @@ class ServerPlanner:
         self.ids = SegmentIds()
         self._lock = threading.Lock()
         self._ahead: OrderedDict[str, Ahead] = OrderedDict()
-        self.guards = ServerGuards(guard, heads.rank)
+        self.guards = ServerGuards(guard, heads.rank, lambda: self.registry.tenants)
         self._shadows: OrderedDict[str, tuple[Ahead, tuple[str, ...]]] = OrderedDict()
 
     @property
@@ -197,7 +197,7 @@ class ServerPlanner:
             plan.note = "no cache_salt: exact reuse only"
         else:
             plan = engine.plan(prompt)  # no base provider: new content's base comes from this prefill
-            self.guards.restrict(tenant, engine, plan, set(self.registry.tenants))
+            self.guards.restrict(tenant, engine, plan)
         return _request(engine, plan, tenant, max_tokens)
 
     def _prompt(self, token_ids: list[int], params: KvcommParams, tenant: str | None,
@@ -226,7 +226,7 @@ class ServerPlanner:
             raise KvcommParamsError("a plan made ahead is for an annotated request without handle, calibrate or ticket")
         engine, prompt, tenant = self._prompt(token_ids, params, None, None)
         plan = engine.plan(prompt, heads=True)
-        self.guards.restrict(tenant, engine, plan, set(self.registry.tenants))
+        self.guards.restrict(tenant, engine, plan)
         slots = self.guards.sample(tenant, engine, plan)
         now = time.monotonic()
         ahead = Ahead(engine, plan, tenant, tuple(token_ids), now)
