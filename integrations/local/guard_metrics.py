@@ -20,18 +20,9 @@ from __future__ import annotations
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvcomm.services.quality_guard import QualityGuard
+from kvcomm.services.quality_guard import SLOT_METRICS, QualityGuard
 from kvcomm.services.tenants import tenant_label
 
-_PER_SLOT = {
-    "kl_mean": "Rolling mean KL(dense || reuse) of the first reply token, nats (top-k + other: a lower bound)",
-    "kl_last": "Latest shadowed KL(dense || reuse) of the first reply token, nats",
-    "samples": "Shadowed requests recorded for the slot",
-    "tightenings": "Tightenings of the slot's gamma in force (lowered minus raised back)",
-    "loosenings": "Times the guard raised the slot's gamma back after a full window well within budget",
-    "disabled": "1 when the guard disabled reuse for the slot",
-    "gamma": "The slot pool's admission gamma now",
-}
 
 
 class GuardCollector:
@@ -45,7 +36,7 @@ class GuardCollector:
 
     def collect(self):
         per_slot = {name: GaugeMetricFamily(f"kvcomm_guard_{name}", doc, labels=["tenant", "slot"])
-                    for name, doc in _PER_SLOT.items()}
+                    for name, doc in SLOT_METRICS.items()}
         shadowed = CounterMetricFamily("kvcomm_guard_shadowed", "Requests the guard also prefilled densely", labels=["tenant"])
         seconds = CounterMetricFamily("kvcomm_guard_shadow_seconds", "Seconds spent in shadow prefills", labels=["tenant"])
         budget = GaugeMetricFamily("kvcomm_guard_budget", "KL budget of a slot's rolling mean, nats", labels=["tenant"])

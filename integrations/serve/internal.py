@@ -66,7 +66,6 @@ def kvcomm_error(answer: Any) -> str | None:
     return options.get("error") if isinstance(options, dict) else None
 
 
-
 def say(line: str) -> None:
     """One line in the API server's log. Printed, as the middleware prints its route table:
     vLLM's logging setup leaves other packages' loggers without a handler in the API server."""

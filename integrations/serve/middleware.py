@@ -256,9 +256,6 @@ class KvcommTenantMiddleware:
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(raw)).encode()))
         scope = {**scope, "headers": headers}
-        if shadow is None:
-            await self.app(scope, _replay([{"type": "http.request", "body": raw, "more_body": False}], receive), send)
-            return
         status = []
 
         async def sent(message: Message) -> None:
@@ -266,8 +263,9 @@ class KvcommTenantMiddleware:
                 status.append(message["status"])
             await send(message)
 
-        await self.app(scope, _replay([{"type": "http.request", "body": raw, "more_body": False}], receive), sent)
-        if status == [200]:  # the quality guard sampled its plan: measure it, the response gone
+        await self.app(scope, _replay([{"type": "http.request", "body": raw, "more_body": False}], receive),
+                       send if shadow is None else sent)
+        if shadow is not None and status == [200]:  # the quality guard sampled its plan: measure it, the response gone
             self.shadows.after(scope, body, shadow, salt_of(kvcomm_of(body).get("tenant", "default"), False))
 
 

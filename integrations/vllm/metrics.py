@@ -34,6 +34,7 @@ import logging
 
 from prometheus_client import Counter, Gauge
 
+from kvcomm.services.quality_guard import SLOT_METRICS
 from kvcomm.services.tenants import tenant_label
 
 log = logging.getLogger(__name__)
@@ -66,16 +67,8 @@ TENANT_BYTES = Gauge("kvcomm_tenant_bytes", "Bytes held per tenant (pools, bases
                      multiprocess_mode="livesum")
 EVICTIONS = Gauge("kvcomm_evictions", "Anchors evicted so far (V cap and byte caps)", multiprocess_mode="livesum")
 GUARD_SHADOWED = Counter("kvcomm_guard_shadowed", "Requests the quality guard measured against their dense twin")
-_GUARD = {
-    "kl_mean": "Rolling mean KL(dense || reuse) of the first reply token, nats (top-k + other: a lower bound)",
-    "kl_last": "Latest measured KL(dense || reuse) of the first reply token, nats",
-    "samples": "Samples the quality guard recorded for the slot",
-    "gamma": "The slot pool's admission gamma now",
-    "tightenings": "Tightenings of the slot's gamma in force (lowered minus raised back)",
-    "disabled": "1 when the quality guard disabled reuse for the slot",
-}
-GUARD = {name: Gauge(f"kvcomm_guard_{name}", doc, ["tenant", "slot"], multiprocess_mode="mostrecent")
-         for name, doc in _GUARD.items()}
+GUARD = {name: Gauge(f"kvcomm_guard_{name}", SLOT_METRICS[name], ["tenant", "slot"], multiprocess_mode="mostrecent")
+         for name in ("kl_mean", "kl_last", "samples", "gamma", "tightenings", "disabled")}
 PROBLEMS = Gauge("kvcomm_pool_problems", "Broken pool invariants found by TenantRegistry.problems() (0 when consistent)",
                  multiprocess_mode="livesum")
 

@@ -75,8 +75,12 @@ def kl_topk_other(reference: TopK, logprobs: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{logprobs.shape[0]} positions vs {len(reference)} in the reference")
     if logprobs.shape[0] == 0:
         return torch.zeros(0, dtype=torch.float64)
-    p = _buckets(reference.logprobs, reference.log_other)
-    q = _buckets(logprobs.gather(1, reference.ids), _log_mass_outside(logprobs, reference.ids))
+    return _kl(_buckets(reference.logprobs, reference.log_other),
+               _buckets(logprobs.gather(1, reference.ids), _log_mass_outside(logprobs, reference.ids)))
+
+
+def _kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Per row KL(p || q) of ``_buckets`` rows, clamped at 0 against rounding."""
     terms = torch.where(p > -math.inf, p.exp() * (p - q), torch.zeros_like(p))
     return terms.sum(dim=1).clamp_min(0.0)
 
@@ -94,9 +98,7 @@ def kl_topk_other_of(reference: dict[int, float], other: dict[int, float]) -> fl
     top = [torch.tensor([[reference[i] for i in ids]], dtype=torch.float64),
            torch.tensor([[other[i] for i in ids]], dtype=torch.float64)]
     rest = [torch.log1p(-t.exp().sum(dim=1).clamp(max=1.0 - MIN_OTHER_MASS)) for t in top]
-    p, q = _buckets(top[0], rest[0]), _buckets(top[1], rest[1])
-    terms = torch.where(p > -math.inf, p.exp() * (p - q), torch.zeros_like(p))
-    return float(terms.sum(dim=1).clamp_min(0.0)[0])
+    return float(_kl(_buckets(top[0], rest[0]), _buckets(top[1], rest[1]))[0])
 
 
 def top1_matches(reference: TopK, logprobs: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,16 @@ from kvcomm.core.segments import Prompt
 
 log = logging.getLogger("kvcomm.services.quality_guard")
 ACTIONS = ("tighten", "disable")
+SLOT_METRICS = {
+    "kl_mean": "Rolling mean KL(dense || reuse) of the first reply token, nats (top-k + other: a lower bound)",
+    "kl_last": "Latest shadowed KL(dense || reuse) of the first reply token, nats",
+    "samples": "Shadowed requests recorded for the slot",
+    "tightenings": "Tightenings of the slot's gamma in force (lowered minus raised back)",
+    "loosenings": "Times the guard raised the slot's gamma back after a full window well within budget",
+    "disabled": "1 when the guard disabled reuse for the slot",
+    "gamma": "The slot pool's admission gamma now",
+}
+"""The per-slot numbers of ``QualityGuard.metrics()`` and what each means (for exporters)."""
 
 
 @dataclass(frozen=True)
