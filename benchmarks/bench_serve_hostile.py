@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -247,15 +248,13 @@ def tree_rss(pid: int) -> int:
 
 
 def tenant_bytes(client: httpx.Client, url: str, key: str) -> list[float]:
-    text = client.get(url + "/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=60).text
-    return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("kvcomm_tenant_bytes{")]
+    return [value for (name, labels), value in metric_samples(url, key, client).items()
+            if name == "kvcomm_tenant_bytes" and labels]
 
 
-def metric_samples(url: str, key: str) -> dict[tuple[str, tuple], float]:
+def metric_samples(url: str, key: str, client: httpx.Client | None = None) -> dict[tuple[str, tuple], float]:
     """The server's ``/metrics`` as {(name, sorted label pairs): value}."""
-    import re
-
-    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=60).text
+    text = (client or httpx).get(url + "/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=60).text
     samples = {}
     for line in text.splitlines():
         found = re.match(r"^([A-Za-z_:][\w:]*)(?:\{(.*)\})? (\S+)$", line)
