@@ -363,9 +363,9 @@ def key_forms(folder: Path, forms: list[str] | None = None, max_model_len: int =
     with its last log lines (a refusal with a message is an accepted outcome)."""
     a, b = "bench-hostile-key-a", "bench-hostile-key-b"
     results, mismatches, tracebacks = {}, 0, 0
-    for form in forms or list(KEY_FORMS):
+    for n, form in enumerate(forms or list(KEY_FORMS)):
         env, argv = KEY_FORMS[form](a, b)
-        server = Server(folder, "keys-" + re.sub(r"\W+", "_", form).strip("_"), [a, b], "--no-plan",
+        server = Server(folder, f"keys-{n}-" + re.sub(r"\W+", "_", form).strip("_"), [a, b], "--no-plan",
                         max_model_len=max_model_len, key_argv=argv, env=env)
         started = time.perf_counter()
         try:

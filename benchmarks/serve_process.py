@@ -151,9 +151,27 @@ class Server:
         return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+SHUTDOWN = re.compile(r"\[shutdown\]|Shutting down")
+
+
 def traceback_lines(text: str) -> int:
-    """``Traceback (most recent call last)`` lines: each is an exception the server did not handle."""
-    return len(re.findall(r"Traceback \(most recent call last\)", text))
+    """``Traceback (most recent call last)`` lines: each is an exception the server did not
+    handle. Once the server was told to stop (vLLM's ``[shutdown]`` lines), vLLM's output
+    handler sometimes logs the engine core it just stopped as an ``EngineDeadError``: those
+    are not counted, every other traceback is."""
+    lines = text.splitlines()
+    stop = next((n for n, line in enumerate(lines) if SHUTDOWN.search(line)), len(lines))
+    count = 0
+    for n, line in enumerate(lines):
+        if "Traceback (most recent call last)" not in line:
+            continue
+        block = lines[n + 1: n + 40]
+        end = next((i for i, ln in enumerate(block) if re.search(r"\w+(Error|Exception|Exit)\b:", ln)
+                    and not ln.split("]", 1)[-1].startswith("   ")), len(block))
+        if n > stop and any("EngineDeadError" in ln for ln in block[: end + 1]):
+            continue
+        count += 1
+    return count
 
 
 def _children(pid: int) -> list:
