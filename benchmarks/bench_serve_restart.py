@@ -5,9 +5,9 @@ built and every tenant restored inside the first request's engine step: 14.0 s, 
     .venv/bin/python benchmarks/bench_serve_restart.py [--gigabytes 2] [--json]
 
 Phase 1: a server (default flags, vLLM's multiprocess engine, ``--state-dir`` in a temporary
-folder) is taught two agents reading one distinct ~1,400-token document each per request, from
-4 client threads, until its tenant holds ``--gigabytes`` of reuse state (``kvcomm_tenant_bytes``);
-then it stops, saving at exit. Phase 2: a second server starts on that folder. Printed: the
+folder, a save every 10 s) is taught two agents reading one distinct ~1,400-token document each,
+from 4 client threads, until its saves on disk hold ``--gigabytes`` (exact prefixes are held but
+not saved); then it stops, saving at exit. Phase 2: a second server starts on that folder. Printed: the
 saved bytes, the time from the command to the first answer of ``/v1/models`` (start-up, restore
 included), then the first opted-in request's wall time, its kvcomm tokens (exact / estimated /
 computed: reuse from the restored state), and kvcomm's longest step in the worker and the
@@ -40,7 +40,7 @@ READERS = ("You summarize documents for the board in two sentences.\n", "You lis
 STARTUP_TIMEOUT_S = 600
 
 
-def start(log: Path, state: Path) -> tuple[subprocess.Popen, str, str, float]:
+def start(log: Path, state: Path, save_interval_s: float) -> tuple[subprocess.Popen, str, str, float]:
     """`kvcomm serve --state-dir state` with default flags; (process, URL, model, seconds to answer)."""
     import socket
 
@@ -50,7 +50,7 @@ def start(log: Path, state: Path) -> tuple[subprocess.Popen, str, str, float]:
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
     began = time.monotonic()
     process = subprocess.Popen([sys.executable, "-m", "kvcomm.cli", "serve", "--port", str(port), "--api-key", KEY,
-                                "--state-dir", str(state), "--save-interval", "86400"],
+                                "--state-dir", str(state), "--save-interval", str(save_interval_s)],
                                stdout=log.open("a"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     while time.monotonic() - began < STARTUP_TIMEOUT_S:
@@ -89,6 +89,10 @@ def ask(client: httpx.Client, url: str, model: str, tokenizer, reader: int, doc:
     return seconds, reply.json()["kv_transfer_params"]["kvcomm"]
 
 
+def on_disk(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
 def tenant_bytes(url: str) -> float:
     return sum(v for (name, labels), v in metric_samples(url, KEY).items() if name == "kvcomm_tenant_bytes" and labels)
 
@@ -113,30 +117,34 @@ def main() -> None:
     result: dict = {"target_bytes": int(args.gigabytes * 1e9)}
     with tempfile.TemporaryDirectory() as folder:
         state, log = Path(folder) / "state", Path(folder) / "server.log"
-        process, url, model, result["first_start_s"] = start(log, state)
-        docs, held = [], 0.0
+        process, url, model, result["first_start_s"] = start(log, state, 10)
+        docs, saved = [], 0
         try:
             with httpx.Client() as client, ThreadPoolExecutor(4) as pool:
-                while held < result["target_bytes"]:
+                while saved < result["target_bytes"]:
                     batch = [document(len(docs) + i, args.doc_tokens, tokenizer) for i in range(8)]
                     docs += batch
                     list(pool.map(lambda pair: ask(client, url, model, tokenizer, *pair),
                                   [(r, d) for d in batch for r in (0, 1)]))
-                    held = tenant_bytes(url)
-                    print(f"{len(docs)} documents, {held / 1e9:.2f} GB held", file=sys.stderr, flush=True)
+                    time.sleep(12)  # one save interval
+                    saved = on_disk(state)
+                    print(f"{len(docs)} documents, {tenant_bytes(url) / 1e9:.2f} GB held, {saved / 1e9:.2f} GB saved",
+                          file=sys.stderr, flush=True)
+                held = tenant_bytes(url)
         finally:
             process.terminate()
             process.wait(300)
         result |= {"documents": len(docs), "held_bytes": held,
-                   "saved_bytes": sum(p.stat().st_size for p in state.rglob("*") if p.is_file())}
-        process, url, model, result["restart_s"] = start(log, state)
+                   "saved_bytes": on_disk(state)}
+        process, url, model, result["restart_s"] = start(log, state, 86400)
         try:
             with httpx.Client() as client:
                 result["steps_before_first_request_ms"] = longest(url)
                 for name, doc in (("first_request", docs[0]), ("second_request", docs[1])):
                     seconds, summary = ask(client, url, model, tokenizer, 0, doc)
                     result[name] = {"seconds": seconds, "longest_ms": longest(url),
-                                    **{k: summary.get(k) for k in ("exact_tokens", "estimated_tokens", "computed_tokens")}}
+                                    **{k: summary.get(k) for k in ("exact_tokens", "estimated_tokens", "computed_tokens",
+                                                                   "fallback", "note")}}
                 result["restored_bytes"] = tenant_bytes(url)
         finally:
             process.terminate()
