@@ -213,3 +213,29 @@ def test_serve_listens_on_loopback_and_reports_ttft_unless_told_otherwise():
     assert argv.count("--host") == 0 and "--enable-per-request-metrics" not in argv
     args = _vllm_parsed(argv)
     assert args.host == "::1" and not args.enable_per_request_metrics
+
+
+@pytest.mark.parametrize("argv, reexec", [(["serve", "--port", "1"], True), (["demo"], True),
+                                          (["demo", "--backend", "transformers"], False), (["serve", "--help"], False)])
+def test_serve_and_demo_apply_the_cpu_thread_settings_unless_set(monkeypatch, argv, reexec):
+    """Issue 48: `kvcomm serve` on a CPU ran with vLLM's one bound OpenMP thread per core, which
+    `kvcomm demo` avoids; a user following the docs lost on wall time until they set them by hand.
+    Both now re-execute themselves with DEMO_THREADS unless the caller set them."""
+    import os
+
+    from kvcomm import cli
+
+    calls = []
+    monkeypatch.setattr(os, "execve", lambda path, args, env: calls.append((args, env)))
+    for name in (*cli.DEMO_THREADS, "KVCOMM_DEMO_REEXEC"):
+        monkeypatch.delenv(name, raising=False)
+    cli._thread_environment(argv)
+    assert bool(calls) == reexec
+    if reexec:
+        args, env = calls[0]
+        assert args[-len(argv):] == argv and all(env[k] == v for k, v in cli.DEMO_THREADS.items())
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "all")
+    calls.clear()
+    cli._thread_environment(argv)
+    assert calls == []  # the user's own settings win
