@@ -169,7 +169,11 @@ def deep_kinds(model: str | None) -> dict[str, Callable[[int], str]]:
 def deep_bodies(server: Server, keys: list[str], depths: tuple[int, ...] = (900, 10_000), max_restarts: int = 3,
                 routes: list[str] | None = None) -> dict:
     """Every deep body kind at every depth on every POST route (with a tenant's key), each
-    followed by ``/health`` and a normal completion that must be served. A server that exited
+    followed by ``/health`` (vLLM answers 503 once its engine core died); a normal completion
+    that must be served follows the last body of each route and every body answered 5xx or not
+    at all (``next_request_failed`` counts those not served). ``failures``: answers 5xx or none;
+    ``routes_answering_2xx``: routes that served a deep body (the metrics mount and ``POST
+    /ping`` answer without reading a body). A server that exited
     or whose ``/health`` fails counts as an exit and is restarted; after ``max_restarts + 1``
     exits the case stops and says how many bodies it did not send."""
     if routes is None:
@@ -178,6 +182,7 @@ def deep_bodies(server: Server, keys: list[str], depths: tuple[int, ...] = (900,
     plan = [(route, kind, depth) for route in routes for kind in kinds for depth in depths
             if (kind == "context text") == route.startswith("/v1/kvcomm/contexts")]
     exits, non_4xx, next_failed, statuses, per_route, sent, restarts = [], [], [], {}, {}, 0, 0
+    answered_2xx: set[str] = set()
     started = time.perf_counter()
     with httpx.Client() as client:
         for n, (route, kind, depth) in enumerate(plan):
@@ -190,8 +195,13 @@ def deep_bodies(server: Server, keys: list[str], depths: tuple[int, ...] = (900,
             what = f"POST {route} {kind} x{depth}"
             if not 400 <= status < 500:
                 non_4xx.append(f"{what}: {status}")
-            served = server.alive() and normal_completion(client, server, key) == 200
-            if server.alive() and served:
+            if 200 <= status < 300:
+                answered_2xx.add(route)
+            last_of_route = n + 1 == len(plan) or plan[n + 1][0] != route
+            alive = server.alive()
+            if alive and not (last_of_route or not 200 <= status < 500):
+                continue
+            if alive and normal_completion(client, server, key) == 200:
                 continue
             next_failed.append(what)
             if not server.alive():
@@ -206,7 +216,9 @@ def deep_bodies(server: Server, keys: list[str], depths: tuple[int, ...] = (900,
                     break
     return {"bodies": len(plan), "sent": sent, "not_sent": len(plan) - sent, "routes": len(routes),
             "seconds": time.perf_counter() - started, "statuses": dict(sorted(statuses.items())),
-            "statuses_per_route": per_route, "server_exits": len(exits), "exits_after": exits[:20], "non_4xx": len(non_4xx), "non_4xx_list": non_4xx[:40],
+            "statuses_per_route": per_route, "routes_answering_2xx": sorted(answered_2xx),
+            "failures": sum(statuses.get(s, 0) for s in statuses if not 200 <= int(s) < 500),
+            "server_exits": len(exits), "exits_after": exits[:20], "non_4xx": len(non_4xx), "non_4xx_list": non_4xx[:40],
             "next_request_failed": len(next_failed), "restarts": restarts}
 
 
@@ -252,7 +264,8 @@ def number_templates(model: str | None) -> list[tuple[str, str, str, bool]]:
 
 def huge_numbers(server: Server, keys: list[str]) -> dict:
     """Every literal of ``NUMBERS`` in every field of ``number_templates`` (with a tenant's
-    key): answers other than 4xx, and the ``Traceback`` lines the server logged meanwhile."""
+    key): answers other than 4xx (listed with the start of their body), ``failures`` (5xx or
+    no answer: a dropped connection), and the ``Traceback`` lines the server logged meanwhile."""
     text_before = server.log_text()
     non_4xx, statuses, sent = [], {}, 0
     started = time.perf_counter()
@@ -269,10 +282,11 @@ def huge_numbers(server: Server, keys: list[str]) -> dict:
                 sent += 1
                 statuses[str(status)] = statuses.get(str(status), 0) + 1
                 if not 400 <= status < 500:
-                    non_4xx.append(f"{route} {field}={name}: {status} {body[:120]!r}")
+                    non_4xx.append(f"{route} {field}={name}: {status} {body[-300:]!r}")
     alive = server.alive()
     return {"requests": sent, "seconds": time.perf_counter() - started, "statuses": dict(sorted(statuses.items())),
             "non_4xx": len(non_4xx), "non_4xx_list": non_4xx[:40],
+            "failures": sum(statuses.get(s, 0) for s in statuses if not 200 <= int(s) < 500),
             "tracebacks": traceback_lines(server.log_text()) - traceback_lines(text_before), "server_alive_after": alive}
 
 
