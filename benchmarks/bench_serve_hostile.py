@@ -1,8 +1,17 @@
 """`kvcomm serve` under hostile input and under a long multi-tenant load (issue 39's must-shows
-2 and 3), against a real server started here.
+2 and 3, issue 48's cases and default-flags soak), against real servers started here.
 
     .venv/bin/python benchmarks/bench_serve_hostile.py [--fuzz 2000] [--soak 5000] [--clients 16]
-        [--tenants 4] [--max-tenant-bytes 8000000] [--step-tokens 128] [--no-baseline] [--json]
+        [--tenants 4] [--max-tenant-bytes B] [--max-total-bytes B] [--step-tokens 128]
+        [--probe-rounds 5] [--depths 900,10000] [--no-baseline] [--no-cases] [--log-dir DIR] [--json]
+
+The main server gets ``--tenants`` API keys after one ``--api-key`` flag, ``--state-dir`` (saved
+at exit only) and no byte caps unless ``--max-tenant-bytes`` / ``--max-total-bytes`` are given:
+its default caps are read from its start-up line. In order, on that server: issue 48's cases
+``every_method``, ``huge_numbers``, ``batch_probe`` and each key on five routes
+(``hostile_cases``), the fuzz, ``deep_bodies`` (restarting the server if a body stops it), the
+soak; then ``corrupt_restart`` (its saved state damaged, the same server started again), the
+``key_forms`` servers (``--max-model-len 512``, stopped at once), and the ``--no-plan`` baseline.
 
 Fuzz: ``--fuzz`` malformed or oversized requests (``hostile_bodies``: wrong types, spans out of
 range, segment ids sent again with other content, 10 MB strings, huge max_tokens, prompts built
@@ -25,17 +34,26 @@ cross-tenant hits, L bytes of log per request". S is W + X + P, a bound: the thr
 come from different steps, and several RPCs may run between two steps.
 
 Soak: ``--soak`` annotated requests from ``--clients`` threads over ``--tenants`` API keys (each
-tenant its own documents, 40 of them, so its state grows past ``--max-tenant-bytes`` and is
-evicted), every response checked; every 2 s the server's ``kvcomm_tenant_bytes`` (each tenant's
-bytes, as the engine process exports them) and the RSS of the server's process tree are
-sampled. Printed: "N requests, K clients, T tenants: E errors, tenant bytes <= cap at every
-sample (max B), RSS drift D% after warm-up" (drift: the median of the last tenth of samples
-against the median of the tenth after the first fifth of requests). Also counted: planned
-requests whose note says they learned nothing because vLLM's prefix cache served them blocks that
-may hold approximate KV (the approximate-block rule, ``kvcomm.integrations.vllm.scheduler``).
+tenant its own documents, 40 of them), every response checked, while one more thread creates and
+releases retained contexts through ``/v1/kvcomm/contexts``; every 2 s the server's
+``kvcomm_tenant_bytes`` (each tenant's bytes, as the engine process exports them), the RSS of
+the server's process tree and the RSS of its worker process are sampled. The worker's bound: the
+server's total cap (given, or its default) plus the worker's RSS right after start-up, before
+any request (vLLM's own footprint). Printed: "N requests, K clients, T tenants: E errors, tenant
+bytes over the tenant cap (if one), RSS drift D% after warm-up, worker RSS at most W (bound)"
+(drift: the median of the last tenth of samples against the median of the tenth after the
+first fifth of requests). Also counted: planned requests whose note says they learned nothing
+because vLLM's prefix cache served them blocks that may hold approximate KV (the
+approximate-block rule, ``kvcomm.integrations.vllm.scheduler``).
+
+Headline (``headline``, last in the JSON): server exits (engine crashes in the fuzz, deep bodies
+that stopped the server, a server not alive after a case or the soak), unauthenticated 2xx
+other than health probes, cross-tenant hits (the fuzz's probe and the batch route's timing
+probe), ``Traceback`` lines in every server's log (``serve_process.traceback_lines``).
 
 Server flags as the tests use them (embedded SmolLM2, fp32, 32-token blocks, 8 sequences,
-1024-token context, one OpenMP thread). Figures and their conditions go in ``docs/measurements/``.
+1024-token context, one OpenMP thread, vLLM's default process layout: ``serve_process``).
+Figures and their conditions go in ``docs/measurements/``.
 """
 
 from __future__ import annotations
