@@ -29,8 +29,9 @@ import httpx
 from serve_process import HEALTH_PROBES, Server, StartFailed, traceback_lines  # this folder is on sys.path
 
 METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS")
-CONTEXT_ROUTES = ("/v1/kvcomm/contexts", "/v1/kvcomm/contexts/{id}", "/v1/kvcomm/contexts/{id}/retain",
-                  "/v1/kvcomm/contexts/{id}/release")
+CONTEXT_ROUTES = {"/v1/kvcomm/contexts": {"GET", "POST"}, "/v1/kvcomm/contexts/{id}": {"GET"},
+                  "/v1/kvcomm/contexts/{id}/retain": {"POST"}, "/v1/kvcomm/contexts/{id}/release": {"POST"}}
+"""The context API's routes (answered by kvcomm's middleware, not in the app's route table)."""
 VARIANTS = ("/metrics/", "/metrics/x", "/metrics?x=1", "//metrics", "/metrics;x", "/metrics#x", "/v1/models/",
             "/v1/kvcomm/contexts/", "/v1/kvcomm/contexts?tenant=default", "/health/", "/healthz", "/ping/x")
 FASTAPI_ROUTES = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
@@ -73,7 +74,9 @@ def served_routes(server: Server, key: str) -> dict[str, set[str]]:
     line = next((ln for ln in server.log_text().splitlines() if re.match(r"kvcomm: \d+ routes", ln)), "")
     for method, path in re.findall(r"(?:^|[;:,] )([A-Z]+|\*) (/[^\s,;]*)", line):
         routes.setdefault(path, set()).update(METHODS if method == "*" else {method})
-    for path in (*CONTEXT_ROUTES, *FASTAPI_ROUTES):
+    for path, methods in CONTEXT_ROUTES.items():
+        routes.setdefault(path, set()).update(methods)
+    for path in FASTAPI_ROUTES:
         routes.setdefault(path, set())
     return routes
 
