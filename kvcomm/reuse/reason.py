@@ -40,6 +40,9 @@ _REWRITES: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p), w) fo
     (r"^mode exact: exact prefix only$", "mode exact serves exact prefixes only"),
 ))
 
+_COUNTS = frozenset({"at", "have", "need", "covered", "n"})
+"""Groups of ``_REWRITES`` that are token counts or positions: written with thousands separators."""
+
 _LAST_TOKEN = "the last prompt token is always computed (its logits start the reply)"
 
 
@@ -54,7 +57,8 @@ def because(note: str) -> str:
         for pattern, template in _REWRITES:
             found = pattern.match(part)
             if found:
-                part = template.format(**found.groupdict())
+                fields = {k: f"{int(v):,}" if k in _COUNTS else v for k, v in found.groupdict().items()}
+                part = template.format(**fields)
                 break
         words.append(part)
     return "; ".join(words)
