@@ -3,7 +3,7 @@
 What kvcomm is for: agents that read the same long text, each behind its own system message.
 Three agents (summarizer, critic, editor) with system messages of their own take turns in a
 ``RoundRobinGroupChat`` on tasks that each carry ``design_note.md`` (766 words, about 1,000
-tokens). Every agent of a run shares one ``KvcommChatCompletionClient``: with reuse, each agent
+tokens) as a message of its own, then a question. Every agent of a run shares one ``KvcommChatCompletionClient``: with reuse, each agent
 from its first call on computes its own new system message (the *computed head*) and takes the
 note, and the others' replies, from stored KV; dense prefills every prompt in full. The two
 runs alternate task by task on one machine, so both see the same load.
@@ -34,6 +34,7 @@ from pathlib import Path
 
 from autogen_agentchat.agents import AssistantAgent
 from autogen_agentchat.conditions import MaxMessageTermination
+from autogen_agentchat.messages import TextMessage
 from autogen_agentchat.teams import RoundRobinGroupChat
 
 from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
@@ -49,10 +50,10 @@ AGENTS = {
     "editor": "You are the editor. Decide whether the note is ready and say APPROVE when it is.",
 }
 TASKS = [
-    "Review this design note.",
-    "What should the team decide first, according to this design note?",
-    "Is this design note ready for the architecture review?",
-    "List what this design note leaves open.",
+    "Review the design note above.",
+    "What should the team decide first, according to the design note above?",
+    "Is the design note above ready for the architecture review?",
+    "List what the design note above leaves open.",
 ]
 
 
@@ -80,12 +81,14 @@ class Stopwatch(KvcommChatCompletionClient):
 
 
 async def run_task(client: Stopwatch, task: str, stream: bool) -> list[str]:
-    """One task through a fresh team (agents keep no memory across tasks); the replies."""
+    """One task through a fresh team (agents keep no memory across tasks): the note, then the
+    question, as two messages (the note is the same message in every task, so later tasks find
+    its KV stored); the replies."""
     agents = [AssistantAgent(name, client, system_message=system, model_client_stream=stream)
               for name, system in AGENTS.items()]
-    team = RoundRobinGroupChat(agents, termination_condition=MaxMessageTermination(len(agents) + 1))
-    result = await team.run(task=f"{task}\n\n{NOTE}")
-    return [m.content for m in result.messages[1:] if isinstance(m.content, str)]
+    team = RoundRobinGroupChat(agents, termination_condition=MaxMessageTermination(len(agents) + 2))
+    result = await team.run(task=[TextMessage(content=NOTE, source="user"), TextMessage(content=task, source="user")])
+    return [m.content for m in result.messages[2:] if isinstance(m.content, str)]
 
 
 def make_clients(args) -> dict[str, Stopwatch]:
