@@ -22,6 +22,7 @@ from kvcomm.reuse.runner import run_row
 from kvcomm.services.quality_guard import GuardConfig
 from kvcomm.integrations.runtimes import BACKENDS, close_executor, load_executor
 from kvcomm.integrations.serve.command import STATE_SHUTDOWN_TIMEOUT_S, save_interval, serve_command
+from kvcomm.integrations.vllm.refusals import DEVICE_MEMORY_SHARE, HOST_MEMORY_SHARE
 
 
 def run_side_by_side(spec: PipelineSpec, executor, config: ReuseConfig, progress: bool = True):
@@ -208,16 +209,24 @@ def build_parser() -> argparse.ArgumentParser:
     # bundled documents differ in content and a lower gamma may compute them all.
     demo.set_defaults(backend="vllm", gamma=DEMO_GAMMA, base_source="first_use")
     demo.add_argument("--chart", default=DEMO_CHART, help=f"where to write the PNG chart (default: {DEMO_CHART})")
-    serve = sub.add_parser("serve", help="vLLM's OpenAI-compatible server with the kvcomm plugin, on 127.0.0.1 unless "
-                           "--host is given (other args go to vLLM)")
+    serve = sub.add_parser(
+        "serve", help="vLLM's OpenAI-compatible server with the kvcomm plugin, on 127.0.0.1 unless --host is given "
+        "(other args go to vLLM)", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SERVE_EPILOG)
     serve.add_argument("--model", help="local transformers model folder (default: the embedded SmolLM2-135M-Instruct)")
     serve.add_argument("--no-plan", action="store_true", help="no server-side planning of annotated requests")
     serve.add_argument("--slots", nargs="+", help="the slot names annotations may use (default: any)")
-    serve.add_argument("--gamma", type=float, default=PoolConfig.gamma, help="admission entropy threshold factor")
-    serve.add_argument("--max-anchors", type=int, default=PoolConfig.max_anchors, help="V, anchors per pool")
+    serve.add_argument("--gamma", type=float, default=PoolConfig.gamma,
+                       help=f"admission entropy threshold factor (default {PoolConfig.gamma:g})")
+    serve.add_argument("--max-anchors", type=int, default=PoolConfig.max_anchors,
+                       help=f"V, anchors per pool (default {PoolConfig.max_anchors})")
     add_reuse_scope_option(serve)
-    serve.add_argument("--max-tenant-bytes", type=int, help="byte cap of each tenant's pools, bases and prefixes")
-    serve.add_argument("--max-total-bytes", type=int, help="byte cap of all tenants together")
+    serve.add_argument("--max-tenant-bytes", type=int, help="byte cap of each tenant's pools, bases, prefixes and "
+                       "retained contexts (default: none; the total cap applies)")
+    serve.add_argument("--max-total-bytes", type=int, help="byte cap of all tenants' reuse state and retained contexts "
+                       f"together (default on a CPU: {HOST_MEMORY_SHARE:.0%}% of host memory less --max-capture-bytes, "
+                       f"here {_host_default_gib():.1f} GiB; on a GPU: {DEVICE_MEMORY_SHARE:.0%}% of the memory vLLM leaves "
+                       "free, less --max-capture-bytes); what does not fit is evicted by the pools' rule, a retained "
+                       "context that does not fit is refused with 409")
     serve.add_argument("--max-capture-bytes", type=int, help="bytes of KV the opted-in requests in flight "
                        "may capture together for learning (default 1 GiB); a request that does not fit: served without reuse")
     serve.add_argument("--state-dir", help="keep anchor pools and bases here across restarts (restored at start, "
@@ -247,30 +256,62 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+SERVE_EPILOG = """\
+vLLM's flags: every flag kvcomm does not know goes to vLLM's OpenAI server (`vllm serve --help`
+lists them); an unknown one is refused in one line. The common ones:
+  --host HOST        listen address (kvcomm's default 127.0.0.1, loopback only; 0.0.0.0 with --api-key)
+  --port PORT        (default 8000)
+  --api-key K [K ...]  keys every route but /health and /ping needs, one flag for all keys; each key
+                     is its own tenant unless --no-tenant-per-key ($VLLM_API_KEY if no flag)
+  --max-model-len N  (kvcomm's default 2048), --dtype (kvcomm's default float32), --block-size N
+kvcomm also sets, unless given: --enforce-eager, --enable-prompt-tokens-details,
+--enable-per-request-metrics, --middleware (keys, tenants), --worker-extension-cls (plans made ahead)
+and, with --state-dir, --shutdown-timeout. On a CPU it runs with VLLM_CPU_OMP_THREADS_BIND=nobind
+and OMP_NUM_THREADS=1 unless set (on a large CPU host of its own, set them yourself)."""
+
+
+def _host_default_gib() -> float:
+    """``--max-total-bytes``' default on this host, in GiB (with the default capture budget)."""
+    from kvcomm.integrations.vllm.refusals import host_memory_budget
+
+    return host_memory_budget(1 << 30) / (1 << 30)
+
+
 DEMO_THREADS = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-"""Environment of `kvcomm demo` on vLLM unless the caller set these: vLLM's CPU worker binds one
-OpenMP thread per core by default, and on a small machine shared with other work those threads
-stall at barriers; one unbound thread does not. OpenMP reads them when torch is first
-imported, so the command re-executes itself with them (``_demo_environment``)."""
+"""Environment of `kvcomm demo` on vLLM and `kvcomm serve` on a CPU unless the caller set these:
+vLLM's CPU worker binds one OpenMP thread per core by default, and on a small machine shared with
+other work those threads stall at barriers; one unbound thread does not. OpenMP reads them when
+torch is first imported, so the command re-executes itself with them (``_thread_environment``).
+On a large CPU host given to the server alone, set both yourself (e.g. ``OMP_NUM_THREADS`` to the
+cores vLLM may use)."""
 
 
-def _demo_environment(argv: list[str]) -> None:
-    """Re-execute `kvcomm demo` with :data:`DEMO_THREADS` set when they are not (vLLM backend
-    only, command-line entry point only); returns without doing anything otherwise."""
+def _thread_environment(argv: list[str]) -> None:
+    """Re-execute `kvcomm demo` (vLLM backend) or `kvcomm serve` (on a CPU) with
+    :data:`DEMO_THREADS` set when they are not (command-line entry point only); returns without
+    doing anything otherwise."""
     import os
 
     if os.environ.get("KVCOMM_DEMO_REEXEC") or all(k in os.environ for k in DEMO_THREADS):
         return
-    if "--backend" in argv and argv[argv.index("--backend") + 1:][:1] == ["transformers"] or "--backend=transformers" in argv:
+    if "--help" in argv or "-h" in argv:
         return
+    if argv[:1] == ["demo"] and ("--backend" in argv and argv[argv.index("--backend") + 1:][:1] == ["transformers"]
+                                 or "--backend=transformers" in argv):
+        return
+    if argv[:1] == ["serve"]:
+        import torch
+
+        if torch.cuda.is_available():
+            return
     env = {**DEMO_THREADS, **os.environ, "KVCOMM_DEMO_REEXEC": "1"}
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, "-m", "kvcomm.cli", *argv], env)
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None and sys.argv[1:2] == ["demo"]:
-        _demo_environment(sys.argv[1:])
+    if argv is None and sys.argv[1:2] in (["demo"], ["serve"]):
+        _thread_environment(sys.argv[1:])
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
         args, vllm_args = build_parser().parse_known_args(argv)

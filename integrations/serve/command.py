@@ -1,6 +1,7 @@
 """The `kvcomm serve` command: vLLM's OpenAI API server with the kvcomm connector and tenant
-middleware (``serve_argv``), the API keys it accepts (``api_keys``), and the command itself
-(``serve_command``; its options are parsed by ``kvcomm.cli``)."""
+middleware (``serve_argv``), checked by vLLM's own parser before it starts (``serve.vllm_args``:
+unknown flags, the API keys), and the command itself (``serve_command``; its options are parsed
+by ``kvcomm.cli``)."""
 
 from __future__ import annotations
 
@@ -124,20 +125,27 @@ def serve_argv(
     return argv + vllm_args
 
 
-def api_keys(vllm_args: list[str]) -> list[str]:
-    """The API keys vLLM will accept: ``--api-key K [K ...]`` (repeatable) or ``$VLLM_API_KEY``."""
-    import os
+def default_max_total_bytes(capture_bytes: int | None) -> int | None:
+    """``--max-total-bytes`` when not given: on a CPU ``refusals.host_memory_budget`` (a quarter
+    of host memory less the capture budget), decided here so that the context API's retained
+    contexts count against the same cap as the worker's reuse state; on an accelerator None (the
+    worker sizes it from the device memory vLLM leaves free, ``refusals.device_memory_budget``)."""
+    from vllm.platforms import current_platform
 
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--api-key", nargs="+", action="extend", default=[])
-    keys = [k for k in parser.parse_known_args(vllm_args)[0].api_key if k]
-    return keys or [k for k in [os.environ.get("VLLM_API_KEY", "")] if k]
+    from kvcomm.integrations.vllm.refusals import host_memory_budget
+    from kvcomm.integrations.vllm.scheduler import DEFAULT_MAX_CAPTURE_BYTES
+
+    if not current_platform.is_cpu():
+        return None
+    return host_memory_budget(DEFAULT_MAX_CAPTURE_BYTES if capture_bytes is None else capture_bytes)
 
 
-def engine_settings(args) -> dict:
-    """The connector's extra config from `kvcomm serve`'s own options (None values: the defaults)."""
+def engine_settings(args, default_total_bytes: int | None = None) -> dict:
+    """The connector's extra config from `kvcomm serve`'s own options (None values: the
+    defaults; ``default_total_bytes``: ``--max-total-bytes`` when not given)."""
+    total = default_total_bytes if args.max_total_bytes is None else args.max_total_bytes
     engine = {"gamma": args.gamma, "max_anchors": args.max_anchors,
-              "max_tenant_bytes": args.max_tenant_bytes, "max_total_bytes": args.max_total_bytes}
+              "max_tenant_bytes": args.max_tenant_bytes, "max_total_bytes": total}
     if getattr(args, "max_capture_bytes", None) is not None:
         engine["max_capture_bytes"] = args.max_capture_bytes
     if args.reuse_scope != DEFAULT_SCOPE:
@@ -163,7 +171,8 @@ def contexts_config(engine: dict, vllm_args: list[str]) -> str:
 
 
 def serve_command(args, vllm_args: list[str]) -> int:
-    """`kvcomm serve`: check the options, set the environment, and run vLLM's API server with ``serve_argv``."""
+    """`kvcomm serve`: check the options (vLLM's with vLLM's own parser), set the environment,
+    and run vLLM's API server with ``serve_argv``."""
     import os
 
     # vLLM's defaults apply: on CPU the engine core runs apart from the API server and its
@@ -177,8 +186,15 @@ def serve_command(args, vllm_args: list[str]) -> int:
     from kvcomm.integrations.serve.contexts import CONFIG_ENV as CONTEXTS_CONFIG_ENV
     from kvcomm.integrations.serve.heads import PLAN_AHEAD_ENV
     from kvcomm.integrations.serve.middleware import API_KEY_DIGESTS_ENV, KEY_DIGESTS_ENV, key_digest
+    from kvcomm.integrations.serve.vllm_args import accepted_keys, read_vllm_args
 
-    keys = api_keys(vllm_args)
+    save_interval(str(args.save_interval))  # also when called with a namespace built elsewhere
+    engine = engine_settings(args, default_max_total_bytes(args.max_capture_bytes))
+    argv = serve_argv(args.model, not args.no_plan, args.slots, vllm_args, engine)
+    parsed = read_vllm_args(argv[1:])  # one-line errors before anything starts; the keys as vLLM reads them
+    keys = accepted_keys(parsed)
+    if parsed.api_key and os.environ.get("VLLM_API_KEY"):
+        print("kvcomm: VLLM_API_KEY is ignored: --api-key is given (as vLLM does)", file=sys.stderr)
     digests = ",".join(key_digest(k) for k in keys)
     os.environ[API_KEY_DIGESTS_ENV] = digests  # every route needs a key, not only vLLM's guarded prefixes
     os.environ[KEY_DIGESTS_ENV] = digests if args.tenant_per_key else ""
@@ -188,16 +204,17 @@ def serve_command(args, vllm_args: list[str]) -> int:
     from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
 
     setup_multiprocess_prometheus()  # the connector's metrics live in the engine-core and worker processes
-    save_interval(str(args.save_interval))  # also when called with a namespace built elsewhere
-    engine = engine_settings(args)
     os.environ[CONTEXTS_CONFIG_ENV] = contexts_config(engine, vllm_args)
     given = shutdown_timeout(vllm_args)
     warning = state_environment(args.state_dir, os.environ, STATE_SHUTDOWN_TIMEOUT_S if given is None else given)
     if warning:
         print(warning, file=sys.stderr)
     os.environ[PLAN_AHEAD_ENV] = "0" if args.no_plan else "1"
-    sys.argv = serve_argv(args.model, not args.no_plan, args.slots, vllm_args, engine)
+    sys.argv = argv
     tenants = f"{len(keys)} API keys, one tenant each" if keys and args.tenant_per_key else "one tenant"
-    print(f"kvcomm: {tenants}; " + " ".join(hidden(sys.argv, keys)), file=sys.stderr)
+    cap = engine["max_total_bytes"]
+    memory = ("reuse state capped at " + (f"{cap / (1 << 30):.1f} GiB" if cap else "90% of the accelerator memory vLLM "
+              "leaves free") + (" (the default)" if args.max_total_bytes is None else ""))
+    print(f"kvcomm: {tenants}; {memory}; " + " ".join(hidden(sys.argv, keys)), file=sys.stderr)
     vllm_main()
     return 0

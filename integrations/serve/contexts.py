@@ -205,9 +205,10 @@ class ContextRoutes:
             tokens = answer["tokens"]
         else:
             tokens = body["token_ids"]
-            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t
+            vocab = model["vocab_size"]
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
                                                        for t in tokens):
-                raise BadRequest("token_ids must be a list of non-negative integers")
+                raise BadRequest(f"token_ids must be a list of token ids of the served model (integers 0 to {vocab - 1})")
         if not 0 < len(tokens) < model["max_model_len"]:
             raise BadRequest(f"a context has 1 to {model['max_model_len'] - 1} tokens (the served max_model_len less "
                              f"one); this one has {len(tokens)}")
@@ -373,7 +374,7 @@ class ContextRoutes:
             per_token = config["num_hidden_layers"] * heads * head_dim * 2 * _DTYPE_BYTES.get(dtype, 4)
             self._model = {"id": entry["id"], "max_model_len": int(entry.get("max_model_len") or 2048),
                            "fingerprint": "sha256:" + hashlib.sha256(raw + dtype.encode()).hexdigest(),
-                           "bytes_per_token": per_token}
+                           "bytes_per_token": per_token, "vocab_size": int(config.get("vocab_size") or 1 << 31)}
         return self._model
 
     async def _internal(self, scope: Scope | None, method: str, path: str, body: dict | None,

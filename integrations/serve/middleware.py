@@ -1,26 +1,22 @@
-"""ASGI middleware of ``kvcomm serve``: API keys on every route, tenants per API key and cache
-salts, by checking the bearer key and rewriting the JSON body of every ``POST`` before vLLM
-parses it (vLLM's documented ``--middleware`` extension point; vLLM itself is not patched).
-It is the outermost layer: it sees every request before vLLM's own middleware and routes.
+"""ASGI middleware of ``kvcomm serve``: API keys on every route, body bounds, tenants per API key
+and cache salts, by checking the bearer key and rewriting the JSON body of a request before vLLM
+parses it (vLLM's documented ``--middleware`` extension point; vLLM itself is not patched). It
+is the outermost layer: it sees every request before vLLM's own middleware and routes.
 
-Every route of the served app falls in one of three kinds (``route_kind``; the whole table,
-read from the app's routes, is logged once at start-up):
-
-- **generation** (``GENERATION_PATHS``, ``POST``): bodies that may opt into kvcomm
-  (``kv_transfer_params.kvcomm``) and carry vLLM's ``cache_salt``. The tenant and the salt
-  are decided here, never taken from the client (below).
-- **plain** (every other ``POST``, whatever vLLM adds in a later version): no kvcomm opt-in
-  (``kv_transfer_params.kvcomm`` is removed) and a client ``cache_salt`` is replaced by the
-  salt plain requests of that caller get.
-- **read-only** (``GET``, ``HEAD``, ``OPTIONS`` ...): passed on as they are.
+What it does with a request is decided by the route the request goes to, classified from the
+app's own route table at start-up (``serve.routes``; the whole table is logged once): health
+probes are open; every other method on every route needs a key when the server has keys;
+bodies of every route but the read-only ones are read once, bounded (``serve.bodies``: size,
+nesting depth, number sizes; 400 or 413 before vLLM sees them) and rewritten by kind.
 
 API keys (``KVCOMM_API_KEY_DIGESTS``: SHA-256 digests of the keys vLLM was given, never the
-keys): when set, every request except ``OPTIONS`` and the health probes ``PUBLIC_PATHS`` needs
-one of them as its bearer key, or gets 401. vLLM's own check covers only paths under ``/v1``,
-``/v2``, ``/inference`` and ``/cohere``; this one also covers ``/metrics``, ``/invocations``,
-``/generative_scoring``, ``/tokenize`` and the rest.
+keys; `kvcomm serve` reads them with vLLM's own argument parser, and at start-up the middleware
+checks they are the keys vLLM's app was given): when set, every request except the health
+probes and CORS preflights answered by vLLM's CORS middleware needs one of them as its bearer
+key, or gets 401. vLLM's own check covers only paths under ``/v1``, ``/v2``, ``/inference`` and
+``/cohere``; this one covers every route, ``/metrics`` under every method included.
 
-Tenants and salts on generation routes:
+Tenants and salts on generation routes (bodies that may opt into kvcomm):
 
 - **Tenants per key** (``KVCOMM_TENANT_KEY_DIGESTS``): the request belongs to the tenant
   ``tenant_of(key)`` (a salted hash of its key). An opted-in request's
@@ -34,6 +30,9 @@ Tenants and salts on generation routes:
   and a plain request's own ``cache_salt`` is mapped into a separate namespace
   (``client_salt``), so no salt a client picks equals a reuse salt.
 
+Salted routes (a body with ``cache_salt`` but no kvcomm opt-in, e.g. ``/v1/chat/completions/batch``)
+get the tenant's plain salt on every request; on every other route a client's
+``kv_transfer_params.kvcomm`` is removed and a client ``cache_salt`` replaced as on plain requests.
 Either way blocks holding approximate KV (written only for opted-in, server-salted requests)
 are never an exact prefix hit for a plain request. A ``kvcomm.handle`` (in-process orders
 only) is refused over HTTP with status 400.
@@ -56,9 +55,12 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvcomm.integrations.serve.bodies import MAX_BODY_BYTES, NOT_JSON, BodyError, read_body
 from kvcomm.integrations.serve.contexts import ContextError, ContextRoutes
 from kvcomm.integrations.serve.heads import HeadRequests
 from kvcomm.integrations.serve.internal import kvcomm_of
+from kvcomm.integrations.serve.routes import RouteTable
+from kvcomm.integrations.serve.vllm_args import accepted_keys
 from kvcomm.integrations.serve.shadows import ShadowRequests
 from kvcomm.integrations.vllm.params import KvcommParamsError, check_sizes, shown  # noqa: F401 (shown: re-exported)
 
@@ -67,12 +69,6 @@ KEY_DIGESTS_ENV = "KVCOMM_TENANT_KEY_DIGESTS"
 API_KEY_DIGESTS_ENV = "KVCOMM_API_KEY_DIGESTS"
 """Comma-separated SHA-256 hex digests of every API key the server accepts (set by ``kvcomm serve``)."""
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/inference/v1/generate",
-                    "/v1/messages", "/cohere/v2/chat", "/invocations", "/generative_scoring")
-"""POST routes whose bodies may opt into kvcomm: their tenant and salt are decided here."""
-REWRITTEN_PATHS = GENERATION_PATHS  # the name earlier versions exported
-PUBLIC_PATHS = ("/health", "/ping")
-"""Health probes: answered without a key (they carry no request data)."""
 def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
@@ -94,32 +90,6 @@ def client_salt(salt: str) -> str:
     return "client-" + hashlib.sha256(b"kvcomm-client-salt\0" + salt.encode("utf-8")).hexdigest()[:32]
 
 
-def route_kind(method: str, path: str) -> str:
-    """"public", "generation", "plain" or "read-only" for a request (see the module docstring)."""
-    if path in PUBLIC_PATHS:
-        return "public"
-    if method != "POST":
-        return "read-only"
-    return "generation" if path in GENERATION_PATHS else "plain"
-
-
-def route_table(app: Any) -> dict[str, str]:
-    """``"METHOD path"`` -> ``route_kind`` for every route of a Starlette/FastAPI ``app`` (mounted
-    apps such as ``/metrics`` as ``"* path"``: every method)."""
-    table = {}
-    for route in getattr(app, "routes", ()):
-        path = getattr(route, "path", None)
-        if path is None:
-            continue
-        methods = getattr(route, "methods", None)
-        if methods is None:  # a Mount or a websocket route: any method
-            table[f"* {path}"] = "public" if path in PUBLIC_PATHS else "plain"
-            continue
-        for method in sorted(methods):
-            table[f"{method} {path}"] = route_kind(method, path)
-    return table
-
-
 def _options(body: dict) -> tuple[dict | None, Any]:
     params = body.get("kv_transfer_params")
     return (params if isinstance(params, dict) else None), (params.get("kvcomm") if isinstance(params, dict) else None)
@@ -128,8 +98,9 @@ def _options(body: dict) -> tuple[dict | None, Any]:
 def rewrite(body: Any, key: str | None, digests: frozenset[str], kind: str = "generation") -> Any:
     """The request body as vLLM should see it (see the module docstring). ``key``: the
     request's bearer key; ``digests``: the tenant keys' digests (empty: one tenant for all);
-    ``kind``: the route's ``route_kind``. Raises ValueError for a ``kvcomm.handle`` sent over
-    HTTP and for options over ``params.check_sizes``'s bounds. Bodies that are not JSON objects pass unchanged (vLLM reports them)."""
+    ``kind``: the route's kind (``serve.routes``: ``generation``, ``salted``, or any other for a
+    body with neither). Raises ValueError for a ``kvcomm.handle`` sent over HTTP and for options
+    over ``params.check_sizes``'s bounds. Bodies that are not JSON objects pass unchanged (vLLM reports them)."""
     if not isinstance(body, dict):
         return body
     params, options = _options(body)
@@ -137,11 +108,10 @@ def rewrite(body: Any, key: str | None, digests: frozenset[str], kind: str = "ge
     if kind != "generation":
         if params is not None:
             params.pop("kvcomm", None)
-        if "cache_salt" in body:
-            if tenant is not None:
-                body["cache_salt"] = salt_of(tenant, False)
-            elif isinstance(body["cache_salt"], str):
-                body["cache_salt"] = client_salt(body["cache_salt"])
+        if tenant is not None and (kind == "salted" or "cache_salt" in body):
+            body["cache_salt"] = salt_of(tenant, False)
+        elif isinstance(body.get("cache_salt"), str):
+            body["cache_salt"] = client_salt(body["cache_salt"])
         return body
     opted_in = params is not None and "kvcomm" in params
     if isinstance(options, dict) and "handle" in options:
@@ -173,84 +143,111 @@ def _digests(name: str) -> frozenset[str]:
     return frozenset(d for d in os.environ.get(name, "").split(",") if d)
 
 
+def _error(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
+
+
+def _preflight(headers: Headers) -> bool:
+    """A CORS preflight: ``OPTIONS`` with ``Origin`` and ``Access-Control-Request-Method``."""
+    return "origin" in headers and "access-control-request-method" in headers
+
+
+class KeyMismatch(RuntimeError):
+    """The keys kvcomm checks are not the keys vLLM's app was given (refused at start-up)."""
+
+
+def app_keys(app: Any) -> list[str] | None:
+    """The API keys vLLM's app accepts, from the arguments it was started with; None for an app
+    that is not vLLM's."""
+    args = getattr(getattr(app, "state", None), "args", None)
+    return accepted_keys(args) if args is not None and hasattr(args, "api_key") else None
+
+
 class KvcommTenantMiddleware:
-    """Pure ASGI middleware: the key check and ``rewrite`` for every request (module docstring)."""
+    """Pure ASGI middleware: the key check, body bounds and ``rewrite`` for every request (module docstring)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self.digests = _digests(KEY_DIGESTS_ENV)
         self.api_digests = _digests(API_KEY_DIGESTS_ENV) | self.digests
-        self.routes: dict[str, str] | None = None
+        self.routes: RouteTable | None = None
         self.contexts = ContextRoutes(app)
         self.heads = HeadRequests(app)
         self.shadows = ShadowRequests(app)
 
-    def _note_routes(self, scope: Scope) -> None:
-        """Once: the served app's routes by kind, in the log."""
-        if self.routes is not None or "app" not in scope:
-            return
-        self.routes = route_table(scope["app"])
-        kinds = {kind: sorted(r for r, k in self.routes.items() if k == kind)
-                 for kind in ("generation", "plain", "read-only", "public")}
-        # printed, as `kvcomm serve` prints its command line: vLLM's logging setup leaves
-        # other packages' loggers without a handler in the API server
-        print(f"kvcomm: {len(self.routes)} routes; generation (tenant and salt set by kvcomm): "
-              f"{', '.join(kinds['generation'])}; plain (no kvcomm opt-in, no client salt): {', '.join(kinds['plain'])}; "
-              f"read-only: {len(kinds['read-only'])}; {'no key needed' if self.api_digests else 'health probes'}: "
-              f"{', '.join(kinds['public'])}", file=sys.stderr, flush=True)
+    def _table(self, scope: Scope) -> RouteTable | None:
+        """The served app's route table, read at its start-up (the lifespan) or first request;
+        logged once. Refuses to start when vLLM's app accepts other keys than kvcomm checks."""
+        if self.routes is None and "app" in scope:
+            keys = app_keys(scope["app"])
+            if keys is not None and frozenset(map(key_digest, keys)) != self.api_digests:
+                raise KeyMismatch(f"vLLM's app accepts {len(keys)} API key(s) and kvcomm checks {len(self.api_digests)} "
+                                  "other ones: start the server with `kvcomm serve`, which reads the keys with vLLM's "
+                                  "own argument parser")
+            self.routes = RouteTable(scope["app"])
+            # printed, as `kvcomm serve` prints its command line: vLLM's logging setup leaves
+            # other packages' loggers without a handler in the API server
+            print(f"kvcomm: {self.routes.summary()}; "
+                  f"{'every route but the health probes needs a key' if self.api_digests else 'no API keys: open'}",
+                  file=sys.stderr, flush=True)
+        return self.routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._note_routes(scope)
-        if scope["type"] not in ("http", "websocket"):
+        table = self._table(scope)
+        if scope["type"] not in ("http", "websocket") or table is None:
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
-        method = scope.get("method", "GET") if scope["type"] == "http" else "GET"
-        kind = route_kind(method, path)
-        key = _bearer(Headers(scope=scope))
-        if self.api_digests and method != "OPTIONS" and kind != "public" and (key is None or key_digest(key) not in self.api_digests):
+        route = table.find(scope)
+        headers = Headers(scope=scope)
+        key = _bearer(headers)
+        keyless_preflight = route.method == "OPTIONS" and table.cors and _preflight(headers)
+        if self.api_digests and route.needs_key and not keyless_preflight and (
+                key is None or key_digest(key) not in self.api_digests):
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1008})
                 return
             await JSONResponse({"error": "Unauthorized"}, 401)(scope, receive, send)
             return
-        contexts = scope["type"] == "http" and ContextRoutes.owns(path)
-        if scope["type"] != "http" or (method != "POST" and not contexts):
+        contexts = scope["type"] == "http" and ContextRoutes.owns(route.path)
+        if scope["type"] != "http" or keyless_preflight or not (route.rewrites or contexts):
             await self.app(scope, receive, send)
             return
-        chunks, more = [], True
+        chunks, size, more = [], 0, True
         while more:
             message = await receive()
             if message["type"] != "http.request":  # client went away before sending its body
                 await self.app(scope, _replay([message], receive), send)
                 return
             chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
             more = message.get("more_body", False)
+            if size > MAX_BODY_BYTES:
+                await _error(413, f"the request body has more than {MAX_BODY_BYTES} bytes")(scope, receive, send)
+                return
         raw = b"".join(chunks)
         shadow = None
         try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError):
-            body = None  # not JSON: vLLM answers it as usual
+            body = read_body(raw)
+        except BodyError as error:
+            await _error(error.status, str(error))(scope, receive, send)
+            return
         if contexts:
             tenant = tenant_of(key) if self.digests and key is not None and key_digest(key) in self.digests else None
-            await self.contexts.handle(scope, receive, send, tenant, body if method == "POST" else None)
+            await self.contexts.handle(scope, receive, send, tenant, body if route.method == "POST" and body is not NOT_JSON else None)
             return
         if isinstance(body, dict):
             try:
-                body = rewrite(body, key, self.digests, "generation" if kind == "generation" else "plain")
-                uses = await self.contexts.annotate(scope, body) if kind == "generation" else []
+                body = rewrite(body, key, self.digests, route.kind)
+                uses = await self.contexts.annotate(scope, body) if route.kind == "generation" else []
             except ContextError as error:
-                await JSONResponse({"error": {"message": str(error), "type": type(error).__name__, "code": error.status}},
-                                   error.status)(scope, receive, send)
+                await _error(error.status, str(error), type(error).__name__)(scope, receive, send)
                 return
             except ValueError as error:
-                response = JSONResponse({"error": {"message": str(error), "type": "BadRequestError", "code": 400}}, 400)
-                await response(scope, receive, send)
+                await _error(400, str(error))(scope, receive, send)
                 return
             if uses:
                 send = self.contexts.reporting(send, uses)
-            if kind == "generation" and path == "/v1/completions":
+            if route.kind == "generation" and route.path == "/v1/completions":
                 shadow = await self.heads.before(scope, body)
             raw = json.dumps(body).encode("utf-8")
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]

@@ -68,6 +68,21 @@ DEVICE_MEMORY_SHARE = 0.9
 """Of the accelerator memory vLLM leaves free (less the capture budget), the share the reuse
 state may use when no ``max_total_bytes`` is given; the rest is headroom for the plans' and
 kernels' temporaries."""
+HOST_MEMORY_SHARE = 0.25
+"""On a CPU, the share of the host's physical memory that the reuse state and the captures
+together may use when no ``max_total_bytes`` is given: the rest is for the model's weights,
+vLLM's KV cache space (``VLLM_CPU_KVCACHE_SPACE``), the processes and everything else the host runs."""
+
+
+def host_memory_budget(capture_bytes: int, total_bytes: int | None = None) -> int:
+    """The default ``max_total_bytes`` on a CPU: ``HOST_MEMORY_SHARE`` of the host's physical
+    memory (``total_bytes``, read with psutil when None) less the capture budget
+    (``capture_bytes``); at least 1 (then nothing is kept, rather than unbounded)."""
+    if total_bytes is None:
+        import psutil
+
+        total_bytes = psutil.virtual_memory().total
+    return max(1, int(HOST_MEMORY_SHARE * total_bytes) - capture_bytes)
 
 
 def device_memory_budget(device_type: str, free_bytes: int | None, max_total_bytes: Any, capture_bytes: int,
@@ -82,9 +97,9 @@ def device_memory_budget(device_type: str, free_bytes: int | None, max_total_byt
     requests in flight together, ``vllm.scheduler``). A given cap whose share plus the capture
     budget does not fit
     is refused, or the first large plan would fail inside a forward. On a CPU (host memory) the
-    caps are what the operator set."""
+    cap is the operator's, or ``host_memory_budget`` without one."""
     if device_type == "cpu" or free_bytes is None:
-        return max_total_bytes, None
+        return (host_memory_budget(capture_bytes) if max_total_bytes is None else max_total_bytes), None
     gib = 1 << 30
     if max_total_bytes is None:
         room = int(DEVICE_MEMORY_SHARE * (free_bytes - capture_bytes)) * ranks

@@ -112,6 +112,8 @@ class KvcommConnectorWorker:
         except (LayoutError, RopeError) as error:
             self.refused = self.refused or str(error)
         self.refused = refusal_of_any_rank(self.refused, self._vllm_config)
+        if self.refused is None:  # every rank builds its planner (and restores its state) together
+            self.refused = refusal_of_any_rank(self._plans.start(), self._vllm_config)
         apply_refusal(self.channel, self.refused, self._strict)
 
     def _memory_refusal(self) -> str | None:

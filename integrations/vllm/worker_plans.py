@@ -42,8 +42,10 @@ its KV), so a step stays far under 200 ms (docs/measurements/2026-12-06-serve-ha
 class WorkerPlans:
     """Planned requests of one worker, from their ``PlanAsk`` to their ``Finished``.
 
-    The planner is built on first use, on the served model's rotary numbers (read into
-    ``channel.rotary`` at start-up by the worker side's ``register_kv_caches``).
+    The planner is built at start-up (``start``, from the worker side's ``register_kv_caches``,
+    on the served model's rotary numbers it read into ``channel.rotary``), restoring any saved
+    state then, before the engine serves: the first request after a restart is planned like any
+    other (it used to build the planner, and restore gigabytes, inside its engine step).
     """
 
     def __init__(self, vllm_config: "VllmConfig", channel: Channel):
@@ -57,6 +59,18 @@ class WorkerPlans:
         """All ranks' byte cap; the worker sets it from the device memory at start-up (``refusals.device_memory_budget``)."""
         slots = vllm_config.kv_transfer_config.get_from_extra_config("slots", None)
         self._known_slots = None if slots is None else frozenset(slots)
+
+    def start(self) -> str | None:
+        """Build the planner now when server-side planning is on (``plan`` in the connector's
+        extra config); returns why it could not be built (the connector is then refused), else None."""
+        if not self._vllm_config.kv_transfer_config.get_from_extra_config("plan", False):
+            return None
+        try:
+            self._ensure_planner()
+        except Exception as error:  # refused at start-up, never inside a forward
+            log.exception("kvcomm: building the server-side planner failed")
+            return f"the server-side planner could not be built ({type(error).__name__}: {str(error)[:300]})"
+        return None
 
     def _ensure_planner(self) -> None:
         if self.planner is None:

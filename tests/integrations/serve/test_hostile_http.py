@@ -88,3 +88,46 @@ def test_hostile_requests_get_clear_answers_and_the_server_keeps_serving(kvcomm_
           f"({grown / count:.0f} per request)")
     assert grown <= MAX_LOG_BYTES_PER_REQUEST * count
     assert "EngineCore encountered a fatal error" not in log and "EngineDeadError" not in log
+
+
+def test_deep_and_huge_bodies_on_every_kind_of_route_never_stop_the_server(kvcomm_server, executor, fresh_key):  # noqa: F811
+    """Issue 48: a body nested ~900 deep inside kv_transfer_params got a 500, then vLLM's engine
+    core died with RecursionError while pickling and the whole server exited (with or without
+    the kvcomm key). Deep bodies on generation, salted, plain and unknown routes, and numbers
+    out of range, now get a 400 (413 for size) before vLLM sees them; the server keeps serving."""
+    key = fresh_key()
+    model = kvcomm_server.model
+    deep = "[" * 900 + "]" * 900
+    bodies = [
+        ("/v1/completions", f'{{"model": "{model}", "prompt": [1, 2], "max_tokens": 1, "kv_transfer_params": {{"kvcomm": {{"x": {deep}}}}}}}'),
+        ("/v1/completions", f'{{"model": "{model}", "prompt": [1, 2], "max_tokens": 1, "kv_transfer_params": {{"x": {deep}}}}}'),
+        ("/v1/chat/completions", f'{{"model": "{model}", "messages": {deep}, "max_tokens": 1}}'),
+        ("/v1/chat/completions", f'{{"model": "{model}", "messages": [{{"role": "user", "content": "hi"}}], "tools": {deep}}}'),
+        ("/v1/chat/completions", f'{{"model": "{model}", "messages": [{{"role": "user", "content": "hi"}}], '
+                                 f'"response_format": {{"type": "json_schema", "json_schema": {{"name": "x", "schema": {deep}}}}}}}'),
+        ("/v1/chat/completions/batch", f'{{"model": "{model}", "messages": [{deep}]}}'),
+        ("/invocations", f'{{"model": "{model}", "prompt": [1], "kv_transfer_params": {deep}}}'),
+        ("/tokenize", f'{{"model": "{model}", "prompt": {deep}}}'),
+        ("/v1/kvcomm/contexts", f'{{"token_ids": {deep}}}'),
+        ("/v1/completions", "[" * 200_000 + "]" * 200_000),
+        ("/v1/completions", f'{{"model": "{model}", "prompt": [1180591620717411303424], "max_tokens": 1}}'),
+        ("/v1/kvcomm/contexts", '{"token_ids": [1180591620717411303424]}'),
+        ("/v1/kvcomm/contexts", '{"token_ids": [9223372036854775807]}'),
+        ("/v1/completions", f'{{"model": "{model}", "prompt": [1], "max_tokens": 1e400}}'),
+        ("/v1/completions", f'{{"model": "{model}", "prompt": [1], "temperature": NaN}}'),
+    ]
+    log_before = kvcomm_server.log.read_text()
+    for path, body in bodies:
+        request = urllib.request.Request(kvcomm_server.base_url + path, data=body.encode(), method="POST",
+                                         headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                status = response.status
+        except urllib.error.HTTPError as error:
+            status = error.code
+        assert status == 400, (path, body[:120], status)
+        assert kvcomm_server.request("GET", "/health")[0] == 200, path
+    spec = load_demo_pipeline()
+    prompt = build_prompt(executor, spec.agents[0], {"task": _content(executor, spec.inputs[0]["task"])})
+    assert kvcomm_server.complete(list(prompt.token_ids), key, 2)["choices"][0]["finish_reason"] in ("length", "stop")
+    assert "Traceback" not in kvcomm_server.log.read_text()[len(log_before):]

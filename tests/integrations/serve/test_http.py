@@ -184,18 +184,21 @@ def test_route_sweep_every_route_keyed_and_no_forged_tenant_or_salt_reaches_anot
     at start-up as generation (tenant and salt set by kvcomm) or plain; and tenant B, forging
     tenant A's tenant and reuse salt on the generation routes that report cached tokens, gets
     none of A's exact, estimated or vLLM-cached tokens."""
-    from kvcomm.integrations.serve.middleware import PUBLIC_PATHS
+    from kvcomm.integrations.serve.routes import HEALTH_PROBES
 
     line = next(text for text in kvcomm_server.log.read_text().splitlines() if re.search(r"kvcomm: \d+ routes;", text))
     status, schema = kvcomm_server.request("GET", "/openapi.json", key=kvcomm_server.keys[0])
     assert status == 200
     routes = [(method.upper(), path) for path, ops in schema["paths"].items() for method in ops] + [("GET", "/metrics")]
+    # every other method too (OPTIONS /metrics answered the metrics without a key), and /metrics' variants
+    routes += [(method, path) for path in {p for _, p in routes} | {"/metrics/", "/metrics/x", "/metrics?x=1"}
+               for method in ("OPTIONS", "PUT", "DELETE", "PATCH", "HEAD") if (method, path) not in routes]
     unrewritten = [f"{m} {p}" for m, p in routes if m == "POST" and f"POST {p}" not in line]
     unauthenticated = []
     for method, path in routes:
         concrete = re.sub(r"\{[^}]+\}", "x", path)
         status, _ = kvcomm_server.request(method, concrete, {} if method in ("POST", "PUT", "PATCH") else None)
-        if status != 401 and path not in PUBLIC_PATHS:  # a 400 or 422 would mean the route read the body
+        if status != 401 and path not in HEALTH_PROBES:  # a 400 or 422 would mean the route read the body
             unauthenticated.append(f"{method} {path} -> {status}")
     a, b = fresh_key(), fresh_key()
     spec = load_demo_pipeline()

@@ -118,6 +118,9 @@ def test_state_is_saved_restored_and_a_corrupt_save_starts_cold(executor, tmp_pa
     second = start_server(logs / "second.log", KEYS, "--state-dir", str(state), "--save-interval", "3600", "--no-tenant-per-key",
                           multiprocess=multiprocess)
     try:
+        # restored at start-up, before the server answered its health probe (issue 48: the first
+        # opted-in request built the planner and restored every tenant inside its engine step)
+        assert f"kvcomm: tenant {tenant_label('team-b')} starts cold" in second.log.read_text()
         warm = provenance(second.complete(probe_prompt.token_ids, KEYS[0], 2, probe))
         # exact prefixes are not saved and vLLM's cache is new, so what is reused here comes
         # from the restored state: anchors estimate the shared content, and the restored base

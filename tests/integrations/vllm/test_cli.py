@@ -29,7 +29,7 @@ def test_eval_on_vllm_refuses_kl_and_cacheblend_with_a_clear_error(tmp_path, cap
 
 
 def test_serve_adds_tenant_middleware_and_reads_api_keys(monkeypatch):
-    from kvcomm.integrations.serve.command import MIDDLEWARE, WORKER_EXTENSION, api_keys
+    from kvcomm.integrations.serve.command import MIDDLEWARE, WORKER_EXTENSION
 
     argv = serve_argv(None, True, None, ["--api-key", "k1", "k2"], {"gamma": 1.0, "max_tenant_bytes": 1 << 20})
     assert argv[argv.index("--middleware") + 1] == MIDDLEWARE and "--enable-prompt-tokens-details" in argv
@@ -39,11 +39,33 @@ def test_serve_adds_tenant_middleware_and_reads_api_keys(monkeypatch):
     # --no-plan: no planning, but API keys on every route and the tenants' cache salts still
     assert "--middleware" in serve_argv(None, False, None, [])
     assert "--worker-extension-cls" not in serve_argv(None, False, None, [])
+
+
+def test_serve_reads_api_keys_as_vllm_does_in_every_form_and_refuses_repeated_flags(monkeypatch):
+    """Issue 48: with `--api-key A --api-key B` vLLM kept only B while kvcomm accepted both, so A
+    got 401 on vLLM's routes and 200 on /invocations and /metrics. The keys are now what vLLM's
+    own parser reads; an option given twice (in any spelling) is refused before the server starts."""
+    from kvcomm.integrations.serve.vllm_args import VllmArgsError, accepted_keys, read_vllm_args
+
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
-    assert api_keys(["--port", "1", "--api-key", "k1", "k2", "--api-key=k3"]) == ["k1", "k2", "k3"]
-    assert api_keys([]) == []
+    base = serve_argv(None, True, None, [])[1:]
+    for form, keys in ((["--api-key", "k1", "k2"], ["k1", "k2"]), (["--api-key=k1"], ["k1"]), (["--api_key", "k1"], ["k1"]),
+                       (["--api-ke", "k1"], ["k1"]), ([], [])):
+        assert accepted_keys(read_vllm_args(base + form)) == keys, form
+    for form in (["--api-key", "a", "--api-key", "b"], ["--api-key=a", "--api-key=b"], ["--api-key", "a", "--api_key", "b"],
+                 ["--api-key=a", "--api-ke", "b"]):
+        with pytest.raises(VllmArgsError, match="given 2 times.*--api-key KEY1 KEY2"):
+            read_vllm_args(base + form)
     monkeypatch.setenv("VLLM_API_KEY", "env-key")
-    assert api_keys([]) == ["env-key"]
+    assert accepted_keys(read_vllm_args(base)) == ["env-key"]
+    assert accepted_keys(read_vllm_args(base + ["--api-key", "k1"])) == ["k1"]  # vLLM's rule: the flag wins
+
+
+def test_serve_refuses_an_unknown_flag_in_one_line(capsys):
+    """A typo printed vLLM's whole usage before the error (issue 49); now one line from kvcomm."""
+    assert main(["serve", "--gama", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --gama" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_serve_refuses_a_non_positive_byte_cap(capsys):
@@ -191,3 +213,29 @@ def test_serve_listens_on_loopback_and_reports_ttft_unless_told_otherwise():
     assert argv.count("--host") == 0 and "--enable-per-request-metrics" not in argv
     args = _vllm_parsed(argv)
     assert args.host == "::1" and not args.enable_per_request_metrics
+
+
+@pytest.mark.parametrize("argv, reexec", [(["serve", "--port", "1"], True), (["demo"], True),
+                                          (["demo", "--backend", "transformers"], False), (["serve", "--help"], False)])
+def test_serve_and_demo_apply_the_cpu_thread_settings_unless_set(monkeypatch, argv, reexec):
+    """Issue 48: `kvcomm serve` on a CPU ran with vLLM's one bound OpenMP thread per core, which
+    `kvcomm demo` avoids; a user following the docs lost on wall time until they set them by hand.
+    Both now re-execute themselves with DEMO_THREADS unless the caller set them."""
+    import os
+
+    from kvcomm import cli
+
+    calls = []
+    monkeypatch.setattr(os, "execve", lambda path, args, env: calls.append((args, env)))
+    for name in (*cli.DEMO_THREADS, "KVCOMM_DEMO_REEXEC"):
+        monkeypatch.delenv(name, raising=False)
+    cli._thread_environment(argv)
+    assert bool(calls) == reexec
+    if reexec:
+        args, env = calls[0]
+        assert args[-len(argv):] == argv and all(env[k] == v for k, v in cli.DEMO_THREADS.items())
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "all")
+    calls.clear()
+    cli._thread_environment(argv)
+    assert calls == []  # the user's own settings win

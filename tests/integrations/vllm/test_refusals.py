@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("vllm")
 
 from kvcomm.integrations.vllm.connector import KvcommConnector  # noqa: E402
-from kvcomm.integrations.vllm.refusals import config_refusal, device_memory_budget  # noqa: E402
+from kvcomm.integrations.vllm.refusals import config_refusal, device_memory_budget, host_memory_budget  # noqa: E402
 
 
 def _group(spec):
@@ -156,9 +156,13 @@ def test_strict_mode_fails_the_start_with_the_reason(windowed_model):
 def test_on_an_accelerator_the_reuse_state_is_capped_to_fit_beside_vllms_kv_cache():
     """On a GPU the reuse state shares the memory vLLM leaves free: without a cap it gets 90% of
     that less one request's capture; a given cap that does not fit with one capture is refused
-    at start-up with what to change; on a CPU (host memory) the operator's caps stand."""
+    at start-up with what to change; on a CPU (host memory) the operator's caps stand, and
+    without one a quarter of the host's memory less the capture budget (issue 48: no bound at all)."""
+    import psutil
+
     gib = 1 << 30
-    assert device_memory_budget("cpu", None, None, gib) == (None, None)
+    assert device_memory_budget("cpu", None, None, gib) == (psutil.virtual_memory().total // 4 - gib, None)
+    assert host_memory_budget(gib, 24 * gib) == 5 * gib and host_memory_budget(gib, 2 * gib) == 1
     assert device_memory_budget("cpu", None, 5, gib) == (5, None)
     assert device_memory_budget("cuda", 11 * gib, None, gib) == (9 * gib, None)
     assert device_memory_budget("cuda", 11 * gib, None, gib, ranks=2) == (18 * gib, None)
