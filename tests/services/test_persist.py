@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from kvcomm.reuse.config import ReuseConfig
 from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.core.fingerprint import ModelFingerprint, model_fingerprint, rope_digest
 from kvcomm.core.kv import KV
-from kvcomm.services.persist import MANIFEST, PersistError, load_engine, save_engine
+from kvcomm.services.persist import MANIFEST, PersistError, load_engine, save_engine, tidy
 from kvcomm.reuse.pipeline import parse_pipeline
 from kvcomm.core.rope import Rotary
 from kvcomm.reuse.runner import run_row
@@ -67,10 +68,11 @@ def feed(engine: ReuseEngine, seed: int, calls: int, max_len: int = 6, slots: tu
         engine.learn(plan, _random_kv(gen, len(prompt) - plan.reuse_end, dtype))
 
 
-def _saved_state(engine: ReuseEngine, directory: Path) -> tuple[dict, str]:
+def _saved_state(engine: ReuseEngine, directory: Path) -> dict:
+    """The manifest of a save of ``engine``: its object files are named by their checksums, so
+    equal manifests are equal saves, byte for byte."""
     save_engine(engine, directory, synthetic_fingerprint(engine.rotary))
-    manifest = json.loads((directory / MANIFEST).read_text())
-    return {k: v for k, v in manifest.items() if k != "tensors"}, manifest["tensors"]["sha256"]
+    return json.loads((directory / MANIFEST).read_text())
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -216,8 +218,13 @@ def test_another_model_is_refused(saved):
         load_engine(directory, stranger, good)
 
 
+def _first_object(directory: Path) -> str:
+    """The object file of the first anchor's base."""
+    return json.loads((directory / MANIFEST).read_text())["pools"][0]["anchors"][0]["base"]["file"]
+
+
 def _tensor_file(directory: Path) -> Path:
-    return directory / json.loads((directory / MANIFEST).read_text())["tensors"]["file"]
+    return directory / _first_object(directory)
 
 
 def _flip(directory: Path) -> None:
@@ -238,18 +245,27 @@ def _rewrite_manifest(directory: Path, edit) -> None:
     (directory / MANIFEST).write_text(json.dumps(manifest))
 
 
-def _rewrite_tensors(directory: Path, change, edit=lambda m: None) -> None:
-    """Replace the save's tensors by ``change(tensors)`` as a well-formed file whose checksum
-    and size the manifest records, then ``edit`` the manifest further."""
-    import hashlib
-    path = _tensor_file(directory)
-    save_file(change(load_file(str(path))), str(path))
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+def _renamed(obj, old: str, ref: dict):
+    """``obj`` (a manifest) with every reference to object file ``old`` replaced by ``ref``."""
+    if isinstance(obj, dict):
+        return ref if obj.get("file") == old and "bytes" in obj else {k: _renamed(v, old, ref) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_renamed(v, old, ref) for v in obj]
+    return obj
 
-    def recorded(m):
-        m["tensors"].update(sha256=digest, bytes=path.stat().st_size)
-        edit(m)
-    _rewrite_manifest(directory, recorded)
+
+def _rewrite_tensors(directory: Path, change) -> None:
+    """Replace the first anchor base's object file by ``change(its tensors)``, well formed, named
+    by its checksum and recorded with its size in the manifest (a save that reads but is wrong)."""
+    import hashlib
+    from safetensors.torch import save
+
+    old = _first_object(directory)
+    data = save(change(load_file(str(directory / old))))
+    name = f"obj-{hashlib.sha256(data).hexdigest()}.safetensors"
+    (directory / name).write_bytes(data)
+    manifest = _renamed(json.loads((directory / MANIFEST).read_text()), old, {"file": name, "bytes": len(data)})
+    (directory / MANIFEST).write_text(json.dumps(manifest))
 
 
 def _drop_tensor(directory: Path) -> None:
@@ -260,21 +276,94 @@ def _drop_tensor(directory: Path) -> None:
     _rewrite_tensors(directory, one_short)
 
 
+VERSION_2 = Path(__file__).resolve().parent / "data" / "version-2-save"
+"""A save written by kvcomm's format version 2 (main at fcf4c08, before saves became one file
+per object): ``save_engine`` of ``ReuseEngine(synthetic_rotary(), ReuseConfig(pool=PoolConfig(gamma=0.0),
+prefix_store_bytes=0))`` after ``feed(engine, 7, 16)``, as ``_version_2_engine`` builds it."""
+
+
+def _version_2_engine() -> ReuseEngine:
+    engine = ReuseEngine(synthetic_rotary(), ReuseConfig(pool=PoolConfig(gamma=0.0), prefix_store_bytes=0))
+    feed(engine, 7, 16)
+    return engine
+
+
+def _legacy_rewrite(directory: Path, change, edit) -> None:
+    """Version 1/2: replace the one tensor file by ``change(tensors)``, record its checksum and
+    size, then ``edit`` the manifest."""
+    import hashlib
+    manifest = json.loads((directory / MANIFEST).read_text())
+    path = directory / manifest["tensors"]["file"]
+    save_file(change(load_file(str(path))), str(path))
+    manifest["tensors"].update(sha256=hashlib.sha256(path.read_bytes()).hexdigest(), bytes=path.stat().st_size)
+    edit(manifest)
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+
+
 def _as_version_1(directory: Path) -> None:
-    """Rewrite a save as version 1 wrote it: every layer of a deviation stored (layer 0 zero), no
-    first_layer field."""
+    """Rewrite a version 2 save as version 1 wrote it: every layer of a deviation stored (layer 0
+    zero), no first_layer field."""
     def edit(m):
         m.update(version=1)
         for pool in m["pools"]:
             for anchor in pool["anchors"]:
                 for dev in anchor["deviations"]:
                     del dev["first_layer"]
-    _rewrite_tensors(directory, lambda tensors: {
+    _legacy_rewrite(directory, lambda tensors: {
         name: (torch.cat([t.new_zeros((1, *t.shape[1:])), t]) if ".dev" in name else t) for name, t in tensors.items()}, edit)
 
 
-def test_a_version_1_save_loads_with_every_layer_of_its_deviations(saved):
-    directory, _, _ = saved
+def _same_state(a: ReuseEngine, b: ReuseEngine) -> None:
+    """Equal pools (ids, serials, accesses, bases, embeddings, deviations, fits), bases and fixed bases."""
+    def kv_equal(x: KV, y: KV) -> bool:
+        return x.keys.dtype == y.keys.dtype and torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+
+    assert sorted(a.pools) == sorted(b.pools)
+    for slot, pool in a.pools.items():
+        other = b.pools[slot]
+        assert (pool.next_serial, pool.evictions) == (other.next_serial, other.evictions) and other.problems() == []
+        for x, y in zip(pool.anchors, other.anchors, strict=True):
+            assert (x.segment_id, x.serial, x.accesses, sorted(x.deviations)) == (y.segment_id, y.serial, y.accesses, sorted(y.deviations))
+            assert kv_equal(x.base, y.base) and (x.embedding == y.embedding).all()
+            for k, d in x.deviations.items():
+                e = y.deviations[k]
+                assert kv_equal(d.shared, e.shared) and (d.first_layer, d.following_base) == (e.first_layer, e.following_base)
+                assert (d.following is None) == (e.following is None) and (d.following is None or kv_equal(d.following, e.following))
+        assert sorted(pool.fits) == sorted(other.fits)
+        for k, fit in pool.fits.items():
+            assert fit.pairs == other.fits[k].pairs and torch.equal(fit.cross, other.fits[k].cross)
+            assert torch.equal(fit.estimate_sq, other.fits[k].estimate_sq) and torch.equal(fit.real_sq, other.fits[k].real_sq)
+    assert sorted(a._bases) == sorted(b._bases) and sorted(a._fixed_bases) == sorted(b._fixed_bases)
+    for k, (kv, embedding) in a._bases.items():
+        assert kv_equal(kv, b._bases[k][0]) and (embedding == b._bases[k][1]).all()
+    for k, kv in a._fixed_bases.items():
+        assert kv_equal(kv, b._fixed_bases[k])
+
+
+def test_a_version_2_save_loads_and_the_next_save_replaces_it(tmp_path):
+    """A save written by the previous format loads exactly; saving the folder again writes
+    version 3 and removes the old tensor file once the new manifest is in place."""
+    import shutil
+
+    directory = tmp_path / "v2"
+    shutil.copytree(VERSION_2, directory)
+    expected = _version_2_engine()
+    assert sum(len(p.fits) for p in expected.pools.values()) > 0  # the fits are covered too
+    restored = ReuseEngine(expected.rotary, expected.config)
+    load_engine(directory, restored, synthetic_fingerprint(restored.rotary))
+    _same_state(expected, restored)
+    save_engine(restored, directory, synthetic_fingerprint(restored.rotary))
+    assert json.loads((directory / MANIFEST).read_text())["version"] == 3 and not list(directory.glob("tensors-*"))
+    again = ReuseEngine(expected.rotary, expected.config)
+    load_engine(directory, again, synthetic_fingerprint(again.rotary))
+    _same_state(expected, again)
+
+
+def test_a_version_1_save_loads_with_every_layer_of_its_deviations(tmp_path):
+    import shutil
+
+    directory = tmp_path / "v1"
+    shutil.copytree(VERSION_2, directory)
     rotary = synthetic_rotary()
     fresh = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
     load_engine(directory, fresh, synthetic_fingerprint(rotary))
@@ -300,14 +389,17 @@ CORRUPTIONS = {
     "bad json": (lambda d: (d / MANIFEST).write_text('{"format": "kvcomm-anchors", "vers'), "not valid JSON"),
     "truncated manifest": (lambda d: (d / MANIFEST).write_bytes((d / MANIFEST).read_bytes()[:-40]), "not valid JSON"),
     "missing tensor": (_drop_tensor, "is missing"),
-    "missing tensor file": (lambda d: _tensor_file(d).unlink(), "tensor file missing"),
+    "missing object file": (lambda d: _tensor_file(d).unlink(), "object file missing"),
     "wrong field type": (lambda d: _rewrite_manifest(d, lambda m: m["pools"][0].update(anchors="x")), "must be a list"),
     "other format": (lambda d: _rewrite_manifest(d, lambda m: m.update(format="x")), "not a kvcomm anchor save"),
     "newer version": (lambda d: _rewrite_manifest(d, lambda m: m.update(version=99)), "format version 99"),
     "first layer out of range": (lambda d: _first_layer(d, LAYERS), "first_layer 2 is not a layer"),
     "first layer not stored": (lambda d: _first_layer(d, 0), "inconsistent with the rest"),
     "no manifest": (lambda d: (d / MANIFEST).unlink(), "manifest missing"),
-    "path in file name": (lambda d: _rewrite_manifest(d, lambda m: m["tensors"].update(file="../x")), "does not name"),
+    "path in file name": (lambda d: _rewrite_manifest(d, lambda m: m["pools"][0]["anchors"][0]["base"].update(
+        file="../x")), "must name an object file"),
+    "object file of another size": (lambda d: _rewrite_manifest(d, lambda m: m["pools"][0]["anchors"][0]["base"].update(
+        bytes=1)), "truncated"),
 }
 
 
@@ -391,57 +483,77 @@ def _half(path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
-@pytest.mark.parametrize("point", ["tensor write", "tensor commit", "manifest commit"])
+def _named(directory: Path) -> set[str]:
+    """Object files the manifest names (the fits file included)."""
+    return set(re.findall(r'"(obj-[0-9a-f]{64}\.safetensors)"', (directory / MANIFEST).read_text()))
+
+
+@pytest.mark.parametrize("point", ["object write", "object commit", "manifest write", "removing old files"])
 def test_a_crash_at_any_step_of_a_save_leaves_the_previous_save(tmp_path, monkeypatch, point):
+    """The save after new learning dies at each step in turn: halfway through an object file,
+    after some objects are complete, halfway through the manifest, after the manifest before
+    the files it no longer names are gone. The folder loads the previous save until the commit
+    (the new one after), and the next save completes and leaves exactly the files it names."""
     import kvcomm.services.persist as persist
 
     rotary = synthetic_rotary()
-    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
+    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, max_anchors=6)))
     feed(engine, 0, 10)
     save_engine(engine, tmp_path, synthetic_fingerprint(rotary))
+    feed(engine, 1, 8)  # new anchors and deviations, and some evicted: new files, and old ones to remove
     for pool in engine.pools.values():
         for anchor in pool.anchors:
             anchor.accesses = 77
-    real_save, real_commit, commits = persist.save_file, persist._commit, []
+    real_write, real_text, writes = persist._write_object, persist.write_text_atomically, []
 
-    def save_file(tensors, path):  # the write gets halfway, then the process dies
-        real_save(tensors, path)
-        _half(path)
+    def write_object(path, data):
+        writes.append(path.name)
+        if point == "object write":  # the temp file gets halfway, then the process dies
+            (path.parent / ".kvcomm-torn.safetensors").write_bytes(data[: len(data) // 2])
+            raise _Crash
+        if point == "object commit" and len(writes) == 2:
+            raise _Crash
+        real_write(path, data)
+
+    def write_text(path, text):
+        if point == "manifest write":
+            (path.parent / ".kvcomm-torn.json").write_text(text[: len(text) // 2])
+            raise _Crash
+        real_text(path, text)
+
+    def remove_unnamed(directory, named):
         raise _Crash
 
-    def commit(tmp, final):
-        commits.append(final.name)
-        if (point == "tensor commit" and len(commits) == 1) or (point == "manifest commit" and len(commits) == 2):
-            _half(tmp)
-            raise _Crash
-        real_commit(tmp, final)
-
-    if point == "tensor write":
-        monkeypatch.setattr(persist, "save_file", save_file)
-    monkeypatch.setattr(persist, "_commit", commit)
+    monkeypatch.setattr(persist, "_write_object", write_object)
+    monkeypatch.setattr(persist, "write_text_atomically", write_text)
+    if point == "removing old files":
+        monkeypatch.setattr(persist, "_remove_unnamed", remove_unnamed)
     with pytest.raises(_Crash):
         save_engine(engine, tmp_path, synthetic_fingerprint(rotary))
     monkeypatch.undo()
-    restored = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
+    assert writes  # the crash came while objects were being written or after
+    restored = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, max_anchors=6)))
     load_engine(tmp_path, restored, synthetic_fingerprint(rotary))
-    assert 77 not in {a.accesses for p in restored.pools.values() for a in p.anchors}  # the previous save
+    accesses = {a.accesses for p in restored.pools.values() for a in p.anchors}
+    assert accesses == {77} if point == "removing old files" else 77 not in accesses  # the new save, or the previous
     save_engine(engine, tmp_path, synthetic_fingerprint(rotary))  # the next save completes and tidies up
     load_engine(tmp_path, restored, synthetic_fingerprint(rotary))
     assert {a.accesses for p in restored.pools.values() for a in p.anchors} == {77}
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("tensors-")) == [MANIFEST]
-    assert len(list(tmp_path.glob("tensors-*"))) == 1
+    _same_state(engine, restored)
+    assert {p.name for p in tmp_path.iterdir()} == {MANIFEST} | _named(tmp_path)
 
 
 def _saver(directory: str) -> None:
-    """Subprocess body: save a ~25 MB engine again and again, bumping a counter each time."""
+    """Subprocess body: save a ~25 MB engine again and again, learning a few new anchors (new
+    object files of up to a few MB, and evictions) and bumping a counter each time."""
     torch.set_num_threads(1)
     rotary = synthetic_rotary()
-    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
+    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, max_anchors=24)))
     feed(engine, 0, 40, max_len=3000)
-    anchors = [a for p in engine.pools.values() for a in p.anchors]
     fingerprint = synthetic_fingerprint(rotary)
     for i in range(10**6):
-        for anchor in anchors:
+        feed(engine, 1000 + i, 3, max_len=3000)
+        for anchor in [a for p in engine.pools.values() for a in p.anchors]:
             anchor.accesses = i
         save_engine(engine, directory, fingerprint)
         print(i, flush=True)
@@ -471,7 +583,9 @@ def test_killing_a_save_midway_leaves_the_previous_save_loadable(tmp_path):
     load_engine(tmp_path, restored, synthetic_fingerprint(restored.rotary))
     (counter,) = {a.accesses for p in restored.pools.values() for a in p.anchors}  # one whole save
     assert done[-1] <= counter <= done[-1] + 1  # the last complete save, or one committed unprinted
-    assert len(list(tmp_path.glob("tensors-*.safetensors"))) <= 2  # at most the live one and one in flight
+    tidy(tmp_path)  # what a restart does: the killed save's temp files and unnamed objects go
+    assert {p.name for p in tmp_path.iterdir()} == {MANIFEST} | _named(tmp_path)
+    load_engine(tmp_path, restored, synthetic_fingerprint(restored.rotary))
 
 
 if __name__ == "__main__":
