@@ -589,6 +589,10 @@ def _loaded_objects(manifest: dict, pools: dict[str, AnchorPool], fixed: dict, b
             for dev in item["deviations"]:
                 objects.append(_deviation(anchor.deviations[(dev["template"], dev["slot"])]))
                 objects[-1].ref = dev["file"]
+    if manifest.get("fits_file") is not None:  # its name tells the next save whether the sums changed
+        sums = {f"pool{p}.fit{f}.{n}": getattr(fit, n) for p, entry in enumerate(manifest["pools"])
+                for f, fit in enumerate(pools[entry["slot"]].fits.values()) for n in ("cross", "estimate_sq", "real_sq")}
+        objects.append(_Object(sums, ref=manifest["fits_file"]))
     for entry in manifest["fixed_bases"]:
         objects.append(_kv(fixed[(entry["template"], entry["content"])]))
         objects[-1].ref = entry["file"]
