@@ -260,6 +260,33 @@ def save_engine(engine: ReuseEngine, directory: str | os.PathLike, fingerprint: 
     disk = _disk(engine, key)
     body, objects = _snapshot(engine)
     present = _object_files(directory)
+    new_files: list[Path] = []
+    before = _identity(directory / MANIFEST)
+    try:
+        written, written_bytes, reused = _write_objects(directory, objects, disk, present, new_files)
+        fsync_dir(directory)  # every object's rename is durable before the manifest names it
+        config = engine.config
+        manifest = {"format": FORMAT, "version": VERSION, "fingerprint": fingerprint.to_json(),
+                    "config": {"mode": config.mode, "scope": config.scope, "pool": asdict(config.pool)}, **body}
+        text = json.dumps(manifest, indent=1, sort_keys=True, default=lambda obj: obj.ref)
+        write_text_atomically(directory / MANIFEST, text)
+    except BaseException:  # a failed save (disk full, a signal) leaves the folder as it was, if its manifest is
+        if _identity(directory / MANIFEST) == before:
+            for path in new_files:
+                path.unlink(missing_ok=True)
+        raise
+    _remember(disk, key, objects)
+    named = {obj.ref["file"] for obj in objects}
+    _remove_unnamed(directory, named)  # after the manifest is durable
+    total = sum(present[name] for name in named)
+    disk.last = SaveSummary(written, written_bytes, reused, total + len(text.encode("utf-8")))
+    return directory / MANIFEST
+
+
+def _write_objects(directory: Path, objects: list[_Object], disk: _Disk, present: dict[str, int],
+                   new_files: list[Path]) -> tuple[int, int, int]:
+    """Give every object its file ref, writing the files not on disk yet (appended to
+    ``new_files``); returns (files written, their bytes, objects reused)."""
     committed = {held.ref["file"] for held in disk.objects.values()}  # checked on load or written by this process
     unique: dict[tuple, _Object] = {}
     written = written_bytes = reused = 0
@@ -280,6 +307,8 @@ def save_engine(engine: ReuseEngine, directory: str | os.PathLike, fingerprint: 
             name = f"obj-{hashlib.sha256(data).hexdigest()}.safetensors"
             obj.ref = {"file": name, "bytes": len(data)}
             if present.get(name) != len(data) or name not in committed:
+                if name not in present:  # a file of that name holds those bytes (or was torn): kept on failure
+                    new_files.append(directory / name)
                 _write_object(directory / name, data)
                 present[name] = len(data)
                 written += 1
@@ -287,18 +316,7 @@ def save_engine(engine: ReuseEngine, directory: str | os.PathLike, fingerprint: 
             else:
                 reused += 1
         unique[obj.key] = obj
-    fsync_dir(directory)  # every object's rename is durable before the manifest names it
-    config = engine.config
-    manifest = {"format": FORMAT, "version": VERSION, "fingerprint": fingerprint.to_json(),
-                "config": {"mode": config.mode, "scope": config.scope, "pool": asdict(config.pool)}, **body}
-    text = json.dumps(manifest, indent=1, sort_keys=True, default=lambda obj: obj.ref)
-    write_text_atomically(directory / MANIFEST, text)
-    _remember(disk, key, objects)
-    named = {obj.ref["file"] for obj in objects}
-    _remove_unnamed(directory, named)  # after the manifest is durable
-    total = sum(present[name] for name in named)
-    disk.last = SaveSummary(written, written_bytes, reused, total + len(text.encode("utf-8")))
-    return directory / MANIFEST
+    return written, written_bytes, reused
 
 
 def last_save(engine: ReuseEngine, directory: str | os.PathLike) -> SaveSummary | None:
@@ -326,7 +344,7 @@ def tidy(directory: str | os.PathLike) -> list[Path]:
     commit). Returns what was removed. One writer per directory: call it where nothing else
     writes there (at start-up; ``save_engine`` does it as it goes)."""
     directory = Path(directory)
-    removed = remove_temp_files(directory)
+    removed = list(remove_temp_files(directory))
     try:
         manifest = _read_manifest(directory)
     except PersistError:

@@ -62,16 +62,20 @@ def write_text_atomically(path: Path, text: str) -> None:
     write_bytes_atomically(path, text.encode("utf-8"))
 
 
-def remove_temp_files(directory: Path) -> list[Path]:
+def remove_temp_files(directory: Path) -> dict[Path, int]:
     """Delete the temp files a killed write left in ``directory`` (plain files matching
-    ``TEMP_GLOBS``; nothing else, no subfolder); returns them. Only while no write to the
-    folder is in flight (one writer per folder: at its start, or before its next write)."""
-    removed = []
+    ``TEMP_GLOBS``; nothing else, no subfolder); returns them with their sizes in bytes. Only
+    while no write to the folder is in flight (one writer per folder: at its start, or before
+    its next write)."""
+    removed = {}
     for pattern in TEMP_GLOBS:
         for stale in directory.glob(pattern):
             if stale.is_file() and not stale.is_symlink():
-                stale.unlink(missing_ok=True)
-                removed.append(stale)
+                try:
+                    removed[stale] = stale.stat().st_size
+                    stale.unlink()
+                except FileNotFoundError:
+                    removed.pop(stale, None)
     return removed
 
 
