@@ -46,6 +46,7 @@ import os
 import re
 import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -59,7 +60,7 @@ from kvcomm.anchors.shrinkage import ShrinkageFit
 from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.core.fingerprint import ModelFingerprint, rope_digest
 from kvcomm.core.kv import KV
-from kvcomm.services.state_files import fsync_dir, remove_temp_files, write_bytes_atomically, write_text_atomically
+from kvcomm.services.state_files import fsync_dir, remove_temp_files, temp_path, write_text_atomically
 
 __all__ = ["FORMAT", "VERSION", "READS", "MANIFEST", "PersistError", "LoadSummary", "SaveSummary", "save_engine",
            "load_engine", "last_save", "tidy", "write_text_atomically"]
@@ -239,9 +240,29 @@ def _snapshot(engine: ReuseEngine) -> tuple[dict, list[_Object]]:
     return {"pools": pools, "fixed_bases": fixed, "bases": bases, "fits_file": fits_file}, objects
 
 
-def _write_object(path: Path, data: bytes) -> None:
-    """One object file (its rename made durable by the folder's fsync after all of them)."""
-    write_bytes_atomically(path, data, sync_dir=False)
+def _write_object(path: Path, data: bytes) -> Path:
+    """``data`` to a new temp file beside ``path``; returns it (``_commit_objects`` makes it ``path``)."""
+    tmp = temp_path(path.parent, ".safetensors")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+    return tmp
+
+
+def _commit_objects(pending: list[tuple[Path, Path]]) -> None:
+    """fsync every temp file (in parallel: the file system commits them together, where one at a
+    time costs a journal commit each), then rename each over its final name. The folder's fsync
+    after makes the renames durable."""
+    if not pending:
+        return
+
+    def sync(tmp: Path) -> None:
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+
+    with ThreadPoolExecutor(min(16, len(pending))) as pool:
+        list(pool.map(sync, [tmp for tmp, _ in pending]))
+    for tmp, final in pending:
+        os.replace(tmp, final)
 
 
 def save_engine(engine: ReuseEngine, directory: str | os.PathLike, fingerprint: ModelFingerprint) -> Path:
@@ -261,9 +282,11 @@ def save_engine(engine: ReuseEngine, directory: str | os.PathLike, fingerprint: 
     body, objects = _snapshot(engine)
     present = _object_files(directory)
     new_files: list[Path] = []
+    pending: list[tuple[Path, Path]] = []  # (temp file, object file)
     before = _identity(directory / MANIFEST)
     try:
-        written, written_bytes, reused = _write_objects(directory, objects, disk, present, new_files)
+        written, written_bytes, reused = _write_objects(directory, objects, disk, present, new_files, pending)
+        _commit_objects(pending)
         fsync_dir(directory)  # every object's rename is durable before the manifest names it
         config = engine.config
         manifest = {"format": FORMAT, "version": VERSION, "fingerprint": fingerprint.to_json(),
@@ -271,6 +294,8 @@ def save_engine(engine: ReuseEngine, directory: str | os.PathLike, fingerprint: 
         text = json.dumps(manifest, indent=1, sort_keys=True, default=lambda obj: obj.ref)
         write_text_atomically(directory / MANIFEST, text)
     except BaseException:  # a failed save (disk full, a signal) leaves the folder as it was, if its manifest is
+        for tmp, _ in pending:
+            tmp.unlink(missing_ok=True)
         if _identity(directory / MANIFEST) == before:
             for path in new_files:
                 path.unlink(missing_ok=True)
@@ -284,9 +309,10 @@ def save_engine(engine: ReuseEngine, directory: str | os.PathLike, fingerprint: 
 
 
 def _write_objects(directory: Path, objects: list[_Object], disk: _Disk, present: dict[str, int],
-                   new_files: list[Path]) -> tuple[int, int, int]:
-    """Give every object its file ref, writing the files not on disk yet (appended to
-    ``new_files``); returns (files written, their bytes, objects reused)."""
+                   new_files: list[Path], pending: list[tuple[Path, Path]]) -> tuple[int, int, int]:
+    """Give every object its file ref, writing the files not on disk yet to temp files (appended
+    to ``pending`` with their final names; those new to the folder to ``new_files``); returns
+    (files written, their bytes, objects reused)."""
     committed = {held.ref["file"] for held in disk.objects.values()}  # checked on load or written by this process
     unique: dict[tuple, _Object] = {}
     written = written_bytes = reused = 0
@@ -309,7 +335,7 @@ def _write_objects(directory: Path, objects: list[_Object], disk: _Disk, present
             if present.get(name) != len(data) or name not in committed:
                 if name not in present:  # a file of that name holds those bytes (or was torn): kept on failure
                     new_files.append(directory / name)
-                _write_object(directory / name, data)
+                pending.append((_write_object(directory / name, data), directory / name))
                 present[name] = len(data)
                 written += 1
                 written_bytes += len(data)

@@ -513,16 +513,18 @@ def test_a_crash_at_any_step_of_a_save_leaves_the_previous_save(tmp_path, monkey
     for pool in engine.pools.values():
         for anchor in pool.anchors:
             anchor.accesses = 77
-    real_write, real_text, writes = persist._write_object, persist.write_text_atomically, []
+    real_write, real_commit, real_text, writes = persist._write_object, persist._commit_objects, persist.write_text_atomically, []
 
     def write_object(path, data):
         writes.append(path.name)
-        if point == "object write":  # the temp file gets halfway, then the process dies
+        if point == "object write" and len(writes) == 2:  # the second temp file gets halfway, then the process dies
             (path.parent / ".kvcomm-torn.safetensors").write_bytes(data[: len(data) // 2])
             raise _Crash
-        if point == "object commit" and len(writes) == 2:
-            raise _Crash
-        real_write(path, data)
+        return real_write(path, data)
+
+    def commit_objects(pending):  # half the objects in place under their names, then the process dies
+        real_commit(pending[: len(pending) // 2])
+        raise _Crash
 
     def write_text(path, text):
         if point == "manifest write":
@@ -535,12 +537,14 @@ def test_a_crash_at_any_step_of_a_save_leaves_the_previous_save(tmp_path, monkey
 
     monkeypatch.setattr(persist, "_write_object", write_object)
     monkeypatch.setattr(persist, "write_text_atomically", write_text)
+    if point == "object commit":
+        monkeypatch.setattr(persist, "_commit_objects", commit_objects)
     if point == "removing old files":
         monkeypatch.setattr(persist, "_remove_unnamed", remove_unnamed)
     with pytest.raises(_Crash):
         save_engine(engine, tmp_path, synthetic_fingerprint(rotary))
     monkeypatch.undo()
-    assert writes  # the crash came while objects were being written or after
+    assert len(writes) >= 2  # the crash came while objects were being written or after
     restored = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, max_anchors=6)))
     load_engine(tmp_path, restored, synthetic_fingerprint(rotary))
     accesses = {a.accesses for p in restored.pools.values() for a in p.anchors}
