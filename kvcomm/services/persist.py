@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load as load_bytes, load_file, save as serialize
+from safetensors.torch import load_file, save as serialize
 
 from kvcomm.anchors.anchor import Anchor, Deviation
 from kvcomm.anchors.pool import AnchorPool
@@ -243,8 +243,12 @@ def _snapshot(engine: ReuseEngine) -> tuple[dict, list[_Object]]:
 def _write_object(path: Path, data: bytes) -> Path:
     """``data`` to a new temp file beside ``path``; returns it (``_commit_objects`` makes it ``path``)."""
     tmp = temp_path(path.parent, ".safetensors")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+    except BaseException:  # disk full: the save fails and leaves nothing of its own
+        tmp.unlink(missing_ok=True)
+        raise
     return tmp
 
 
@@ -498,17 +502,17 @@ class _Reader:
             return name + ":"
         path = self.directory / name
         try:
-            data = path.read_bytes()
+            actual = path.stat().st_size
+            if actual != size:
+                raise PersistError(f"{path}: {actual} bytes, the manifest says {size} (truncated?)")
+            if _sha256(path) != OBJECT_FILE.fullmatch(name).group(1):
+                raise PersistError(f"{path}: checksum mismatch; the object file is corrupt")
         except FileNotFoundError:
             raise PersistError(f"{path}: object file missing; the save is incomplete") from None
         except OSError as error:
             raise PersistError(f"{path}: unreadable ({error})") from None
-        if len(data) != size:
-            raise PersistError(f"{path}: {len(data)} bytes, the manifest says {size} (truncated?)")
-        if hashlib.sha256(data).hexdigest() != OBJECT_FILE.fullmatch(name).group(1):
-            raise PersistError(f"{path}: checksum mismatch; the object file is corrupt")
         try:
-            loaded = load_bytes(data)
+            loaded = load_file(str(path))
         except Exception as error:  # safetensors raises its own error types for malformed files
             raise PersistError(f"{path}: unreadable safetensors ({type(error).__name__}: {error})") from None
         self.sizes[name] = size
