@@ -263,8 +263,12 @@ def _commit_objects(pending: list[tuple[Path, Path]]) -> None:
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
 
-    with ThreadPoolExecutor(min(16, len(pending))) as pool:
-        list(pool.map(sync, [tmp for tmp, _ in pending]))
+    try:
+        with ThreadPoolExecutor(min(16, len(pending))) as pool:
+            list(pool.map(sync, [tmp for tmp, _ in pending]))
+    except RuntimeError:  # no new threads while the interpreter exits (the save at exit): one at a time
+        for tmp, _ in pending:
+            sync(tmp)
     for tmp, final in pending:
         os.replace(tmp, final)
 

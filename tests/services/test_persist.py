@@ -780,3 +780,22 @@ def test_tidy_removes_what_a_killed_save_left_and_nothing_live(tmp_path):
     (tmp_path / orphan).write_bytes(b"\0")
     (tmp_path / ".tmpX").write_bytes(b"\0")
     assert [p.name for p in tidy(tmp_path)] == [".tmpX"] and (tmp_path / orphan).is_file()
+
+
+def test_a_save_at_interpreter_exit_completes(tmp_path):
+    """`kvcomm serve` saves once more at exit (``atexit``), when Python refuses new threads
+    for a thread pool: the object files are then synced one at a time, and the save completes."""
+    script = f"""
+import atexit, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from test_persist import ReuseEngine, ReuseConfig, PoolConfig, synthetic_rotary, synthetic_fingerprint, feed, save_engine
+engine = ReuseEngine(synthetic_rotary(), ReuseConfig(pool=PoolConfig(gamma=1.0)))
+feed(engine, 0, 6)
+atexit.register(save_engine, engine, {str(tmp_path)!r}, synthetic_fingerprint(engine.rotary))
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "Error" not in run.stderr, run.stderr[-3000:]
+    restored = ReuseEngine(synthetic_rotary(), ReuseConfig(pool=PoolConfig(gamma=1.0)))
+    load_engine(tmp_path, restored, synthetic_fingerprint(restored.rotary))
+    assert restored.pools
