@@ -1,10 +1,13 @@
-"""Narrowing a large anchor pool by embedding similarity (faiss), and the default embedder."""
+"""Narrowing a large anchor pool by embedding similarity (faiss), and the default embedder.
+
+faiss is imported when the first index is built; where it is not installed (the GPU check's
+torch/Triton/transformers-only machine, ``benchmarks/gpu_core_check.py``) the index is an exact
+numpy search over the same vectors: the same scores up to BLAS rounding, the same order."""
 
 from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-import faiss
 import numpy as np
 
 from kvcomm.core.heads import ALL_HEADS, HeadShards
@@ -48,7 +51,12 @@ class EmbeddingIndex:
 
     def __init__(self, dim: int):
         self.dim = dim
-        self._index = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+        try:
+            import faiss
+        except ImportError:
+            self._index = ExactInnerProduct(dim)
+        else:
+            self._index = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
 
     def __len__(self) -> int:
         return self._index.ntotal
@@ -71,3 +79,37 @@ class EmbeddingIndex:
             return []
         _, ids = self._index.search(self._check(vector), min(k, len(self)))
         return [int(i) for i in ids[0] if i >= 0]
+
+
+class ExactInnerProduct:
+    """The part of faiss' ``IndexIDMap2(IndexFlatIP(dim))`` that :class:`EmbeddingIndex` uses, in
+    numpy: exact inner products, ``[n, dim]`` float32 queries and vectors, int64 ids; ``search``
+    returns ``(scores, ids)`` of shape ``[n, k]``, best first, ties in insertion order."""
+
+    def __init__(self, dim: int):
+        self.dim = dim
+        self._rows: dict[int, np.ndarray] = {}
+        self._stacked: tuple[np.ndarray, np.ndarray] | None = None  # (ids [n], vectors [n, dim]), rebuilt after a change
+
+    @property
+    def ntotal(self) -> int:
+        return len(self._rows)
+
+    def add_with_ids(self, vectors: np.ndarray, ids: np.ndarray) -> None:
+        for key, vector in zip(ids.tolist(), vectors):
+            self._rows[int(key)] = np.array(vector, dtype=np.float32)
+        self._stacked = None
+
+    def remove_ids(self, ids: np.ndarray) -> None:
+        for key in ids.tolist():
+            self._rows.pop(int(key), None)
+        self._stacked = None
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._stacked is None:
+            self._stacked = (np.fromiter(self._rows, dtype=np.int64, count=len(self._rows)),
+                             np.stack(list(self._rows.values())).reshape(-1, self.dim))
+        ids, vectors = self._stacked
+        scores = queries.astype(np.float32) @ vectors.T
+        order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+        return np.take_along_axis(scores, order, axis=1), ids[order]

@@ -1,16 +1,37 @@
 """The kvcomm core on a CUDA GPU without vLLM: RoPE realignment, the transformers executor and
 the reuse engine in fp32, bf16 and fp16.
 
-    python benchmarks/gpu_core_check.py [--device cuda] [--tokenizer DIR] [--json PATH]
+    python benchmarks/gpu_core_check.py [--device cuda] [--ttft SHAPE:DTYPE ...] [--json PATH]
 
 ``gpu_check.py`` checks the vLLM plugin on a GPU; this one checks what runs on torch and
-transformers alone, so it also runs where vLLM's GPU build cannot be installed (a machine
-without a package registry). Models are random, built from configs (nothing is downloaded):
-the checks are about arithmetic and data paths, not answers. The tokenizer is the embedded
-SmolLM2's (``--tokenizer``: a folder saved with ``save_pretrained``; default: the embedded one).
+transformers alone, so it runs where vLLM's GPU build cannot be installed. Its imports are
+torch, Triton, transformers (with its own dependencies: tokenizers, safetensors, huggingface_hub),
+numpy and this checkout's files: no faiss (the anchor index falls back to an exact numpy
+search), platformdirs, gguf, vLLM, pytest or wheel-bundled model, and the project need not be
+installed: run from a bare checkout, the script maps ``kvcomm.anchors``, ``kvcomm.integrations``
+and ``kvcomm.eval`` to their folders as ``pyproject.toml``'s ``package-dir`` does
+(:func:`use_this_checkout`). ``tests/benchmarks/test_gpu_core_check_closure.py`` runs it with
+every other installed distribution hidden.
+
+On the lent GPU machine (torch, Triton, transformers and numpy only, no registry, 64 MiB a call):
+carry nothing beyond the tracked files and run, from the repository root,
+
+    python benchmarks/gpu_core_check.py --json $OUT/gpu_core.json
+
+(the defaults: ``--device cuda --ttft 1.7b:bf16 8b:bf16``, sized for the 6 minutes a call
+may take on an H100; GPU untested at this commit). On a CUDA device the script drops
+``TRITON_INTERPRET`` and ``KVCOMM_TRITON`` from its environment before anything imports Triton,
+so a shell that ran the CPU check cannot make the GPU run interpret its kernels; the summary
+says which path ran (``triton_interpreter``).
+
+Models are random, built from configs (nothing is downloaded): the checks are about arithmetic
+and data paths, not answers. The tokenizer (:func:`check_tokenizer`) is a byte-level BPE
+trained at start on the texts the checks use (a second, deterministic), with SmolLM2's ChatML
+template; ``--tokenizer DIR`` takes a folder saved with ``save_pretrained`` instead (e.g. the
+embedded SmolLM2's, the tokenizer of the 2026-12-04 measurements).
 
 1. ``selfcheck[VARIANT,DTYPE]``: ``rotary_from_model`` passes on the device for a tiny model of
-   every RoPE variant of ``tests/core/test_rope.py`` (default, linear, dynamic NTK, llama3, yarn,
+   every RoPE variant of ``tests/support/rope_variants.py`` (default, linear, dynamic NTK, llama3, yarn,
    longrope, partial rotary, interleaved) in fp32, bf16 and fp16; the row gives the max
    realignment error as a share of the dtype's tolerance. ``control[DTYPE]``: a rotary with the
    wrong theta fails the same check (the check can fail).
@@ -36,14 +57,18 @@ SmolLM2's (``--tokenizer``: a folder saved with ``save_pretrained``; default: th
    paged cache; 1,000 shared tokens, 5 anchors), median ms against a dense prefill of 1,100
    tokens of a random model of that shape (issue 42's floor: ~1-2 %). Printed, not checked.
 
-One line per check (PASS/FAIL/INFO); exit status 0 only when no check fails.
+One line per check (PASS/FAIL/INFO), then one line ``SUMMARY {json}`` (verdict counts, failed
+checks, the TTFT totals and reuse costs, torch/device/Triton path); exit status 0 only when no
+check fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
+import os
 import sys
 import time
 import traceback
@@ -55,6 +80,40 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))  # bench_ops' warm engine
 sys.path.insert(0, str(REPO / "tests"))  # the RoPE variants and the two-agent pipeline the test suite uses
+
+
+def use_this_checkout() -> None:
+    """Make ``kvcomm`` and its subpackages import from this checkout, installed or not: ``kvcomm``
+    from ``REPO/kvcomm`` and every other ``package-dir`` entry of ``pyproject.toml`` (``kvcomm.anchors``
+    -> ``anchors/``, ...) from its folder, unless it already resolves there (an editable install of
+    this checkout). What resolves elsewhere (another checkout's install) is replaced, not mixed.
+    Python 3.10 has no ``tomllib``: there the project must be installed (``pip install -e .``)."""
+    try:
+        import tomllib
+    except ImportError:
+        return
+
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    import kvcomm
+
+    if Path(kvcomm.__file__).resolve().parent != REPO / "kvcomm":
+        raise RuntimeError(f"kvcomm imports from {kvcomm.__file__}, not from this checkout ({REPO}): "
+                           "it was imported before use_this_checkout()")
+    package_dir = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for name, folder in package_dir.items():
+        if name == "kvcomm":
+            continue
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin is not None and Path(spec.origin).resolve().parent == REPO / folder:
+            continue
+        spec = importlib.util.spec_from_file_location(name, REPO / folder / "__init__.py",
+                                                      submodule_search_locations=[str(REPO / folder)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        setattr(kvcomm, name.rpartition(".")[2], module)
+
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SHAPES = {
@@ -69,11 +128,49 @@ Llama-3-8B's (grouped KV heads), big enough that a GPU prefill is not all launch
 ``tiny`` is the 2-layer test model (a quick run of the step)."""
 
 
+def check_tokenizer(vocab_size: int = 8192):
+    """The check's tokenizer: a byte-level BPE (any text encodes, nothing maps to an unknown id)
+    trained on the texts the checks encode (the bundled pipelines, the two-agent pipeline, the
+    exact-injection text, the ChatML system line), ``<|im_start|>``/``<|im_end|>`` as special
+    tokens, ``<|im_end|>`` as eos, SmolLM2's ChatML chat template. Needs transformers' own
+    ``tokenizers``, no file; the same vocabulary on every run."""
+    from support.two_agent_case import PIPELINE
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from kvcomm.integrations.transformers.embedded import CHATML_TEMPLATE
+
+    def strings(value):
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, dict):
+            for item in value.values():
+                yield from strings(item)
+        elif isinstance(value, list):
+            for item in value:
+                yield from strings(item)
+
+    data = REPO / "kvcomm" / "data"
+    texts = [text for file in sorted(data.glob("*.json")) for text in strings(json.loads(file.read_text(encoding="utf-8")))]
+    texts += list(strings(PIPELINE)) + [EXACT_TEXT, "You are a helpful AI assistant named SmolLM, trained by Hugging Face"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        additional_special_tokens=specials[1:])
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+EXACT_TEXT = "The harbour log lists ferries, crates and passengers. " * 20
+
+
 def _tokenizer(folder: str | None):
     if folder is None:
-        from support.tokenizer import embedded_tokenizer
-
-        return embedded_tokenizer()
+        return check_tokenizer()
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)
@@ -97,7 +194,7 @@ def _llama(tokenizer, dtype: torch.dtype, device: str, seed: int = 0, init_on_de
 
 
 def selfcheck_rows(device: str) -> list[tuple[str, str, str]]:
-    from core.test_rope import VARIANTS, build
+    from support.rope_variants import VARIANTS, build
 
     from kvcomm.core.rope import RopeError
     from kvcomm.integrations.transformers.rotary import rotary_from_model, self_check
@@ -127,7 +224,7 @@ def exact_rows(tokenizer, device: str) -> list[tuple[str, str, str]]:
     from kvcomm.integrations.transformers.executor import TransformersExecutor
 
     rows = []
-    ids = tokenizer.encode("The harbour log lists ferries, crates and passengers. " * 20, add_special_tokens=False)
+    ids = tokenizer.encode(EXACT_TEXT, add_special_tokens=False)
     for name, dtype in DTYPES.items():
         executor = TransformersExecutor(_llama(tokenizer, dtype, device, num_hidden_layers=4), tokenizer)
         dense = executor.generate(ids, None, 12, keep_logprobs=True)
@@ -215,8 +312,6 @@ def _rotary(head_dim: int, theta: float):
 
 
 def fused_rows(device: str) -> list[tuple[str, str, str]]:
-    import os
-
     from bench_ops import warm_engine
     from support.paged_layouts import layouts, paged, read
 
@@ -323,14 +418,28 @@ def reuse_cost_rows(tokenizer, device: str, dtype_name: str, shape_name: str) ->
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="torch device to check (default cuda)")
-    parser.add_argument("--tokenizer", help="a saved tokenizer folder (default: the embedded SmolLM2's)")
+    parser.add_argument("--tokenizer", help="a saved tokenizer folder (default: the check's own BPE, check_tokenizer())")
     parser.add_argument("--json", help="write every row and the TTFT reports here")
-    parser.add_argument("--ttft", nargs="+", default=["1.7b:bf16", "1.7b:fp32", "8b:bf16"], metavar="SHAPE:DTYPE",
+    parser.add_argument("--ttft", nargs="+", default=["1.7b:bf16", "8b:bf16"], metavar="SHAPE:DTYPE",
                         help=f"model shapes ({', '.join(SHAPES)}) and dtypes ({', '.join(DTYPES)}) the TTFT step times "
-                             "(default: 1.7b:bf16 1.7b:fp32 8b:bf16)")
+                             "(default: 1.7b:bf16 8b:bf16)")
     parser.add_argument("--skip", nargs="*", default=[], choices=("selfcheck", "exact", "agreement", "fused", "ttft"),
                         help="checks to leave out")
     args = parser.parse_args(argv)
+    for setting in args.ttft:
+        shape, _, dtype_name = setting.partition(":")
+        if shape not in SHAPES or dtype_name not in DTYPES:
+            parser.error(f"--ttft {setting}: expected SHAPE:DTYPE with SHAPE in {', '.join(SHAPES)} and DTYPE in {', '.join(DTYPES)}")
+    dropped = []
+    if args.device.startswith("cuda"):
+        # set, a GPU run would interpret its kernels on the host (TRITON_INTERPRET, read when Triton
+        # is imported) or skip them (KVCOMM_TRITON=0) and time the wrong path
+        dropped = [name for name in ("TRITON_INTERPRET", "KVCOMM_TRITON") if os.environ.pop(name, None) is not None]
+        if "TRITON_INTERPRET" in dropped and "triton" in sys.modules:
+            print("gpu_core_check: Triton was imported with TRITON_INTERPRET set; run the GPU check in a process without it",
+                  file=sys.stderr)
+            return 2
+    use_this_checkout()
     from kvcomm.integrations.transformers.embedded import parse_device
 
     try:
@@ -341,10 +450,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (torch's default, stated)
     tokenizer = _tokenizer(args.tokenizer)
     print(f"== torch {torch.__version__}, device {device}"
-          + (f" ({torch.cuda.get_device_name(device)})" if device.startswith("cuda") else ""), flush=True)
+          + (f" ({torch.cuda.get_device_name(device)})" if device.startswith("cuda") else "")
+          + (f"; dropped {', '.join(dropped)} from the environment" if dropped else ""), flush=True)
     steps = {"selfcheck": lambda: selfcheck_rows(device), "exact": lambda: exact_rows(tokenizer, device),
              "agreement": lambda: device_agreement_rows(tokenizer, device), "fused": lambda: fused_rows(device)}
-    rows, reports, ok = [], {}, True
+    rows, reports, started_all = [], {}, time.perf_counter()
     for name, step in steps.items():
         if name in args.skip:
             continue
@@ -360,8 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     if "ttft" not in args.skip:
         for setting in args.ttft:
             shape, _, dtype_name = setting.partition(":")
-            if shape not in SHAPES or dtype_name not in DTYPES:
-                parser.error(f"--ttft {setting}: expected SHAPE:DTYPE with SHAPE in {', '.join(SHAPES)} and DTYPE in {', '.join(DTYPES)}")
+            started = time.perf_counter()
             try:
                 if device.startswith("cuda") and shape != "tiny":
                     for row in reuse_cost_rows(tokenizer, device, dtype_name, shape):
@@ -370,14 +479,40 @@ def main(argv: list[str] | None = None) -> int:
                 got, reports[setting] = ttft_rows(tokenizer, device, dtype_name, shape)
             except Exception:
                 got = [(f"ttft[{setting}]", "FAIL", _failure())]
+            got.append((f"ttft[{setting}] time", "INFO", f"{time.perf_counter() - started:.1f} s"))
             for row in got:
                 print(f"{row[1]:5} {row[0]:34} {row[2]}", flush=True)
             rows += got
     ok = all(verdict != "FAIL" for _, verdict, _ in rows)
     print("ALL CHECKS HOLD" if ok else "SOME CHECKS FAILED", flush=True)
+    summary = summarize(rows, reports, device, tokenizer, time.perf_counter() - started_all)
+    print("SUMMARY " + json.dumps(summary, default=str), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": [asdict_row(r) for r in rows], "ttft": reports}, indent=1, default=str))
+        Path(args.json).write_text(json.dumps({"summary": summary, "rows": [asdict_row(r) for r in rows], "ttft": reports},
+                                              indent=1, default=str))
     return 0 if ok else 1
+
+
+def summarize(rows: list[tuple[str, str, str]], reports: dict, device: str, tokenizer, seconds: float) -> dict:
+    """The run in one JSON object: verdict counts, the failed checks, each TTFT setting's totals
+    (seconds) and token split, each reuse cost row, and what ran where."""
+    from kvcomm.core.device import uses_triton
+
+    ttft = {setting: {key: report["summary"][key] for key in ("total_ttft_dense_s", "total_ttft_reuse_s", "total_ttft_speedup")}
+            for setting, report in reports.items()}
+    return {
+        "ok": all(verdict != "FAIL" for _, verdict, _ in rows),
+        "verdicts": {verdict: sum(row[1] == verdict for row in rows) for verdict in ("PASS", "FAIL", "INFO")},
+        "failed": [check for check, verdict, _ in rows if verdict == "FAIL"],
+        "ttft": ttft,
+        "reuse_cost": {check: detail for check, verdict, detail in rows if check.startswith("reuse_cost[")},
+        "seconds": round(seconds, 1),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else device,
+        "triton_interpreter": os.environ.get("TRITON_INTERPRET") == "1",
+        "triton_kernels": uses_triton(torch.device(device)),
+        "tokenizer_vocabulary": len(tokenizer),
+    }
 
 
 def _failure() -> str:

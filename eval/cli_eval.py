@@ -212,25 +212,29 @@ def dtype_noise_floor(workload, executor, other, top_k: int = 20, progress: bool
     from kvcomm.reuse.runner import run_row
 
     spec = workload.pipeline
-    kls, tops, prompts = [], [], 0
+    kls, tops, prompts, equal = [], [], 0, 0
     for row in tqdm(range(len(spec.inputs) if rows is None else rows), desc="noise floor", unit="row", disable=not progress, file=sys.stderr):
         for call in run_row(spec, row, executor, None, keep_logprobs=True):
             reference = topk_reference(call.prompt_logprobs, top_k)
-            logprobs = other.generate(list(call.prompt_ids), None, 0, None, keep_logprobs=True).prompt_logprobs
+            replayed = other.generate(list(call.prompt_ids), None, spec.max_new_tokens, None, keep_logprobs=True)
+            logprobs = replayed.prompt_logprobs
             kls.append(kl_topk_other(reference, logprobs))
             tops.append(top1_matches(reference, logprobs))
+            equal += tuple(replayed.reply_ids) == tuple(call.reply_ids)
             prompts += 1
     if not prompts:
         raise ValueError("the workload has no rows to measure a noise floor on")
     kl, top = torch.cat(kls), torch.cat(tops)
     return {"prompts": prompts, "positions": int(kl.numel()), "kl_mean": float(kl.mean()),
-            "kl_median": float(kl.median()), "kl_max": float(kl.max()), "same_top1": float(top.double().mean())}
+            "kl_median": float(kl.median()), "kl_max": float(kl.max()), "same_top1": float(top.double().mean()),
+            "replies_equal": equal, "reply_agreement": equal / prompts}
 
 
 def format_noise_floor(floor: dict) -> str:
     return (f"noise floor, dense {floor['dtype']} vs dense {floor['reference_dtype']} on the same {floor['prompts']} "
             f"prompts ({floor['positions']} positions): KL mean {floor['kl_mean']:.3g}, median "
-            f"{floor['kl_median']:.3g}, max {floor['kl_max']:.3g}; same top-1 {100 * floor['same_top1']:.1f}%")
+            f"{floor['kl_median']:.3g}, max {floor['kl_max']:.3g}; same top-1 {100 * floor['same_top1']:.1f}%; "
+            f"greedy replies equal {floor['replies_equal']}/{floor['prompts']} (the floor of 'reply eq')")
 
 
 def run_eval_command(args, executor=None) -> int:
@@ -296,6 +300,13 @@ def run_eval_command(args, executor=None) -> int:
             from kvcomm.integrations.runtimes import close_executor
 
             close_executor(owned)
+    floor = meta.get("dtype_noise_floor")
+    if floor is not None:  # the table's 'reply eq' beside what the precision alone changes
+        print(f"reply eq floor: dense {floor['dtype']} vs dense {floor['reference_dtype']} on the same prompts: "
+              f"{floor['reply_agreement']:.1%} ({floor['replies_equal']}/{floor['prompts']})")
+    else:
+        print("reply eq has no precision floor in this run: add --noise-floor bfloat16 (or float32) to measure how "
+              "many greedy replies change with the precision alone")
     print(f"{len(result.calls)} agent calls in {result.elapsed_s:.1f} s; wrote results.json, results.csv and plots to {out}")
     return 0
 

@@ -140,13 +140,15 @@ def _content(executor, text: str) -> Segment | None:
 
 
 def run_demo(spec: PipelineSpec, executor, baseline, config: ReuseConfig | None = None,
-             progress: bool = True) -> tuple[list[DemoCall], ReuseEngine]:
+             progress: bool = True, dense_calls: list | None = None) -> tuple[list[DemoCall], ReuseEngine]:
     """Run every row of ``spec`` through ``baseline`` (a :class:`StockVllm` or
     :class:`DenseTransformers`) and through kvcomm on ``executor``; return one
     :class:`DemoCall` per agent call, in run order, and the kvcomm engine.
 
     config: the engine's ``ReuseConfig`` (default: ``ReuseConfig()``). progress: a tqdm bar on
-    stderr counting agent calls of both systems.
+    stderr counting agent calls of both systems. dense_calls: when given, each baseline call's
+    ``(prompt ids, reply ids)`` is appended to it, in the order of the returned calls (what the
+    precision floor replays: ``eval.precision_floor``).
     """
     engine = ReuseEngine(executor.rotary, config or ReuseConfig())
     kvcomm = namespaced(executor, "demo-kvcomm")
@@ -176,10 +178,12 @@ def run_demo(spec: PipelineSpec, executor, baseline, config: ReuseConfig | None 
                 shared[system][agent.name] = Segment(ids, slot="_") if ids else None
                 bar.update()
             (dense_prompt, dense, _), (prompt, reuse, p) = results["dense"], results["reuse"]
+            if dense_calls is not None:
+                dense_calls.append((dense_prompt.token_ids, dense.reply_ids))
             calls.append(DemoCall(
                 agent.name, row_index, p.prompt_tokens, p.exact_tokens, p.estimated_tokens, p.computed_tokens,
                 p.recomputed_tokens, p.reused, p.fallback, dense.ttft_s, reuse.ttft_s,
-                dense.reply_ids == reuse.reply_ids, p.note,
+                dense.reply_ids == reuse.reply_ids, p.note, p.reason,
                 executor.decode(dense.reply_ids), executor.decode(reuse.reply_ids),
                 len(dense_prompt), dense.cached_tokens, reuse.cached_tokens,
             ))

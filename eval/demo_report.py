@@ -13,7 +13,10 @@ Headline figures, all over every call (calls that reused nothing included):
 - prompt tokens of the reuse run split exact / estimated / computed (they add up to
   ``prompt_tokens``), ``token_reuse_rate`` rho = (exact + estimated) / prompt tokens and the
   ceiling 1 / (1 - rho) on the prefill speedup that reuse alone can give.
-- ``reply_agreement_rate``: calls whose greedy reply equals the baseline's, token for token.
+- ``reply_agreement_rate``: calls whose greedy reply equals the baseline's, token for token,
+  beside its precision floor (``summary.precision_floor``, ``eval.precision_floor``): the same
+  figure for the baseline's prompts rerun densely in the other dtype.
+- per call, ``reason``: what kvcomm's call reused and why it computed the rest, in words.
 """
 
 from __future__ import annotations
@@ -57,9 +60,13 @@ def demo_agents(calls: Sequence[DemoCall]) -> list[dict]:
     return rows
 
 
-def demo_json(calls: Sequence[DemoCall], meta: dict) -> dict:
-    """The `kvcomm demo --json` object: ``meta`` keys, ``summary``, ``agents``, ``calls``."""
-    return {**meta, "summary": demo_summary(calls), "agents": demo_agents(calls), "calls": [asdict(c) for c in calls]}
+def demo_json(calls: Sequence[DemoCall], meta: dict, floor=None) -> dict:
+    """The `kvcomm demo --json` object: ``meta`` keys, ``summary``, ``agents``, ``calls``;
+    ``floor`` (an ``eval.precision_floor.PrecisionFloor``) goes to ``summary.precision_floor``."""
+    summary = demo_summary(calls)
+    if floor is not None:
+        summary["precision_floor"] = floor.to_json()
+    return {**meta, "summary": summary, "agents": demo_agents(calls), "calls": [asdict(c) for c in calls]}
 
 
 def _seconds(x: float | None) -> str:
@@ -85,6 +92,10 @@ def format_demo(report: dict, dense_name: str, reuse_name: str = "kvcomm") -> st
     speedup = s["total_ttft_speedup"]
     ceiling = s["ttft_speedup_ceiling"]
     agree = round(s["reply_agreement_rate"] * s["calls"])
+    floor = s.get("precision_floor")
+    lines += ["", f"{'row':>3}  {'agent':{widths[0]}}  {'same':4}  {reuse_name}: what it reused and why it computed the rest"]
+    lines += [f"{c['input_index']:>3}  {c['agent']:{widths[0]}}  {'yes' if c['reply_equal'] else 'no':4}  {c['reason']}"
+              for c in report["calls"]]
     lines += [
         "",
         f"TTFT summed over all {s['calls']} calls ({s['rows']} rows, misses included): "
@@ -96,7 +107,9 @@ def format_demo(report: dict, dense_name: str, reuse_name: str = "kvcomm") -> st
         f"from vLLM's prefix cache, each system from its own calls: {dense_name} {s['dense_cached_tokens']} of its "
         f"{s['dense_prompt_tokens']} prompt tokens, {reuse_name} {s['reuse_cached_tokens']} of its "
         f"{s['prompt_tokens']} (counted as computed)",
-        f"replies equal to {dense_name}'s, token for token: {agree}/{s['calls']} calls",
+        f"replies equal to {dense_name}'s, token for token: {agree}/{s['calls']} calls"
+        + ("" if floor is None else f"; precision floor, dense {floor['dtype']} vs dense {floor['reference_dtype']} "
+           f"on the same calls: {floor['equal']}/{floor['calls']} (greedy replies that change with the precision alone)"),
     ]
     return "\n".join(lines)
 

@@ -20,7 +20,8 @@ class CallReport:
     an earlier agent's reply differs). dense_cached_tokens: how many of them the runtime's own
     prefix cache served (vLLM's ``num_cached_tokens``; 0 on transformers). reuse_cached_tokens:
     the same for the reuse call beyond what kvcomm injected (vLLM's count less exact + estimated),
-    counted in ``computed_tokens``."""
+    counted in ``computed_tokens``. reason: the reuse call's ``Provenance.reason``: what it
+    reused and why it computed the rest, in words (``note`` is the plan's own short form)."""
 
     agent: str
     input_index: int
@@ -35,6 +36,7 @@ class CallReport:
     ttft_reuse_s: float
     reply_equal: bool
     note: str
+    reason: str
     dense_reply: str
     reuse_reply: str
     dense_prompt_tokens: int
@@ -51,14 +53,16 @@ def compare(dense: Sequence[AgentCall], reuse: Sequence[AgentCall]) -> list[Call
         reports.append(CallReport(
             r.agent, r.input_index, p.prompt_tokens, p.exact_tokens, p.estimated_tokens, p.computed_tokens,
             p.recomputed_tokens, p.reused, p.fallback, d.provenance.ttft_s, p.ttft_s, d.reply_ids == r.reply_ids,
-            p.note, d.reply, r.reply, d.provenance.prompt_tokens, d.provenance.cached_tokens, p.cached_tokens,
+            p.note, p.reason, d.reply, r.reply, d.provenance.prompt_tokens, d.provenance.cached_tokens, p.cached_tokens,
         ))
     return reports
 
 
 def summarize(calls: Sequence[CallReport]) -> dict:
     """Overall numbers. token_reuse_rate = (exact + estimated) / prompt tokens;
-    agent_reuse_rate = calls that reused shared content / calls; total_ttft_speedup = summed
+    agent_reuse_rate = calls that reused shared content / calls; fallback_rate = calls that
+    computed shared content outside their exact prefix and estimated none / calls (such a call
+    may still have reused a long exact prefix: ``reason`` says); total_ttft_speedup = summed
     dense TTFT / summed reuse TTFT over all calls, misses included (the headline);
     mean_ttft_speedup = mean of dense/reuse TTFT over calls with any reuse (flatters: it leaves
     out the misses); ttft_speedup_ceiling = 1 / (1 - token_reuse_rate); dense_cached_tokens and
@@ -111,22 +115,40 @@ def per_agent(calls: Sequence[CallReport]) -> list[dict]:
     return rows
 
 
-def to_json(calls: Sequence[CallReport], meta: dict) -> dict:
-    return {**meta, "summary": summarize(calls), "agents": per_agent(calls), "calls": [asdict(c) for c in calls]}
+def to_json(calls: Sequence[CallReport], meta: dict, floor=None) -> dict:
+    """The `kvcomm run --json` object; ``floor`` (an ``eval.precision_floor.PrecisionFloor``)
+    goes to ``summary.precision_floor``."""
+    summary = summarize(calls)
+    if floor is not None:
+        summary["precision_floor"] = floor.to_json()
+    return {**meta, "summary": summary, "agents": per_agent(calls), "calls": [asdict(c) for c in calls]}
 
 
-def format_table(calls: Sequence[CallReport]) -> str:
-    """A fixed-width table, one row per agent call, then the summary."""
-    header = ("input", "agent", "prompt", "exact", "estim", "comp", "cached dense", "cached reuse", "fallback",
-              "ttft dense", "ttft reuse", "same reply")
+def agreement_line(calls: Sequence[CallReport], floor=None, dense_name: str = "dense") -> str:
+    """"replies equal to dense: 13/20 calls; precision floor: dense bfloat16 vs dense float32
+    on the same calls: 17/20" (the floor only when measured)."""
+    equal = sum(c.reply_equal for c in calls)
+    line = f"replies equal to {dense_name}'s, token for token: {equal}/{len(calls)} calls"
+    if floor is not None:
+        line += f"; precision floor, {floor.words()}"
+    return line
+
+
+def format_table(calls: Sequence[CallReport], floor=None) -> str:
+    """A fixed-width table, one row per agent call (its reason in words last), then the
+    summary; ``floor``: the precision floor, printed beside reply agreement."""
+    header = ("input", "agent", "prompt", "exact", "estim", "comp", "cached dense", "cached reuse",
+              "ttft dense", "ttft reuse", "same reply", "reason")
     rows = [header] + [(
         str(c.input_index), c.agent, str(c.prompt_tokens), str(c.exact_tokens), str(c.estimated_tokens),
-        str(c.computed_tokens), str(c.dense_cached_tokens), str(c.reuse_cached_tokens), "yes" if c.fallback else "no",
+        str(c.computed_tokens), str(c.dense_cached_tokens), str(c.reuse_cached_tokens),
         f"{c.ttft_dense_s * 1000:.0f} ms",
-        f"{c.ttft_reuse_s * 1000:.0f} ms", "yes" if c.reply_equal else "no",
+        f"{c.ttft_reuse_s * 1000:.0f} ms", "yes" if c.reply_equal else "no", c.reason,
     ) for c in calls]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.rjust(w) if i != 1 else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths))) for r in rows]
+    left = (1, len(header) - 1)
+    lines = ["  ".join(cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths))).rstrip()
+             for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     s = summarize(calls)
 
@@ -137,8 +159,9 @@ def format_table(calls: Sequence[CallReport]) -> str:
         "",
         f"token-level reuse {s['token_reuse_rate']:.1%} (exact {s['exact_tokens']}, estimated {s['estimated_tokens']}, "
         f"computed {s['computed_tokens']} of {s['prompt_tokens']} prompt tokens)",
-        f"agent-level reuse {s['agent_reuse_rate']:.1%}   fallback rate {s['fallback_rate']:.1%}   "
-        f"reply agreement {s['reply_agreement_rate']:.1%}",
+        f"agent-level reuse {s['agent_reuse_rate']:.1%}   calls that computed shared content and estimated none "
+        f"{s['fallback_rate']:.1%}",
+        agreement_line(calls, floor),
         f"total TTFT over all calls, misses included: dense {s['total_ttft_dense_s']:.2f} s, reuse "
         f"{s['total_ttft_reuse_s']:.2f} s = {fmt(s['total_ttft_speedup'], 'x')} "
         f"(ceiling 1/(1-rho) = {fmt(s['ttft_speedup_ceiling'], 'x')})",

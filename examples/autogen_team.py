@@ -1,148 +1,161 @@
-"""An AutoGen team on the embedded model, run with kvcomm reuse and dense, side by side.
+"""An AutoGen team reading a long design note, with kvcomm reuse and dense, side by side.
 
-Three agents (planner, solver, checker) take turns in a ``RoundRobinGroupChat`` on a few
-tasks. Every agent uses one ``KvcommChatCompletionClient``; the reuse run shares one reuse
-engine across tasks (the first tasks fill the anchor pools), the dense run prefills every
-prompt in full. Prints, per agent: calls, prompt tokens by source, token- and agent-level
-reuse, median TTFT in both modes, and how often the greedy reply matched the dense one.
+What kvcomm is for: agents that read the same long text, each behind its own system message.
+Three agents (summarizer, critic, editor) with system messages of their own take turns in a
+``RoundRobinGroupChat`` on tasks that each carry ``design_note.md`` (766 words, about 1,000
+tokens) as a message of its own, then a question. Every agent of a run shares one ``KvcommChatCompletionClient``: with reuse, each agent
+from its first call on computes its own new system message (the *computed head*) and takes the
+note, and the others' replies, from stored KV; dense prefills every prompt in full. The two
+runs alternate task by task on one machine, so both see the same load.
 
-    .venv/bin/python examples/autogen_team.py [--tasks 4] [--max-tokens 32] [--gamma 0.3]
-    .venv/bin/python examples/autogen_team.py --remote http://localhost:8000   # against `kvcomm serve`
+Prints, per call, what it reused and why it computed the rest (``ChatCall.reason``), its TTFT
+and wall time as kvcomm reports them next to the same two measured here from outside (the
+agents stream, and a stopwatch around the client notes the first text chunk and the end), and
+then ``client.summary(baseline=dense)``: summed TTFT and wall time per agent and in all, and
+the ratios against dense.
 
-A few minutes on a laptop CPU (SmolLM2-135M, fp32). With ``--remote`` the same team runs
-against a server (its anchor pools, its ``--gamma``); the dense run sends plain requests
-without the kvcomm opt-in. TTFT there is the server's own measure (`kvcomm serve` reports
-it unless started with ``--disable-log-stats``), else the call's wall time (marked "wall").
-In process, reuse starts in the first task (each agent's first call computes its new system
-prompt and serves the task after it); against a server, from each agent's second call
-(docs/autogen.md, warm-up).
+    .venv/bin/python examples/autogen_team.py [--tasks 2] [--max-tokens 32]
+    .venv/bin/python examples/autogen_team.py --remote http://localhost:8000 [--api-key K]   # against `kvcomm serve`
+
+A few minutes on a 2-core CPU (SmolLM2-135M, fp32). With ``--remote`` the same team runs
+against a server (its engine, its ``--gamma``; the dense run sends plain requests), without
+streaming: vLLM streams no ``kv_transfer_params``, so a streamed call could not say what it
+reused. Its TTFT is then the client's end-to-end figure (docs/autogen.md, "Statistics").
+Reuse pays on long shared text; on prompts of a few dozen tokens planning costs more than
+it saves.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import time
+from pathlib import Path
 
 from autogen_agentchat.agents import AssistantAgent
+from autogen_agentchat.conditions import MaxMessageTermination
+from autogen_agentchat.messages import TextMessage
 from autogen_agentchat.teams import RoundRobinGroupChat
 
-from kvcomm.anchors.config import PoolConfig
-from kvcomm.reuse.config import ReuseConfig
-from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
-from kvcomm.integrations.local.backend import ChatBackend, ChatCall
-from kvcomm.integrations.local.segments import ChatTurn, template_id
+from kvcomm.integrations.local.backend import ChatBackend
 from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer
 from kvcomm.integrations.transformers.executor import TransformersExecutor
+from kvcomm.reuse.engine import ReuseEngine
 
+NOTE = (Path(__file__).resolve().parent / "design_note.md").read_text(encoding="utf-8")
 AGENTS = {
-    "planner": "You are a planner. Say in one or two sentences how to solve the task.",
-    "solver": "You are a solver. Follow the plan and give the answer briefly.",
-    "checker": "You are a checker. Say whether the answer is right, in one sentence.",
+    "summarizer": "You are a technical writer. Summarize design notes for busy engineers.",
+    "critic": "You are a critical reviewer. Point out the weakest part of a design and why it matters.",
+    "editor": "You are the editor. Decide whether the note is ready and say APPROVE when it is.",
 }
 TASKS = [
-    "What is 12 plus 30?",
-    "Name the capital of France.",
-    "How many legs does a spider have?",
-    "What color do you get by mixing blue and yellow?",
-    "What is 7 times 6?",
-    "Which is heavier, a kilogram of iron or a kilogram of feathers?",
+    "Review the design note above.",
+    "What should the team decide first, according to the design note above?",
+    "Is the design note above ready for the architecture review?",
+    "List what the design note above leaves open.",
 ]
 
 
-async def run_team(client: KvcommChatCompletionClient, tasks: list[str]) -> list[list[str]]:
-    """Each task through a fresh team (agents keep no memory across tasks); the replies."""
-    replies = []
-    for task in tasks:
-        agents = [AssistantAgent(name, client, system_message=system) for name, system in AGENTS.items()]
-        result = await RoundRobinGroupChat(agents, max_turns=len(agents)).run(task=task)
-        replies.append([m.content for m in result.messages[1:]])
-    return replies
+class Stopwatch(KvcommChatCompletionClient):
+    """The client with a stopwatch around each call, outside kvcomm: ``measured`` holds
+    (seconds to the first text chunk, None when not streamed; seconds to the end) per call."""
+
+    def __init__(self, backend) -> None:
+        super().__init__(backend)
+        self.measured: list[tuple[float | None, float]] = []
+
+    async def create(self, *args, **kwargs):
+        started = time.perf_counter()
+        result = await super().create(*args, **kwargs)
+        self.measured.append((None, time.perf_counter() - started))
+        return result
+
+    async def create_stream(self, *args, **kwargs):
+        started, first = time.perf_counter(), None
+        async for chunk in super().create_stream(*args, **kwargs):
+            if first is None and isinstance(chunk, str) and chunk:
+                first = time.perf_counter() - started
+            yield chunk
+        self.measured.append((first, time.perf_counter() - started))
 
 
-def per_agent(calls: list[ChatCall], names: dict[str, str]) -> dict[str, list[ChatCall]]:
-    out: dict[str, list[ChatCall]] = {name: [] for name in AGENTS}
-    for call in calls:
-        out[names[call.template_id]].append(call)
-    return out
+async def run_task(client: Stopwatch, task: str, stream: bool) -> list[str]:
+    """One task through a fresh team (agents keep no memory across tasks): the note, then the
+    question, as two messages (the note is the same message in every task, so later tasks find
+    its KV stored); the replies."""
+    agents = [AssistantAgent(name, client, system_message=system, model_client_stream=stream)
+              for name, system in AGENTS.items()]
+    team = RoundRobinGroupChat(agents, termination_condition=MaxMessageTermination(len(agents) + 2))
+    result = await team.run(task=[TextMessage(content=NOTE, source="user"), TextMessage(content=task, source="user")])
+    return [m.content for m in result.messages[2:] if isinstance(m.content, str)]
 
 
-def make_clients(args) -> tuple[dict[str, KvcommChatCompletionClient], dict[str, str]]:
-    """The dense and the reuse client (in process, or against ``--remote``), and the agent
-    name of each template id."""
+def make_clients(args) -> dict[str, Stopwatch]:
+    """The dense and the reuse client, in process or against ``--remote``."""
     if args.remote:
-        clients = {mode: KvcommChatCompletionClient.remote(
-            args.remote, reuse=mode == "reuse", max_tokens=args.max_tokens, api_key=args.api_key)
-                   for mode in ("dense", "reuse")}
-        tokenizer, encode = clients["reuse"].backend.tokenizer, clients["reuse"].backend.encode
-    else:
-        model, tokenizer = load_model_and_tokenizer()
-        reuse_executor = TransformersExecutor(model, tokenizer)  # runs the RoPE self-check
-        dense_executor = TransformersExecutor(model, tokenizer, dense_only=True)
-        engine = ReuseEngine(reuse_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=args.gamma)))
-        clients = {
-            "dense": KvcommChatCompletionClient(ChatBackend(dense_executor, None, args.max_tokens)),
-            "reuse": KvcommChatCompletionClient(ChatBackend(reuse_executor, engine, args.max_tokens)),
-        }
-        encode = reuse_executor.encode
-    return clients, {template_id(tokenizer, encode, [ChatTurn("system", s)]): n for n, s in AGENTS.items()}
+        from kvcomm.integrations.remote.backend import RemoteChatBackend
+
+        return {mode: Stopwatch(RemoteChatBackend(args.remote, reuse=mode == "reuse", max_new_tokens=args.max_tokens,
+                                                  api_key=args.api_key)) for mode in ("dense", "reuse")}
+    model, tokenizer = load_model_and_tokenizer()
+    reuse = TransformersExecutor(model, tokenizer)  # runs the RoPE self-check
+    dense = TransformersExecutor(model, tokenizer, dense_only=True)
+    return {"dense": Stopwatch(ChatBackend(dense, None, args.max_tokens)),
+            "reuse": Stopwatch(ChatBackend(reuse, ReuseEngine(reuse.rotary), args.max_tokens))}
 
 
-def ttft_ms(calls: list[ChatCall]) -> str:
-    """Median TTFT; the median wall time of the calls where no TTFT was measured."""
-    ttfts = [c.provenance.ttft_s for c in calls]
-    if all(t is not None for t in ttfts):
-        return f"{statistics.median(ttfts) * 1e3:8.0f}ms"
-    return f"{statistics.median(c.latency_s for c in calls) * 1e3:6.0f}wall"
+def seconds(x: float | None) -> str:
+    return "  n/a " if x is None else f"{x:6.2f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", type=int, default=4, help=f"tasks to run, 1..{len(TASKS)}")
+    parser.add_argument("--tasks", type=int, default=2, help=f"tasks to run, 1..{len(TASKS)}")
     parser.add_argument("--max-tokens", type=int, default=32, help="reply budget per agent call")
-    parser.add_argument("--gamma", type=float, default=PoolConfig().gamma, help="anchor admission threshold (in process)")
     parser.add_argument("--remote", metavar="URL", help="run against `kvcomm serve` at URL instead of in process")
     parser.add_argument("--api-key", help="with --remote: one of the server's --api-key keys")
     args = parser.parse_args()
     if not 1 <= args.tasks <= len(TASKS):
         parser.error(f"--tasks must be in 1..{len(TASKS)}")
-    clients, names = make_clients(args)
-    tasks = TASKS[: args.tasks]
-    replies = {}
+    clients = make_clients(args)
+    stream = not args.remote
+    replies: dict[str, list[str]] = {"dense": [], "reuse": []}
+    for number, task in enumerate(TASKS[: args.tasks]):
+        order = ("dense", "reuse") if number % 2 == 0 else ("reuse", "dense")  # alternate who goes first
+        for mode in order:
+            replies[mode] += asyncio.run(run_task(clients[mode], task, stream))
+
+    reuse, dense = clients["reuse"], clients["dense"]
+    print(f"{'call':>4} {'agent':10} {'same':4} {'TTFT kvcomm':>11} {'measured':>8} {'wall kvcomm':>11} {'measured':>8}  "
+          "what it reused, and why it computed the rest")
+    for i, (call, (first, wall)) in enumerate(zip(reuse.call_log, reuse.measured)):
+        same = "yes" if i < len(replies["dense"]) and replies["dense"][i] == replies["reuse"][i] else "no"
+        print(f"{i:>4} {call.agent or '?':10} {same:4} {seconds(call.provenance.ttft_s):>11} {seconds(first):>8} "
+              f"{seconds(call.latency_s):>11} {seconds(wall):>8}  {call.reason}")
+
+    summary = reuse.summary(baseline=dense)
+    print(f"\n{'agent':10} {'calls':>5} {'reused':>7} {'TTFT dense':>10} {'TTFT kvcomm':>11} {'ratio':>6} "
+          f"{'wall dense':>10} {'wall kvcomm':>11} {'ratio':>6}")
+    rows = [*summary["agents"].items(), ("all", summary)]
+    for name, row in rows:
+        base = row.get("baseline") or {}
+        print(f"{name or '?':10} {row['calls']:>5} {row['token_reuse_rate']:>7.0%} {seconds(base.get('ttft_s')):>10} "
+              f"{seconds(row['ttft_s']):>11} {ratio(base.get('ttft_speedup')):>6} {seconds(base.get('wall_s')):>10} "
+              f"{seconds(row['wall_s']):>11} {ratio(base.get('wall_speedup')):>6}")
+    equal = sum(a == b for a, b in zip(replies["dense"], replies["reuse"]))
+    print(f"\nreplies equal to dense: {equal}/{min(len(replies['dense']), len(replies['reuse']))}; prompt tokens reused: "
+          f"{summary['exact_tokens'] + summary['estimated_tokens']:,} of {summary['prompt_tokens']:,}")
     for mode, client in clients.items():
-        started = time.perf_counter()
-        replies[mode] = asyncio.run(run_team(client, tasks))
-        print(f"{mode}: {len(client.call_log)} agent calls in {time.perf_counter() - started:.1f} s")
-    for i, task in enumerate(tasks):
-        print(f"\nTask: {task}")
-        for name, dense, reuse in zip(AGENTS, replies["dense"][i], replies["reuse"][i]):
-            same = "same" if dense == reuse else "differs"
-            print(f"  {name:8s} dense: {dense[:70]!r}\n  {'':8s} reuse: {reuse[:70]!r} ({same})")
-    dense_calls = per_agent(clients["dense"].call_log, names)
-    reuse_calls = per_agent(clients["reuse"].call_log, names)
-    header = (f"{'agent':8s} {'calls':>5s} {'prompt':>6s} {'exact':>6s} {'estim':>6s} {'comp':>6s} {'tok-reuse':>9s} "
-              f"{'agent-reuse':>11s} {'ttft dense':>10s} {'ttft reuse':>10s} {'same reply':>10s}")
-    print("\n" + header + "\n" + "-" * len(header))
-    for name in AGENTS:
-        dense, reuse = dense_calls[name], reuse_calls[name]
-        p = [c.provenance for c in reuse]
-        prompt = sum(x.prompt_tokens for x in p)
-        exact, estimated = sum(x.exact_tokens for x in p), sum(x.estimated_tokens for x in p)
-        same = sum(a == b for a, b in zip((r[list(AGENTS).index(name)] for r in replies["dense"]), (r[list(AGENTS).index(name)] for r in replies["reuse"])))
-        print(
-            f"{name:8s} {len(reuse):5d} {prompt:6d} {exact:6d} {estimated:6d} {prompt - exact - estimated:6d} "
-            f"{(exact + estimated) / prompt:9.0%} {sum(x.reused for x in p) / len(p):11.0%} "
-            f"{ttft_ms(dense):>10s} {ttft_ms(reuse):>10s} "
-            f"{same:>6d}/{len(reuse)}"
-        )
-    total = clients["reuse"].summary()
-    print(
-        f"\nall agents: token reuse {total['token_reuse_rate']:.0%} (estimated {total['estimated_tokens']} of "
-        f"{total['prompt_tokens']} prompt tokens), agent-level reuse {total['agent_reuse_rate']:.0%}, "
-        f"fallbacks {total['fallbacks']}/{total['calls']}"
-    )
+        measured = [m for m in client.measured if m[0] is not None]
+        if measured:
+            reported = client.summary()
+            print(f"{mode}: summed TTFT reported {reported['ttft_s']:.2f} s, measured {sum(m[0] for m in measured):.2f} s; "
+                  f"summed wall time reported {reported['wall_s']:.2f} s, measured {sum(m[1] for m in client.measured):.2f} s")
+
+
+def ratio(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}x"
 
 
 if __name__ == "__main__":

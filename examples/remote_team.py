@@ -1,21 +1,21 @@
 """A remote team: agents in two processes against one `kvcomm serve`, passing context handles.
 
-Process 1 (this one) runs the writer: it answers three tasks and retains each reply on the
-server as a context (``retain_context``), then hands the context ids and texts to process 2.
-Process 2 runs two readers (reviewer, editor), each a separate AutoGen client, that read each
-reply naming its context (``extra_create_args={"context_ids": [id]}``): the server serves the
-reply's tokens from the KV it keeps, by the rules any shared content is reused by. The first
-rounds fill the readers' anchor pools (outcome "unused": the reply is computed and becomes an
-anchor); from the third on the replies are read from stored KV ("hit"). Then process 1
+What kvcomm is for: agents that read the same long text. Process 1 (this one) runs the
+writer: it has the server keep ``design_note.md`` (766 words, about 1,000 tokens) as a context
+(``retain_context``), answers three questions about it, retains each reply as a context too,
+and hands the context ids and texts to process 2. Process 2 runs two readers (reviewer,
+editor), each a separate AutoGen client with a system message of its own, that read the note
+and a reply naming both contexts (``extra_create_args={"context_ids": [...]}``): the server
+serves their tokens from the KV it keeps, by the rules any shared content is reused by. From
+each reader's first call on, the server computes the reader's new system message (a computed
+head) and serves the note after it; a reply's slot is served cold in the first round, then
+computed and learned from until it holds two anchors, and estimated after that. Then process 1
 releases the contexts and process 2 asks the last round's questions again: the requests fall
-back to the text, succeed, and say so. Process 2 prints, per round and agent, the context
-tokens it read and how many came from stored KV, the prompt's split and the server's TTFT.
+back to the text, succeed, and say so. Process 2 prints, per round and agent, each context's
+outcome, the call's reason in words and its end-to-end TTFT.
 
     .venv/bin/python examples/remote_team.py                     # starts its own `kvcomm serve` (a minute or two on a CPU)
     .venv/bin/python examples/remote_team.py --url http://localhost:8000 [--api-key K]
-
-Each reader calls once before the rounds (its warm-up: a new agent's first call computes its
-whole prompt, docs/autogen.md).
 """
 
 from __future__ import annotations
@@ -30,63 +30,66 @@ import sys
 import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 from autogen_core.models import SystemMessage, UserMessage
 
 from kvcomm.integrations.autogen.client import KvcommChatCompletionClient
 
-WRITER = "You answer briefly."
+NOTE = (Path(__file__).resolve().parent / "design_note.md").read_text(encoding="utf-8")
+WRITER = "You answer questions about design notes briefly."
 READERS = {
     "reviewer": "You review the answer in one sentence.",
     "editor": "You shorten the answer to five words.",
 }
-TASKS = ["Name a fruit.", "Name a capital city in Europe.", "Name a color."]
+TASKS = ["What is the main risk?", "What does the proposal change?", "Which alternative was rejected?"]
+MAX_TOKENS = 16
 
 
-def client(url: str, api_key: str | None, name: str, max_tokens: int) -> KvcommChatCompletionClient:
-    return KvcommChatCompletionClient.remote(url, api_key=api_key, agent_name=name, max_tokens=max_tokens)
+def client(url: str, api_key: str | None, name: str) -> KvcommChatCompletionClient:
+    return KvcommChatCompletionClient.remote(url, api_key=api_key, agent_name=name, max_tokens=MAX_TOKENS)
 
 
-async def write(url: str, api_key: str | None) -> tuple[list[dict], KvcommChatCompletionClient]:
-    """Process 1: the writer's replies, each retained as a context: ([{"id", "text", "task"}], client)."""
-    writer = client(url, api_key, "writer", 12)
+async def write(url: str, api_key: str | None) -> tuple[dict, list[dict], KvcommChatCompletionClient]:
+    """Process 1: the note retained as a context, then the writer's replies, each retained:
+    ({"id"}, [{"id", "text", "task"}], client)."""
+    writer = client(url, api_key, "writer")
+    note = {"id": writer.retain_context(NOTE).context_id}
     rounds = []
     for task in TASKS:
-        result = await writer.create([SystemMessage(content=WRITER), UserMessage(content=task, source="user")])
+        messages = [SystemMessage(content=WRITER), UserMessage(content=NOTE, source="user"),
+                    UserMessage(content=task, source="user")]
+        result = await writer.create(messages, extra_create_args={"context_ids": [note["id"]]})
         handle = writer.retain_context(result.content)
         rounds.append({"id": handle.context_id, "text": result.content, "task": task})
-    return rounds, writer
+    return note, rounds, writer
 
 
-async def read(url: str, api_key: str | None, rounds: list[dict], phase: str, warm: bool) -> None:
-    """Process 2: in each round each reader reads the writer's reply naming its context."""
-    readers = {name: client(url, api_key, name, 12) for name in READERS}
-    if warm:
-        for name, reader in readers.items():
-            await reader.create([SystemMessage(content=READERS[name]), UserMessage(content="Say hello.", source="user")])
+async def read(url: str, api_key: str | None, note: dict, rounds: list[dict], phase: str) -> None:
+    """Process 2: in each round each reader reads the note and the writer's reply, naming both contexts."""
+    readers = {name: client(url, api_key, name) for name in READERS}
     for number, entry in enumerate(rounds, 1):
         for name, reader in readers.items():
-            messages = [SystemMessage(content=READERS[name]), UserMessage(content=entry["text"], source="writer"),
-                        UserMessage(content="Is that right?", source="user")]
-            await reader.create(messages, extra_create_args={"context_ids": [entry["id"]]})
+            messages = [SystemMessage(content=READERS[name]), UserMessage(content=NOTE, source="user"),
+                        UserMessage(content=entry["text"], source="writer"),
+                        UserMessage(content=f"Question: {entry['task']} Is that answer right?", source="user")]
+            await reader.create(messages, extra_create_args={"context_ids": [note["id"], entry["id"]]})
             call = reader.last_call
-            reused, tokens = call.slots.get("writer#0", (0, 0))
             ttft = f"{call.provenance.ttft_s * 1e3:.0f} ms" if call.provenance.ttft_s is not None else "n/a"
-            print(f"  [{phase}, round {number}] {name:<8} context {call.contexts[entry['id']]:<8} reused {reused:>2} of "
-                  f"{tokens} context tokens; prompt {call.provenance.prompt_tokens}: {call.provenance.exact_tokens} exact, "
-                  f"{call.provenance.estimated_tokens} estimated, {call.provenance.computed_tokens} computed; TTFT {ttft}",
+            print(f"  [{phase}, round {number}] {name:<8} note {call.contexts[note['id']]:<8} reply "
+                  f"{call.contexts[entry['id']]:<8} TTFT {ttft}, wall {call.latency_s * 1e3:.0f} ms: {call.reason}",
                   flush=True)
     for reader in readers.values():
         reader.backend.close()
 
 
-def reader_process(url: str, api_key: str | None, rounds: list[dict], phase: str, warm: bool) -> None:
+def reader_process(url: str, api_key: str | None, note: dict, rounds: list[dict], phase: str) -> None:
     """Run ``read`` in a process of its own (the second agent process)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
-        json.dump(rounds, handle)
+        json.dump({"note": note, "rounds": rounds}, handle)
     try:
         command = [sys.executable, __file__, "--role", "readers", "--url", url, "--rounds-file", handle.name,
-                   "--phase", phase] + (["--warm"] if warm else [])
+                   "--phase", phase]
         env = {**os.environ, **({"KVCOMM_EXAMPLE_API_KEY": api_key} if api_key else {})}
         subprocess.run(command, check=True, env=env)
     finally:
@@ -101,7 +104,7 @@ def start_server() -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     log = open(os.path.join(tempfile.gettempdir(), "kvcomm-remote-team-server.log"), "w")
     server = subprocess.Popen([sys.executable, "-m", "kvcomm.cli", "serve", "--port", str(port), "--gamma", "1",
-                               "--max-model-len", "1024", "--block-size", "32"], stdout=log, stderr=subprocess.STDOUT,
+                               "--max-model-len", "2048", "--block-size", "32"], stdout=log, stderr=subprocess.STDOUT,
                               env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -125,27 +128,29 @@ def main() -> None:
     parser.add_argument("--role", choices=("writer", "readers"), default="writer", help=argparse.SUPPRESS)
     parser.add_argument("--rounds-file", help=argparse.SUPPRESS)
     parser.add_argument("--phase", default="retained", help=argparse.SUPPRESS)
-    parser.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     api_key = args.api_key or os.environ.get("KVCOMM_EXAMPLE_API_KEY")
     if args.role == "readers":
         with open(args.rounds_file) as handle:
-            asyncio.run(read(args.url, api_key, json.load(handle), args.phase, args.warm))
+            shared = json.load(handle)
+        asyncio.run(read(args.url, api_key, shared["note"], shared["rounds"], args.phase))
         return
     server, url = (None, args.url) if args.url else start_server()
     try:
-        rounds, writer = asyncio.run(write(url, api_key))
+        note, rounds, writer = asyncio.run(write(url, api_key))
+        record = writer.backend.context(note["id"])
+        print(f"writer (pid {os.getpid()}): the design note, {record['tokens']} tokens, retained as {note['id']}", flush=True)
         for entry in rounds:
             record = writer.backend.context(entry["id"])
             print(f"writer (pid {os.getpid()}): {entry['task']!r} -> {entry['text']!r}: {record['tokens']} tokens retained "
                   f"as {entry['id']} ({record['bytes']} bytes of KV, {record['state']})", flush=True)
         print("readers (another process), the contexts retained:", flush=True)
-        reader_process(url, api_key, rounds, "retained", warm=True)
-        released = [writer.release_context(entry["id"]) for entry in rounds]
+        reader_process(url, api_key, note, rounds, "retained")
+        released = [writer.release_context(entry["id"]) for entry in [note, *rounds]]
         print(f"writer: released {sum(released)} contexts; states "
-              f"{sorted({writer.backend.context(e['id'])['state'] for e in rounds})}", flush=True)
+              f"{sorted({writer.backend.context(e['id'])['state'] for e in [note, *rounds]})}", flush=True)
         print("readers (another process), the last round again after the release:", flush=True)
-        reader_process(url, api_key, rounds[-1:], "released", warm=False)
+        reader_process(url, api_key, note, rounds[-1:], "released")
         request = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
         with urllib.request.urlopen(request, timeout=30) as response:
             lines = [line for line in response.read().decode().splitlines() if line.startswith("kvcomm_context_")]

@@ -44,6 +44,7 @@ def run_side_by_side(spec: PipelineSpec, executor, config: ReuseConfig, progress
 
 
 def _cmd_run(args, spec: PipelineSpec) -> int:
+    from kvcomm.eval.precision_floor import precision_floor
     from kvcomm.eval.report import compare, format_table, to_json
 
     if args.mode in RECOMPUTE_MODES and args.backend == "vllm":
@@ -54,18 +55,21 @@ def _cmd_run(args, spec: PipelineSpec) -> int:
                          mode=args.mode, scope=args.reuse_scope)
     executor, model_path = load_executor(args.model, args.backend, args.dtype, args.device)
     try:
-        dense, reuse, engine = run_side_by_side(spec, executor, config, progress=not args.json)
+        dense, reuse, engine = run_side_by_side(spec, executor, config)  # progress on stderr, --json or not
     finally:
         close_executor(executor)
     calls = compare(dense, reuse)
+    floor = None if args.no_precision_floor else precision_floor(
+        args.model, args.backend, args.dtype, [c.prompt_ids for c in dense], [c.reply_ids for c in dense],
+        spec.max_new_tokens, device=args.device)
     if args.json:
         meta = {"model": model_path, "backend": args.backend, "dtype": args.dtype, "device": args.device or "cpu",
                 "mode": args.mode, "gamma": args.gamma, "max_anchors": args.max_anchors,
                 "base_source": args.base_source,
                 "anchors": {slot: len(pool) for slot, pool in engine.pools.items()}}
-        print(json.dumps(to_json(calls, meta), indent=2))
+        print(json.dumps(to_json(calls, meta, floor), indent=2))
     else:
-        print(format_table(calls))
+        print(format_table(calls, floor))
         print(f"anchors per slot: {', '.join(f'{s}={len(p)}' for s, p in engine.pools.items())}")
     return 0
 
@@ -82,6 +86,7 @@ def _cmd_demo(args, spec: PipelineSpec) -> int:
 
     from kvcomm.eval.demo_report import demo_json, format_demo, write_chart
     from kvcomm.eval.demo import DenseTransformers, StockVllm, run_demo
+    from kvcomm.eval.precision_floor import precision_floor
 
     chart = Path(args.chart)
     if not chart.resolve().parent.is_dir():
@@ -92,14 +97,18 @@ def _cmd_demo(args, spec: PipelineSpec) -> int:
         baseline = StockVllm(executor.llm, executor.stop_ids) if args.backend == "vllm" else DenseTransformers(executor)
         config = ReuseConfig(pool=PoolConfig(gamma=args.gamma, max_anchors=args.max_anchors), base_source=args.base_source,
                              scope=args.reuse_scope)
-        calls, engine = run_demo(spec, executor, baseline, config)
+        dense_calls: list = []
+        calls, engine = run_demo(spec, executor, baseline, config, dense_calls=dense_calls)
     finally:
         close_executor(executor)
+    floor = None if args.no_precision_floor else precision_floor(
+        args.model, args.backend, args.dtype, [p for p, _ in dense_calls], [r for _, r in dense_calls],
+        spec.max_new_tokens, device=args.device, stock_vllm=args.backend == "vllm")
     meta = {"model": model_path, "backend": args.backend, "dtype": args.dtype, "device": args.device or "cpu",
             "baseline": baseline.name, "gamma": args.gamma,
             "max_anchors": args.max_anchors, "base_source": args.base_source, "reuse_scope": args.reuse_scope,
             "anchors": {slot: len(pool) for slot, pool in engine.pools.items()}, "chart": str(chart.resolve())}
-    report = demo_json(calls, meta)
+    report = demo_json(calls, meta, floor)
     write_chart(report, chart, baseline.name)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -164,7 +173,12 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                         "that computes it (no extra forward pass)")
     add_reuse_scope_option(parser)
     parser.add_argument("--limit", type=int, help="run only the first N input rows")
-    parser.add_argument("--json", action="store_true", help="print one JSON object (schema: docs/reference.md)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (schema: docs/reference.md); "
+                        "progress goes to stderr")
+    parser.add_argument("--no-precision-floor", action="store_true",
+                        help="skip the precision floor: the dense calls' prompts rerun densely in the other dtype "
+                        "(bfloat16 for float32, float32 otherwise), their replies compared with the dense ones, "
+                        "printed beside reply agreement")
 
 
 def add_reuse_scope_option(parser: argparse.ArgumentParser) -> None:

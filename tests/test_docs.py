@@ -1,14 +1,27 @@
-"""The docs stay short and their links resolve.
+"""The docs stay short, their links resolve and their Python snippets run.
 
 README.md is at most 150 lines and ``kvcomm eval --help`` at most 50 (at 80 columns: issue 38's
 "docs a user reads"); every relative link in README.md and docs/ (measurement pages included)
 names a file that exists. Links to other sites, mail addresses and in-page anchors (``#...``)
 are not checked; a link's own ``#anchor`` is dropped before the file is looked up.
+
+Every ```` ```python ```` block of README.md and docs/ runs as written, in a fresh Python
+process on the embedded model, in an empty folder holding only ``pipeline.json`` (the file the
+README's example reads: the bundled ``chain`` pipeline cut to one row and 8-token replies),
+unless the line before it says why it cannot: ``<!-- docs-test: skip: REASON -->`` (a server it
+needs, a GPU, a fragment). Such a snippet is only compiled (valid Python), its reason is in
+the page beside it, and a marker without a reason fails: none is left out silently (and no
+test is skipped, which CI counts as a failure: ``support/skip_policy.py``).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -19,6 +32,8 @@ EVAL_HELP_MAX_LINES = 50
 
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 _CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
+_SNIPPET = re.compile(r"(?:^<!-- docs-test: skip:?(?P<reason>[^\n]*?)-->\n)?^```python\n(?P<code>.*?)^```", re.S | re.M)
+SNIPPET_TIMEOUT_S = 900
 
 
 def markdown_files() -> list[Path]:
@@ -63,3 +78,56 @@ def test_the_link_check_sees_a_missing_file(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("[here](gone.md#x), [web](https://example.org), [anchor](#a), `[code](nope.md)`\n")
     assert relative_links(page) == ["gone.md"]
+
+
+def python_snippets() -> list[tuple[str, str, str | None]]:
+    """(id "file:line", code, skip reason or None) for every ```python block of README.md and docs/."""
+    out = []
+    for path in markdown_files():
+        text = path.read_text(encoding="utf-8")
+        for found in _SNIPPET.finditer(text):
+            line = text.count("\n", 0, found.start("code"))
+            # a marker without a reason gives "": a failure below
+            reason = found.group("reason").strip() if found.group(0).startswith("<!--") else None
+            out.append((f"{path.relative_to(ROOT)}:{line}", found.group("code"), reason))
+    return out
+
+
+def _snippet_folder(tmp_path: Path) -> Path:
+    spec = json.loads(resources.files("kvcomm").joinpath("data", "demo_pipeline.json").read_text(encoding="utf-8"))
+    spec["inputs"] = spec["inputs"][:1]
+    spec.pop("max_new_tokens", None)
+    spec["max_tokens"] = 8
+    (tmp_path / "pipeline.json").write_text(json.dumps(spec), encoding="utf-8")
+    return tmp_path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where, code, reason", python_snippets(), ids=[s[0] for s in python_snippets()])
+def test_python_snippets_in_the_docs_run(where, code, reason, tmp_path):
+    if reason is not None:  # cannot run here: it must say why, and still be valid Python
+        assert reason, f"{where}: a docs-test skip marker must say why the snippet cannot run here"
+        compile(code, where, "exec")
+        return
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=_snippet_folder(tmp_path), env=env, capture_output=True,
+                          text=True, timeout=SNIPPET_TIMEOUT_S)
+    assert done.returncode == 0, f"{where} failed:\n{done.stderr[-3000:]}"
+
+
+def test_every_snippet_runs_or_says_why_not():
+    """The snippets are found (the README's is one) and each skip names its reason."""
+    snippets = python_snippets()
+    assert any(where.startswith("README.md:") and reason is None for where, _, reason in snippets)
+    assert len(snippets) >= 6
+    assert all(reason is None or reason for _, _, reason in snippets), [w for w, _, r in snippets if r == ""]
+
+
+def test_the_snippet_finder_sees_markers(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("```python\nprint(1)\n```\n\n<!-- docs-test: skip: needs a GPU -->\n```python\nx\n```\n"
+                    "<!-- docs-test: skip -->\n```python\ny\n```\n```bash\nls\n```\n")
+    text = page.read_text()
+    found = [(m.group("code"), m.group("reason").strip() if m.group(0).startswith("<!--") else None)
+             for m in _SNIPPET.finditer(text)]
+    assert found == [("print(1)\n", None), ("x\n", "needs a GPU"), ("y\n", "")]

@@ -1,9 +1,9 @@
 """An autogen-core ``ChatCompletionClient`` served by kvcomm in process (AutoGen 0.7).
 
 Give every agent of a team the same client: they then share one executor and one reuse
-engine, and each agent reuses the KV of what the others wrote from its second call on (its
-first computes its new system message and, today, the rest of its prompt: docs/autogen.md,
-warm-up; see ``local.backend``).
+engine, and each agent reuses the KV of what the others wrote from its first call on (that
+call computes the agent's new system message first and serves the shared messages after it:
+docs/autogen.md, warm-up; see ``local.backend``).
 
     client = KvcommChatCompletionClient()            # embedded SmolLM2, with reuse
     dense = KvcommChatCompletionClient(reuse=False)  # the same model, dense prefill
@@ -12,7 +12,8 @@ warm-up; see ``local.backend``).
 
 AutoGen's ``RequestUsage`` has no cached-token field, so reuse statistics sit next to it:
 ``client.last_call`` / ``client.call_log`` (``ChatCall``: exact / estimated / computed prompt
-tokens, fallback, TTFT), and ``client.summary()``.
+tokens, TTFT, wall time, ``reason`` in words), and ``client.summary()`` (summed TTFT and wall
+time, per agent and in all; ``summary(baseline=dense)`` against another client).
 """
 
 from __future__ import annotations
@@ -96,8 +97,11 @@ class KvcommChatCompletionClient(ChatCompletionClient):
     def last_call(self) -> ChatCall | None:
         return self.backend.last
 
-    def summary(self) -> dict[str, Any]:
-        return self.backend.summary()
+    def summary(self, baseline: Any = None) -> dict[str, Any]:
+        """Tokens by source, summed TTFT and wall time, per agent and in all
+        (``kvcomm.integrations.local.summary``); ``baseline``: the same team run by another
+        client (e.g. ``reuse=False``), or its summary, for the ratios against it."""
+        return self.backend.summary(baseline)
 
     def retain_context(self, text: str, **options: Any) -> ContextHandle:
         """Prefill ``text`` now and keep its KV for messages that carry exactly this text (in

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from kvcomm.reuse.config import ReuseConfig
@@ -25,6 +25,7 @@ from kvcomm.services.quality_guard import QualityGuard
 from kvcomm.reuse.runner import run_agent
 from kvcomm.core.segments import Segment, content_id
 from kvcomm.integrations.local.segments import ChatPrompt, ChatTurn, parse_tool_calls, render_chat, supports_tools
+from kvcomm.integrations.local.summary import summarize
 
 FinishReason = str  # "stop" | "length" | "function_calls" | "cancelled"
 
@@ -34,7 +35,8 @@ class ChatCall:
     """Where one completion's prompt KV came from, and what it produced.
 
     provenance: exact / estimated / computed prompt tokens (they add up to ``prompt_tokens``),
-        fallback, note, TTFT (seconds, planning included).
+        fallback, note, TTFT (seconds from the call's start to its first reply token: rendering,
+        planning and any computed head included). ``reason``: the same in plain words.
     template_id: the agent (hash of its system message). agent: the calling agent's name: what
         its client was told (AutoGen: the team participant that is calling, or ``agent_name=``;
         AG2: ``agent_name=`` at ``register_model_client``), else the name on the agent's own earlier
@@ -64,6 +66,11 @@ class ChatCall:
     @property
     def prompt_tokens(self) -> int:
         return self.provenance.prompt_tokens
+
+    @property
+    def reason(self) -> str:
+        """What this call reused and why the rest was computed, in words (``Provenance.reason``)."""
+        return self.provenance.reason
 
 
 @dataclass(frozen=True)
@@ -211,7 +218,9 @@ class ChatBackend:
             # executors without streaming support still serve callers that pass no on_token
             hook = watch if on_token is not None else None
             call = run_agent if self.guard is None else self.guard.run_agent
+            ahead = time.perf_counter() - started  # waiting for the lock and rendering: part of the caller's wait
             generation, provenance = call(self.executor, self.engine, prompt, budget, on_token=hook)
+            provenance = _from_call_start(provenance, ahead)
             self._cap_anchors()
             text = self.executor.decode(generation.reply_ids)
             registered = self._keep_reply(generation, text)
@@ -294,23 +303,19 @@ class ChatBackend:
         present = set(chat.shared_ids)
         return {c for c in context_ids if c in present and self.contexts is not None and self.contexts.state(c) == "live"}
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, baseline: Any = None) -> dict[str, Any]:
+        """Totals, times and per-agent figures over the logged calls (``local.summary.summarize``);
+        ``baseline``: the same team's summary from another client (e.g. ``reuse=False``), or that client."""
         with self._lock:
-            return summarize(list(self.calls))
+            return summarize(list(self.calls), baseline)
 
 
-def summarize(calls: Sequence[ChatCall]) -> dict[str, Any]:
-    """Totals over logged calls (token counts by source, agent-level reuse rate, fallbacks)."""
-    prompt = sum(c.provenance.prompt_tokens for c in calls)
-    exact = sum(c.provenance.exact_tokens for c in calls)
-    estimated = sum(c.provenance.estimated_tokens for c in calls)
-    return {
-        "calls": len(calls), "prompt_tokens": prompt, "exact_tokens": exact, "estimated_tokens": estimated,
-        "computed_tokens": prompt - exact - estimated,
-        "token_reuse_rate": (exact + estimated) / prompt if prompt else 0.0,
-        "agent_reuse_rate": sum(c.provenance.reused for c in calls) / len(calls) if calls else 0.0,
-        "fallbacks": sum(c.provenance.fallback for c in calls),
-    }
+def _from_call_start(provenance: Provenance, ahead: float) -> Provenance:
+    """``provenance`` with its TTFT and planning time counted from the start of ``complete``
+    (``ahead``: seconds spent there before ``run_agent`` started) instead of ``run_agent``'s."""
+    ttft = None if provenance.ttft_s is None else provenance.ttft_s + ahead
+    plan = None if provenance.plan_s is None else provenance.plan_s + ahead
+    return replace(provenance, ttft_s=ttft, plan_s=plan)
 
 
 def context_report(chat: ChatPrompt, provenance: Provenance, context_ids: Sequence[str], live: set[str]) -> dict[str, str]:

@@ -41,7 +41,8 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
-from kvcomm.integrations.local.backend import ChatCall, ChatReply, calling_agent, slot_reuse, summarize
+from kvcomm.integrations.local.backend import ChatCall, ChatReply, calling_agent, slot_reuse
+from kvcomm.integrations.local.summary import summarize
 from kvcomm.reuse.handles import ContextHandle
 from kvcomm.integrations.local.segments import ChatPrompt, ChatTurn, parse_tool_calls, render_chat, supports_tools
 from kvcomm.integrations.remote import wire
@@ -245,7 +246,8 @@ class RemoteChatBackend:
         started = time.perf_counter()
         chat, body, budget = self._prepare(turns, tools, max_new_tokens, context_ids, stream=False)
         data = self._post("/v1/completions", body)
-        return self._finish(turns, chat, tools, started, data, budget, agent=agent, context_ids=context_ids)
+        ttft = wire.end_to_end_ttft(data, time.perf_counter() - started)
+        return self._finish(turns, chat, tools, started, data, budget, ttft, agent=agent, context_ids=context_ids)
 
     async def acomplete(
         self, turns: Sequence[ChatTurn], *, tools: Sequence[dict] | None = None, max_new_tokens: int | None = None,
@@ -261,13 +263,15 @@ class RemoteChatBackend:
             async with httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
                 if on_text is None:
                     data = _json(await self._asend(http.post("/v1/completions", json=body)), "/v1/completions")
+                    ttft = wire.end_to_end_ttft(data, time.perf_counter() - started)
                 else:
                     await self._stream(http, body, streamed, on_text)
                     data = streamed.response()
+                    ttft = None if streamed.first_token_at is None else streamed.first_token_at - started
         except asyncio.CancelledError:
             self._log_cancelled(turns, chat, started, streamed, agent)
             raise
-        return self._finish(turns, chat, tools, started, data, budget, agent=agent, context_ids=context_ids,
+        return self._finish(turns, chat, tools, started, data, budget, ttft, agent=agent, context_ids=context_ids,
                             why_unknown="streamed: vLLM streams no kv_transfer_params (use create for the split)" if on_text else "")
 
     async def _asend(self, pending) -> httpx.Response:
@@ -296,9 +300,11 @@ class RemoteChatBackend:
             raise RemoteError(f"the stream from {self.base_url} broke ({error})") from error
 
     def _finish(
-        self, turns, chat: ChatPrompt, tools, started: float, data: dict[str, Any], budget: int, *, agent: str | None = None,
-        why_unknown: str = "", context_ids: Sequence[str] = (),
+        self, turns, chat: ChatPrompt, tools, started: float, data: dict[str, Any], budget: int, ttft_s: float | None, *,
+        agent: str | None = None, why_unknown: str = "", context_ids: Sequence[str] = (),
     ) -> ChatReply:
+        """The call's ``ChatCall`` and reply from the server's response. ttft_s: the call's
+        end-to-end TTFT, from ``started`` (``wire.end_to_end_ttft``, or a stream's first token)."""
         choice = (data.get("choices") or [None])[0]
         if not isinstance(choice, dict):
             raise RemoteError(f"the server's completion has no choices: {str(data)[:300]}")
@@ -308,7 +314,7 @@ class RemoteChatBackend:
             log.warning("kvcomm serve rejected this request's kvcomm options: %s", summary["error"])
         provenance = wire.provenance(
             chat, int(usage.get("prompt_tokens", len(chat.prompt))), summary, self.reuse,
-            cached_tokens=wire.cached_tokens(usage), ttft_s=wire.ttft_seconds(data), why_unknown=why_unknown,
+            cached_tokens=wire.cached_tokens(usage), ttft_s=ttft_s, why_unknown=why_unknown,
         )
         reply_ids = list(choice.get("token_ids") or [])
         stopped = choice.get("finish_reason") == "stop"
@@ -367,8 +373,9 @@ class RemoteChatBackend:
             time.perf_counter() - started, {}, chat.note, slot_reuse(chat, provenance),
         ))
 
-    def summary(self) -> dict[str, Any]:
-        return summarize(list(self.calls))
+    def summary(self, baseline: Any = None) -> dict[str, Any]:
+        """As ``ChatBackend.summary`` (``local.summary.summarize``)."""
+        return summarize(list(self.calls), baseline)
 
 
 def _header_contexts(value: str | None) -> dict[str, str] | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from typing import Any
 
 from kvcomm.reuse.plan import Provenance
@@ -95,7 +96,8 @@ def provenance(
     shared = sum(len(chat.prompt.segments[i]) for i in chat.turn_segments.values())
     reused = None if summary is None or "error" in summary else (
         int(summary.get("exact_tokens", 0)) + int(summary.get("estimated_tokens", 0)))
-    extra = cached_note(cached_tokens, reused if summary is not None and "exact_tokens" in summary else None)
+    extra = cached_note(cached_tokens, reused if summary is not None and "exact_tokens" in summary else None,
+                        int((summary or {}).get("head_tokens", 0) or 0))
     if summary is not None and "error" in summary:
         why_unknown = f"server rejected the kvcomm options (served without reuse): {summary['error']}"
         summary = None
@@ -128,23 +130,26 @@ def _overlap(a: int, b: int, c: int, d: int) -> int:
     return max(0, min(b, d) - max(a, c))
 
 
-def cached_note(cached: int | None, reused: int | None) -> str:
+def cached_note(cached: int | None, reused: int | None, head: int = 0) -> str:
     """vLLM's cached count next to kvcomm's, saying which is which. vLLM's ``cached_tokens`` are
-    the prompt tokens vLLM did not compute: its own prefix-cache hit (under kvcomm's salt its
-    blocks may hold KV kvcomm wrote earlier, estimated included) plus the KV kvcomm's connector
-    loaded past that hit. kvcomm's exact + estimated (``reused``) are what its plan served; the
-    plan does not see vLLM's hit, so where the hit reaches further, vLLM computed fewer tokens
-    than kvcomm's computed count says."""
+    the prompt tokens vLLM did not compute in this request: its own prefix-cache hit (under
+    kvcomm's salt its blocks may hold KV kvcomm wrote earlier, estimated included), which
+    covers a computed head (``head``: computed by the head request the server ran first), plus
+    the KV kvcomm's connector loaded past that hit. kvcomm's exact + estimated (``reused``) are
+    what its plan served; the plan does not see vLLM's hit, so where the hit reaches further
+    than the plan and its head, vLLM computed fewer tokens than kvcomm's computed count says:
+    that excess is ``Provenance.cached_tokens``, and the note names the same number."""
     if cached is None:
         return ""
     if reused is None:
         return f"vLLM cached_tokens {cached}: vLLM's prefix-cache hit (kvcomm reported no split)"
+    planned = reused + head
     note = (f"vLLM cached_tokens {cached} (vLLM's prefix-cache hit plus KV kvcomm loaded past it) vs kvcomm's plan "
-            f"{reused} exact+estimated")
-    if cached > reused:
-        note += f": {cached - reused} of kvcomm's computed tokens were a vLLM prefix-cache hit"
-    elif cached < reused:
-        note += f": vLLM counts {reused - cached} fewer than kvcomm's plan served"
+            f"{reused} exact+estimated" + (f" + {head} computed head (computed by the head request)" if head else ""))
+    if cached > planned:
+        note += f": {cached - planned} of kvcomm's computed tokens were a vLLM prefix-cache hit"
+    elif cached < planned:
+        note += f": vLLM counts {planned - cached} fewer than kvcomm's plan served"
     return note
 
 
@@ -165,10 +170,27 @@ def cached_tokens(usage: dict[str, Any] | None) -> int | None:
 
 
 def ttft_seconds(response: dict[str, Any]) -> float | None:
-    """Server-measured TTFT (``--enable-per-request-metrics``), seconds."""
+    """Server-measured TTFT (``--enable-per-request-metrics``), seconds: vLLM's, from when the
+    engine scheduled the request to its first token, so it leaves out what came before (the
+    queue, kvcomm's planning and the head request it ran first). ``end_to_end_ttft`` is the caller's."""
     metrics = response.get("metrics")
     value = metrics.get("time_to_first_token_ms") if isinstance(metrics, dict) else None
     return float(value) / 1e3 if value is not None else None
+
+
+def end_to_end_ttft(response: dict[str, Any], elapsed_s: float) -> float | None:
+    """Seconds from the start of the client's call to the first reply token, for a response
+    that arrived whole ``elapsed_s`` after the call started: ``elapsed_s`` less the server's
+    decode interval (vLLM's ``generation_time_ms``, first to last output token). What is left
+    is everything before the first token, whatever the server did (queue, planning, a computed
+    head's request), plus sending the finished response back. None without the server's
+    per-request metrics (``kvcomm serve --disable-log-stats``). A streamed call measures its
+    first token directly (``StreamedCompletion.first_token_at``)."""
+    metrics = response.get("metrics")
+    decode = metrics.get("generation_time_ms") if isinstance(metrics, dict) else None
+    if decode is None:
+        return None
+    return max(0.0, elapsed_s - float(decode) / 1e3)
 
 
 class StreamedCompletion:
@@ -182,8 +204,12 @@ class StreamedCompletion:
         self.metrics: dict[str, Any] | None = None
         self.contexts: dict[str, str] | None = None
         """The ``x-kvcomm-contexts`` header: context id -> "live" or "fallback"."""
+        self.first_token_at: float | None = None
+        """``perf_counter()`` when the first chunk with a reply token (or text) arrived."""
 
     def add(self, chunk: dict[str, Any]) -> str:
+        if self.first_token_at is None and any(c.get("token_ids") or c.get("text") for c in chunk.get("choices") or []):
+            self.first_token_at = time.perf_counter()
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         if chunk.get("metrics"):

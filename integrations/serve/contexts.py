@@ -129,7 +129,8 @@ class ContextRoutes:
         self.app = app
         state_dir = config.get("state_dir")
         self.store = ContextStore(config.get("max_tenant_bytes"), config.get("max_total_bytes"),
-                                  Path(state_dir) / "contexts.json" if state_dir else None)
+                                  Path(state_dir) / "contexts" if state_dir else None,
+                                  legacy=Path(state_dir) / "contexts.json" if state_dir else None)
         self.dtype = str(config.get("dtype") or "float32")
         self._model: dict | None = None
         self._auth: dict[str, list] = {}  # tenant -> its bearer header, for TTL expiry's internal requests

@@ -17,7 +17,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import platformdirs
 import torch
 
 if TYPE_CHECKING:
@@ -46,7 +45,11 @@ CHATML_TEMPLATE = (
 
 def cache_root() -> Path:
     """The kvcomm cache folder: ``$KVCOMM_CACHE_DIR`` if set, else the platform's user cache dir."""
-    return Path(os.environ.get("KVCOMM_CACHE_DIR") or platformdirs.user_cache_dir("kvcomm"))
+    if os.environ.get("KVCOMM_CACHE_DIR"):
+        return Path(os.environ["KVCOMM_CACHE_DIR"])
+    import platformdirs  # only here: importing this module (parse_device, DTYPES) must not need it
+
+    return Path(platformdirs.user_cache_dir("kvcomm"))
 
 
 @contextmanager

@@ -33,7 +33,8 @@ object of its side:
 
 Every hook of both sides is timed per engine step (``step_time``).
 
-Refused at start-up, never inside a forward (``refusals``): rotary embeddings kvcomm cannot
+A vLLM release outside ``versions.TESTED_VLLM`` fails the engine's start-up (unless
+``KVCOMM_ALLOW_UNTESTED_VLLM=1``). Refused at start-up, never inside a forward (``refusals``): rotary embeddings kvcomm cannot
 realign exactly, attention backends other than CPU_ATTN, FLASH_ATTN, TRITON_ATTN and FLASHINFER
 (MLA included), sliding-window, chunked-local or hybrid layers, KV sharing between layers, fp8 KV
 caches, pipeline parallelism, tensor parallelism that would replicate KV heads, executors other
@@ -58,6 +59,7 @@ from kvcomm.integrations.vllm.messages import KvcommWorkerMetadata
 from kvcomm.integrations.vllm.refusals import engine_refusal
 from kvcomm.integrations.vllm.scheduler import KvcommConnectorScheduler
 from kvcomm.integrations.vllm.step_time import CLOCKS
+from kvcomm.integrations.vllm.versions import check_vllm_version
 from kvcomm.integrations.vllm.worker import KvcommConnectorWorker
 from kvcomm.reuse.scopes import DEFAULT_SCOPE, check_scope
 
@@ -84,6 +86,7 @@ class KvcommConnector(KVConnectorBase_V1):
         return True
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        check_vllm_version()  # an untested vLLM fails the start-up (versions.py), before anything reads its API
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config
         self.engine_id = str(extra.engine_id)

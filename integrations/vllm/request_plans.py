@@ -57,6 +57,7 @@ from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV, to_position_free
 from kvcomm.core.place import Piece
 from kvcomm.reuse.plan import ReusePlan
+from kvcomm.reuse.reason import explain
 from kvcomm.core.rope import Rotary
 from kvcomm.core.segments import Prompt, Segment
 from kvcomm.services.tenants import TenantRegistry, adapter_key
@@ -116,7 +117,7 @@ class PlannedRequest:
         p = self.plan.provenance()
         summary = {"prompt_tokens": p.prompt_tokens, "exact_tokens": p.exact_tokens,
                    "estimated_tokens": p.estimated_tokens, "computed_tokens": p.computed_tokens,
-                   "head_tokens": p.head_tokens, "fallback": p.fallback, "note": self.plan.note}
+                   "head_tokens": p.head_tokens, "fallback": p.fallback, "note": self.plan.note, "reason": explain(p)}
         return summary | {"shadow": True} if self.shadow else summary
 
 

@@ -19,7 +19,7 @@ __all__ = ["PipelineError", "Slot", "TemplatePart", "parse_template", "AgentSpec
            "parse_pipeline", "loads_pipeline", "load_pipeline", "BUNDLED_PIPELINES", "load_bundled_pipeline",
            "load_demo_pipeline"]
 
-TOP_KEYS = ("agents", "inputs", "max_new_tokens", "description")
+TOP_KEYS = ("agents", "inputs", "max_tokens", "max_new_tokens", "description")
 AGENT_KEYS = ("name", "system", "template")
 MAX_NEW_TOKENS_LIMIT = 4096
 _TOKEN = re.compile(r"\{\{|\}\}|\{[^{}]*\}|\{|\}|[^{}]+")
@@ -193,14 +193,24 @@ def parse_pipeline(obj: object, source: str = "<pipeline>") -> PipelineSpec:
                 raise PipelineError(f"{where}: unknown slot {{{slot}}}: not an earlier agent and missing from "
                                     f"inputs[{missing}]; known slots here: {', '.join(names[:a] + common) or '(none)'}")
         agents.append(spec)
-    mnt = top.get("max_new_tokens", 64)
-    if type(mnt) is not int or not 1 <= mnt <= MAX_NEW_TOKENS_LIMIT:
-        raise PipelineError(f"{source}: 'max_new_tokens' must be an integer in 1..{MAX_NEW_TOKENS_LIMIT}, "
-                            f"got {_short(mnt)}")
+    mnt = _reply_budget(top, source)
     description = top.get("description", "")
     if not isinstance(description, str):
         raise PipelineError(f"{source}: 'description' must be a string, got {type(description).__name__}")
     return PipelineSpec(tuple(agents), tuple(MappingProxyType(r) for r in rows), mnt, description)
+
+
+def _reply_budget(top: Mapping, source: str) -> int:
+    """The reply budget: ``max_tokens`` (the clients' name), or its alias ``max_new_tokens``
+    (the engine's); both must agree when both are given; 64 when neither is."""
+    given = {key: top[key] for key in ("max_tokens", "max_new_tokens") if key in top}
+    for key, value in given.items():
+        if type(value) is not int or not 1 <= value <= MAX_NEW_TOKENS_LIMIT:
+            raise PipelineError(f"{source}: {key!r} must be an integer in 1..{MAX_NEW_TOKENS_LIMIT}, got {_short(value)}")
+    if len(set(given.values())) > 1:
+        raise PipelineError(f"{source}: 'max_tokens' is {given['max_tokens']} and its alias 'max_new_tokens' is "
+                            f"{given['max_new_tokens']}; give one of them")
+    return next(iter(given.values()), 64)
 
 
 def loads_pipeline(text: str, source: str = "<pipeline>") -> PipelineSpec:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from kvcomm.anchors.pool import AnchorPool, Match
 from kvcomm.core.kv import KV
 from kvcomm.core.segments import Prompt
+from kvcomm.reuse.reason import explain
 
 EXACT, ESTIMATED, COMPUTED = "exact", "estimated", "computed"
 """Where a prompt token's KV comes from: a stored dense prefill, an anchor estimate, this forward."""
@@ -140,7 +141,7 @@ class ReusePlan:
         start, end = self.prompt.starts[index], self.prompt.end(index)
         return start >= self.reuse_end or (self.exact_length <= start and end <= self.pieces_start)
 
-    def provenance(self, ttft_s: float | None = None, cached_tokens: int = 0) -> "Provenance":
+    def provenance(self, ttft_s: float | None = None, cached_tokens: int = 0, plan_s: float | None = None) -> "Provenance":
         prompt, end = self.prompt, self.reuse_end
         recomputed = self.recompute or ()
         if any(not self.pieces_start <= p < end for p in recomputed) or len(set(recomputed)) != len(recomputed):
@@ -166,6 +167,7 @@ class ReusePlan:
             recomputed_tokens=len(recomputed),
             cached_tokens=cached_tokens,
             head_tokens=self.computed_head,
+            plan_s=plan_s,
         )
 
 
@@ -184,6 +186,8 @@ class Provenance:
     serve them), and are reported so that a comparison can see what a prefix cache gave.
     head_tokens: of the computed tokens, those computed before the reused ones (the plan's
     computed head: new text, such as an agent's unseen system prompt, ahead of shared content).
+    plan_s: of ``ttft_s``, the seconds spent planning (base-KV prefills of new content
+    included); None where nobody measured it (a server's plan). ``reason``: all of it in words.
     """
 
     prompt_tokens: int
@@ -198,6 +202,12 @@ class Provenance:
     recomputed_tokens: int = 0
     cached_tokens: int = 0
     head_tokens: int = 0
+    plan_s: float | None = None
+
+    @property
+    def reason(self) -> str:
+        """What was reused and why the rest was computed, in plain words (``kvcomm.reuse.reason``)."""
+        return explain(self)
 
     @property
     def reuse_end(self) -> int:

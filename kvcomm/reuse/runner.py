@@ -75,9 +75,10 @@ def run_agent(
         return generation, dense_provenance(prompt, generation.ttft_s, generation.cached_tokens)
     provide = engine.base_provider(executor)
     plan = engine.calibration_plan(prompt, provide) if calibrate else engine.plan(prompt, provide, computes_heads(executor))
+    planned = time.perf_counter() - started
     generation = execute(executor, engine, plan, max_new_tokens, started, keep_logprobs, on_token)
     engine.learn(plan, generation.computed, generation.reply_ids, generation.reply_kv, generation.head)
-    return generation, plan.provenance(generation.ttft_s, generation.cached_tokens)
+    return generation, plan.provenance(generation.ttft_s, generation.cached_tokens, planned)
 
 
 def execute(

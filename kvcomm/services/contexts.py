@@ -16,24 +16,38 @@ makes the engines evict another tenant's data or another retained context.
 Ids are random (``ctx-`` and 32 hex digits): they say nothing about the content or tenant,
 and a tenant asking for another tenant's id gets ``NotFound``, as for an id never issued.
 
-Persistence (``path``): the records are written atomically after every change and read back
-at start; a context read back is ``evicted`` with reason ``"restart"`` (its KV is not pinned
-in the new process): retaining it again recomputes or re-pins its KV. Thread-safe.
+Persistence (``path``, a folder): one file per context, ``<id>.json``, written atomically when
+that context changes (its use counts go with its next change, or another context's), deleted
+when the record is forgotten, so a change writes about that context's bytes whatever the
+number of contexts. At start the records are read back; a context read back is ``evicted``
+with reason ``"restart"`` (its KV is not pinned in the new process): retaining it again
+recomputes or re-pins its KV. A record file that cannot be read (torn, not JSON, wrong fields)
+is moved aside to ``<id>.json.unreadable-<UTC time>`` with a log line naming it, and the store
+starts without it; temp files of a write that was killed are removed. The records of a
+``legacy`` single file (``contexts.json``, written whole on every change before) are moved
+into the folder, and that file removed once they are durable (moved aside, named in the log,
+if it cannot be read). Thread-safe.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import logging
+import re
 import secrets
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from kvcomm.services.state_files import move_aside, remove_temp_files, write_text_atomically
+
+log = logging.getLogger(__name__)
 RETAINED, EVICTED = "retained", "evicted"
+CONTEXT_ID = re.compile(r"ctx-[0-9a-f]{32}")
+MAX_RECORD_BYTES = 64 << 20
+"""A record file larger than this is not one kvcomm wrote (a context's text is at most 1 Mi characters)."""
 
 
 class ContextError(Exception):
@@ -82,17 +96,20 @@ class ContextStore:
     """Contexts by tenant, with the byte caps above (None: no cap) and optional persistence."""
 
     def __init__(self, max_tenant_bytes: int | None = None, max_total_bytes: int | None = None,
-                 path: str | Path | None = None, clock: Callable[[], float] = time.time, max_contexts: int = 10_000):
+                 path: str | Path | None = None, clock: Callable[[], float] = time.time, max_contexts: int = 10_000,
+                 legacy: str | Path | None = None):
         self.max_tenant_bytes = max_tenant_bytes
         self.max_total_bytes = max_total_bytes
         self.max_contexts = max_contexts
         """Records kept per tenant; past it, the oldest evicted ones are forgotten (retained ones never)."""
         self.path = Path(path) if path else None
+        """The folder of the record files (None: records in memory only)."""
         self.clock = clock
         self._contexts: dict[str, Context] = {}
+        self._dirty: set[str] = set()  # contexts whose use counts changed since their file was written
         self._lock = threading.RLock()
-        if self.path is not None and self.path.exists():
-            self._load()
+        if self.path is not None:
+            self._load(Path(legacy) if legacy else None)
 
     # -- records ---------------------------------------------------------------------------
 
@@ -134,7 +151,7 @@ class ContextStore:
             self._check_cap(context)
             self._contexts[context.id] = context
             self._forget_old(tenant)
-            self._save()
+            self._save(context)
             return context
 
     def retain(self, tenant: str, context_id: str, ttl_s: float | None = None) -> tuple[Context, bool]:
@@ -147,7 +164,7 @@ class ContextStore:
                 self._check_cap(context)
             context.state, context.reason = RETAINED, None
             context.expires_at = _expiry(self.clock(), ttl_s)
-            self._save()
+            self._save(context)
             return context, was_evicted
 
     def evict(self, tenant: str, context_id: str, reason: str) -> tuple[Context, bool, bool]:
@@ -159,7 +176,7 @@ class ContextStore:
             was_retained = context.state == RETAINED
             if was_retained:
                 context.state, context.reason = EVICTED, reason
-                self._save()
+                self._save(context)
             return context, was_retained, was_retained and not self.holds(tenant, context.content_id)
 
     def expire(self) -> list[tuple[Context, bool, bool]]:
@@ -177,6 +194,7 @@ class ContextStore:
     def count(self, context: Context, outcome: str) -> None:
         with self._lock:
             context.uses[outcome] = context.uses.get(outcome, 0) + 1
+            self._dirty.add(context.id)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -198,26 +216,107 @@ class ContextStore:
                 return
             del self._contexts[context.id]
             mine.remove(context)
+            self._dirty.discard(context.id)
+            if self.path is not None:
+                (self.path / f"{context.id}.json").unlink(missing_ok=True)
 
-    def _save(self) -> None:
+    def _save(self, changed: Context) -> None:
+        """Write the file of ``changed`` and of the contexts whose use counts changed since theirs."""
         if self.path is None:
             return
-        rows = [{**asdict(c), "token_ids": list(c.token_ids)} for c in self._contexts.values()]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temp = tempfile.mkstemp(dir=self.path.parent, prefix=".contexts-")
-        with os.fdopen(fd, "w") as handle:
-            json.dump({"format": 1, "contexts": rows}, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, self.path)
+        for context in [changed, *(self._contexts[i] for i in sorted(self._dirty - {changed.id}) if i in self._contexts)]:
+            write_text_atomically(self.path / f"{context.id}.json", json.dumps(_row(context)))
+        self._dirty.clear()
 
-    def _load(self) -> None:
-        data = json.loads(self.path.read_text())
-        for row in data.get("contexts", []):
-            context = Context(**{**row, "token_ids": tuple(row["token_ids"])})
-            if context.state == RETAINED:
-                context.state, context.reason = EVICTED, "restart"
-            self._contexts[context.id] = context
+    def _load(self, legacy: Path | None) -> None:
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        removed = remove_temp_files(self.path)
+        if removed:
+            log.info("kvcomm: removed %d temp files of killed writes (%d bytes) in %s", len(removed),
+                     sum(removed.values()), self.path)
+        for file in sorted(self.path.glob("ctx-*.json")):
+            try:
+                if file.stat().st_size > MAX_RECORD_BYTES:
+                    raise ValueError(f"{file.stat().st_size} bytes, more than a record holds")
+                context = _context(json.loads(file.read_text(encoding="utf-8")))
+                if f"{context.id}.json" != file.name:
+                    raise ValueError(f"it holds context {context.id!r}")
+            except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, RecursionError) as error:
+                self._set_aside(file, error, "the server starts without this context")
+                continue
+            self._restarted(context)
+        if legacy is not None and legacy.is_file():
+            self._migrate(legacy)
+
+    def _migrate(self, legacy: Path) -> None:
+        """Move the records of the single file of earlier versions into the folder, then remove it."""
+        for stale in legacy.parent.glob(".contexts-*"):  # its temp files of a killed write
+            stale.unlink(missing_ok=True)
+        try:
+            rows = json.loads(legacy.read_text(encoding="utf-8"))["contexts"]
+            contexts = [_context(row) for row in rows]
+        except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, RecursionError) as error:
+            self._set_aside(legacy, error, "the server starts without its contexts")
+            return
+        for context in contexts:
+            if context.id not in self._contexts:
+                self._restarted(context)
+                write_text_atomically(self.path / f"{context.id}.json", json.dumps(_row(context)))
+        legacy.unlink()
+        log.info("kvcomm: %d context records moved from %s to one file each in %s", len(contexts), legacy, self.path)
+
+    def _restarted(self, context: Context) -> None:
+        if context.state == RETAINED:
+            context.state, context.reason = EVICTED, "restart"
+        self._contexts[context.id] = context
+
+    @staticmethod
+    def _set_aside(path: Path, error: Exception, outcome: str) -> None:
+        try:
+            where = f"moved aside to {move_aside(path)}"
+        except OSError as failed:
+            where = f"could not be moved aside ({failed}); it is skipped"
+        log.error("kvcomm: %s cannot be read (%s: %s); %s; %s", path, type(error).__name__, str(error)[:200], where,
+                  outcome)
+
+
+def _row(context: Context) -> dict:
+    return {**asdict(context), "token_ids": list(context.token_ids)}
+
+
+def _context(row: object) -> Context:
+    """A record read back, every field checked (ValueError saying which is wrong)."""
+    if not isinstance(row, dict):
+        raise ValueError("a record must be a JSON object")
+
+    def get(key: str, kinds: tuple, optional: bool = False):
+        value = row.get(key)
+        if (value is None and optional) or (isinstance(value, kinds) and not isinstance(value, bool)):
+            return value
+        raise ValueError(f"field {key!r} is {str(value)[:40]!r}")
+
+    context_id = get("id", (str,))
+    if not CONTEXT_ID.fullmatch(context_id):
+        raise ValueError(f"field 'id' is {context_id[:40]!r}, not a context id")
+    tokens = get("token_ids", (list,))
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in tokens):
+        raise ValueError("field 'token_ids' must hold token ids")
+    uses = get("uses", (dict,))
+    if not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in uses.items()):
+        raise ValueError("field 'uses' must count uses by outcome")
+    state = get("state", (str,))
+    if state not in (RETAINED, EVICTED):
+        raise ValueError(f"field 'state' is {state[:40]!r}")
+    nbytes = get("bytes", (int,))
+    if nbytes < 0:
+        raise ValueError("field 'bytes' is negative")
+    return Context(context_id, get("tenant", (str,)), get("content_id", (str,)), tuple(tokens), get("model", (str,)),
+                   get("fingerprint", (str,)), get("adapter", (str,), True), nbytes, state, get("reason", (str,), True),
+                   float(get("created_at", (int, float))), _number(get("expires_at", (int, float), True)), dict(uses))
+
+
+def _number(value: float | None) -> float | None:
+    return None if value is None else float(value)
 
 
 def _expiry(now: float, ttl_s: float | None) -> float | None:

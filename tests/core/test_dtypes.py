@@ -424,8 +424,11 @@ def test_dtype_noise_floor_of_the_eval_command(tiny_executor):
     assert floor["prompts"] == same["prompts"] and floor["positions"] == same["positions"] > 100
     assert 0 < floor["kl_median"] <= floor["kl_max"] and 0 < floor["kl_mean"] < 0.1
     assert 0.5 < floor["same_top1"] <= 1.0
+    assert same["replies_equal"] == 4 and same["reply_agreement"] == 1.0  # greedy replies too: the reply eq floor
+    assert 0 <= floor["replies_equal"] <= 4 and floor["reply_agreement"] == floor["replies_equal"] / 4
     line = format_noise_floor({**floor, "dtype": "bfloat16", "reference_dtype": "float32"})
     assert line.startswith("noise floor, dense bfloat16 vs dense float32 on the same 4 prompts")
+    assert line.endswith(f"greedy replies equal {floor['replies_equal']}/4 (the floor of 'reply eq')")
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from kvcomm.cli import main
 
 CALL_FIELDS = {
     "agent", "input_index", "prompt_tokens", "exact_tokens", "estimated_tokens", "computed_tokens", "recomputed_tokens",
-    "reused", "fallback", "ttft_dense_s", "ttft_reuse_s", "reply_equal", "note", "dense_reply", "reuse_reply",
+    "reused", "fallback", "ttft_dense_s", "ttft_reuse_s", "reply_equal", "note", "reason", "dense_reply", "reuse_reply",
 }
 SUMMARY_FIELDS = {
     "calls", "prompt_tokens", "exact_tokens", "estimated_tokens", "computed_tokens", "token_reuse_rate",
@@ -26,7 +26,12 @@ def test_run_on_the_short_pipeline_reuses_tokens_and_reports_every_field(capsys)
     # gamma 1 reuses whenever two anchors are compatible, so the third row estimates.
     short = str(importlib.resources.files("kvcomm") / "data" / "demo_pipeline.json")
     assert main(["run", short, "--limit", "3", "--gamma", "1.0", "--base-source", "standalone", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert "agent calls" in captured.err and "precision floor (bfloat16)" in captured.err  # progress under --json
+    floor = report["summary"]["precision_floor"]
+    assert (floor["dtype"], floor["reference_dtype"], floor["calls"]) == ("bfloat16", "float32", 12)
+    assert 0 <= floor["equal"] <= 12
     assert SUMMARY_FIELDS <= set(report["summary"])
     summary = report["summary"]
     assert summary["calls"] == 3 * 4
@@ -36,6 +41,7 @@ def test_run_on_the_short_pipeline_reuses_tokens_and_reports_every_field(capsys)
     assert [a["agent"] for a in report["agents"]] == ["analyst", "planner", "critic", "answerer"]
     first_row = [c for c in report["calls"] if c["input_index"] == 0]
     assert all(c["fallback"] and c["reply_equal"] for c in first_row)  # nothing to reuse yet: dense, same replies
+    assert all(c["reason"].startswith(f"reused {c['exact_tokens'] + c['estimated_tokens']:,} of ") for c in report["calls"])
     assert report["anchors"]["task"] >= 2
     assert report["base_source"] == "standalone"
 

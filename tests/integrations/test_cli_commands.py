@@ -141,7 +141,7 @@ def test_run_max_anchors_caps_every_pool_and_the_table_matches_its_rows(tiny_lla
     assert main(["run", pipeline_file, "--model", tiny_llama, "--gamma", "0"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["input", "agent", "prompt", "exact", "estim", "comp", "cached", "dense", "cached", "reuse",
-                              "fallback", "ttft", "dense", "ttft", "reuse", "same", "reply"]
+                              "ttft", "dense", "ttft", "reuse", "same", "reply", "reason"]
     assert set(out[1]) == {"-"} and len(out[1]) == len(out[0])
     rows = [line.split() for line in out[2 : 2 + 2 * ROWS]]
     assert [(int(r[0]), r[1]) for r in rows] == [(i, a) for i in range(ROWS) for a in ("reader", "asker")]
@@ -152,19 +152,23 @@ def test_run_max_anchors_caps_every_pool_and_the_table_matches_its_rows(tiny_lla
     assert out[3 + 2 * ROWS] == (f"token-level reuse {rho:.1%} (exact {exact}, estimated {estimated}, "
                                  f"computed {computed} of {prompt} prompt tokens)")
     assert all(r[6] == r[7] == "0" for r in rows)  # transformers: no prefix cache of its own
-    fallback = sum(r[8] == "yes" for r in rows) / len(rows)
-    same = sum(r[-1] == "yes" for r in rows) / len(rows)
-    assert f"fallback rate {fallback:.1%}" in out[4 + 2 * ROWS] and f"reply agreement {same:.1%}" in out[4 + 2 * ROWS]
-    assert f"(ceiling 1/(1-rho) = {1 / (1 - rho):.2f}x)" in out[5 + 2 * ROWS]
-    dense_s, reuse_s = (sum(int(r[k]) for r in rows) / 1000 for k in (9, 11))  # the rows' TTFT columns, whole ms
+    for r in rows:  # each row's reason, in words, from its own counts
+        assert " ".join(r[13:]).startswith(f"reused {int(r[3]) + int(r[4]):,} of {int(r[2]):,} tokens"), r
+    equal = sum(r[12] == "yes" for r in rows)
+    assert re.fullmatch(r"agent-level reuse [\d.]+%   calls that computed shared content and estimated none [\d.]+%",
+                        out[4 + 2 * ROWS]), out[4 + 2 * ROWS]
+    assert re.fullmatch(rf"replies equal to dense's, token for token: {equal}/{len(rows)} calls; precision floor, dense "
+                        rf"bfloat16 vs dense float32 on the same calls: \d+/{len(rows)}", out[5 + 2 * ROWS]), out[5 + 2 * ROWS]
+    assert f"(ceiling 1/(1-rho) = {1 / (1 - rho):.2f}x)" in out[6 + 2 * ROWS]
+    dense_s, reuse_s = (sum(int(r[k]) for r in rows) / 1000 for k in (8, 10))  # the rows' TTFT columns, whole ms
     total = re.fullmatch(r"total TTFT over all calls, misses included: dense ([\d.]+) s, reuse ([\d.]+) s = ([\d.]+)x .*",
-                         out[5 + 2 * ROWS])
-    assert total, out[5 + 2 * ROWS]
+                         out[6 + 2 * ROWS])
+    assert total, out[6 + 2 * ROWS]
     assert float(total[1]) == pytest.approx(dense_s, abs=0.006 + len(rows) * 5e-4)
     assert float(total[2]) == pytest.approx(reuse_s, abs=0.006 + len(rows) * 5e-4)
-    assert out[6 + 2 * ROWS].startswith("TTFT p50 / p95: dense ")
-    assert out[7 + 2 * ROWS].startswith("served by the runtime's own prefix cache") and "dense 0 of its " in out[7 + 2 * ROWS]
-    assert f"reuse 0 of its {prompt} (counted as computed) besides the {exact + estimated} kvcomm injected" in out[7 + 2 * ROWS]
+    assert out[7 + 2 * ROWS].startswith("TTFT p50 / p95: dense ")
+    assert out[8 + 2 * ROWS].startswith("served by the runtime's own prefix cache") and "dense 0 of its " in out[8 + 2 * ROWS]
+    assert f"reuse 0 of its {prompt} (counted as computed) besides the {exact + estimated} kvcomm injected" in out[8 + 2 * ROWS]
     anchors = dict(item.split("=") for item in re.sub(r"^anchors per slot: ", "", out[-1]).split(", "))
     assert int(anchors["doc"]) == ROWS  # the default V = 20 leaves one anchor per row
 

@@ -19,7 +19,8 @@ def _call(agent, row, dense, reuse, exact, estimated, computed, equal=True, cach
     return DemoCall(
         agent=agent, input_index=row, prompt_tokens=prompt, exact_tokens=exact, estimated_tokens=estimated,
         computed_tokens=computed, recomputed_tokens=0, reused=exact + estimated > 0, fallback=estimated == 0,
-        ttft_dense_s=dense, ttft_reuse_s=reuse, reply_equal=equal, note="", dense_reply="d", reuse_reply="d" if equal else "r",
+        ttft_dense_s=dense, ttft_reuse_s=reuse, reply_equal=equal, note="", reason=f"reused {exact + estimated} of {prompt}",
+        dense_reply="d", reuse_reply="d" if equal else "r",
         dense_prompt_tokens=prompt, dense_cached_tokens=cached, reuse_cached_tokens=reuse_cached,
     )
 
@@ -83,6 +84,17 @@ def test_text_output_states_the_headline_figures():
     assert "40 exact + 185 estimated + 435 computed = 660" in text
     assert "ceiling 1/(1-rho) = 1.52x" in text
     assert "5/6 calls" in text and "stock vLLM 13 of its 660 prompt tokens, kvcomm 4 of its 660" in text
+
+
+def test_text_output_gives_each_calls_reason_and_the_precision_floor_beside_agreement():
+    from kvcomm.eval.precision_floor import PrecisionFloor
+
+    text = format_demo(demo_json(CALLS, {}, PrecisionFloor("bfloat16", "float32", 4, 6)), "stock vLLM")
+    assert ("replies equal to stock vLLM's, token for token: 5/6 calls; precision floor, dense bfloat16 vs dense "
+            "float32 on the same calls: 4/6") in text
+    lines = text.splitlines()
+    assert any(line.split()[:4] == ["1", "writer", "no", "reused"] and line.endswith("reused 100 of 120") for line in lines)
+    assert "precision floor" not in format_demo(demo_json(CALLS, {}), "stock vLLM")
 
 
 def test_chart_is_written_as_a_png(tmp_path):

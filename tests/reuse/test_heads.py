@@ -42,7 +42,7 @@ def test_a_new_agent_computes_its_system_prompt_and_serves_the_document_behind_i
     assert p.reuse_end == plan.reuse_end
 
     without = engine.plan(prompt)  # an executor that cannot compute heads: reuse stops at the new text
-    assert without.pieces == [] and without.computed_head == 0 and "not reusable on its own" in without.note
+    assert without.pieces == [] and without.computed_head == 0 and "has no base yet" in without.note
 
 
 def test_generating_with_a_head_equals_dense_when_the_pieces_hold_dense_kv(tiny_executor):

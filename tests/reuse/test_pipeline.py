@@ -74,6 +74,18 @@ def test_defaults():
     assert spec.max_new_tokens == 64 and spec.agents[0].system == ""
 
 
+def test_max_tokens_is_the_reply_budget_and_max_new_tokens_its_alias():
+    obj = example()
+    del obj["max_new_tokens"]
+    assert parse_pipeline({**obj, "max_tokens": 12}).max_new_tokens == 12
+    assert parse_pipeline({**obj, "max_new_tokens": 7}).max_new_tokens == 7
+    assert parse_pipeline({**obj, "max_tokens": 9, "max_new_tokens": 9}).max_new_tokens == 9
+    with pytest.raises(PipelineError, match="'max_tokens' is 9 and its alias 'max_new_tokens' is 8"):
+        parse_pipeline({**obj, "max_tokens": 9, "max_new_tokens": 8})
+    with pytest.raises(PipelineError, match="'max_tokens' must be an integer in 1..4096"):
+        parse_pipeline({**obj, "max_tokens": 0})
+
+
 def test_load_errors(tmp_path):
     with pytest.raises(PipelineError, match="not found") as info:
         load_pipeline(tmp_path / "missing.json")
@@ -145,7 +157,7 @@ def agents_with(template, name="extra"):
 
 @pytest.mark.parametrize("obj, fragments", [
     ([], ["<pipeline>", "top level", "JSON object", "list"]),
-    (example(extra=1), ["unknown key 'extra'", "allowed keys are agents, inputs, max_new_tokens, description"]),
+    (example(extra=1), ["unknown key 'extra'", "allowed keys are agents, inputs, max_tokens, max_new_tokens, description"]),
     ({"inputs": [{"task": "x"}]}, ["missing required key 'agents'"]),
     ({"agents": EXAMPLE["agents"]}, ["missing required key 'inputs'"]),
     (example(agents=[]), ["'agents' must be a non-empty JSON list"]),

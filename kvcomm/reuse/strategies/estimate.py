@@ -64,11 +64,15 @@ def _mark_dense_sample(plan: ReusePlan, index: int) -> None:
 def _serve_fixed(engine, plan: ReusePlan, index: int, last: int) -> bool:
     """A fixed segment reached by reuse: served realigned behind an estimate, else reuse ends."""
     start = plan.prompt.starts[index]
-    if start == plan.next_start and plan.estimated_tokens > 0:
-        fixed = engine.fixed_base(plan.prompt, index)
-        if fixed is None:
-            plan.note = plan.note or f"fixed segment {index} at {start} has no base yet"
-            return False
+    if start != plan.next_start:
+        plan.note = plan.note or (f"the exact prefix ends inside fixed segment {index}, at token {plan.next_start}: "
+                                  "the rest of it is computed")
+        return False
+    fixed = engine.fixed_base(plan.prompt, index)
+    if fixed is None:
+        plan.note = plan.note or f"fixed segment {index} at {start} has no base yet"
+        return False
+    if plan.estimated_tokens > 0:
         return add_realigned(plan, index, fixed, last)
     plan.note = plan.note or f"fixed segment {index} at {start} is not reusable on its own"
     return False

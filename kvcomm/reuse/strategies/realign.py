@@ -66,8 +66,7 @@ def head_before(engine, plan: ReusePlan, index: int, provide) -> tuple[int, bool
 
 def start_head(plan: ReusePlan, index: int) -> None:
     """Plan the computed head up to segment ``index``: pieces start there."""
-    plan.head_end = plan.prompt.starts[index]
-    plan.note = f"computed head: {plan.head_end - plan.exact_length} tokens of new text before the reused content"
+    plan.head_end = plan.prompt.starts[index]  # the provenance's head_tokens say it: the note stays free for why reuse stops
 
 
 def first_after_exact(plan: ReusePlan) -> int:

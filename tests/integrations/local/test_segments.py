@@ -152,7 +152,7 @@ def test_context_handles_retain_release_evict_fall_back_to_text(tiny_executor):
     args = {"context_ids": [handle.context_id, "no-such-id"]}
     asyncio.run(client.create(messages, extra_create_args=args))
     # retained, but the plan stops at the new system message before the document: not a hit
-    assert client.last_call.provenance.reuse_end == 0 and "not reusable" in client.last_call.provenance.note
+    assert client.last_call.provenance.reuse_end == 0 and "has no base yet" in client.last_call.provenance.note
     assert client.last_call.contexts == {handle.context_id: "unused", "no-such-id": "absent"}
     asyncio.run(client.create(messages, extra_create_args=args))  # the same prompt again: its exact prefix
     assert client.last_call.slots["user#0"][0] > 0

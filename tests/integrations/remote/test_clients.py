@@ -65,9 +65,11 @@ def _team(client):
 
 
 def _sums_add_up(calls) -> None:
+    """Token counts add up; each call's TTFT is the client's, end to end: within the call's wall time."""
     for call in calls:
         p = call.provenance
         assert p.exact_tokens + p.estimated_tokens + p.computed_tokens == p.prompt_tokens and p.computed_tokens >= 1, p
+        assert p.ttft_s is not None and 0 < p.ttft_s <= call.latency_s, (p.ttft_s, call.latency_s)
 
 
 def test_autogen_reviewer_reuses_the_writers_reply_on_the_server(reply_server):

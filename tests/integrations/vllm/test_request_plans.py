@@ -55,7 +55,10 @@ def planner(tiny_executor):
 def test_tenants_do_not_share_what_they_learned(planner, tiny_executor):
     ids, spans = request(0)
     serve(planner, tiny_executor, ids, spans, "team-a")
-    assert serve(planner, tiny_executor, ids, spans, "team-a")["exact_tokens"] == len(ids) - 1
+    repeat = serve(planner, tiny_executor, ids, spans, "team-a")
+    assert repeat["exact_tokens"] == len(ids) - 1
+    # the response says it in plain words too (issue 49), from the same counts
+    assert repeat["reason"].startswith(f"reused {len(ids) - 1} of {len(ids)} tokens (exact {len(ids) - 1})")
     other = serve(planner, tiny_executor, ids, spans, "team-b")
     assert other["exact_tokens"] == other["estimated_tokens"] == 0
     assert planner.engine("team-a") is not planner.engine("team-b")

@@ -177,3 +177,34 @@ def test_a_save_that_runs_out_of_space_keeps_the_previous_one_and_a_later_save_s
     assert state.save_if_changed()  # space is back: the pending change is saved
     assert _files(folder) != before
     assert PlannerState(_planner(tiny_executor), tmp_path, fingerprint).restore()[folder.name].startswith("restored")
+
+
+def test_a_restart_removes_what_killed_saves_left_and_moves_an_unreadable_tenant_file_aside(tiny_executor, tmp_path, caplog):
+    """A save killed mid-way leaves temp files (5.5 GB of them in one run) that used to stay
+    until that tenant's next save, which might never come. A restart removes them from the
+    state folder and every tenant folder, and the object files a killed save renamed into place
+    but never committed; refused saves and other writers' folders are left as they are. A
+    ``tenant.json`` that cannot be read is named in the log and its folder moved aside."""
+    fingerprint = model_fingerprint(tiny_executor.model, tiny_executor.tokenizer, tiny_executor.rotary)
+    first = _planner(tiny_executor)
+    serve(first, tiny_executor, *request(1), "team-a")
+    serve(first, tiny_executor, *request(2), "team-b")
+    PlannerState(first, tmp_path, fingerprint, interval_s=3600).save()
+    a, b = tmp_path / tenant_label("team-a"), tmp_path / tenant_label("team-b")
+    saved = _files(a)
+    orphan = "obj-" + "0" * 64 + ".safetensors"
+    stale = [a / ".kvcomm-k1.safetensors", a / ".tmpXyZ", a / orphan, tmp_path / ".kvcomm-root.json"]
+    kept = [tmp_path / "contexts" / ".kvcomm-ctx.json", tmp_path / "tp2-rank0" / ".kvcomm-r.safetensors",
+            tmp_path / f"{a.name}.refused-20260101T000000Z" / ".kvcomm-old.safetensors"]
+    for path in stale + kept:
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"\0" * 4096)
+    (b / TENANT_FILE).write_text('{"tenant": "tea')  # torn
+    with caplog.at_level(logging.INFO, logger="kvcomm.integrations.vllm.state"):
+        outcome = PlannerState(_planner(tiny_executor), tmp_path, fingerprint).restore()
+    assert outcome[a.name].startswith("restored") and outcome[b.name].startswith("not restored")
+    assert not any(p.exists() for p in stale) and all(p.exists() for p in kept)
+    assert _files(a) == saved
+    assert "removed 3 temp files of killed saves (12288 bytes)" in caplog.text
+    assert f"{b / TENANT_FILE}: unreadable (JSONDecodeError" in caplog.text
+    assert [p.name.split(".refused-")[0] for p in tmp_path.iterdir() if ".refused-" in p.name and p.name.startswith(b.name)] == [b.name]
