@@ -415,14 +415,17 @@ def key_forms(folder: Path, forms: list[str] | None = None, max_model_len: int =
 
 def corrupt_state(state: Path) -> dict[str, str]:
     """Damage a saved state folder the way a crash or a bad disk would: a truncated
-    ``contexts.json``, one tenant's truncated ``manifest.json``, garbage in another tenant's
+    ``contexts.json`` (or, where the records are one file each, a truncated record under
+    ``contexts/``), one tenant's truncated ``manifest.json``, garbage in another tenant's
     tensor file, a stray temp file of a killed save. Returns what -> path (only what existed)."""
     damaged = {}
-    contexts = state / "contexts.json"
-    if contexts.is_file():
-        raw = contexts.read_bytes()
-        contexts.write_bytes(raw[: max(1, len(raw) // 2)])
-        damaged["truncated contexts.json"] = str(contexts)
+    records = sorted((state / "contexts").glob("ctx-*.json"))  # one file per context (earlier: contexts.json)
+    for what, contexts in (("truncated contexts.json", state / "contexts.json"),
+                           ("truncated context record", records[0] if records else None)):
+        if contexts is not None and contexts.is_file():
+            raw = contexts.read_bytes()
+            contexts.write_bytes(raw[: max(1, len(raw) // 2)])
+            damaged[what] = str(contexts)
     tenants = sorted(p for p in state.iterdir() if p.is_dir() and (p / "manifest.json").is_file())
     if tenants:
         manifest = tenants[0] / "manifest.json"
