@@ -1,8 +1,17 @@
 """`kvcomm serve` under hostile input and under a long multi-tenant load (issue 39's must-shows
-2 and 3), against a real server started here.
+2 and 3, issue 48's cases and default-flags soak), against real servers started here.
 
     .venv/bin/python benchmarks/bench_serve_hostile.py [--fuzz 2000] [--soak 5000] [--clients 16]
-        [--tenants 4] [--max-tenant-bytes 8000000] [--step-tokens 128] [--no-baseline] [--json]
+        [--tenants 4] [--max-tenant-bytes B] [--max-total-bytes B] [--step-tokens 128]
+        [--probe-rounds 5] [--depths 900,10000] [--no-baseline] [--no-cases] [--log-dir DIR] [--json]
+
+The main server gets ``--tenants`` API keys after one ``--api-key`` flag, ``--state-dir`` (saved
+at exit only) and no byte caps unless ``--max-tenant-bytes`` / ``--max-total-bytes`` are given:
+its default caps are read from its start-up line. In order, on that server: issue 48's cases
+``every_method``, ``huge_numbers``, ``batch_probe`` and each key on five routes
+(``hostile_cases``), the fuzz, ``deep_bodies`` (restarting the server if a body stops it), the
+soak; then ``corrupt_restart`` (its saved state damaged, the same server started again), the
+``key_forms`` servers (``--max-model-len 512``, stopped at once), and the ``--no-plan`` baseline.
 
 Fuzz: ``--fuzz`` malformed or oversized requests (``hostile_bodies``: wrong types, spans out of
 range, segment ids sent again with other content, 10 MB strings, huge max_tokens, prompts built
@@ -25,29 +34,35 @@ cross-tenant hits, L bytes of log per request". S is W + X + P, a bound: the thr
 come from different steps, and several RPCs may run between two steps.
 
 Soak: ``--soak`` annotated requests from ``--clients`` threads over ``--tenants`` API keys (each
-tenant its own documents, 40 of them, so its state grows past ``--max-tenant-bytes`` and is
-evicted), every response checked; every 2 s the server's ``kvcomm_tenant_bytes`` (each tenant's
-bytes, as the engine process exports them) and the RSS of the server's process tree are
-sampled. Printed: "N requests, K clients, T tenants: E errors, tenant bytes <= cap at every
-sample (max B), RSS drift D% after warm-up" (drift: the median of the last tenth of samples
-against the median of the tenth after the first fifth of requests). Also counted: planned
-requests whose note says they learned nothing because vLLM's prefix cache served them blocks that
-may hold approximate KV (the approximate-block rule, ``kvcomm.integrations.vllm.scheduler``).
+tenant its own documents, 40 of them), every response checked, while one more thread creates and
+releases retained contexts through ``/v1/kvcomm/contexts``; every 2 s the server's
+``kvcomm_tenant_bytes`` (each tenant's bytes, as the engine process exports them), the RSS of
+the server's process tree and the RSS of its worker process are sampled. The worker's bound: the
+server's total cap (given, or its default) plus the worker's RSS right after start-up, before
+any request (vLLM's own footprint). Printed: "N requests, K clients, T tenants: E errors, tenant
+bytes over the tenant cap (if one), RSS drift D% after warm-up, worker RSS at most W (bound)"
+(drift: the median of the last tenth of samples against the median of the tenth after the
+first fifth of requests). Also counted: planned requests whose note says they learned nothing
+because vLLM's prefix cache served them blocks that may hold approximate KV (the
+approximate-block rule, ``kvcomm.integrations.vllm.scheduler``).
+
+Headline (``headline``, last in the JSON): server exits (engine crashes in the fuzz, deep bodies
+that stopped the server, a server not alive after a case or the soak), unauthenticated 2xx
+other than health probes, cross-tenant hits (the fuzz's probe and the batch route's timing
+probe), ``Traceback`` lines in every server's log (``serve_process.traceback_lines``).
 
 Server flags as the tests use them (embedded SmolLM2, fp32, 32-token blocks, 8 sequences,
-1024-token context, one OpenMP thread). Figures and their conditions go in ``docs/measurements/``.
+1024-token context, one OpenMP thread, vLLM's default process layout: ``serve_process``).
+Figures and their conditions go in ``docs/measurements/``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -56,47 +71,13 @@ from pathlib import Path
 
 import httpx
 
-STARTUP_TIMEOUT_S = 600
+from hostile_cases import (batch_probe, check_keys, corrupt_restart, deep_bodies, every_method,  # this folder is on sys.path
+                           huge_numbers, key_forms)
+from serve_process import Server, metric_samples, traceback_lines, tree_rss, worker_pid
+
 BIG = "x" * 10_000_000
 WORDS = ("pump station generator filter schedule bridge river valley report engineer budget invoice "
          "contract delay shipment warehouse audit sensor alarm backup").split()
-
-
-def start(keys: list[str], log: Path, *args: str) -> tuple[subprocess.Popen, str, str]:
-    """`kvcomm serve` with ``keys``; returns (process, base URL, model) once it answers."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    command = [sys.executable, "-m", "kvcomm.cli", "serve", "--gamma", "1", "--port", str(port), "--host", "127.0.0.1",
-               "--max-model-len", "1024", "--block-size", "32", "--max-num-seqs", "8", "--api-key", *keys, *args]
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"kvcomm serve exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            reply = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {keys[0]}"}, timeout=5)
-            if reply.status_code == 200:
-                return process, url, reply.json()["data"][0]["id"]
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    process.kill()
-    raise RuntimeError(f"kvcomm serve did not answer within {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
-
-
-def stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(120)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 HEAD = "You are a careful assistant. Read the document and answer briefly.\n"
@@ -181,7 +162,8 @@ def canary(url: str, model: str, key: str, tokenizer, stop_event: threading.Even
                         last = now
 
 
-def fuzz(url: str, model: str, keys: list[str], tokenizer, count: int, log: Path, process: subprocess.Popen) -> dict:
+def fuzz(server: Server, keys: list[str], tokenizer, count: int) -> dict:
+    url, model, log = server.url, server.model, server.log
     bodies = hostile_bodies(tokenizer, model, count)
     log_before = log.stat().st_size
     metrics_before = metric_samples(url, keys[0])
@@ -198,7 +180,7 @@ def fuzz(url: str, model: str, keys: list[str], tokenizer, count: int, log: Path
     steps, cpu = step_figures(metrics_before, metrics_after), step_figures(metrics_before, metrics_after, "cpu_")
     cross = cross_tenant_hits(url, model, keys, tokenizer)
     text = log.read_text(errors="replace")
-    crashes = int(process.poll() is not None) + text.count("EngineDeadError") + text.count("encountered a fatal error")
+    crashes = int(not server.alive()) + text.count("EngineDeadError") + text.count("encountered a fatal error")
     bad = [s for s in statuses if not (s == 200 or 400 <= s < 500)]
     return {"requests": count, "seconds": seconds, "statuses": {str(s): statuses.count(s) for s in sorted(set(statuses))},
             "non_4xx_failures": len(bad), "engine_crashes": crashes, "longest_gap_ms": 1000 * max(gaps, default=0.0),
@@ -206,7 +188,7 @@ def fuzz(url: str, model: str, keys: list[str], tokenizer, count: int, log: Path
             "p99_gap_ms": 1000 * statistics.quantiles(gaps, n=100)[-1] if len(gaps) > 1 else 0.0,
             "canary_gaps": len(gaps), "kvcomm_step": steps, "kvcomm_step_cpu": cpu,
             "kvcomm_longest_step_ms": sum(steps[side]["longest_ms"] for side in steps),
-            "cross_tenant_hits": cross,
+            "cross_tenant_hits": cross, "tracebacks": traceback_lines(text),
             "log_bytes_per_request": (log.stat().st_size - log_before) / (count + 1)}
 
 
@@ -234,34 +216,9 @@ def cross_tenant_hits(url: str, model: str, keys: list[str], tokenizer) -> int:
     return hits
 
 
-def tree_rss(pid: int) -> int:
-    import psutil
-
-    root = psutil.Process(pid)
-    total = 0
-    for process in [root, *root.children(recursive=True)]:
-        try:
-            total += process.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
 def tenant_bytes(client: httpx.Client, url: str, key: str) -> list[float]:
     return [value for (name, labels), value in metric_samples(url, key, client).items()
             if name == "kvcomm_tenant_bytes" and labels]
-
-
-def metric_samples(url: str, key: str, client: httpx.Client | None = None) -> dict[tuple[str, tuple], float]:
-    """The server's ``/metrics`` as {(name, sorted label pairs): value}."""
-    text = (client or httpx).get(url + "/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=60).text
-    samples = {}
-    for line in text.splitlines():
-        found = re.match(r"^([A-Za-z_:][\w:]*)(?:\{(.*)\})? (\S+)$", line)
-        if found:
-            labels = tuple(sorted(re.findall(r'(\w+)="([^"]*)"', found.group(2) or "")))
-            samples[(found.group(1), labels)] = float(found.group(3))
-    return samples
 
 
 def step_figures(before: dict, after: dict, clock: str = "") -> dict:
@@ -282,9 +239,28 @@ def step_figures(before: dict, after: dict, clock: str = "") -> dict:
     return figures
 
 
-def soak(url: str, model: str, keys: list[str], tokenizer, count: int, clients: int, cap: int, pid: int) -> dict:
+def logged_caps(text: str) -> dict:
+    """The byte caps the server says it uses (its printed command line's connector config):
+    ``{"max_tenant_bytes": int | None, "max_total_bytes": int | None}``."""
+    caps = {}
+    for name in ("max_tenant_bytes", "max_total_bytes"):
+        found = re.findall(rf'"{name}": (\d+|null)', text)
+        caps[name] = int(found[-1]) if found and found[-1] != "null" else None
+    return caps
+
+
+def soak(server: Server, keys: list[str], tokenizer, count: int, clients: int, caps: dict) -> dict:
+    """``count`` annotated requests from ``clients`` threads over ``keys``, while one more thread
+    creates and releases retained contexts (``/v1/kvcomm/contexts``, one tenant after another,
+    at most one retained per tenant, ``count // 25`` creates spread over the run); every 2 s the
+    tenants' bytes, the RSS of the server's tree and of its worker process are sampled. The
+    worker's bound: ``caps["max_total_bytes"]`` (the caps the server uses) plus its RSS right
+    after start-up (``server.footprint``: vLLM's own)."""
+    url, model, pid = server.url, server.model, server.process.pid
+    worker = worker_pid(pid)
     docs = {key: documents(t, 40) for t, key in enumerate(keys)}
     done, errors, samples, notes = [0], [], [], []
+    contexts = {"created": 0, "refused": 0, "released": 0, "errors": []}
     lock, stop_event = threading.Lock(), threading.Event()
 
     def client_thread(index: int) -> None:
@@ -310,31 +286,101 @@ def soak(url: str, model: str, keys: list[str], tokenizer, count: int, clients: 
                 except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
                     errors.append(repr(error)[:200])
 
+    def context_thread() -> None:
+        creates = max(len(keys), count // 25)
+        held: dict[str, str] = {}
+        with httpx.Client() as client:
+            def release(key: str) -> None:
+                reply = client.post(f"{url}/v1/kvcomm/contexts/{held.pop(key)}/release", json={},
+                                    headers={"Authorization": f"Bearer {key}"}, timeout=600)
+                if reply.status_code == 200:
+                    contexts["released"] += 1
+                else:
+                    contexts["errors"].append(f"release {reply.status_code}: {reply.text[:200]}")
+
+            for n in range(creates):
+                while done[0] < n * count // creates and not stop_event.wait(0.2):
+                    pass
+                key = keys[n % len(keys)]
+                if key in held:
+                    release(key)
+                text = f"Context {n}. " + " ".join(docs[key][n % len(docs[key])] for _ in range(3))
+                try:
+                    reply = client.post(url + "/v1/kvcomm/contexts", json={"text": text},
+                                        headers={"Authorization": f"Bearer {key}"}, timeout=600)
+                    if reply.status_code == 200:
+                        contexts["created"] += 1
+                        held[key] = reply.json()["id"]
+                    elif reply.status_code == 409:
+                        contexts["refused"] += 1
+                    else:
+                        contexts["errors"].append(f"create {reply.status_code}: {reply.text[:200]}")
+                except (httpx.HTTPError, ValueError, KeyError) as error:
+                    contexts["errors"].append(repr(error)[:200])
+            for key in list(held):
+                release(key)
+
+    def rss(process_id: int | None) -> int:
+        import psutil
+
+        try:
+            return psutil.Process(process_id).memory_info().rss if process_id else 0
+        except psutil.NoSuchProcess:
+            return 0
+
     def sampler() -> None:
         with httpx.Client() as client:
             while not stop_event.wait(2):
-                samples.append((done[0], tenant_bytes(client, url, keys[0]), tree_rss(pid)))
+                samples.append((done[0], tenant_bytes(client, url, keys[0]), tree_rss(pid), rss(worker)))
 
     watcher = threading.Thread(target=sampler)
     watcher.start()
     started = time.perf_counter()
     threads = [threading.Thread(target=client_thread, args=(i,)) for i in range(clients)]
+    threads.append(threading.Thread(target=context_thread))
     for thread in threads:
         thread.start()
-    for thread in threads:
+    for thread in threads[:-1]:
         thread.join()
     seconds = time.perf_counter() - started
     stop_event.set()
+    threads[-1].join()
     watcher.join()
-    held = [b for _, sample, _ in samples for b in sample]
-    warm = [rss for n, _, rss in samples if n >= count // 5]
+    held = [b for _, sample, _, _ in samples for b in sample]
+    warm = [tree for n, _, tree, _ in samples if n >= count // 5]
     tenth = max(1, len(warm) // 10)
     drift = (statistics.median(warm[-tenth:]) / statistics.median(warm[:tenth]) - 1) if warm else float("nan")
+    workers = [w for _, _, _, w in samples]
+    tenant_cap, total_cap = caps.get("max_tenant_bytes"), caps.get("max_total_bytes")
+    bound = None if total_cap is None else total_cap + server.footprint
     return {"requests": count, "clients": clients, "tenants": len(keys), "seconds": seconds, "errors": len(errors),
             "first_errors": errors[:3], "planned": len(notes),
-            "approximate_notes": sum("approximate" in note for note in notes), "samples": len(samples), "max_tenant_bytes_seen": max(held, default=0.0),
-            "cap": cap, "over_cap_samples": sum(b > cap for b in held), "rss_drift": drift,
-            "rss_mib_after_warmup": statistics.median(warm[:tenth]) / 2**20 if warm else float("nan")}
+            "approximate_notes": sum("approximate" in note for note in notes), "samples": len(samples),
+            "max_tenant_bytes_seen": max(held, default=0.0), "max_total_bytes_seen": max(
+                (sum(sample) for _, sample, _, _ in samples), default=0.0),
+            "cap": tenant_cap, "caps": caps, "over_cap_samples": sum(b > tenant_cap for b in held) if tenant_cap else 0,
+            "rss_drift": drift, "rss_mib_after_warmup": statistics.median(warm[:tenth]) / 2**20 if warm else float("nan"),
+            "tree_rss_max_mib": max((t for _, _, t, _ in samples), default=0) / 2**20,
+            "worker_pid_found": worker is not None, "worker_footprint_mib": server.footprint / 2**20,
+            "worker_rss_max_mib": max(workers, default=0) / 2**20,
+            "worker_rss_bound_mib": None if bound is None else bound / 2**20,
+            "worker_over_bound_samples": None if bound is None else sum(w > bound for w in workers),
+            "contexts": {**contexts, "errors": len(contexts["errors"]), "first_errors": contexts["errors"][:3]}}
+
+
+def headline(result: dict) -> dict:
+    """The four counters issue 48 asks to be 0: server exits, unauthenticated 2xx other than
+    health probes, cross-tenant hits, ``Traceback`` lines in the servers' logs."""
+    runs = [result.get(name, {}) for name in ("fuzz", "fuzz_without_planning")]
+    cases = result.get("cases", {})
+    exits = sum(r.get("engine_crashes", 0) for r in runs) + cases.get("deep_bodies", {}).get("server_exits", 0)
+    exits += sum(not c.get("server_alive_after", True) for c in cases.values() if isinstance(c, dict))
+    exits += int(not result.get("alive_after_soak", True))
+    return {"server_exits": exits,
+            "unauthenticated_2xx": cases.get("every_method", {}).get("unauthenticated_2xx", 0),
+            "cross_tenant_hits": sum(r.get("cross_tenant_hits", 0) for r in runs)
+            + cases.get("batch_probe", {}).get("cross_tenant_hits", 0),
+            "tracebacks": result.get("tracebacks", {}).get("total", 0)}
 
 
 def main() -> None:
@@ -343,10 +389,15 @@ def main() -> None:
     parser.add_argument("--soak", type=int, default=5000, help="soak requests (default 5000)")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--tenants", type=int, default=4)
-    parser.add_argument("--max-tenant-bytes", type=int, default=8_000_000)
+    parser.add_argument("--max-tenant-bytes", type=int, help="give the server this cap (default: none, its default)")
+    parser.add_argument("--max-total-bytes", type=int, help="give the server this cap (default: none, its default)")
     parser.add_argument("--step-tokens", type=int, default=128, help="vLLM's --max-num-batched-tokens (default 128)")
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip the fuzz phase against a second server started with --no-plan")
+    parser.add_argument("--no-cases", action="store_true", help="skip issue 48's cases (hostile_cases)")
+    parser.add_argument("--probe-rounds", type=int, default=5, help="rounds of the batch route's timing probe")
+    parser.add_argument("--depths", default="900,10000", help="nesting depths of the deep bodies")
+    parser.add_argument("--log-dir", help="keep the servers' logs here (default: a temporary folder, removed)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -355,26 +406,57 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
     keys = [f"bench-hostile-tenant-{t}" for t in range(args.tenants)]
-    result = {}
-    with tempfile.TemporaryDirectory() as folder:
-        log = Path(folder) / "server.log"
-        process, url, model = start(keys, log, "--max-tenant-bytes", str(args.max_tenant_bytes),
-                                    "--max-num-batched-tokens", str(args.step_tokens))
+    result, cases, servers = {}, {}, []
+    caps = [flag for name in ("max_tenant_bytes", "max_total_bytes") if getattr(args, name) is not None
+            for flag in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(args.log_dir or scratch)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = Path(scratch) / "state"
+        server = Server(folder, "main", keys, *caps, "--max-num-batched-tokens", str(args.step_tokens),
+                        "--state-dir", str(state), "--save-interval", "86400")
+        servers.append(server)
+        server.start()
+        used = logged_caps(server.log_text())
+        result["server"] = {"flags": caps or "default", "caps": used, "worker_footprint_mib": server.footprint / 2**20,
+                            "worker_found": worker_pid(server.process.pid) is not None}
         try:
+            if not args.no_cases:
+                cases["every_method"] = every_method(server, keys)
+                cases["huge_numbers"] = huge_numbers(server, keys)
+                cases["batch_probe"] = batch_probe(server, keys, args.probe_rounds)
+                cases["keys_on_main"] = {"form": f"--api-key {' '.join(f'K{t}' for t in range(len(keys)))}",
+                                         **check_keys(server, keys)}
             if args.fuzz:
-                result["fuzz"] = fuzz(url, model, keys, tokenizer, args.fuzz, log, process)
+                result["fuzz"] = fuzz(server, keys, tokenizer, args.fuzz)
+            if not args.no_cases:
+                depths = tuple(int(d) for d in args.depths.split(","))
+                cases["deep_bodies"] = deep_bodies(server, keys, depths)
             if args.soak:
-                result["soak"] = soak(url, model, keys, tokenizer, args.soak, args.clients, args.max_tenant_bytes,
-                                      process.pid)
+                result["soak"] = soak(server, keys, tokenizer, args.soak, args.clients, used)
+                result["alive_after_soak"] = server.alive()
         finally:
-            stop(process)
+            server.stop()
+        if not args.no_cases:
+            cases["corrupt_restart"] = corrupt_restart(server, state, keys)
+            server.stop()
+            cases["key_forms"] = key_forms(folder, [f for f in ("--api-key A --api-key B", "--api-key=A --api-key=B",
+                                                                "VLLM_API_KEY=A --api-key B")])
         if args.fuzz and not args.no_baseline:  # the same load without kvcomm's planning
-            process, url, model = start(keys, log, "--max-tenant-bytes", str(args.max_tenant_bytes),
-                                        "--max-num-batched-tokens", str(args.step_tokens), "--no-plan")
+            baseline = Server(folder, "no-plan", keys, *caps, "--max-num-batched-tokens", str(args.step_tokens),
+                              "--no-plan")
+            servers.append(baseline)
+            baseline.start()
             try:
-                result["fuzz_without_planning"] = fuzz(url, model, keys, tokenizer, args.fuzz, log, process)
+                result["fuzz_without_planning"] = fuzz(baseline, keys, tokenizer, args.fuzz)
             finally:
-                stop(process)
+                baseline.stop()
+        if cases:
+            result["cases"] = cases
+        counted = {s.name: s.tracebacks() for s in servers}
+        counted["key_forms"] = cases.get("key_forms", {}).get("tracebacks", 0)
+        result["tracebacks"] = {**counted, "total": sum(counted.values())}
+    result["headline"] = headline(result)
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -402,7 +484,15 @@ def main() -> None:
               f"{s['errors']} errors, {s['approximate_notes']} of {s['planned']} planned requests learned nothing "
               f"(approximate blocks), {s['over_cap_samples']} tenant samples over the cap {s['cap']} "
               f"(max {s['max_tenant_bytes_seen']:.0f}, {s['samples']} samples), RSS drift {100 * s['rss_drift']:+.1f}% "
-              f"after warm-up ({s['rss_mib_after_warmup']:.0f} MiB)")
+              f"after warm-up ({s['rss_mib_after_warmup']:.0f} MiB); worker RSS at most {s['worker_rss_max_mib']:.0f} "
+              f"MiB (footprint {s['worker_footprint_mib']:.0f} MiB, bound {s['worker_rss_bound_mib']} MiB at caps "
+              f"{s['caps']}); contexts {s['contexts']['created']} created, {s['contexts']['released']} released, "
+              f"{s['contexts']['refused']} refused, {s['contexts']['errors']} errors")
+    if cases:
+        for name, case in cases.items():
+            shown = {k: v for k, v in case.items() if not isinstance(v, (list, dict)) or k in ("statuses", "median_s")}
+            print(f"{name}: {json.dumps(shown)}")
+    print(f"headline: {json.dumps(result['headline'])}")
 
 
 if __name__ == "__main__":
