@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve_hostile import metric_samples  # noqa: E402
+from serve_process import metric_samples  # noqa: E402
 
 KEY = "bench-restart-key"
 WORDS = ("pump station generator filter schedule bridge river valley report engineer budget invoice contract delay "
