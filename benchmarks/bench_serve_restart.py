@@ -10,9 +10,9 @@ from 4 client threads, until its saves on disk hold ``--gigabytes`` (exact prefi
 not saved); then it stops, saving at exit. Phase 2: a second server starts on that folder. Printed: the
 saved bytes, the time from the command to the first answer of ``/v1/models`` (start-up, restore
 included), then the first opted-in request's wall time, its kvcomm tokens (exact / estimated /
-computed: reuse from the restored state), and kvcomm's longest step in the worker and the
-longest RPC to the workers since the start (``kvcomm_step_max_seconds``), and the same figures
-for a second request.
+computed: reuse from the restored state) and note, and kvcomm's longest step in the worker and
+the longest RPC to the workers since the start (``kvcomm_step_max_seconds``, wall and thread
+CPU time), and the same figures for a second request (which includes learning from the first).
 """
 
 from __future__ import annotations
@@ -98,9 +98,11 @@ def tenant_bytes(url: str) -> float:
 
 
 def longest(url: str) -> dict:
+    """kvcomm's longest step since the start per side, wall and thread CPU time, in ms."""
     samples = metric_samples(url, KEY)
-    return {side: 1000 * samples.get(("kvcomm_step_max_seconds", (("side", side),)), float("nan"))
-            for side in ("worker", "scheduler", "rpc")}
+    return {f"{side}{clock}": 1000 * samples.get((f"kvcomm_step_{'cpu_' if clock else ''}max_seconds", (("side", side),)),
+                                                 float("nan"))
+            for side in ("worker", "scheduler", "rpc") for clock in ("", "_cpu")}
 
 
 def main() -> None:
@@ -140,7 +142,8 @@ def main() -> None:
         try:
             with httpx.Client() as client:
                 result["steps_before_first_request_ms"] = longest(url)
-                for name, doc in (("first_request", docs[0]), ("second_request", docs[1])):
+                # the last documents: still in the pools (each slot keeps --max-anchors, 20 by default)
+                for name, doc in (("first_request", docs[-1]), ("second_request", docs[-2])):
                     seconds, summary = ask(client, url, model, tokenizer, 0, doc)
                     result[name] = {"seconds": seconds, "longest_ms": longest(url),
                                     **{k: summary.get(k) for k in ("exact_tokens", "estimated_tokens", "computed_tokens",
