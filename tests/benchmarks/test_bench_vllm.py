@@ -31,7 +31,7 @@ def bench():
 
 
 def _call(agent: str, row: int, dense: float, reuse: float, estimated: int = 0) -> DemoCall:
-    return DemoCall(agent, row, 100, 10, estimated, 90 - estimated, 0, estimated > 0, False, dense, reuse, True, "",
+    return DemoCall(agent, row, 100, 10, estimated, 90 - estimated, 0, estimated > 0, False, dense, reuse, True, "", "",
                     "a", "a", 100, 5, 0)
 
 
