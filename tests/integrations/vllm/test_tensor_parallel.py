@@ -59,16 +59,42 @@ def capped(model, tmp_path_factory) -> dict[int, dict]:
 
 
 def _save(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(manifest, tensors) of the one tenant saved under ``folder``."""
-    (tenant,) = [d for d in folder.iterdir() if d.is_dir()]
+    """(manifest, tensors by what they are) of the one tenant saved under ``folder`` (format 3:
+    one file per object, named in the manifest)."""
+    (tenant,) = [d for d in folder.iterdir() if d.is_dir() and (d / "manifest.json").is_file()]
     manifest = json.loads((tenant / "manifest.json").read_text())
-    return manifest, load_file(str(tenant / manifest["tensors"]["file"]))
+    tensors: dict[str, torch.Tensor] = {}
+
+    def read(ref: dict, name: str) -> None:
+        tensors.update({f"{name}.{key}": t for key, t in load_file(str(tenant / ref["file"])).items()})
+
+    for p, pool in enumerate(manifest["pools"]):
+        for a, anchor in enumerate(pool["anchors"]):
+            read(anchor["base"], f"pool{p}.anchor{a}.base")
+            for d, dev in enumerate(anchor["deviations"]):
+                read(dev["file"], f"pool{p}.anchor{a}.dev{d}")
+    for f, entry in enumerate(manifest["fixed_bases"]):
+        read(entry["file"], f"fixed{f}")
+    for b, entry in enumerate(manifest["bases"]):
+        read(entry["file"], f"base{b}")
+    if manifest.get("fits_file"):
+        read(manifest["fits_file"], "fits")
+    return manifest, tensors
+
+
+def _refs_dropped(value):
+    """``value`` less every object file reference (file names are checksums of rank-local KV)."""
+    if isinstance(value, dict):
+        return {k: _refs_dropped(v) for k, v in value.items() if k not in ("file", "bytes", "base", "fits_file")}
+    if isinstance(value, list):
+        return [_refs_dropped(v) for v in value]
+    return value
 
 
 def _without_digests(manifest: dict) -> str:
-    """The manifest's pools and bases as JSON, less what names this rank's bytes (file, digests
-    of rank-local KV) and the fingerprint."""
-    kept = {k: v for k, v in manifest.items() if k not in ("tensors", "fingerprint")}
+    """The manifest's pools and bases as JSON, less what names this rank's bytes (object files,
+    digests of rank-local KV) and the fingerprint."""
+    kept = _refs_dropped({k: v for k, v in manifest.items() if k != "fingerprint"})
     text = json.dumps(kept, sort_keys=True)
     for pool in manifest["pools"]:
         for anchor in pool["anchors"]:
