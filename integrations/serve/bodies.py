@@ -5,7 +5,8 @@ vLLM's engine core pickles what it is given, recursively: a body nested ~900 dee
 exited (with or without kvcomm's options). So `kvcomm serve` parses every body it reads once,
 with bounds, and refuses what is over them with a 4xx before vLLM sees it:
 
-- size: at most ``MAX_BODY_BYTES`` (413);
+- size: at most ``MAX_BODY_BYTES`` (413), checked by the middleware as it reads the body, so
+  nothing larger is ever buffered;
 - nesting: at most ``MAX_DEPTH`` levels of arrays and objects (400), counted without recursion;
 - numbers: integers within 64 bits (``INT_BOUND``, and at most ``MAX_INT_DIGITS`` digits before
   one is even converted), floats finite, no ``NaN`` / ``Infinity`` literals (400).
@@ -79,10 +80,9 @@ def depth(value: Any) -> int:
 
 
 def read_body(raw: bytes) -> Any:
-    """The parsed JSON body within the bounds (module docstring), or ``NOT_JSON``; raises
+    """The parsed JSON body (``raw``: at most ``MAX_BODY_BYTES``, read so by the middleware)
+    within the depth and number bounds (module docstring), or ``NOT_JSON``; raises
     ``BodyError`` (with its status) for a body over them."""
-    if len(raw) > MAX_BODY_BYTES:
-        raise BodyError(f"the request body has {len(raw)} bytes; at most {MAX_BODY_BYTES}", 413)
     try:
         body = _DECODER.decode(raw.decode("utf-8"))
     except RecursionError:
