@@ -19,8 +19,9 @@ from pathlib import Path
 
 import httpx
 
+from kvcomm.integrations.serve.routes import HEALTH_PROBES  # noqa: F401 (the cases import it from here)
+
 STARTUP_TIMEOUT_S = 600
-HEALTH_PROBES = ("/health", "/ping")
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 """vLLM's default process layout is kept (API server, engine core, worker: each its own
 process), as `kvcomm serve` runs unless told otherwise: a request's parameters are pickled on
