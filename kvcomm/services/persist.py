@@ -63,7 +63,7 @@ from kvcomm.core.kv import KV
 from kvcomm.services.state_files import fsync_dir, remove_temp_files, temp_path, write_text_atomically
 
 __all__ = ["FORMAT", "VERSION", "READS", "MANIFEST", "PersistError", "LoadSummary", "SaveSummary", "save_engine",
-           "load_engine", "last_save", "tidy", "write_text_atomically"]
+           "load_engine", "last_save", "object_refs", "tidy", "write_text_atomically"]
 
 FORMAT = "kvcomm-anchors"
 VERSION = 3
@@ -396,24 +396,30 @@ def _remove_unnamed(directory: Path, named: set[str]) -> list[Path]:
     return removed
 
 
-def _named_files(manifest: dict) -> list[str]:
-    """Every file name ``manifest`` refers to (any version; malformed entries skipped)."""
-    if manifest.get("version") in (1, 2):
-        info = manifest.get("tensors")
-        return [info["file"]] if isinstance(info, dict) and isinstance(info.get("file"), str) else []
-    names = []
+def object_refs(manifest: dict) -> list[dict]:
+    """Every object file reference (``{"file": name, "bytes": size}``) a version 3 ``manifest``
+    names, in manifest order (an object named twice appears twice; malformed entries skipped)."""
+    refs = []
 
     def walk(obj) -> None:
         if isinstance(obj, dict):
             if isinstance(obj.get("file"), str) and "bytes" in obj:
-                names.append(obj["file"])
+                refs.append(obj)
             for value in obj.values():
                 walk(value)
         elif isinstance(obj, list):
             for value in obj:
                 walk(value)
     walk({k: v for k, v in manifest.items() if k != "fingerprint"})
-    return names
+    return refs
+
+
+def _named_files(manifest: dict) -> list[str]:
+    """Every file name ``manifest`` refers to (any version; malformed entries skipped)."""
+    if manifest.get("version") in (1, 2):
+        info = manifest.get("tensors")
+        return [info["file"]] if isinstance(info, dict) and isinstance(info.get("file"), str) else []
+    return [ref["file"] for ref in object_refs(manifest)]
 
 
 # -- reading ---------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from kvcomm.integrations.vllm.state import TENANT_FILE
-from kvcomm.services.persist import MANIFEST
+from kvcomm.services.persist import MANIFEST, object_refs
 from kvcomm.reuse.pipeline import load_demo_pipeline
 from kvcomm.reuse.runner import _content, build_prompt
 from kvcomm.core.segments import Segment
@@ -58,19 +58,7 @@ def _manifest(state: Path, tenant: str, after: float = 0.0) -> dict | None:
 
 def _object_files(manifest: dict) -> list[tuple[str, int]]:
     """(file, bytes) of every object file a save's manifest names (``kvcomm.services.persist``, version 3)."""
-    found = []
-
-    def walk(obj) -> None:
-        if isinstance(obj, dict):
-            if isinstance(obj.get("file"), str) and isinstance(obj.get("bytes"), int):
-                found.append((obj["file"], obj["bytes"]))
-            for value in obj.values():
-                walk(value)
-        elif isinstance(obj, list):
-            for value in obj:
-                walk(value)
-    walk({k: v for k, v in manifest.items() if k != "fingerprint"})
-    return found
+    return [(ref["file"], ref["bytes"]) for ref in object_refs(manifest) if isinstance(ref["bytes"], int)]
 
 
 def _anchors(manifest: dict) -> int:
