@@ -24,6 +24,7 @@ from kvcomm.anchors.distance import (
     DeviceDistances, EstimateDistances, admission_logits, estimate_distances_many, value_l2_many,
 )
 from kvcomm.anchors.distance_cache import DistanceCache
+from kvcomm.anchors.evidence import Evidence
 from kvcomm.anchors.index import EmbeddingIndex
 from kvcomm.anchors.shrinkage import ShrinkageFit
 from kvcomm.core.heads import ALL_HEADS, HeadShards
@@ -78,6 +79,9 @@ class AnchorPool:
         """Per (slot, "shared" or "following"): the prequential fit of its estimates (``observe``)."""
         self._alphas: dict[tuple, tuple[int, torch.Tensor]] = {}
         """``_alpha``'s device copies of the fitted factors, with the pair count they were made at."""
+        self.evidence: dict[tuple[SlotKey, str], Evidence] = {}
+        """Per (slot, "shared" or "following"): whether its estimate beats realignment (``observe``;
+        ``kvcomm.anchors.evidence``). Not persisted: a restored pool earns it again."""
 
     def __len__(self) -> int:
         return len(self._anchors)
@@ -325,9 +329,22 @@ class AnchorPool:
             held = self._alphas[key] = (fit.pairs, value)
         return held[1]
 
+    def earned(self, slot: SlotKey, part: str = "shared") -> bool:
+        """Whether ``slot``'s estimate of ``part`` ("shared" or "following") has been measured
+        closer to dense than realignment (``Evidence.earned``): only then is it served."""
+        with self._lock:
+            evidence = self.evidence.get((slot, part))
+            return evidence is not None and evidence.earned
+
+    def evidence_words(self, slot: SlotKey, part: str = "shared") -> str:
+        """``Evidence.words`` of ``slot``'s ``part``, for provenance notes."""
+        with self._lock:
+            return self.evidence.get((slot, part), Evidence()).words()
+
     def observe(self, match: Match, base: KV, real_shared: KV, real_following: KV | None = None) -> None:
         """Fit the slot's shrinkage on one segment seen densely: compare what ``match`` would have
-        estimated (unshrunk) with the real deviations the forward revealed.
+        estimated (unshrunk) with the real deviations the forward revealed. The slot's evidence
+        (``evidence``) gets the same pair, with the factors the served estimate carried before it.
 
         real_shared: real KV minus ``base`` on the match's first ``covered`` tokens (or more);
         real_following: the same for the following fixed segment, against the fixed base the
@@ -341,13 +358,20 @@ class AnchorPool:
             raise ValueError(f"real deviation covers {real_shared.length} tokens, the estimate {estimate.length}")
         with self._lock:
             layers = base.keys.shape[0]
-            fit = self.fits.setdefault((match.slot, "shared"), ShrinkageFit.empty(layers))
-            fit.observe(estimate, real_shared.span(0, estimate.length), self.heads)
+            self._observe_part(match.slot, "shared", layers, estimate, real_shared.span(0, estimate.length))
             if following is not None and real_following is not None and following.parts[0].length == real_following.length:
-                self.fits.setdefault((match.slot, "following"), ShrinkageFit.empty(layers)).observe(
-                    following.add_into(), real_following, self.heads)
+                self._observe_part(match.slot, "following", layers, following.add_into(), real_following)
             for part in ("shared", "following"):  # the device copies of the factors, made here rather than on the reuse path
                 self._alpha(match.slot, part, True, shared.first_layer, layers - shared.first_layer, base.keys.device)
+
+    def _observe_part(self, slot: SlotKey, part: str, layers: int, estimate: KV, real: KV) -> None:
+        """One (unshrunk estimate, real deviation) pair of ``slot``'s ``part``: its evidence, with
+        the factors served until now, then its shrinkage fit."""
+        fit = self.fits.setdefault((slot, part), ShrinkageFit.empty(layers))
+        served = fit.factors(SHRINKAGE_MIN_PAIRS) if self.config.shrinkage else None
+        alpha = torch.ones(2, layers, dtype=torch.float64) if served is None else torch.stack(served)
+        cross, estimate_sq, real_sq = fit.observe(estimate, real, self.heads)
+        self.evidence.setdefault((slot, part), Evidence()).add(alpha, cross, estimate_sq, real_sq)
 
     # -- learning and eviction -------------------------------------------------------------
 

@@ -46,11 +46,12 @@ class ShrinkageFit:
     def empty(cls, layers: int) -> "ShrinkageFit":
         return cls(*(torch.zeros(2, layers, dtype=torch.float64) for _ in range(3)))
 
-    def observe(self, estimate: KV, real: KV, heads: HeadShards = ALL_HEADS) -> None:
+    def observe(self, estimate: KV, real: KV, heads: HeadShards = ALL_HEADS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Add one pair: both ``[layers, kv_heads, T, head_dim]``, any float dtype, same shape
         (this rank's heads under split heads: the sums are over all heads, per head first).
         ``real`` may leave out the first layers (a deviation stored from a later layer): the
-        sums of those layers are left as they are."""
+        sums of those layers are left as they are. Returns this pair's own sums (<e, r>, <e, e>,
+        <r, r>, each fp64 ``[2, layers]`` on the host, zero on the left-out layers)."""
         skip = estimate.keys.shape[0] - real.keys.shape[0]
         if skip < 0 or estimate.keys.shape[1:] != real.keys.shape[1:] or estimate.values.shape[1:] != real.values.shape[1:]:
             raise ValueError(f"estimate {tuple(estimate.keys.shape)} and real deviation {tuple(real.keys.shape)} differ in shape")
@@ -61,11 +62,13 @@ class ShrinkageFit:
             e, r = e.double().flatten(2), r.double().flatten(2)
             per_head[0, row], per_head[1, row], per_head[2, row] = (e * r).sum(2), (e * e).sum(2), (r * r).sum(2)
         (per_head,) = heads.gather([per_head], [3])
-        cross, estimate_sq, real_sq = per_head.sum(3)
-        self.cross[:, skip:] += cross.cpu()  # the sums stay in host memory: a few numbers per layer
-        self.estimate_sq[:, skip:] += estimate_sq.cpu()
-        self.real_sq[:, skip:] += real_sq.cpu()
+        pair = torch.zeros(3, *self.cross.shape, dtype=torch.float64)
+        pair[:, :, skip:] = per_head.sum(3).cpu()  # the sums stay in host memory: a few numbers per layer
+        self.cross += pair[0]
+        self.estimate_sq += pair[1]
+        self.real_sq += pair[2]
         self.pairs += 1
+        return pair[0], pair[1], pair[2]
 
     def factors(self, min_pairs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(key, value) factors, fp32 ``[layers]`` each in [0, 1]; None before ``min_pairs`` pairs."""

@@ -396,8 +396,7 @@ class ReuseEngine:
             following, following_base = _deep_deviation(real(nxt), self._fixed_bases[key]), self._fixed_digest(key)
         shared = _deep_deviation(real(index), base)
         slot = (prompt.template_id, segment.slot)
-        if pool.config.shrinkage:
-            self._observe(pool, slot, segment.shared_id, base, embedding, shared, following, following_base)
+        self._observe(pool, slot, segment.shared_id, base, embedding, shared, following, following_base)
         deviation = Deviation(shared, following, following_base, DEVIATION_FIRST_LAYER)
         pool.record(slot, segment.shared_id, base, embedding, deviation)
 
@@ -405,8 +404,8 @@ class ReuseEngine:
     def _observe(pool: AnchorPool, slot, segment_id: str, base: KV, embedding, shared: KV,
                  following: KV | None, following_base: str | None) -> None:
         """Before a dense segment becomes an anchor: what would the pool have estimated for it?
-        Feeds the slot's shrinkage fit (``AnchorPool.observe``); the following segment only when
-        every matched anchor measured its deviation against the same fixed base."""
+        Feeds the slot's evidence and shrinkage fit (``AnchorPool.observe``); the following
+        segment only when every matched anchor measured its deviation against the same fixed base."""
         match = pool.decide(slot, segment_id, base, embedding, commit=False, admission=False)
         if match is None or match.identical:
             return

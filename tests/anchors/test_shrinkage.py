@@ -118,18 +118,19 @@ def test_identical_matches_are_neither_observed_nor_shrunk():
 
 def test_the_engine_observes_each_dense_segment_before_it_becomes_an_anchor():
     """Through ReuseEngine.learn: with two anchors in the slot, the third and fourth new
-    contents (prefilled densely at gamma 0) are observed against the pool's would-be estimate."""
+    contents (dense calls) are observed against the pool's would-be estimate, by its shrinkage
+    fit and its evidence alike."""
     rotary = Rotary(1.0 / (1e4 ** (torch.arange(0, DIM, 2).float() / DIM)), head_dim=DIM)
     engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=0.0)))
     gen = torch.Generator().manual_seed(3)
     for i in range(4):
         shared = tuple(range(100 + 10 * i, 100 + 10 * i + T))
         prompt = Prompt("agent", (Segment((1, 2, 3)), Segment(shared, slot="doc", shared_id=f"doc-{i}"), Segment((99,))))
-        plan = engine.plan(prompt, provide_base=lambda s: KV(torch.randn(LAYERS, HEADS, len(s), DIM, generator=gen),
+        plan = engine.calibration_plan(prompt, lambda s: KV(torch.randn(LAYERS, HEADS, len(s), DIM, generator=gen),
                                                              torch.randn(LAYERS, HEADS, len(s), DIM, generator=gen)))
         assert plan.estimated_tokens == 0 and plan.learn == [1]
         n = len(prompt) - plan.reuse_end  # the template's lead is served exact after the first prompt
         engine.learn(plan, KV(torch.randn(LAYERS, HEADS, n, DIM, generator=gen), torch.randn(LAYERS, HEADS, n, DIM, generator=gen)))
     fit = engine.pool("doc").fits[(("agent", "doc"), "shared")]
-    assert fit.pairs == 2
+    assert fit.pairs == 2 and engine.pool("doc").evidence[(("agent", "doc"), "shared")].pairs == 2
 

@@ -13,6 +13,7 @@ from kvcomm.reuse.plan import ReusePlan
 from kvcomm.reuse.runner import run_agent, run_row
 from kvcomm.core.segments import Prompt
 from support.two_agent_case import PIPELINE, agent_prompt
+from support.evidence import earn
 
 
 def _prompt(executor, spec, agent_index: int, row: dict) -> Prompt:
@@ -120,6 +121,7 @@ def _synthetic_engine(tau: float = 0.7, anchors: int = 3):
         p = prompt(i)
         engine.register_base(p.segments[1], rand(t))
         engine.learn(ReusePlan(p, learn=[1]), rand(len(p)))
+    earn(engine.pool("task"), ("agent", "task"))  # random deviations never beat realignment on their own
     return engine, rotary, prompt, rand
 
 

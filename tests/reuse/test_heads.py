@@ -77,7 +77,10 @@ def test_the_head_is_learned_so_the_agents_next_call_starts_from_it_exactly(tiny
                if prompt.starts[i] < first.head_tokens)
 
 
-def test_a_cold_slot_behind_known_text_is_computed_and_becomes_an_anchor(tiny_executor):
+def test_a_cold_slot_behind_known_text_is_served_realigned_and_learns_from_a_dense_call(tiny_executor):
+    """A cold slot gives up no reuse realignment has: behind known text its document is served
+    as its realigned base (not computed to make an anchor); a dense call (a calibration call,
+    or the quality guard's twin) is what makes it an anchor."""
     engine = _engine(tiny_executor, prefix_store_bytes=0)  # no exact prefix: every call has text before the doc
     run_agent(tiny_executor, engine, agent_prompt(tiny_executor, SPEC.agents[0], {"doc": DOC}), 4)
     prompt = agent_prompt(tiny_executor, SPEC.agents[1], {"doc": DOC, "reader": "A river."})
@@ -85,8 +88,11 @@ def test_a_cold_slot_behind_known_text_is_computed_and_becomes_an_anchor(tiny_ex
     _, first = run_agent(tiny_executor, engine, prompt, 4)
     assert first.head_tokens > 0  # the agent's first call: new text, cold slot served realigned
 
-    plan = engine.plan(prompt, heads=True)  # its text is known now: the slot must warm up
-    assert plan.pieces == [] and doc in plan.learn
+    plan = engine.plan(prompt, heads=True)  # its text is known now: still served realigned
+    assert [p.match for p in plan.pieces if p.segment_index == doc] == [None] and doc not in plan.learn
+    assert engine.pool("doc").get(prompt.segments[doc].shared_id) is None
+    run_agent(tiny_executor, engine, prompt, 4, calibrate=True)
+    assert engine.pool("doc").get(prompt.segments[doc].shared_id) is not None
 
 
 def test_no_head_is_planned_before_a_short_shared_segment(tiny_executor):
@@ -99,9 +105,10 @@ def test_no_head_is_planned_before_a_short_shared_segment(tiny_executor):
     assert plan.pieces == [] and plan.computed_head == 0
 
 
-def test_a_cold_slot_behind_known_template_text_and_a_new_reply_warms_up(tiny_executor):
-    """Only unseen template text makes a call an agent's first: a reply just written before the
-    document is new content, yet the slot is computed (and becomes an anchor), not served cold."""
+def test_a_cold_slot_behind_known_template_text_and_a_new_reply_is_served_realigned(tiny_executor):
+    """Only unseen template text makes a call an agent's first, and a cold slot is served
+    realigned on any call: behind a reply just written (new content, computed in the head) the
+    document is served as its realigned base, not computed."""
     spec = parse_pipeline({"agents": [
         {"name": "reader", "system": "You read.", "template": "Text: {doc}\nSummarize it."},
         {"name": "critic", "system": "You criticize.", "template": "Summary: {reader}\nText: {doc}\nCriticize it."},
@@ -119,4 +126,5 @@ def test_a_cold_slot_behind_known_template_text_and_a_new_reply_warms_up(tiny_ex
     later = agent_prompt(tiny_executor, spec.agents[1], {"doc": DOC, "reader": "Paris has a river."})
     doc = next(i for i, s in enumerate(later.segments) if s.slot == "doc")
     plan = engine.plan(later, heads=True)
-    assert plan.pieces == [] and doc in plan.learn
+    assert plan.computed_head > 0 and doc not in plan.learn
+    assert [p.match for p in plan.pieces if p.segment_index == doc] == [None]

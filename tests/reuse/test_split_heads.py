@@ -31,12 +31,15 @@ def replayed(tiny_executor, tmp_path_factory):
     demo = load_demo_pipeline()
     variants = tuple({name: f"{text} (second case)" for name, text in row.items()} for row in demo.inputs)
     spec = dataclasses.replace(demo, inputs=demo.inputs + variants, max_new_tokens=8)
-    # enough dense sightings, observed, that shrunk estimates are served (gamma 0: reuse only
-    # at a one-hot p); kvblend asks for a recompute of its estimated tokens
-    config = ReuseConfig(pool=PoolConfig(gamma=0.0), mode="kvblend", recompute_ratio=0.3)
+    # dense sightings (calibration rows), observed, then every row again: its own anchors are
+    # identical matches, estimated (gamma 0: otherwise reuse only at a one-hot p); kvblend asks
+    # for a recompute of its estimated tokens
+    # (no prefix store: a row seen before would be exact up to its last token)
+    config = ReuseConfig(pool=PoolConfig(gamma=0.0), mode="kvblend", recompute_ratio=0.3, prefix_store_bytes=0)
     engine = RecordingEngine(tiny_executor.rotary, config)
-    for row in range(len(spec.inputs)):
-        run_row(spec, row, tiny_executor, engine)
+    for calibrate in (True, False):
+        for row in range(len(spec.inputs)):
+            run_row(spec, row, tiny_executor, engine, calibrate=calibrate)
     folder = tmp_path_factory.mktemp("split-heads")
     log = folder / "log.pt"
     torch.save({"rotary": tiny_executor.rotary, "config": config, "events": engine.events}, log)
@@ -58,7 +61,7 @@ def test_the_recorded_run_reuses_estimates_and_fits_shrinkage(replayed):
 
 def test_every_rank_makes_the_single_process_decisions(replayed):
     engine, _, ranks = replayed
-    count = sum(e[0] == "plan" for e in engine.events)
+    count = sum(e[0] in ("plan", "calibrate") for e in engine.events)
     for rank in ranks:
         assert len(rank["results"]) == count
         assert [r["decisions"] for r in rank["results"]] == [True] * count

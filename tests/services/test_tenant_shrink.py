@@ -26,14 +26,15 @@ WORDS = "river mountain city forest ocean desert island valley bridge castle gar
 
 
 def _fill(engine, executor, rows: int, seed: int = 0) -> None:
-    """Two-agent rows on random documents, gamma 0 (every sample becomes an anchor)."""
+    """Two-agent rows on random documents, as calibration calls (every shared segment with a
+    base becomes an anchor; plans would serve cold slots realigned and learn nothing)."""
     spec = parse_pipeline(PIPELINE)
     rng = random.Random(seed)
     for _ in range(rows):
         doc = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))) + "."
         reader = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6))) + "."
         for agent in spec.agents:
-            run_agent(executor, engine, agent_prompt(executor, agent, {"doc": doc, "reader": reader}), 2)
+            run_agent(executor, engine, agent_prompt(executor, agent, {"doc": doc, "reader": reader}), 2, calibrate=True)
 
 
 def _registry(executor, **caps) -> TenantRegistry:

@@ -45,6 +45,11 @@ class RecordingEngine(ReuseEngine):
         self.events.append(["plan", prompt, decisions(plan), None, heads])
         return plan
 
+    def calibration_plan(self, prompt, provide_base=None):
+        plan = super().calibration_plan(prompt, provide_base)
+        self.events.append(["calibrate", prompt, decisions(plan), None, False])
+        return plan
+
     @contextlib.contextmanager
     def materialized(self, plan):
         with super().materialized(plan) as prefix:
@@ -85,9 +90,9 @@ def replay(rank: int, size: int, log_path: str, init_file: str, out_dir: str) ->
         engine = ReuseEngine(log["rotary"], log["config"], heads=heads)
         plan, results = None, []
         for event in log["events"]:
-            if event[0] == "plan":
-                _, prompt, recorded, prefix, heads_on = event
-                plan = engine.plan(prompt, heads=heads_on)
+            if event[0] in ("plan", "calibrate"):
+                kind, prompt, recorded, prefix, heads_on = event
+                plan = engine.plan(prompt, heads=heads_on) if kind == "plan" else engine.calibration_plan(prompt)
                 with engine.materialized(plan) as mine:
                     if mine is None or prefix is None:
                         same_kv = mine is None and prefix is None
