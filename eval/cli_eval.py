@@ -7,6 +7,7 @@ Wire it into the main parser with ``add_eval_parser(subparsers)`` and dispatch
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -18,7 +19,8 @@ from tqdm import tqdm
 from kvcomm.anchors.config import PoolConfig
 from kvcomm.reuse.config import BASE_SOURCES, ReuseConfig
 from kvcomm.reuse.scopes import DEFAULT_SCOPE, SCOPES
-from kvcomm.reuse.strategies import RECOMPUTE_MODES
+from kvcomm.reuse.strategies import MODES, RECOMPUTE_MODES
+from kvcomm.services.quality_guard import QUALITY_BUDGET
 from kvcomm.eval.evaluate import ALL_MODES, EMBEDDERS, EvalSettings
 from kvcomm.eval.outputs import check_out_dir
 from kvcomm.integrations.transformers.embedded import DTYPES
@@ -164,17 +166,35 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--device", metavar="DEV", help="transformers backend: cpu (default), cuda or cuda:N")
     parser.add_argument("--noise-floor", choices=tuple(DTYPES), metavar="DTYPE",
                         help="also measure dense in DTYPE against --dtype")
+    parser.add_argument("--quality-budget", type=quality_budget, default=QUALITY_BUDGET, metavar="TIMES",
+                        help=f"run kvcomm and kvblend under a quality guard holding every slot to TIMES x the model's "
+                        f"first-token KL floor (measured once per model and cached); 'off': no guard "
+                        f"(default {QUALITY_BUDGET:g}; transformers backend)")
     parser.set_defaults(eval_command=run_eval_command)
     return parser
 
 
-def settings_from_args(args) -> EvalSettings:
+def quality_budget(text: str) -> float | None:
+    """``--quality-budget``: a multiple of the floor >= 0, or "off" (None)."""
+    if text.strip().lower() == "off":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a multiple of the precision floor (e.g. 5) or 'off', got {text!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"the quality budget must be a finite multiple >= 0, got {text!r}")
+    return value
+
+
+def settings_from_args(args, kl_floor: float | None = None) -> EvalSettings:
     return EvalSettings(
         modes=args.modes, gammas=args.gammas, max_anchors=args.max_anchors, seeds=args.seeds,
         base_source=args.base_source, recompute_ratio=args.recompute_ratio, top_k=args.top_k,
         timing_pass=not args.single_pass, pool=tuple(getattr(args, "pool", ())), embedder=getattr(args, "embedder", "kv"),
         warm_rows=getattr(args, "warm_items", 0),
         scopes=getattr(args, "reuse_scope", (DEFAULT_SCOPE,)),
+        quality_budget=getattr(args, "quality_budget", QUALITY_BUDGET), kl_floor=kl_floor,
     )
 
 
@@ -290,6 +310,18 @@ def run_eval_command(args, executor=None) -> int:
             del other
             meta["dtype_noise_floor"] = {"dtype": floor_dtype, "reference_dtype": meta["dtype"], **floor}
             print(format_noise_floor(meta["dtype_noise_floor"]))
+        if settings.quality_budget is not None and any(MODES[m].estimates for m in settings.modes if m in MODES):
+            if args.backend != "transformers":
+                raise ValueError("the quality guard measures twins on the transformers backend: pass --quality-budget off "
+                                 "with --backend vllm")
+            from kvcomm.eval.kl_floor import kl_floor
+
+            floor = kl_floor(getattr(args, "model", None), meta["dtype"], settings.top_k, getattr(args, "device", None))
+            settings = dataclasses.replace(settings, kl_floor=floor.kl_mean)
+            meta["kl_floor"] = {"kl_mean": floor.kl_mean, "dtype": floor.dtype, "reference_dtype": floor.reference_dtype,
+                                "prompts": len(floor.kl_values), "measured_at": floor.measured_at}
+            print(f"quality budget: {settings.quality_budget:g} x {floor.words()} = "
+                  f"{settings.quality_budget * floor.kl_mean:.3g} nats per slot")
         result = run_evaluation(workload, executor, out, settings, progress=not args.no_progress, kl=not args.no_kl,
                                 meta=meta)
     except (PipelineError, RopeError, FileNotFoundError, ValueError, KeyError) as error:

@@ -44,7 +44,8 @@ from kvcomm.reuse.strategies import MODES
 from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.reuse.executor import namespaced
 from kvcomm.core.divergence import KL_TOP_K, TopK, kl_topk_other, top1_matches, topk_reference
-from kvcomm.reuse.runner import AgentCall, run_row
+from kvcomm.reuse.runner import AgentCall, run_agent, run_row
+from kvcomm.services.quality_guard import DEFAULT_FRACTION, QUALITY_BUDGET, GuardConfig, QualityGuard
 
 DENSE = "dense"
 REUSE_MODES = ("exact", "realign", "cacheblend", "kvcomm", "kvblend")
@@ -89,6 +90,20 @@ class EvalSettings:
     embedder: str = "kv"
     """One of ``EMBEDDERS``: the anchor embedding of every reuse run."""
     scopes: tuple[str, ...] = (DEFAULT_SCOPE,)
+    quality_budget: float | None = QUALITY_BUDGET
+    """The anchor-mode runs run under a quality guard holding every slot to this many times
+    ``kl_floor`` (``GuardConfig.for_floor``; None: no guard)."""
+    kl_floor: float | None = None
+    """The model's first-token KL floor, nats (``kvcomm.eval.kl_floor``; `kvcomm eval` measures
+    it once per model); None: no guard."""
+    guard_fraction: float = DEFAULT_FRACTION
+    """The guard's sampling: at most ``100 * guard_fraction`` dense twins per 100 reusing requests."""
+
+    def guard(self, run: "RunSpec") -> GuardConfig | None:
+        """The quality guard of ``run``: the anchor modes' when a budget and a floor are set, else None."""
+        if self.quality_budget is None or self.kl_floor is None or not MODES[run.mode].estimates:
+            return None
+        return GuardConfig.for_floor(self.kl_floor, self.quality_budget, fraction=self.guard_fraction)
 
     def __post_init__(self) -> None:
         for name in ("modes", "gammas", "max_anchors", "seeds", "pool", "scopes"):
@@ -128,6 +143,13 @@ class EvalSettings:
             problems.append(f"top_k must be >= 1 (got {self.top_k})")
         if isinstance(self.warm_rows, bool) or not isinstance(self.warm_rows, int) or self.warm_rows < 0:
             problems.append(f"warm_rows must be an integer >= 0 (got {self.warm_rows!r})")
+        if self.quality_budget is not None or self.kl_floor is not None:
+            try:  # the guard's config owns these rules
+                GuardConfig.for_floor(0.0 if self.kl_floor is None else self.kl_floor,
+                                      QUALITY_BUDGET if self.quality_budget is None else self.quality_budget,
+                                      fraction=self.guard_fraction)
+            except (ValueError, TypeError) as error:
+                problems.append(str(error))
         if self.embedder not in EMBEDDERS:
             problems.append(f"unknown embedder {self.embedder!r}; valid: {', '.join(EMBEDDERS)}")
         if problems:
@@ -298,6 +320,9 @@ class RunResult:
     wall_s: float
     shrinkage: dict[str, dict] = field(default_factory=dict)
     """Per "slot/part" of the engine's pools: the shrinkage fit after the run (``_shrinkage_state``)."""
+    guard: dict | None = None
+    """The run's quality guard after it (None: unguarded): budget (nats), fraction, twins (dense
+    twins run, each a prefill of a call's prompt), slots over budget (disabled or tightened)."""
 
 
 @dataclass
@@ -414,6 +439,17 @@ def _shrinkage_state(engine: ReuseEngine | None) -> dict[str, dict]:
     return out
 
 
+def _guard_state(guard: QualityGuard | None) -> dict | None:
+    """What a run's guard did (``RunResult.guard``)."""
+    if guard is None:
+        return None
+    metrics = guard.metrics()
+    return {"budget": guard.config.budget, "fraction": guard.config.fraction, "twins": metrics["shadowed"],
+            "shadow_s": metrics["shadow_seconds"],
+            "over_budget": sorted(slot for slot, m in metrics["slots"].items() if m["disabled"] or m["tightenings"]),
+            "kl_mean": {slot: m["kl_mean"] for slot, m in metrics["slots"].items()}}
+
+
 def _signature(call: AgentCall) -> tuple:
     """What a deterministic rerun must reproduce: token provenance and the reply."""
     p = call.provenance
@@ -503,19 +539,23 @@ def evaluate(
             for run in [DENSE_RUN, *runs]:
                 make = (lambda: None) if run.mode == DENSE else (lambda: _calibrated(factory(executor.rotary, configs[run])))
                 timing: dict[tuple[int, str], tuple[float, tuple]] = {}
+                guarded = None if run.mode == DENSE else settings.guard(run)
                 if timing_pass:
                     bar.set_postfix_str(f"seed {seed} {run.label} (timing)")
                     engine, runner = make(), namespaced(executor, f"eval-seed{seed}-{run.mode}-timing")
+                    step = run_agent if guarded is None else QualityGuard(guarded).run_agent
                     for row in order:
-                        for call in run_row(spec, row, runner, engine, on_call=tick):
+                        for call in run_row(spec, row, runner, engine, on_call=tick, step=step):
                             timing[(row, call.agent)] = (float(call.provenance.ttft_s), _signature(call))
                     del engine
                 bar.set_postfix_str(f"seed {seed} {run.label}")
                 engine, runner = make(), namespaced(executor, f"eval-seed{seed}-{run.mode}")
+                guard = None if guarded is None else QualityGuard(guarded)
                 run_started = time.perf_counter()
                 records: list[CallRecord] = []
                 for position_in_order, row in enumerate(order):
-                    calls = run_row(spec, row, runner, engine, on_call=tick, keep_logprobs=kl)
+                    calls = run_row(spec, row, runner, engine, on_call=tick, keep_logprobs=kl,
+                                    step=run_agent if guard is None else guard.run_agent)
                     for agent_position, call in enumerate(calls):
                         if run.mode == DENSE:
                             dense_replies[(row, call.agent)] = tuple(call.reply_ids)
@@ -530,7 +570,7 @@ def evaluate(
                     del calls
                 pool_bytes, anchors, store_bytes = _pool_state(engine)
                 result.runs.append(RunResult(seed, run, records, pool_bytes, anchors, store_bytes, time.perf_counter() - run_started,
-                                             _shrinkage_state(engine)))
+                                             _shrinkage_state(engine), _guard_state(guard)))
     finally:
         bar.close()
     result.elapsed_s = time.perf_counter() - started

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from kvcomm.eval.evaluate import POOLED, EvalResult, EvalSettings, evaluate
-from kvcomm.eval.summary import aggregate
+from kvcomm.eval.summary import aggregate, dominance, dominance_lines
 
 
 CSV_FIELDS = (
@@ -46,16 +46,18 @@ NOTES = {
 
 
 def to_json(result: EvalResult) -> dict:
+    aggregates = aggregate(result)
     return {
         "workload": result.workload,
         "settings": {**dataclasses.asdict(result.settings), "rows": result.rows, "agents": list(result.agents),
                      "decider": result.decider, **result.meta},
         "elapsed_s": result.elapsed_s,
         "notes": NOTES,
-        "aggregates": aggregate(result),
+        "aggregates": aggregates,
+        "dominance": dominance(aggregates),
         "runs": [{"mode": r.run.mode, "setting": r.run.setting, "seed": r.seed, "pool_bytes": r.pool_bytes,
                   "anchors": r.anchors, "prefix_store_bytes": r.prefix_store_bytes, "wall_s": r.wall_s,
-                  "shrinkage": r.shrinkage} for r in result.runs],
+                  "shrinkage": r.shrinkage, "guard": r.guard} for r in result.runs],
         "calls": [dataclasses.asdict(c) for c in result.calls],
     }
 
@@ -180,4 +182,6 @@ def run_evaluation(workload, executor, out: str | os.PathLike, settings: EvalSet
     write_outputs(result, out, plots=plots)
     if print_table:
         print(format_table(result))
+        for line in dominance_lines(aggregate(result)):
+            print(line)
     return result

@@ -90,4 +90,61 @@ def _aggregate_row(result: EvalResult, run: RunSpec, seed, calls, runs: Sequence
     row["pool_bytes"] = statistics.fmean(r.pool_bytes for r in runs) if runs else None
     row["anchors"] = {slot: statistics.fmean(r.anchors.get(slot, 0) for r in runs) for slot in sorted({s for r in runs for s in r.anchors})}
     row["wall_s"] = sum(r.wall_s for r in runs)
+    guarded = [r.guard for r in runs if r.guard is not None]
+    row["guard_budget"] = guarded[0]["budget"] if guarded else None
+    row["guard_twins"] = sum(g["twins"] for g in guarded) if guarded else None
+    row["guard_twins_per_100"] = _rate(100 * row["guard_twins"], row["calls"]) if guarded else None
+    row["guard_over_budget"] = sorted({slot for g in guarded for slot in g["over_budget"]}) if guarded else None
     return row
+
+
+BASELINES = ("realign", "cacheblend")
+"""The modes kvcomm at its defaults is to dominate (``dominance``)."""
+
+
+def dominance(rows: Sequence[dict]) -> list[dict]:
+    """Per seed (and pooled) and baseline in ``BASELINES`` present in ``rows`` (``aggregate``'s):
+    whether kvcomm at its defaults (gamma and V of ``PoolConfig``, the default scope) dominates it:
+    token reuse at least the baseline's at a first-token KL (``kl_last_mean``) at most the
+    baseline's, on both KLs the table shows: over the computed positions (``kl_mean``) and of the
+    first reply token (``kl_last_mean``). ``loses``: what it loses on, empty when it dominates."""
+    from kvcomm.anchors.config import PoolConfig
+
+    out = []
+    for ours in rows:
+        if (ours["mode"], ours["gamma"], ours["max_anchors"], ours["scope"]) != ("kvcomm", PoolConfig.gamma, PoolConfig.max_anchors, None):
+            continue
+        for theirs in rows:
+            if theirs["mode"] not in BASELINES or theirs["seed"] != ours["seed"] or theirs["scope"] is not None:
+                continue
+            loses = []
+            if (ours["token_reuse_rate"] or 0) < (theirs["token_reuse_rate"] or 0):
+                loses.append("reuse")
+            for key, words in (("kl_mean", "KL"), ("kl_last_mean", "first-token KL")):
+                if ours[key] is not None and theirs[key] is not None and ours[key] > theirs[key]:
+                    loses.append(words)
+            out.append({"seed": ours["seed"], "baseline": theirs["mode"], "dominates": not loses, "loses": loses,
+                        "reuse": ours["token_reuse_rate"], "baseline_reuse": theirs["token_reuse_rate"],
+                        "kl_mean": ours["kl_mean"], "baseline_kl_mean": theirs["kl_mean"],
+                        "kl_last_mean": ours["kl_last_mean"], "baseline_kl_last_mean": theirs["kl_last_mean"],
+                        "twins": ours["guard_twins"], "twins_per_100": ours["guard_twins_per_100"]})
+    return out
+
+
+def dominance_lines(rows: Sequence[dict]) -> list[str]:
+    """``dominance`` of the pooled rows in words, one line per baseline, and the budget's cost."""
+    lines = []
+    for d in dominance([r for r in rows if r["seed"] == POOLED]):
+        verdict = "dominates" if d["dominates"] else f"does not dominate (loses on {' and '.join(d['loses'])})"
+        kl = ("no KL measured" if d["kl_mean"] is None else
+              f"KL {d['kl_mean']:.3g} vs {d['baseline_kl_mean']:.3g}, first-token KL {d['kl_last_mean']:.3g} vs "
+              f"{d['baseline_kl_last_mean']:.3g}")
+        lines.append(f"kvcomm at its defaults {verdict} {d['baseline']}: reuse {100 * (d['reuse'] or 0):.1f}% vs "
+                     f"{100 * (d['baseline_reuse'] or 0):.1f}%, {kl}")
+    for r in rows:
+        if r["seed"] == POOLED and r["guard_twins"] is not None:
+            over = ", ".join(r["guard_over_budget"]) or "none"
+            lines.append(f"quality budget of {r['mode']} {r['setting']}: {r['guard_budget']:.3g} nats; cost "
+                         f"{r['guard_twins']} dense twins in {r['calls']} calls ({r['guard_twins_per_100']:.1f} per 100); "
+                         f"slots over budget: {over}")
+    return lines

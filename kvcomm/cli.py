@@ -19,7 +19,7 @@ from kvcomm.reuse.executor import namespaced
 from kvcomm.reuse.pipeline import PipelineError, PipelineSpec, load_bundled_pipeline, load_pipeline
 from kvcomm.core.rope import RopeError
 from kvcomm.reuse.runner import run_row
-from kvcomm.services.quality_guard import GuardConfig
+from kvcomm.services.quality_guard import QUALITY_BUDGET, GuardConfig
 from kvcomm.integrations.runtimes import BACKENDS, close_executor, load_executor
 from kvcomm.integrations.serve.command import STATE_SHUTDOWN_TIMEOUT_S, save_interval, serve_command
 from kvcomm.integrations.vllm.refusals import DEVICE_MEMORY_SHARE, HOST_MEMORY_SHARE
@@ -234,12 +234,16 @@ def build_parser() -> argparse.ArgumentParser:
                        f"{STATE_SHUTDOWN_TIMEOUT_S} unless set, so the engine lives long enough to save)")
     serve.add_argument("--save-interval", type=save_interval, default=60.0,
                        help="seconds between saves of --state-dir (default 60; positive and finite; also saved at exit)")
-    serve.add_argument("--guard-budget", type=float, metavar="NATS",
-                       help="quality guard: measure a sample of opted-in /v1/completions token requests that estimated "
-                       "KV against their dense twin, after the response, and tighten or disable a slot whose rolling "
-                       "mean first-token KL exceeds NATS (default: no guard)")
+    from kvcomm.eval.cli_eval import quality_budget
+
+    serve.add_argument("--quality-budget", type=quality_budget, default=QUALITY_BUDGET, metavar="TIMES",
+                       help="quality guard: measure a sample of opted-in /v1/completions token requests that reused KV "
+                       "against their dense twin, after the response, and tighten or disable a slot whose rolling mean "
+                       "first-token KL exceeds TIMES x the model's first-token KL floor (dense in the served dtype vs "
+                       f"the other, measured once per model and cached); 'off': no guard (default {QUALITY_BUDGET:g})")
     serve.add_argument("--guard-fraction", type=float, metavar="SHARE",
-                       help=f"with --guard-budget: the share of such requests measured (default {GuardConfig.fraction})")
+                       help=f"the share of such requests measured (default {GuardConfig.fraction}: at most "
+                       f"{100 * GuardConfig.fraction:g} dense twins per 100 requests)")
     serve.add_argument("--no-tenant-per-key", dest="tenant_per_key", action="store_false",
                        help="with vLLM's --api-key: one tenant for all keys (default: each key its own tenant)")
     check = sub.add_parser("selfcheck", help="RoPE realignment self-check on a model")
@@ -309,6 +313,20 @@ def _thread_environment(argv: list[str]) -> None:
     os.execve(sys.executable, [sys.executable, "-m", "kvcomm.cli", *argv], env)
 
 
+def _guard_budget(args, vllm_args: list[str]) -> float | None:
+    """`kvcomm serve`'s guard budget in nats: ``--quality-budget`` x the served model's
+    first-token KL floor (``kvcomm.eval.kl_floor``, cached), or None with 'off'."""
+    if args.quality_budget is None:
+        return None
+    from kvcomm.eval.kl_floor import kl_floor
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--dtype", default="float32")  # serve_argv's default
+    floor = kl_floor(args.model, parser.parse_known_args(vllm_args)[0].dtype)
+    print(f"kvcomm: quality budget {args.quality_budget:g} x {floor.words()}", file=sys.stderr)
+    return args.quality_budget * floor.kl_mean
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None and sys.argv[1:2] in (["demo"], ["serve"]):
         _thread_environment(sys.argv[1:])
@@ -319,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         args, vllm_args = build_parser().parse_args(argv), []
     try:
         if args.command == "serve":
+            args.guard_budget = _guard_budget(args, vllm_args)
             return serve_command(args, vllm_args)
         if args.command == "selfcheck":
             return _cmd_selfcheck(args)

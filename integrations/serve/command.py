@@ -154,7 +154,7 @@ def engine_settings(args, default_total_bytes: int | None = None) -> dict:
         engine |= {"state_dir": str(Path(args.state_dir).resolve()), "save_interval_s": args.save_interval}
     budget, fraction = getattr(args, "guard_budget", None), getattr(args, "guard_fraction", None)
     if fraction is not None and budget is None:
-        raise ValueError("--guard-fraction needs --guard-budget (the KL budget in nats that turns the quality guard on)")
+        raise ValueError("--guard-fraction needs the quality guard: leave out --quality-budget off")
     if budget is not None:
         guard = GuardConfig(budget=budget, fraction=GuardConfig.fraction if fraction is None else fraction)  # checks both
         engine["guard"] = {"budget": guard.budget, "fraction": guard.fraction}

@@ -1,11 +1,13 @@
 """Quality guard (shadow mode): measure what estimated reuse costs on live traffic and back
 off per slot when it costs too much.
 
-For a sampled fraction of the requests that reused estimated KV, the guard also runs the
-dense prefill of the same prompt and records KL(dense || reuse) of the first reply token's
-distribution (top-k + "other" bucket, as the evaluation computes it: a lower bound of the
-full KL). Each slot whose content was estimated in that request gets the sample. When a
-slot's rolling mean exceeds the budget, the guard acts and logs why:
+For a sampled fraction of the requests that reused stored KV beyond the exact prefix
+(estimated or realigned), the guard also runs the dense prefill of the same prompt, its twin,
+and records KL(dense || reuse) of the first reply token's distribution (top-k + "other"
+bucket, as the evaluation computes it: a lower bound of the full KL). Each slot whose content
+was served in that request gets the sample. The budget is ``QUALITY_BUDGET`` (5) times the
+model's first-token KL floor (``GuardConfig.for_floor``), on by default wherever kvcomm runs.
+When a slot's rolling mean exceeds the budget, the guard acts and logs why:
 
 - ``"tighten"``: multiply the slot pool's gamma by ``tighten_factor`` (the entropy rule reuses
   when H <= gamma * log(n), so a lower gamma means fewer reuses), and after
@@ -17,7 +19,7 @@ or below ``loosen_below * budget`` gets one tightening back (gamma divided by
 ``tighten_factor``, never above the gamma it had before the guard first tightened it). The gap
 between the two thresholds keeps a slot from flapping on every sample.
 
-With ``learn``, the shadow prefill also teaches the engine: its KV is computed densely from the
+With ``learn`` (the default), the shadow prefill also teaches the engine: its KV is computed densely from the
 first token, so the engine learns from it as from a calibration request
 (``ReuseEngine.calibration_plan``): every shared segment whose content has a base is recorded in
 its slot's pool, which a request that estimated never does.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 import threading
 import time
@@ -59,18 +62,32 @@ SLOT_METRICS = {
 """The per-slot numbers of ``QualityGuard.metrics()`` and what each means (for exporters)."""
 
 
+QUALITY_BUDGET = 5.0
+"""The quality budget, in the unit a user reads: a slot's rolling mean first-token KL may reach
+this many times the model's precision floor (first-token KL of dense in the serving dtype
+against the other, ``kvcomm.eval.kl_floor``); R4's "no measurable change". `kvcomm eval`,
+`run`, `demo` and `serve` hold every slot to it by default (``GuardConfig.for_floor``)."""
+
+DEFAULT_FRACTION = 0.05
+"""Share of reusing requests the guard twins: at most 5 dense twins per 100 requests (each a
+dense prefill of the request's prompt, after its reply)."""
+
+
 @dataclass(frozen=True)
 class GuardConfig:
-    """fraction: share of requests with estimated KV that are shadowed, in [0, 1].
-    budget: the most KL (nats, first-token distribution) a slot's rolling mean may reach.
-    window: samples in the rolling mean. min_samples: samples before the guard acts.
-    action, tighten_factor, max_tightenings: see the module docs. loosen_below: share of the
-    budget a full window's mean must stay at or below to undo one tightening, in [0, 1)
-    (0: never loosen). top_k: tokens kept before the "other" bucket. seed: the sampling RNG's
-    seed."""
+    """budget: the most KL (nats, first-token distribution) a slot's rolling mean may reach;
+    ``for_floor`` sets it as ``QUALITY_BUDGET`` times the model's floor (the one setting a user
+    chooses). fraction: share of requests with reused KV that are shadowed, in [0, 1] (the
+    cost: ``100 * fraction`` dense twins per 100 such requests at most). window: samples in the
+    rolling mean. min_samples: samples before the guard acts. action, tighten_factor,
+    max_tightenings: see the module docs. loosen_below: share of the budget a full window's
+    mean must stay at or below to undo one tightening, in [0, 1) (0: never loosen). top_k:
+    tokens kept before the "other" bucket. seed: the sampling RNG's seed. learn: the twins'
+    dense prefills teach the engine (their anchors and the slots' evidence: the only way a
+    slot whose plans serve realigned KV learns, ``kvcomm.reuse.strategies.estimate``)."""
 
-    fraction: float = 0.05
-    budget: float = 0.1
+    budget: float
+    fraction: float = DEFAULT_FRACTION
     window: int = 20
     min_samples: int = 3
     action: str = "tighten"
@@ -79,13 +96,28 @@ class GuardConfig:
     loosen_below: float = 0.25
     top_k: int = 20
     seed: int = 0
-    learn: bool = False
+    learn: bool = True
+
+    @classmethod
+    def for_floor(cls, floor: float, times: float = QUALITY_BUDGET, **settings) -> "GuardConfig":
+        """The guard holding every slot to ``times`` x ``floor``: the model's first-token KL floor
+        in nats (``kvcomm.eval.kl_floor``), ``times`` >= 0 (0: any measured cost is over budget)."""
+        if not (isinstance(floor, (int, float)) and math.isfinite(floor) and floor >= 0):
+            raise ValueError(f"the precision floor must be a finite number of nats >= 0 (got {floor!r})")
+        if not (isinstance(times, (int, float)) and math.isfinite(times) and times >= 0):
+            raise ValueError(f"the quality budget must be a finite multiple of the floor >= 0 (got {times!r})")
+        return cls(budget=float(times) * float(floor), **settings)
+
+    @property
+    def twins_per_100(self) -> float:
+        """The most dense twins the guard runs per 100 reusing requests."""
+        return 100.0 * self.fraction
 
     def __post_init__(self) -> None:
         problems = []
         if not 0 <= self.fraction <= 1:
             problems.append(f"fraction must be in [0, 1] (got {self.fraction})")
-        if not self.budget >= 0:
+        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)) or not self.budget >= 0:
             problems.append(f"budget must be >= 0 nats (got {self.budget})")
         if not 1 <= self.min_samples <= self.window:
             problems.append(f"need 1 <= min_samples <= window (got {self.min_samples}, {self.window})")
@@ -121,8 +153,8 @@ class SlotQuality:
 
 
 class QualityGuard:
-    def __init__(self, config: GuardConfig | None = None):
-        self.config = config or GuardConfig()
+    def __init__(self, config: GuardConfig):
+        self.config = config
         self.slots: dict[str, SlotQuality] = {}
         self.shadowed = 0
         self.shadow_seconds = 0.0

@@ -296,7 +296,8 @@ def test_seeds_shuffle_the_order_and_pool(tiny_executor, tmp_path):
 def test_eval_command_on_the_retrieval_workload(tiny_executor, tmp_path, capsys):
     parser = _parser()
     args = parser.parse_args(["eval", "--workload", "retrieval", "--limit", "2", "--agents", "1", "--out", str(tmp_path / "out"),
-                              "--gammas", "0.3,0.6", "--max-new-tokens", "4", "--no-kl", "--no-progress"])
+                              "--gammas", "0.3,0.6", "--max-new-tokens", "4", "--no-kl", "--no-progress",
+                              "--quality-budget", "off"])
     assert run_eval_command(args, executor=tiny_executor) == 0
     printed = capsys.readouterr().out
     assert "acc [95% CI]" in printed and "wrote results.json" in printed

@@ -132,10 +132,10 @@ def test_run_json_numbers_follow_from_the_calls(tiny_llama, pipeline_file, token
 
 
 def test_run_max_anchors_caps_every_pool_and_the_table_matches_its_rows(tiny_llama, pipeline_file, capsys):
-    # gamma 0: every sample is admitted as an anchor, so a pool holds one anchor per row unless V caps it
+    # plans make anchors only of what they compute anyway (cold slots are served realigned): V caps what they make
     capped = _run_json(capsys, pipeline_file, "--model", tiny_llama, "--gamma", "0", "--max-anchors", "2", "--base-source", "standalone")
     assert capped["max_anchors"] == 2 and capped["base_source"] == "standalone"
-    assert capped["anchors"] and max(capped["anchors"].values()) == 2
+    assert capped["anchors"] and 1 <= max(capped["anchors"].values()) <= 2
     assert not any("its base is taken from this prefill" in c["note"] for c in capped["calls"])
 
     assert main(["run", pipeline_file, "--model", tiny_llama, "--gamma", "0"]) == 0

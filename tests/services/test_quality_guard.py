@@ -33,7 +33,7 @@ def _run(executor, guard: QualityGuard | None, gamma: float = 1.0, base_source: 
 @pytest.mark.slow
 def test_tiny_budget_disables_the_slot_and_huge_budget_never_acts(smol_executor, caplog):
     baseline_engine, baseline, dense_free_s = _run(smol_executor, None)
-    relaxed = QualityGuard(GuardConfig(fraction=1.0, budget=1e9, min_samples=1))
+    relaxed = QualityGuard(GuardConfig(fraction=1.0, learn=False, budget=1e9, min_samples=1))
     relaxed_engine, calls, guarded_s = _run(smol_executor, relaxed)
     # a guard that never acts changes nothing: same decisions, same replies
     assert [(c.provenance.estimated_tokens, c.reply_ids) for c in calls] == [
@@ -50,7 +50,7 @@ def test_tiny_budget_disables_the_slot_and_huge_budget_never_acts(smol_executor,
           f"{metrics['shadow_seconds']:.1f} s in shadow prefills); KL per slot "
           f"{ {k: round(v['kl_mean'], 4) for k, v in metrics['slots'].items()} }")
 
-    strict = QualityGuard(GuardConfig(fraction=1.0, budget=1e-9, min_samples=1, action="disable"))
+    strict = QualityGuard(GuardConfig(fraction=1.0, learn=False, budget=1e-9, min_samples=1, action="disable"))
     with caplog.at_level(logging.WARNING, logger="kvcomm.services.quality_guard"):
         strict_engine, calls, _ = _run(smol_executor, strict)
     first = next(i for i, c in enumerate(calls) if c.provenance.estimated_tokens > 0)
@@ -86,7 +86,7 @@ def test_exact_reuse_measures_zero_kl(smol_executor):
 
 @pytest.mark.slow
 def test_tighten_lowers_gamma_then_disables(tiny_executor):
-    guard = QualityGuard(GuardConfig(fraction=1.0, budget=1e-12, min_samples=1, max_tightenings=2))
+    guard = QualityGuard(GuardConfig(fraction=1.0, learn=False, budget=1e-12, min_samples=1, max_tightenings=2))
     # standalone bases estimate from the second row on: enough shadowed samples in four rows to
     # tighten twice and disable (first_use estimates only the asker's last two rows)
     engine, calls, _ = _run(tiny_executor, guard, base_source="standalone")
@@ -103,8 +103,12 @@ def test_bad_guard_config_is_refused_and_a_guard_serves_one_engine():
     for bad, message in (({"fraction": 1.5}, "fraction"), ({"budget": -1}, "budget"), ({"action": "raise"}, "action"),
                          ({"min_samples": 50}, "min_samples"), ({"tighten_factor": 1.0}, "tighten_factor")):
         with pytest.raises(ValueError, match=message):
-            GuardConfig(**bad)
-    guard = QualityGuard()
+            GuardConfig(**{"budget": 0.1, **bad})
+    for floor, times, message in ((-1e-4, 5, "floor"), (float("nan"), 5, "floor"), (1e-4, -1, "multiple"),
+                                  (1e-4, float("inf"), "multiple")):
+        with pytest.raises(ValueError, match=message):
+            GuardConfig.for_floor(floor, times)
+    guard = QualityGuard(GuardConfig(budget=0.1))
     rotary = Rotary(torch.ones(4))
     plan = ReusePlan(Prompt("t", (Segment((1, 2, 3)),)))
     guard.restrict(ReuseEngine(rotary), plan)
@@ -116,13 +120,14 @@ def _estimated_plan(executor):
     """(engine, plan) of a prompt whose shared segment is estimated from an anchor: the same
     prompt seen twice before (a prefix store with no room, so only the anchor path can reuse
     it; the first call, the agent's first, serves the cold slot realigned behind its new
-    system prompt, the second computes it and makes it an anchor)."""
+    system prompt, the second, a dense calibration call, makes it an anchor: its very
+    deviation, served without further evidence)."""
     engine = ReuseEngine(executor.rotary, ReuseConfig(prefix_store_bytes=0, base_source="standalone"))
     prompt = agent_prompt(executor, SPEC.agents[1], {"doc": SPEC.inputs[0]["doc"], "reader": "A river."})
     run_agent(executor, engine, prompt, 1)
-    run_agent(executor, engine, prompt, 1)
+    run_agent(executor, engine, prompt, 1, calibrate=True)
     plan = engine.plan(prompt, executor.base_kv)
-    assert plan.estimated_tokens > 0
+    assert plan.estimated_tokens > 0 and any(p.match is not None and p.match.identical for p in plan.pieces)
     return engine, prompt, plan
 
 
@@ -136,19 +141,19 @@ def test_sampling_shadows_the_configured_fraction_of_estimated_requests(tiny_exe
                                 if prompt.segments[p.segment_index].is_shared))
     n = 4000
     for fraction in (0.0, 0.05, 0.25, 0.8, 1.0):
-        guard = QualityGuard(GuardConfig(fraction=fraction))
+        guard = QualityGuard(GuardConfig(budget=0.1, fraction=fraction))
         picks = [guard.sample(plan) for _ in range(n)]
         count = sum(bool(p) for p in picks)
         spread = 4 * (n * fraction * (1 - fraction)) ** 0.5
         assert abs(count - n * fraction) <= spread, (fraction, count)
         assert all(p == slots for p in picks if p)  # a sample goes to every slot the request estimated
         if 0 < fraction < 1:
-            again = QualityGuard(GuardConfig(fraction=fraction))
+            again = QualityGuard(GuardConfig(budget=0.1, fraction=fraction))
             assert [bool(again.sample(plan)) for _ in range(n)] == [bool(p) for p in picks]  # seeded
-            other = QualityGuard(GuardConfig(fraction=fraction, seed=1))
+            other = QualityGuard(GuardConfig(budget=0.1, fraction=fraction, seed=1))
             assert [bool(other.sample(plan)) for _ in range(n)] != [bool(p) for p in picks]
     computed_only = ReusePlan(prompt)
-    assert QualityGuard(GuardConfig(fraction=1.0)).sample(computed_only) == ()
+    assert QualityGuard(GuardConfig(budget=0.1, fraction=1.0)).sample(computed_only) == ()
 
 
 def test_fraction_zero_never_shadows_a_pipeline(tiny_executor):

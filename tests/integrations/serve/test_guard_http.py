@@ -1,4 +1,4 @@
-"""The quality guard through `kvcomm serve --guard-budget NATS --guard-fraction 1`, at two
+"""The quality guard through `kvcomm serve --quality-budget TIMES --guard-fraction 1`, at two
 realistic budgets on one traffic (the demo pipeline's rows, the embedded SmolLM2): a strict
 0.005 nats, below what estimated reuse costs this model on the first reply token, and a loose
 0.5 nats above it. Every request that estimated KV is measured after its response; each
@@ -36,9 +36,12 @@ def guarded(request, tmp_path_factory):
     pytest.importorskip("vllm")
     from support.serve_client import start_server
 
+    from kvcomm.eval.kl_floor import kl_floor
+
     kind, budget = request.param, BUDGETS[request.param]
+    times = budget / kl_floor().kl_mean  # the server reads the same cached floor: TIMES x floor = budget nats
     server = start_server(tmp_path_factory.mktemp(f"kvcomm-guard-{kind}") / "server.log", KEYS,
-                          "--guard-budget", str(budget), "--guard-fraction", "1", multiprocess=kind == "strict")
+                          "--quality-budget", repr(times), "--guard-fraction", "1", multiprocess=kind == "strict")
     try:
         yield kind, budget, server
     finally:

@@ -71,7 +71,7 @@ def test_an_adapters_engine_is_saved_and_restored_under_its_own_key(tiny_executo
     assert json.loads((tmp_path / tenant_label(key) / TENANT_FILE).read_text())["tenant"] == key
     probe = request(5, lead=9)
     restarted = _planner(tiny_executor)
-    assert PlannerState(restarted, tmp_path, fingerprint).restore() == {tenant_label(key): "restored anchors per slot {'task': 2}"}
+    assert PlannerState(restarted, tmp_path, fingerprint).restore() == {tenant_label(key): "restored anchors per slot {'task': 1}"}
     warm = serve(restarted, tiny_executor, *probe, "team-a", adapter="critic-digest")
     assert warm["estimated_tokens"] > 0
     base = serve(restarted, tiny_executor, *probe, "team-a")
@@ -95,7 +95,7 @@ def test_a_refused_save_is_moved_aside_untouched_and_never_overwritten(tiny_exec
     PlannerState(first, tmp_path, fingerprint).save()
     folder = tmp_path / tenant_label("team-a")
     saved = _files(folder)
-    assert sum(len(p["anchors"]) for p in json.loads(saved["manifest.json"])["pools"]) >= 2
+    assert sum(len(p["anchors"]) for p in json.loads(saved["manifest.json"])["pools"]) >= 1
 
     for name, planner, where in (
         ("another model", _planner(tiny_executor), dataclasses.replace(fingerprint, checkpoint="another checkpoint")),
