@@ -89,13 +89,13 @@ def test_a_refused_save_is_moved_aside_untouched_and_never_overwritten(tiny_exec
     byte, and the new state goes to a fresh folder."""
     fingerprint = model_fingerprint(tiny_executor.model, tiny_executor.tokenizer, tiny_executor.rotary)
     first = _planner(tiny_executor)
-    for seed in range(3):
+    for seed in range(3):  # calibration requests: each content an anchor (more than max_anchors 1 below)
         serve(first, tiny_executor, *request(seed), "team-a")
-        serve(first, tiny_executor, *request(seed, lead=9), "team-a")
+        serve(first, tiny_executor, *request(seed, lead=9), "team-a", calibrate=True)
     PlannerState(first, tmp_path, fingerprint).save()
     folder = tmp_path / tenant_label("team-a")
     saved = _files(folder)
-    assert sum(len(p["anchors"]) for p in json.loads(saved["manifest.json"])["pools"]) >= 1
+    assert sum(len(p["anchors"]) for p in json.loads(saved["manifest.json"])["pools"]) >= 2
 
     for name, planner, where in (
         ("another model", _planner(tiny_executor), dataclasses.replace(fingerprint, checkpoint="another checkpoint")),
