@@ -322,9 +322,7 @@ def _guard_budget(args, vllm_args: list[str]) -> float | None:
 
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--dtype", default="float32")  # serve_argv's default
-    floor = kl_floor(args.model, parser.parse_known_args(vllm_args)[0].dtype)
-    print(f"kvcomm: quality budget {args.quality_budget:g} x {floor.words()}", file=sys.stderr)
-    return args.quality_budget * floor.kl_mean
+    return args.quality_budget * kl_floor(args.model, parser.parse_known_args(vllm_args)[0].dtype).kl_mean
 
 
 def main(argv: list[str] | None = None) -> int:
