@@ -140,6 +140,20 @@ def default_max_total_bytes(capture_bytes: int | None) -> int | None:
     return host_memory_budget(DEFAULT_MAX_CAPTURE_BYTES if capture_bytes is None else capture_bytes)
 
 
+def memory_line(cap: int | None, default: bool, capture_bytes: int | None) -> str:
+    """What the start-up line says of kvcomm's memory: the reuse state's cap and the capture
+    budget of the requests in flight, which together bound what kvcomm holds."""
+    from kvcomm.integrations.vllm.scheduler import DEFAULT_MAX_CAPTURE_BYTES
+
+    gib = 1 << 30
+    captures = (DEFAULT_MAX_CAPTURE_BYTES if capture_bytes is None else capture_bytes) / gib
+    if not cap:
+        return (f"reuse state capped at 90% of the accelerator memory vLLM leaves free less the captures in flight "
+                f"({captures:.1f} GiB)")
+    return (f"reuse state capped at {cap / gib:.1f} GiB{' (the default)' if default else ''} and captures in flight at "
+            f"{captures:.1f} GiB: kvcomm holds at most {cap / gib + captures:.1f} GiB beside vLLM")
+
+
 def engine_settings(args, default_total_bytes: int | None = None) -> dict:
     """The connector's extra config from `kvcomm serve`'s own options (None values: the
     defaults; ``default_total_bytes``: ``--max-total-bytes`` when not given)."""
@@ -212,9 +226,7 @@ def serve_command(args, vllm_args: list[str]) -> int:
     os.environ[PLAN_AHEAD_ENV] = "0" if args.no_plan else "1"
     sys.argv = argv
     tenants = f"{len(keys)} API keys, one tenant each" if keys and args.tenant_per_key else "one tenant"
-    cap = engine["max_total_bytes"]
-    memory = ("reuse state capped at " + (f"{cap / (1 << 30):.1f} GiB" if cap else "90% of the accelerator memory vLLM "
-              "leaves free") + (" (the default)" if args.max_total_bytes is None else ""))
+    memory = memory_line(engine["max_total_bytes"], args.max_total_bytes is None, args.max_capture_bytes)
     print(f"kvcomm: {tenants}; {memory}; " + " ".join(hidden(sys.argv, keys)), file=sys.stderr)
     vllm_main()
     return 0
