@@ -4,7 +4,10 @@ The client renders the conversation locally (``local.segments``), so the request
 token ids and each shared message is a span ``[start, end)`` of them, annotated in
 ``kv_transfer_params["kvcomm"]`` (schema: ``vllm.params``). The server plans those spans with
 its own reuse engine and answers with ``{"kvcomm": {"prompt_tokens", "exact_tokens",
-"estimated_tokens", "computed_tokens", "fallback", "note"}}`` (or ``{"error": ...}``).
+"estimated_tokens", "realigned_tokens", "computed_tokens", "head_tokens", "fallback",
+"reply_base", "note", "reason"}}`` (or ``{"error": ...}``; ``realigned_tokens``, the part of
+``estimated_tokens`` served without an anchor's deviation, and ``reply_base``, whether the server
+keeps the reply's decode KV as its base, are absent from older servers: 0 and False).
 
 Slot names on the wire must match ``[A-Za-z_][A-Za-z0-9_.-]{0,63}``: the local slot
 ``"{author}#{k}"`` travels as ``"{author}.{k}"``, an author name outside that alphabet as its
@@ -122,6 +125,7 @@ def provenance(
         int(summary["prompt_tokens"]), exact, estimated, int(summary["computed_tokens"]), shared, reused_shared,
         bool(summary.get("fallback", False)), note, ttft_s,
         cached_tokens=max(0, cached_tokens - end) if cached_tokens is not None else 0, head_tokens=head,
+        realigned_tokens=min(estimated, int(summary.get("realigned_tokens", 0) or 0)),
     )
 
 
