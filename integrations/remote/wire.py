@@ -149,7 +149,7 @@ def cached_note(cached: int | None, reused: int | None, head: int = 0, annotated
     if cached is None:
         return ""
     if reused is None and annotated:
-        return (f"vLLM did not compute {cached:,} of the prompt tokens (its prefix cache or KV kvcomm loaded "
+        return "" if not cached else (f"vLLM did not compute {cached:,} of the prompt tokens (its prefix cache or KV kvcomm loaded "
                 "served them; this response has no split)")
     if reused is None:
         return f"vLLM cached_tokens {cached}: vLLM's prefix-cache hit (kvcomm reported no split)"

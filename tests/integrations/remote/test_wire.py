@@ -96,6 +96,7 @@ def test_provenance_from_a_server_summary_and_without_one(tokenizer):
     assert p.cached_tokens == 0 and "prefix cache" not in p.reason.split("; ")[0]
     assert p.reason.endswith("because streamed: no split; vLLM did not compute 32 of the prompt tokens (its prefix cache "
                              "or KV kvcomm loaded served them; this response has no split)")
+    assert provenance(chat, n, None, True, cached_tokens=0, why_unknown="streamed: no split").note == "streamed: no split"
 
 
 @pytest.mark.slow
