@@ -53,7 +53,7 @@ def reply_server(replies_server, request) -> dict:
              "test_cut_off_replies_become_bases_on_the_server_as_in_process",
              "test_ag2_pair_reuses_the_other_agents_reply_on_the_server",
              "test_a_cut_reply_is_registered_alike_in_process_and_on_the_server")
-    return {"base_url": replies_server.base_url, "api_key": REPLY_KEYS[names.index(request.node.originalName)]}
+    return {"base_url": replies_server.base_url, "api_key": REPLY_KEYS[names.index(request.node.originalname)]}
 
 
 def _team(client):
