@@ -206,8 +206,9 @@ def serve_command(args, vllm_args: list[str]) -> int:
     setup_multiprocess_prometheus()  # the connector's metrics live in the engine-core and worker processes
     # prometheus_client picks where metric values live when it is first imported (vLLM imported
     # it above, before the directory was set): without this, the metrics this process creates
-    # (vLLM's own TTFT and latency histograms, kvcomm's context counters and TTFT histogram)
-    # stay in its memory, which /metrics (multiprocess mode: the directory only) never reads
+    # (vLLM's own TTFT and latency histograms, kvcomm's TTFT histogram) stay in its memory, which
+    # /metrics (multiprocess mode: the directory only) never reads (serve.contexts' counters
+    # worked around it on their own)
     import prometheus_client.values
 
     prometheus_client.values.ValueClass = prometheus_client.values.get_value_class()
