@@ -67,7 +67,7 @@ from kvcomm.integrations.serve.routes import RouteTable
 from kvcomm.integrations.serve.vllm_args import accepted_keys
 from kvcomm.integrations.serve.shadows import ShadowRequests
 from kvcomm.integrations.serve import ttft
-from kvcomm.integrations.vllm.params import KvcommParamsError, check_sizes, shown  # noqa: F401 (shown: re-exported)
+from kvcomm.integrations.vllm.params import KvcommParamsError, parse_params, shown  # noqa: F401 (shown: re-exported)
 
 KEY_DIGESTS_ENV = "KVCOMM_TENANT_KEY_DIGESTS"
 """Comma-separated SHA-256 hex digests of the API keys that are tenants (set by ``kvcomm serve``)."""
@@ -105,7 +105,8 @@ def rewrite(body: Any, key: str | None, digests: frozenset[str], kind: str = "ge
     request's bearer key; ``digests``: the tenant keys' digests (empty: one tenant for all);
     ``kind``: the route's kind (``serve.routes``: ``generation``, ``salted``, or any other for a
     body with neither). Raises ValueError for a ``kvcomm.handle`` sent over HTTP and for options
-    over ``params.check_sizes``'s bounds. Bodies that are not JSON objects pass unchanged (vLLM reports them)."""
+    ``params.parse_params`` refuses without the prompt's length (types, keys, names, sizes,
+    order). Bodies that are not JSON objects pass unchanged (vLLM reports them)."""
     if not isinstance(body, dict):
         return body
     params, options = _options(body)
@@ -124,7 +125,8 @@ def rewrite(body: Any, key: str | None, digests: frozenset[str], kind: str = "ge
     if isinstance(options, dict) and {"ticket", "computes_head", "shadow"} & set(options):
         raise ValueError("kv_transfer_params.kvcomm.ticket, computes_head and shadow are set by the server (computed "
                          "heads, the quality guard); remove them")
-    check_sizes(options)  # KvcommParamsError is a ValueError: a 400
+    if opted_in:
+        parse_params(params, None)  # KvcommParamsError is a ValueError: a 400 (the span's end is checked after tokenization)
     if tenant is not None:
         if isinstance(options, dict):
             options["tenant"] = tenant
