@@ -218,6 +218,14 @@ def serve_command(args, vllm_args: list[str]) -> int:
     from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
 
     setup_multiprocess_prometheus()  # the connector's metrics live in the engine-core and worker processes
+    # prometheus_client picks where metric values live when it is first imported (vLLM imported
+    # it above, before the directory was set): without this, the metrics this process creates
+    # (vLLM's own TTFT and latency histograms, kvcomm's TTFT histogram) stay in its memory, which
+    # /metrics (multiprocess mode: the directory only) never reads (serve.contexts' counters
+    # worked around it on their own)
+    import prometheus_client.values
+
+    prometheus_client.values.ValueClass = prometheus_client.values.get_value_class()
     os.environ[CONTEXTS_CONFIG_ENV] = contexts_config(engine, vllm_args)
     given = shutdown_timeout(vllm_args)
     warning = state_environment(args.state_dir, os.environ, STATE_SHUTDOWN_TIMEOUT_S if given is None else given)

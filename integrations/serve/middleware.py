@@ -37,6 +37,9 @@ Either way blocks holding approximate KV (written only for opted-in, server-salt
 are never an exact prefix hit for a plain request. A ``kvcomm.handle`` (in-process orders
 only) is refused over HTTP with status 400.
 
+TTFT (``serve.ttft``): completion responses are timed from the request's arrival here to their
+first token, planning and computed heads included (``kvcomm_time_to_first_token_seconds``).
+
 Retained contexts (``serve.contexts``): the routes under ``/v1/kvcomm/contexts`` are answered
 here, after the key check, for the tenant decided as above; a generation request naming a
 context (``segments[i].context``) is checked (404 for an id its tenant does not have) and its
@@ -49,6 +52,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from typing import Any
 
 from starlette.datastructures import Headers
@@ -62,6 +66,7 @@ from kvcomm.integrations.serve.internal import kvcomm_of
 from kvcomm.integrations.serve.routes import RouteTable
 from kvcomm.integrations.serve.vllm_args import accepted_keys
 from kvcomm.integrations.serve.shadows import ShadowRequests
+from kvcomm.integrations.serve import ttft
 from kvcomm.integrations.vllm.params import KvcommParamsError, parse_params, shown  # noqa: F401 (shown: re-exported)
 
 KEY_DIGESTS_ENV = "KVCOMM_TENANT_KEY_DIGESTS"
@@ -195,6 +200,7 @@ class KvcommTenantMiddleware:
         return self.routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        arrived = time.perf_counter()  # kvcomm's TTFT runs from here (serve.ttft)
         table = self._table(scope)
         if scope["type"] not in ("http", "websocket") or table is None:
             await self.app(scope, receive, send)
@@ -249,6 +255,8 @@ class KvcommTenantMiddleware:
                 return
             if uses:
                 send = self.contexts.reporting(send, uses)
+            if route.kind == "generation" and ttft.observed(route.path):
+                send = ttft.FirstToken(send, arrived, route.path, isinstance(kvcomm_of(body), dict))
             if route.kind == "generation" and route.path == "/v1/completions":
                 shadow = await self.heads.before(scope, body)
             raw = json.dumps(body).encode("utf-8")
