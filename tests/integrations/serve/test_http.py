@@ -178,7 +178,7 @@ def test_bad_params_get_a_clear_error_while_good_requests_succeed(kvcomm_server,
     served = [reply for status, reply in answers if status == 200]
     assert all(r["choices"][0]["finish_reason"] in ("length", "stop") for r in served)
     errors = [r["kv_transfer_params"]["kvcomm"].get("error") for r in served]
-    assert errors[0] is None and errors[1] and "prompt length" in errors[1] and errors[2] is None and errors[3] is None
+    assert errors[0] is None and errors[1] is None and "prompt length" in errors[2] and errors[3] is None, errors
     messages = [reply["error"]["message"] for status, reply in answers if status == 400]
     assert "overlaps" in messages[0] and "must be an integer, got str" in messages[1]
     assert "must be an integer, got float" in messages[2]
