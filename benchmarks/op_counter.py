@@ -7,7 +7,9 @@ host<->device copy. Bytes moved: for an aten operator, the bytes of its tensor a
 results (a view counts the elements it addresses); for a ``kvcomm::`` operator, the distinct
 bytes its kernel touches as ``kvcomm.core.device.OP_BYTES`` computes them from its arguments
 (its pointer tables address tensors a dispatch-level view cannot see; what the kernels really
-load and store is measured by ``triton_bytes``). Triton launches are counted too
+load and store is measured under Triton's interpreter: ``bytes_loaded``, ``bytes_stored``, every
+access of every program, and ``distinct_bytes``, each address once; ``table_bytes_loaded`` is
+the part of ``bytes_loaded`` read from integer tables, the addressing). Triton launches are counted too
 (``triton_launches``): every launch on the reuse path must be a ``kvcomm::`` operator.
 
 **Host syncs, by CUDA's rules.** Every tensor is in device memory or in host memory. Host
@@ -77,6 +79,12 @@ class Counts:
     triton_launches: int = 0
     uploads: int = 0
     downloads: int = 0
+    bytes_loaded: int | None = None
+    """Bytes the Triton kernels loaded, every access counted (None: not run in the interpreter)."""
+    bytes_stored: int | None = None
+    table_bytes_loaded: int | None = None
+    distinct_bytes: int | None = None
+    """Bytes at distinct addresses the kernels loaded or stored."""
     ops: dict[str, int] = field(default_factory=dict)
     syncs: dict[str, int] = field(default_factory=dict)
     """Why each host sync was counted: ``"upload (pageable)"``, ``"download: tolist"``, ..."""
@@ -287,7 +295,8 @@ class DispatchCounter(TorchDispatchMode):
         return out
 
     def _patch_triton(self) -> None:
-        """Count every Triton launch (compiled, or in Triton's interpreter)."""
+        """Count every Triton launch (compiled, or in Triton's interpreter) and, in the
+        interpreter, every load and store."""
         try:
             from triton.runtime.interpreter import InterpretedFunction
             from triton.runtime.jit import JITFunction
@@ -302,10 +311,59 @@ class DispatchCounter(TorchDispatchMode):
                 counts.triton_launches += 1
                 return _original(fn, *args, **kwargs)
 
+            self._launch_patch.append((cls, "run", original))
             cls.run = run
-            self._launch_patch.append((cls, original))
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            self._patch_memory()
+
+    def _patch_memory(self) -> None:
+        """Wrap the interpreter's masked load and store: bytes per access, addresses kept for
+        ``distinct_bytes`` (the unmasked ones)."""
+        import numpy as np
+        from triton.runtime.interpreter import InterpreterBuilder
+
+        counts = self.counts
+        counts.bytes_loaded = counts.bytes_stored = counts.table_bytes_loaded = 0
+        addresses: list = []
+        self._addresses = addresses
+        load, store = InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store
+
+        def touched(ptrs, mask) -> tuple[int, int]:
+            item = ptrs.get_element_ty().primitive_bitwidth // 8
+            at = np.asarray(ptrs.data).reshape(-1)
+            on = np.broadcast_to(np.asarray(mask.data), np.asarray(ptrs.data).shape).reshape(-1)
+            chosen = at[on]
+            addresses.append((chosen, item))
+            return int(chosen.size) * item, item
+
+        def masked_load(builder, ptrs, mask, other, *args):
+            n, _ = touched(ptrs, mask)
+            counts.bytes_loaded += n
+            if ptrs.get_element_ty().is_int():
+                counts.table_bytes_loaded += n
+            return load(builder, ptrs, mask, other, *args)
+
+        def masked_store(builder, ptrs, value, mask, *args):
+            counts.bytes_stored += touched(ptrs, mask)[0]
+            return store(builder, ptrs, value, mask, *args)
+
+        InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store = masked_load, masked_store
+        self._launch_patch.append((InterpreterBuilder, "create_masked_load", load))
+        self._launch_patch.append((InterpreterBuilder, "create_masked_store", store))
 
     def _unpatch_triton(self) -> None:
-        for cls, original in self._launch_patch or ():
-            cls.run = original
+        for cls, name, original in reversed(self._launch_patch or ()):
+            setattr(cls, name, original)
         self._launch_patch = None
+        addresses = getattr(self, "_addresses", None)
+        if addresses is not None:
+            import numpy as np
+
+            distinct = 0
+            for item in {i for _, i in addresses}:
+                at = [a for a, i in addresses if i == item]
+                distinct += int(np.unique(np.concatenate(at)).size) * item if at else 0
+            self.counts.distinct_bytes = distinct
+            self._addresses = None

@@ -29,7 +29,9 @@ import numpy as np
 import torch
 
 OP_BYTES: dict[str, Callable[..., int]] = {}
-"""``kvcomm::<name>`` -> bytes its kernel moves, from the operator's arguments."""
+"""``kvcomm::<name>`` -> the distinct bytes its kernel reads and writes, from the operator's
+arguments (what it loads and stores, every access counted, is measured in Triton's interpreter
+by ``benchmarks/op_counter.py``)."""
 
 host_reads = 0
 """How often ``host_read`` ran in this process (a counter for ``benchmarks/bench_ops.py``)."""
