@@ -16,7 +16,8 @@ is what the call must touch at least: each new segment's base, each candidate an
 bytes ``OP_BYTES`` computes); under ``TRITON_INTERPRET=1`` the kernels' loads and stores are
 measured as well: ``bytes_loaded`` and ``bytes_stored`` (every access of every program),
 ``table_bytes_loaded`` (the part read from integer addressing tables) and ``distinct_bytes``
-(each address once). Host syncs are counted by CUDA's rules (``op_counter``).
+(each address once). Host syncs are counted by CUDA's rules (``op_counter``). ``learn_*``: learning from one dense call of the same prompt (made by a
+calibration plan, its KV given), counted the same way.
 
 ``--target paged`` counts what the vLLM worker launches instead: the plan, then the fused write of
 its pieces straight into a paged cache (FlashAttention's ``[2, blocks, block_size, H, D]`` per
@@ -169,6 +170,7 @@ def _case(executor, layers: int, anchors: int, segments: int, tokens: int, chose
                 copy_tokens(KVTarget.at_slots(paged, captured),
                             KVTarget.contiguous(KV(buffer[:, 0], buffer[:, 1]), len(p), tokens))
             captures.append(counter)
+    learned = _learning(engine, p, layers)
     estimated = [piece for piece in plan.pieces if piece.match is not None]
     if len(estimated) != segments:
         raise RuntimeError(f"expected {segments} estimated segments, the plan estimated {len(estimated)}: {plan.note}")
@@ -179,11 +181,23 @@ def _case(executor, layers: int, anchors: int, segments: int, tokens: int, chose
         "capture_bytes_stored": captures[1].counts.bytes_stored, "capture_distinct_bytes": captures[1].counts.distinct_bytes,
         "capture_bytes_moved": captures[1].counts.bytes_moved, "capture_floor_bytes": 2 * layers * 2 * KV_HEADS * tokens * HEAD_DIM * 4}
     return {**captured, "target": target, "layers": layers, "anchors": anchors, "segments": segments, "tokens": tokens,
-            "kernel_ops": c.kernel_ops, "host_syncs": c.host_syncs, "syncs": c.syncs, "bytes_moved": c.bytes_moved,
+            "kernel_ops": c.kernel_ops, "host_syncs": c.host_syncs, "syncs": c.syncs,
+            "learn_kernel_ops": learned.kernel_ops, "learn_host_syncs": learned.host_syncs, "learn_syncs": learned.syncs, "bytes_moved": c.bytes_moved,
             "bytes_loaded": c.bytes_loaded, "bytes_stored": c.bytes_stored, "table_bytes_loaded": c.table_bytes_loaded,
             "distinct_bytes": c.distinct_bytes,
             "floor_bytes": floor_bytes(plan), "triton_launches": c.triton_launches, "reuse_end": plan.reuse_end,
             "first_call_kernel_ops": counters[0].counts.kernel_ops, "ops": dict(sorted(c.ops.items(), key=lambda kv: -kv[1]))}
+
+
+def _learning(engine: ReuseEngine, p: Prompt, layers: int):
+    """The counts of learning from one dense call of ``p`` (its real KV made beforehand, on the device)."""
+    plan = engine.calibration_plan(p)
+    n = len(p) - plan.reuse_end
+    gen = torch.Generator().manual_seed(2)
+    real = KV(torch.randn(layers, KV_HEADS, n, HEAD_DIM, generator=gen), torch.randn(layers, KV_HEADS, n, HEAD_DIM, generator=gen))
+    with DispatchCounter() as counter:
+        engine.learn(plan, real)
+    return counter.counts
 
 
 def vllm_step(tokens: int) -> dict:

@@ -170,6 +170,15 @@ class _Functions(TorchFunctionMode):
             call, owner.call = owner.call, before
         if host is None:
             host = call == "host"
+        if (call == "charged" and isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor)
+                and out.numel() and _storage(out) == _storage(args[0]) and name != "copy_"):
+            # a copy between host and device that this CPU made in place (same memory): give it
+            # memory of its own, as CUDA would, so that host and device memory stay apart
+            owner.silent += 1
+            try:
+                out = out.clone()
+            finally:
+                owner.silent -= 1
         owner.mark(out, host)
         return out
 
@@ -196,6 +205,7 @@ class DispatchCounter(TorchDispatchMode):
         super().__init__()
         self.counts = Counts()
         self.inside = 0
+        self.silent = 0
         self.call: str | None = None
         """The torch-level call running: "charged" (its copy or sync counted), "host" (on host memory), None."""
         self._memory: dict[int, bool] = {}  # storage address -> in host memory
@@ -274,7 +284,7 @@ class DispatchCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = str(func)
-        if getattr(func, "is_view", False) or name in FREE:
+        if self.silent or getattr(func, "is_view", False) or name in FREE:
             return out
         inputs = _tensors((args, kwargs))
         if self.call == "charged" and (name in SYNCS or name in ("aten._to_copy.default", "aten.copy_.default")):

@@ -73,7 +73,7 @@ def _place_torch(piece: Piece, target: KVTarget, rotary: Rotary) -> None:
     device = target.device
     block = block_layers(layers, heads * length * dim * 4, device)
     direct = target.buffer is not None and target.dtype == torch.float32
-    at = positions(piece.position, length)
+    at = positions(piece.position, length, device)
     cos_sin = rotary.cos_sin(at, device) if piece.rotate else None
     keys = torch.empty(block, heads, length, dim, dtype=torch.float32, device=device)
     values = None if direct else torch.empty_like(keys)
