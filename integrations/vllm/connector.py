@@ -33,6 +33,15 @@ object of its side:
 
 Every hook of both sides is timed per engine step (``step_time``).
 
+Both of vLLM's model runners drive these hooks: V1 and Model Runner V2 (``vllm/v1/worker/gpu``,
+vLLM's default wherever Triton runs), which calls ``start_load_kv`` after the forward on steps
+without synchronous loads, ``handle_preemptions`` and ``finish_forward`` around it, and the
+worker-side hooks alone on steps with nothing scheduled (``no_forward``). The injected KV is
+written at the first layer's ``wait_for_layer_load``, inside the forward, in every order.
+``SupportsHMA`` is declared (vLLM keeps its hybrid KV cache manager; a running connector has
+one KV cache group), and no KV cache layout is required (any is learned). docs/vllm-plugin.md,
+"Model Runner V2" and "Hybrid KV cache manager and KV cache layouts".
+
 A vLLM release outside ``versions.TESTED_VLLM`` fails the engine's start-up (unless
 ``KVCOMM_ALLOW_UNTESTED_VLLM=1``). Refused at start-up, never inside a forward (``refusals``): rotary embeddings kvcomm cannot
 realign exactly, attention backends other than CPU_ATTN, FLASH_ATTN, TRITON_ATTN and FLASHINFER
