@@ -126,7 +126,7 @@ def rewrite(body: Any, key: str | None, digests: frozenset[str], kind: str = "ge
         raise ValueError("kv_transfer_params.kvcomm.ticket, computes_head and shadow are set by the server (computed "
                          "heads, the quality guard); remove them")
     if opted_in:
-        parse_params(params, None)  # KvcommParamsError is a ValueError: a 400 (the span's end is checked after tokenization)
+        _check(options)
     if tenant is not None:
         if isinstance(options, dict):
             options["tenant"] = tenant
@@ -139,6 +139,17 @@ def rewrite(body: Any, key: str | None, digests: frozenset[str], kind: str = "ge
     elif isinstance(body.get("cache_salt"), str):
         body["cache_salt"] = client_salt(body["cache_salt"])
     return body
+
+
+def _check(options: Any) -> None:
+    """``parse_params`` without the prompt's length (the span's end is checked after vLLM
+    tokenizes): ``KvcommParamsError``, a ValueError, is a 400. A segment's ``context`` key is
+    the context API's (``serve.contexts`` checks it and removes it before vLLM sees the body)."""
+    segments = options.get("segments") if isinstance(options, dict) else None
+    if isinstance(segments, list):
+        options = {**options, "segments": [{k: v for k, v in s.items() if k != "context"} if isinstance(s, dict) else s
+                                           for s in segments]}
+    parse_params({"kvcomm": options}, None)
 
 
 def _bearer(headers: Headers) -> str | None:
