@@ -2,7 +2,7 @@
 
 kvcomm's reuse state on a CPU is thousands of tensors of a few MiB each (one segment's KV),
 allocated and freed as pools learn and evict and captures come and go. glibc serves such
-allocations from its heaps (its mmap threshold rises to 32 MiB after the first large free) and
+allocations from its heaps (its mmap threshold rises, up to 32 MiB, with the large blocks freed) and
 keeps what is freed there for later allocations, so without a trim the worker's RSS grows past
 the bytes kvcomm holds by a few hundred MiB under churn (docs/measurements/2026-12-07-soak-memory.md).
 ``Trimmer`` asks glibc to return whole free pages, from a daemon thread (``malloc_trim``
@@ -20,8 +20,8 @@ import threading
 log = logging.getLogger(__name__)
 
 TRIM_INTERVAL_S = 2.0
-"""Seconds between two trims at most: one trim returned ~200 MiB in ~60 ms of its own thread
-(the pages' unmapping); trimming often keeps each one short."""
+"""Seconds between two trims at least: a trim's cost is unmapping the pages it returns (its
+own thread, docs/measurements/2026-12-07-soak-memory.md), so trimming often keeps each short."""
 
 
 def _malloc_trim():
