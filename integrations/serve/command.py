@@ -221,8 +221,8 @@ def serve_command(args, vllm_args: list[str]) -> int:
     # prometheus_client picks where metric values live when it is first imported (vLLM imported
     # it above, before the directory was set): without this, the metrics this process creates
     # (vLLM's own TTFT and latency histograms, kvcomm's TTFT histogram) stay in its memory, which
-    # /metrics (multiprocess mode: the directory only) never reads (serve.contexts' counters
-    # worked around it on their own)
+    # /metrics (multiprocess mode: the directory only) never reads; this is the process's one
+    # multiprocess value class (a second one would open its files twice: serve.contexts)
     import prometheus_client.values
 
     prometheus_client.values.ValueClass = prometheus_client.values.get_value_class()

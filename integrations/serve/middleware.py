@@ -104,9 +104,9 @@ def rewrite(body: Any, key: str | None, digests: frozenset[str], kind: str = "ge
     """The request body as vLLM should see it (see the module docstring). ``key``: the
     request's bearer key; ``digests``: the tenant keys' digests (empty: one tenant for all);
     ``kind``: the route's kind (``serve.routes``: ``generation``, ``salted``, or any other for a
-    body with neither). Raises ValueError for a ``kvcomm.handle`` sent over HTTP and for options
-    ``params.parse_params`` refuses without the prompt's length (types, keys, names, sizes,
-    order). Bodies that are not JSON objects pass unchanged (vLLM reports them)."""
+    body with neither). Raises ValueError for a ``kvcomm.handle``, ``ticket``, ``computes_head``
+    or ``shadow`` sent over HTTP (the options themselves: ``check_options``). Bodies that are
+    not JSON objects pass unchanged (vLLM reports them)."""
     if not isinstance(body, dict):
         return body
     params, options = _options(body)
@@ -125,8 +125,6 @@ def rewrite(body: Any, key: str | None, digests: frozenset[str], kind: str = "ge
     if isinstance(options, dict) and {"ticket", "computes_head", "shadow"} & set(options):
         raise ValueError("kv_transfer_params.kvcomm.ticket, computes_head and shadow are set by the server (computed "
                          "heads, the quality guard); remove them")
-    if opted_in:
-        _check(options)
     if tenant is not None:
         if isinstance(options, dict):
             options["tenant"] = tenant
@@ -141,15 +139,14 @@ def rewrite(body: Any, key: str | None, digests: frozenset[str], kind: str = "ge
     return body
 
 
-def _check(options: Any) -> None:
-    """``parse_params`` without the prompt's length (the span's end is checked after vLLM
-    tokenizes): ``KvcommParamsError``, a ValueError, is a 400. A segment's ``context`` key is
-    the context API's (``serve.contexts`` checks it and removes it before vLLM sees the body)."""
-    segments = options.get("segments") if isinstance(options, dict) else None
-    if isinstance(segments, list):
-        options = {**options, "segments": [{k: v for k, v in s.items() if k != "context"} if isinstance(s, dict) else s
-                                           for s in segments]}
-    parse_params({"kvcomm": options}, None)
+def check_options(body: dict) -> None:
+    """``params.parse_params`` of a generation request's kvcomm options without the prompt's
+    length (a span's end is checked after vLLM tokenizes), on the body as vLLM will see it
+    (rewritten, a named context's key taken out by ``serve.contexts``): ``KvcommParamsError``,
+    a ValueError, is a 400."""
+    params = body.get("kv_transfer_params")
+    if isinstance(params, dict) and "kvcomm" in params:
+        parse_params(params, None)
 
 
 def _bearer(headers: Headers) -> str | None:
@@ -258,6 +255,8 @@ class KvcommTenantMiddleware:
             try:
                 body = rewrite(body, key, self.digests, route.kind)
                 uses = await self.contexts.annotate(scope, body) if route.kind == "generation" else []
+                if route.kind == "generation":
+                    check_options(body)
             except ContextError as error:
                 await _error(error.status, str(error), type(error).__name__)(scope, receive, send)
                 return
