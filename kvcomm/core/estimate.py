@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-
 from kvcomm.core.blocks import block_layers
 from kvcomm.core.device import staged
 from kvcomm.core.kv import KV
