@@ -217,6 +217,9 @@ class DispatchCounter(TorchDispatchMode):
 
     def __enter__(self):
         self._patch_triton()
+        self._pinned_before = getattr(device, "PINNED_WHERE_CUDA", None)
+        if hasattr(device, "PINNED_WHERE_CUDA"):
+            device.PINNED_WHERE_CUDA = {}  # staged's stand-ins for pinned memory, recorded while counting
         self._from_numpy = torch.from_numpy
         counter = self
 
@@ -236,6 +239,8 @@ class DispatchCounter(TorchDispatchMode):
             self._functions.__exit__(*exc)
             torch.from_numpy = self._from_numpy
             self._unpatch_triton()
+            if hasattr(device, "PINNED_WHERE_CUDA"):
+                device.PINNED_WHERE_CUDA = self._pinned_before
 
     # -- memory and copies --------------------------------------------------------------------
 

@@ -65,20 +65,23 @@ def staged(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     (``benchmarks/op_counter.py``) charges the copy as CUDA would charge it."""
     if device.type == "cuda":
         return host.pin_memory()
-    key = id(host)
-    PINNED_WHERE_CUDA[key] = weakref.ref(host, lambda _, key=key: PINNED_WHERE_CUDA.pop(key, None))
+    table = PINNED_WHERE_CUDA
+    if table is not None:
+        key = id(host)
+        table[key] = weakref.ref(host, lambda _, key=key, table=table: table.pop(key, None))
     return host
 
 
-PINNED_WHERE_CUDA: dict[int, weakref.ref] = {}
-"""``id`` -> the host tensors ``staged`` would have pinned on CUDA (each removed when it dies)."""
+PINNED_WHERE_CUDA: dict[int, weakref.ref] | None = None
+"""``id`` -> the host tensors ``staged`` would have pinned on CUDA (each removed when it dies);
+a dict only while a counter (``benchmarks/op_counter.py``) counts, else None: serving records nothing."""
 
 
 def pinned_where_cuda(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is pinned, or is a stand-in ``staged`` would have pinned on CUDA."""
     if tensor.device.type == "cpu" and tensor.is_pinned():
         return True
-    held = PINNED_WHERE_CUDA.get(id(tensor))
+    held = PINNED_WHERE_CUDA.get(id(tensor)) if PINNED_WHERE_CUDA is not None else None
     return held is not None and held() is tensor
 
 
