@@ -25,6 +25,9 @@ from kvcomm.anchors.pool import ADMISSION_TEMPERATURE
 from kvcomm.core.device import OP_BYTES, host_read, upload, uses_triton
 from kvcomm.core.kv import KV
 
+DISTANCE_BLOCK = 32
+"""Tokens per program of ``distances_kernel`` (its grid grows with the segment's length)."""
+
 ENTROPY_TOLERANCE = 1e-9
 """Admission's slack on ``gamma * log(#compatible)``: in fp32 a uniform p has an entropy just
 above log(n), so gamma = 1 (which must always reuse) would never reuse."""
@@ -151,14 +154,16 @@ def _fused_admission(requests: list[Candidates], gammas: list[float]):
     floats = packed.view(torch.float64)
     s_counts, s_weighted, s_limits, s_anchors = (starts[len(requests) + i] for i in range(4))
     span = max(max(n) for n in counts)
-    channel = torch.empty(len(requests), width, layers, heads, dim, dtype=torch.float32, device=device)
+    blocks = triton.cdiv(max(max(n) for n in counts), DISTANCE_BLOCK)
+    parts = torch.empty(len(requests), width, blocks, layers, heads, dim, dtype=torch.float32, device=device)
     tokens = []
     for s, c in enumerate(requests):
         token = torch.empty(len(c.anchors), heads, span, dtype=torch.float32, device=device)
         distances_op(c.base.values, packed[starts[s] : starts[s + 1]],
                      packed[s_counts + s * width : s_counts + s * width + len(c.anchors)], token,
-                     channel[s, : len(c.anchors)], layers, max(counts[s]))
+                     parts[s, : len(c.anchors)], layers, max(counts[s]))
         tokens.append(token)
+    channel = parts.sum(2)  # the token blocks' shares, every segment at once
     every_head = requests[0].pool.heads.gather([channel], [3])[0]  # admission reads every head's differences
     result = torch.empty(len(requests), 2 + width, dtype=torch.float64, device=device)
     admission_op(every_head, floats[s_weighted:s_limits], packed[s_anchors:], floats[s_limits:s_anchors], result, width,
@@ -176,17 +181,18 @@ def _fused_admission(requests: list[Candidates], gammas: list[float]):
 @torch.library.custom_op("kvcomm::distances", mutates_args=("token", "channel"))
 def distances_op(values: torch.Tensor, table: torch.Tensor, counts: torch.Tensor, token: torch.Tensor,
                  channel: torch.Tensor, layers: int, span: int) -> None:
-    """One ``distances_kernel`` launch: grid (candidates, heads)."""
+    """One ``distances_kernel`` launch: grid (candidates, heads, token blocks of ``span``);
+    ``channel`` ``[candidates, blocks, layers, heads, dim]``: each block's share."""
     import triton
 
     from kvcomm.core.triton_kernels import distances_kernel
 
     anchors, heads = token.shape[0], token.shape[1]
     dim = values.shape[3]
-    distances_kernel[(anchors, heads)](
+    distances_kernel[(anchors, heads, triton.cdiv(span, DISTANCE_BLOCK))](
         values, values.stride(0), values.stride(1), values.stride(2), table, counts, token, token.stride(0), token.stride(1),
-        channel, channel.stride(0), channel.stride(1), channel.stride(2), layers, dim,
-        BT=32, BD=triton.next_power_of_2(dim),
+        channel, channel.stride(0), channel.stride(1), channel.stride(2), channel.stride(3), layers, dim,
+        BT=DISTANCE_BLOCK, BD=triton.next_power_of_2(dim),
     )
 
 
@@ -195,7 +201,7 @@ def _distances_bytes(values, table, counts, token, channel, layers, span) -> int
     candidate's values on its compared tokens, and the two outputs."""
     anchors, heads = token.shape[0], token.shape[1]
     dim, item = values.shape[3], values.element_size()
-    return (anchors + 1) * layers * heads * span * dim * item + token.numel() * 4 + channel.numel() * 4
+    return (anchors + 1) * layers * heads * span * dim * item + token.numel() * 4 + channel[:, :1].numel() * 4
 
 
 @torch.library.custom_op("kvcomm::admission", mutates_args=("out",))

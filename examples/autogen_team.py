@@ -15,12 +15,18 @@ then ``client.summary(baseline=dense)``: summed TTFT and wall time per agent and
 the ratios against dense.
 
     .venv/bin/python examples/autogen_team.py [--tasks 2] [--max-tokens 32]
-    .venv/bin/python examples/autogen_team.py --remote http://localhost:8000 [--api-key K]   # against `kvcomm serve`
+    .venv/bin/python examples/autogen_team.py --remote http://localhost:8000 [--api-key K] [--stream]   # against `kvcomm serve`
 
 A few minutes on a 2-core CPU (SmolLM2-135M, fp32). With ``--remote`` the same team runs
-against a server (its engine, its ``--gamma``; the dense run sends plain requests), without
-streaming: vLLM streams no ``kv_transfer_params``, so a streamed call could not say what it
-reused. Its TTFT is then the client's end-to-end figure (docs/autogen.md, "Statistics").
+against a server (its engine, its ``--gamma``; the dense run sends plain requests), by default
+without streaming: vLLM streams no ``kv_transfer_params``, so only a call answered whole says
+what it reused; its TTFT is then the client's end-to-end figure, the call's wait less the
+server's decode interval (docs/autogen.md, "Statistics"), and the stopwatch sees no first
+token. ``--stream`` streams the remote calls too: TTFT is then the first token as it arrives,
+measured by the client and by the stopwatch alike, and the reason column says the split is
+unknown. Remotely the script also prints the server's own summed TTFT per mode
+(``kvcomm_time_to_first_token_seconds`` on ``/metrics``: from each request's arrival at the
+server to its first token, planning and computed heads included; docs/serving.md).
 Reuse pays on long shared text; on prompts of a few dozen tokens planning costs more than
 it saves.
 """
@@ -105,6 +111,25 @@ def make_clients(args) -> dict[str, Stopwatch]:
             "reuse": Stopwatch(ChatBackend(reuse, ReuseEngine(reuse.rotary), args.max_tokens))}
 
 
+def server_ttft(args) -> dict[str, tuple[float, float]]:
+    """The server's ``kvcomm_time_to_first_token_seconds`` on ``/v1/completions`` as (sum, count)
+    per mode ("reuse": requests that opted into kvcomm, "dense": plain ones); {} when unread."""
+    import re
+    import urllib.request
+
+    request = urllib.request.Request(args.remote.rstrip("/").removesuffix("/v1") + "/metrics",
+                                     headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        text = response.read().decode()
+    found: dict[str, list[float]] = {"reuse": [0.0, 0.0], "dense": [0.0, 0.0]}
+    for line in text.splitlines():
+        match = re.match(r'^kvcomm_time_to_first_token_seconds_(sum|count)\{([^}]*)\} (\S+)$', line)
+        if match and 'route="/v1/completions"' in match.group(2):
+            mode = "reuse" if 'kvcomm="yes"' in match.group(2) else "dense"
+            found[mode][0 if match.group(1) == "sum" else 1] += float(match.group(3))
+    return {mode: (total, count) for mode, (total, count) in found.items()}
+
+
 def seconds(x: float | None) -> str:
     return "  n/a " if x is None else f"{x:6.2f}"
 
@@ -115,11 +140,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="reply budget per agent call")
     parser.add_argument("--remote", metavar="URL", help="run against `kvcomm serve` at URL instead of in process")
     parser.add_argument("--api-key", help="with --remote: one of the server's --api-key keys")
+    parser.add_argument("--stream", action="store_true",
+                        help="with --remote: stream the calls (TTFT measured at the first token; no reuse split)")
     args = parser.parse_args()
     if not 1 <= args.tasks <= len(TASKS):
         parser.error(f"--tasks must be in 1..{len(TASKS)}")
+    if args.stream and not args.remote:
+        parser.error("--stream is for --remote (in process the calls always stream)")
     clients = make_clients(args)
-    stream = not args.remote
+    stream = not args.remote or args.stream
+    before = server_ttft(args) if args.remote else {}
     replies: dict[str, list[str]] = {"dense": [], "reuse": []}
     for number, task in enumerate(TASKS[: args.tasks]):
         order = ("dense", "reuse") if number % 2 == 0 else ("reuse", "dense")  # alternate who goes first
@@ -146,12 +176,17 @@ def main() -> None:
     equal = sum(a == b for a, b in zip(replies["dense"], replies["reuse"]))
     print(f"\nreplies equal to dense: {equal}/{min(len(replies['dense']), len(replies['reuse']))}; prompt tokens reused: "
           f"{summary['exact_tokens'] + summary['estimated_tokens']:,} of {summary['prompt_tokens']:,}")
+    after = server_ttft(args) if args.remote else {}
     for mode, client in clients.items():
-        measured = [m for m in client.measured if m[0] is not None]
-        if measured:
-            reported = client.summary()
-            print(f"{mode}: summed TTFT reported {reported['ttft_s']:.2f} s, measured {sum(m[0] for m in measured):.2f} s; "
-                  f"summed wall time reported {reported['wall_s']:.2f} s, measured {sum(m[1] for m in client.measured):.2f} s")
+        reported = client.summary()
+        measured = [m[0] for m in client.measured if m[0] is not None]
+        line = (f"{mode}: summed TTFT reported {seconds(reported['ttft_s']).strip()} s, measured "
+                f"{f'{sum(measured):.2f}' if len(measured) == len(client.measured) else 'n/a'} s")
+        if after:
+            total, count = (after[mode][i] - before[mode][i] for i in (0, 1))
+            line += f", server {total:.2f} s ({count:.0f} requests)"
+        print(line + f"; summed wall time reported {reported['wall_s']:.2f} s, measured "
+                     f"{sum(m[1] for m in client.measured):.2f} s")
 
 
 def ratio(x: float | None) -> str:

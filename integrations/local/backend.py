@@ -41,8 +41,17 @@ class ChatCall:
         its client was told (AutoGen: the team participant that is calling, or ``agent_name=``;
         AG2: ``agent_name=`` at ``register_model_client``), else the name on the agent's own earlier
         replies in this conversation (AutoGen ``source``, AG2 ``name``), else None.
-    reply_registered: the reply's KV was kept as a base for whoever reads it next (False when
-        its text does not re-tokenize to the same ids, or without reuse).
+    reply_registered: this call kept its reply's decode KV as the base of the reply's text, so
+        its readers reuse it without computing it. True only under a reuse scope that takes
+        replies' bases from their decode (``all``, ``content``; not the default
+        ``all-reader-replies``, where the reply's first reader computes it and that KV becomes
+        its base), for a call whose prompt had nothing estimated, and a reply whose text
+        re-tokenizes to the same ids. A reply cut by ``max_tokens`` counts like one that
+        stopped: in process the executor feeds its last token back, and a remote client asks
+        the server for one token more and keeps ``max_tokens`` (``RemoteChatBackend``), so
+        every kept token's KV exists. In process and remotely alike (remotely the server's
+        response says whether it keeps the decode KV: ``kv_transfer_params.kvcomm.reply_base``).
+        False without reuse and for a streamed remote call (vLLM streams no kvcomm summary).
     contexts: for each ``context_id`` the call named, "hit" (retained and its tokens' KV served
         from stored KV), "unused" (retained, but this call reused none of its tokens: the plan
         stopped before the message, ``provenance.note`` says why), "fallback" (released or
@@ -223,7 +232,7 @@ class ChatBackend:
             provenance = _from_call_start(provenance, ahead)
             self._cap_anchors()
             text = self.executor.decode(generation.reply_ids)
-            registered = self._keep_reply(generation, text)
+            registered = self._keep_reply(generation, text, provenance)
             self._note_bases(chat, generation)
             tool_calls, text_out = parse_tool_calls(text) if tools else ([], text)
             if stopped:
@@ -274,15 +283,21 @@ class ChatBackend:
         self.anchor_evictions += evicted
         return evicted
 
-    def _keep_reply(self, generation, text: str) -> bool:
-        """Keep the reply's base only if readers will tokenize its text to the same ids."""
+    def _keep_reply(self, generation, text: str, provenance: Provenance) -> bool:
+        """``ChatCall.reply_registered``: whether this call kept its reply's decode KV as the base
+        of its text. The engine learned it (``ReuseEngine.learn``) when its scope takes replies'
+        bases from their decode and the prompt had nothing estimated (``learns_reply_from``: no
+        estimated token, recomputed ones included); it is kept only if readers will tokenize
+        the text to the same ids. A base of the same text from elsewhere (a reader that
+        computed an identical earlier reply) does not make this call's reply registered."""
         if self.engine is None or not generation.reply_ids or not self.engine.uses_bases:
             return False
         shared_id = content_id(generation.reply_ids)
         if tuple(self.executor.encode(text)) != generation.reply_ids:
             self.engine.drop_base(shared_id)
             return False
-        return self.engine.has_base(shared_id)
+        learned = self.engine.scope.decode_reply_bases and provenance.estimated_tokens + provenance.recomputed_tokens == 0
+        return learned and self.engine.has_base(shared_id)
 
     def _note_bases(self, chat: ChatPrompt, generation) -> None:
         """Tell the registry which bases this call used or made (sizes from the KV's

@@ -34,6 +34,7 @@ def _tokens(calls: Sequence) -> dict[str, Any]:
         "calls": len(calls), "prompt_tokens": prompt, "exact_tokens": exact, "estimated_tokens": estimated,
         "computed_tokens": prompt - exact - estimated,
         "head_tokens": sum(c.provenance.head_tokens for c in calls),
+        "realigned_tokens": sum(c.provenance.realigned_tokens for c in calls),
         "token_reuse_rate": (exact + estimated) / prompt if prompt else 0.0,
     }
 
@@ -41,7 +42,8 @@ def _tokens(calls: Sequence) -> dict[str, Any]:
 def summarize(calls: Sequence, baseline: Any = None) -> dict[str, Any]:
     """Totals over ``calls`` (``ChatCall``s): the token counts by source (they add up to
     ``prompt_tokens``; ``head_tokens``: of the computed ones, those computed before reused
-    content), ``token_reuse_rate``, ``agent_reuse_rate`` (calls that reused some shared
+    content; ``realigned_tokens``: of the estimated ones, those served as their realigned base
+    without an anchor's deviation, ``Provenance.realigned_tokens``), ``token_reuse_rate``, ``agent_reuse_rate`` (calls that reused some shared
     message / calls), ``calls_reusing_nothing`` (no token exact or estimated),
     ``calls_estimating_nothing`` (shared messages outside the exact prefix, none estimated:
     ``Provenance.fallback``; such a call may still have reused a long exact prefix), the

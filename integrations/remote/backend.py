@@ -335,9 +335,11 @@ class RemoteChatBackend:
             reason = "length"  # as in process: the budget was reached
         if tool_calls:
             reason = "function_calls"
-        # A reader reuses the reply's base when the text re-tokenizes to the same ids.
-        registered = bool(self.reuse and summary and "error" not in summary and fed
-                          and reply_ids and self.encode(self.decode(reply_ids)) == reply_ids)
+        # The server keeps the reply's decode KV as its base when its plan says so (reply_base:
+        # the scope and an unestimated prompt, as in process); a reader reuses it when the text
+        # re-tokenizes to the same ids.
+        registered = bool(self.reuse and summary and "error" not in summary and summary.get("reply_base") is True
+                          and fed and reply_ids and self.encode(self.decode(reply_ids)) == reply_ids)
         call = ChatCall(
             chat.prompt.template_id, calling_agent(turns, agent), provenance, completion_tokens, reason, registered,
             time.perf_counter() - started, self._context_report(chat, context_ids, summary, data.get("contexts")),

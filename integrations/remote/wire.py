@@ -4,7 +4,10 @@ The client renders the conversation locally (``local.segments``), so the request
 token ids and each shared message is a span ``[start, end)`` of them, annotated in
 ``kv_transfer_params["kvcomm"]`` (schema: ``vllm.params``). The server plans those spans with
 its own reuse engine and answers with ``{"kvcomm": {"prompt_tokens", "exact_tokens",
-"estimated_tokens", "computed_tokens", "fallback", "note"}}`` (or ``{"error": ...}``).
+"estimated_tokens", "realigned_tokens", "computed_tokens", "head_tokens", "fallback",
+"reply_base", "note", "reason"}}`` (or ``{"error": ...}``; ``realigned_tokens``, the part of
+``estimated_tokens`` served without an anchor's deviation, and ``reply_base``, whether the server
+keeps the reply's decode KV as its base, are absent from older servers: 0 and False).
 
 Slot names on the wire must match ``[A-Za-z_][A-Za-z0-9_.-]{0,63}``: the local slot
 ``"{author}#{k}"`` travels as ``"{author}.{k}"``, an author name outside that alphabet as its
@@ -97,7 +100,7 @@ def provenance(
     reused = None if summary is None or "error" in summary else (
         int(summary.get("exact_tokens", 0)) + int(summary.get("estimated_tokens", 0)))
     extra = cached_note(cached_tokens, reused if summary is not None and "exact_tokens" in summary else None,
-                        int((summary or {}).get("head_tokens", 0) or 0))
+                        int((summary or {}).get("head_tokens", 0) or 0), annotated=reuse)
     if summary is not None and "error" in summary:
         why_unknown = f"server rejected the kvcomm options (served without reuse): {summary['error']}"
         summary = None
@@ -108,8 +111,9 @@ def provenance(
         if not why_unknown:
             why_unknown = "dense: no kvcomm options sent" if not reuse else (
                 "the server returned no kvcomm provenance (started with --no-plan, or not `kvcomm serve`?)")
+        # an annotated request's cached count may hold KV kvcomm loaded: no prefix-cache count to report
         return Provenance(prompt_tokens, 0, 0, prompt_tokens, shared, 0, False, _join(why_unknown, extra), ttft_s,
-                          cached_tokens=cached_tokens or 0)
+                          cached_tokens=0 if reuse else cached_tokens or 0)
     exact, estimated = int(summary["exact_tokens"]), int(summary["estimated_tokens"])
     head = int(summary.get("head_tokens", 0))  # computed before the served pieces, in a request of its own
     end = exact + head + estimated
@@ -122,6 +126,7 @@ def provenance(
         int(summary["prompt_tokens"]), exact, estimated, int(summary["computed_tokens"]), shared, reused_shared,
         bool(summary.get("fallback", False)), note, ttft_s,
         cached_tokens=max(0, cached_tokens - end) if cached_tokens is not None else 0, head_tokens=head,
+        realigned_tokens=min(estimated, int(summary.get("realigned_tokens", 0) or 0)),
     )
 
 
@@ -130,7 +135,7 @@ def _overlap(a: int, b: int, c: int, d: int) -> int:
     return max(0, min(b, d) - max(a, c))
 
 
-def cached_note(cached: int | None, reused: int | None, head: int = 0) -> str:
+def cached_note(cached: int | None, reused: int | None, head: int = 0, annotated: bool = False) -> str:
     """vLLM's cached count next to kvcomm's, saying which is which. vLLM's ``cached_tokens`` are
     the prompt tokens vLLM did not compute in this request: its own prefix-cache hit (under
     kvcomm's salt its blocks may hold KV kvcomm wrote earlier, estimated included), which
@@ -138,9 +143,14 @@ def cached_note(cached: int | None, reused: int | None, head: int = 0) -> str:
     the KV kvcomm's connector loaded past that hit. kvcomm's exact + estimated (``reused``) are
     what its plan served; the plan does not see vLLM's hit, so where the hit reaches further
     than the plan and its head, vLLM computed fewer tokens than kvcomm's computed count says:
-    that excess is ``Provenance.cached_tokens``, and the note names the same number."""
+    that excess is ``Provenance.cached_tokens``, and the note names the same number. Without
+    kvcomm's split (``reused`` None) of an ``annotated`` request (e.g. a streamed one) the count
+    cannot be told apart, and the note says so in words the reason keeps."""
     if cached is None:
         return ""
+    if reused is None and annotated:
+        return "" if not cached else (f"vLLM did not compute {cached:,} of the prompt tokens (its prefix cache or KV kvcomm loaded "
+                "served them; this response has no split)")
     if reused is None:
         return f"vLLM cached_tokens {cached}: vLLM's prefix-cache hit (kvcomm reported no split)"
     planned = reused + head

@@ -140,6 +140,20 @@ def default_max_total_bytes(capture_bytes: int | None) -> int | None:
     return host_memory_budget(DEFAULT_MAX_CAPTURE_BYTES if capture_bytes is None else capture_bytes)
 
 
+def memory_line(cap: int | None, default: bool, capture_bytes: int | None) -> str:
+    """What the start-up line says of kvcomm's memory: the reuse state's cap and the capture
+    budget of the requests in flight, which together bound what kvcomm holds."""
+    from kvcomm.integrations.vllm.scheduler import DEFAULT_MAX_CAPTURE_BYTES
+
+    gib = 1 << 30
+    captures = (DEFAULT_MAX_CAPTURE_BYTES if capture_bytes is None else capture_bytes) / gib
+    if not cap:
+        return (f"reuse state capped at 90% of the accelerator memory vLLM leaves free less the captures in flight "
+                f"({captures:.1f} GiB)")
+    return (f"reuse state capped at {cap / gib:.1f} GiB{' (the default)' if default else ''} and captures in flight at "
+            f"{captures:.1f} GiB: kvcomm holds at most {cap / gib + captures:.1f} GiB beside vLLM")
+
+
 def engine_settings(args, default_total_bytes: int | None = None) -> dict:
     """The connector's extra config from `kvcomm serve`'s own options (None values: the
     defaults; ``default_total_bytes``: ``--max-total-bytes`` when not given)."""
@@ -204,6 +218,14 @@ def serve_command(args, vllm_args: list[str]) -> int:
     from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
 
     setup_multiprocess_prometheus()  # the connector's metrics live in the engine-core and worker processes
+    # prometheus_client picks where metric values live when it is first imported (vLLM imported
+    # it above, before the directory was set): without this, the metrics this process creates
+    # (vLLM's own TTFT and latency histograms, kvcomm's TTFT histogram) stay in its memory, which
+    # /metrics (multiprocess mode: the directory only) never reads; this is the process's one
+    # multiprocess value class (a second one would open its files twice: serve.contexts)
+    import prometheus_client.values
+
+    prometheus_client.values.ValueClass = prometheus_client.values.get_value_class()
     os.environ[CONTEXTS_CONFIG_ENV] = contexts_config(engine, vllm_args)
     given = shutdown_timeout(vllm_args)
     warning = state_environment(args.state_dir, os.environ, STATE_SHUTDOWN_TIMEOUT_S if given is None else given)
@@ -212,9 +234,7 @@ def serve_command(args, vllm_args: list[str]) -> int:
     os.environ[PLAN_AHEAD_ENV] = "0" if args.no_plan else "1"
     sys.argv = argv
     tenants = f"{len(keys)} API keys, one tenant each" if keys and args.tenant_per_key else "one tenant"
-    cap = engine["max_total_bytes"]
-    memory = ("reuse state capped at " + (f"{cap / (1 << 30):.1f} GiB" if cap else "90% of the accelerator memory vLLM "
-              "leaves free") + (" (the default)" if args.max_total_bytes is None else ""))
+    memory = memory_line(engine["max_total_bytes"], args.max_total_bytes is None, args.max_capture_bytes)
     print(f"kvcomm: {tenants}; {memory}; " + " ".join(hidden(sys.argv, keys)), file=sys.stderr)
     vllm_main()
     return 0

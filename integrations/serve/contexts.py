@@ -77,21 +77,13 @@ _DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2
 
 
 def _counter(name: str, documentation: str, label: str, values_: tuple[str, ...]) -> Counter:
-    """A counter with every label value created now, as a Prometheus multiprocess value when
-    ``PROMETHEUS_MULTIPROC_DIR`` is set: `kvcomm serve`'s ``/metrics`` reads only those, and
-    this process imported ``prometheus_client`` before vLLM set the folder (so its default
-    values stay in this process alone)."""
-    from prometheus_client import values
-
-    saved = values.ValueClass
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        values.ValueClass = values.MultiProcessValue()
-    try:
-        counter = Counter(name, documentation, [label])
-        for value in values_:
-            counter.labels(value)
-    finally:
-        values.ValueClass = saved
+    """A counter with every label value created now. Under `kvcomm serve` its values live in
+    Prometheus's multiprocess folder (``serve.command`` makes that the default value class of
+    this process before vLLM starts); a second value class of its own would open this process's
+    counter file a second time, and the two writers corrupt it (``/metrics`` then fails)."""
+    counter = Counter(name, documentation, [label])
+    for value in values_:
+        counter.labels(value)
     return counter
 
 

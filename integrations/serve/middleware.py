@@ -37,6 +37,9 @@ Either way blocks holding approximate KV (written only for opted-in, server-salt
 are never an exact prefix hit for a plain request. A ``kvcomm.handle`` (in-process orders
 only) is refused over HTTP with status 400.
 
+TTFT (``serve.ttft``): completion responses are timed from the request's arrival here to their
+first token, planning and computed heads included (``kvcomm_time_to_first_token_seconds``).
+
 Retained contexts (``serve.contexts``): the routes under ``/v1/kvcomm/contexts`` are answered
 here, after the key check, for the tenant decided as above; a generation request naming a
 context (``segments[i].context``) is checked (404 for an id its tenant does not have) and its
@@ -49,6 +52,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from typing import Any
 
 from starlette.datastructures import Headers
@@ -62,7 +66,8 @@ from kvcomm.integrations.serve.internal import kvcomm_of
 from kvcomm.integrations.serve.routes import RouteTable
 from kvcomm.integrations.serve.vllm_args import accepted_keys
 from kvcomm.integrations.serve.shadows import ShadowRequests
-from kvcomm.integrations.vllm.params import KvcommParamsError, check_sizes, shown  # noqa: F401 (shown: re-exported)
+from kvcomm.integrations.serve import ttft
+from kvcomm.integrations.vllm.params import KvcommParamsError, parse_params, shown  # noqa: F401 (shown: re-exported)
 
 KEY_DIGESTS_ENV = "KVCOMM_TENANT_KEY_DIGESTS"
 """Comma-separated SHA-256 hex digests of the API keys that are tenants (set by ``kvcomm serve``)."""
@@ -99,8 +104,9 @@ def rewrite(body: Any, key: str | None, digests: frozenset[str], kind: str = "ge
     """The request body as vLLM should see it (see the module docstring). ``key``: the
     request's bearer key; ``digests``: the tenant keys' digests (empty: one tenant for all);
     ``kind``: the route's kind (``serve.routes``: ``generation``, ``salted``, or any other for a
-    body with neither). Raises ValueError for a ``kvcomm.handle`` sent over HTTP and for options
-    over ``params.check_sizes``'s bounds. Bodies that are not JSON objects pass unchanged (vLLM reports them)."""
+    body with neither). Raises ValueError for a ``kvcomm.handle``, ``ticket``, ``computes_head``
+    or ``shadow`` sent over HTTP (the options themselves: ``check_options``). Bodies that are
+    not JSON objects pass unchanged (vLLM reports them)."""
     if not isinstance(body, dict):
         return body
     params, options = _options(body)
@@ -119,7 +125,6 @@ def rewrite(body: Any, key: str | None, digests: frozenset[str], kind: str = "ge
     if isinstance(options, dict) and {"ticket", "computes_head", "shadow"} & set(options):
         raise ValueError("kv_transfer_params.kvcomm.ticket, computes_head and shadow are set by the server (computed "
                          "heads, the quality guard); remove them")
-    check_sizes(options)  # KvcommParamsError is a ValueError: a 400
     if tenant is not None:
         if isinstance(options, dict):
             options["tenant"] = tenant
@@ -132,6 +137,16 @@ def rewrite(body: Any, key: str | None, digests: frozenset[str], kind: str = "ge
     elif isinstance(body.get("cache_salt"), str):
         body["cache_salt"] = client_salt(body["cache_salt"])
     return body
+
+
+def check_options(body: dict) -> None:
+    """``params.parse_params`` of a generation request's kvcomm options without the prompt's
+    length (a span's end is checked after vLLM tokenizes), on the body as vLLM will see it
+    (rewritten, a named context's key taken out by ``serve.contexts``): ``KvcommParamsError``,
+    a ValueError, is a 400."""
+    params = body.get("kv_transfer_params")
+    if isinstance(params, dict) and "kvcomm" in params:
+        parse_params(params, None)
 
 
 def _bearer(headers: Headers) -> str | None:
@@ -193,6 +208,7 @@ class KvcommTenantMiddleware:
         return self.routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        arrived = time.perf_counter()  # kvcomm's TTFT runs from here (serve.ttft)
         table = self._table(scope)
         if scope["type"] not in ("http", "websocket") or table is None:
             await self.app(scope, receive, send)
@@ -239,6 +255,8 @@ class KvcommTenantMiddleware:
             try:
                 body = rewrite(body, key, self.digests, route.kind)
                 uses = await self.contexts.annotate(scope, body) if route.kind == "generation" else []
+                if route.kind == "generation":
+                    check_options(body)
             except ContextError as error:
                 await _error(error.status, str(error), type(error).__name__)(scope, receive, send)
                 return
@@ -247,6 +265,8 @@ class KvcommTenantMiddleware:
                 return
             if uses:
                 send = self.contexts.reporting(send, uses)
+            if route.kind == "generation" and ttft.observed(route.path):
+                send = ttft.FirstToken(send, arrived, route.path, isinstance(kvcomm_of(body), dict))
             if route.kind == "generation" and route.path == "/v1/completions":
                 shadow = await self.heads.before(scope, body)
             raw = json.dumps(body).encode("utf-8")

@@ -33,6 +33,15 @@ object of its side:
 
 Every hook of both sides is timed per engine step (``step_time``).
 
+Both of vLLM's model runners drive these hooks: V1 and Model Runner V2 (``vllm/v1/worker/gpu``,
+vLLM's default wherever Triton runs), which calls ``start_load_kv`` after the forward on steps
+without synchronous loads, ``handle_preemptions`` and ``finish_forward`` around it, and the
+worker-side hooks alone on steps with nothing scheduled (``no_forward``). The injected KV is
+written at the first layer's ``wait_for_layer_load``, inside the forward, in every order.
+``SupportsHMA`` is declared (vLLM keeps its hybrid KV cache manager; a running connector has
+one KV cache group), and no KV cache layout is required (any is learned). docs/vllm-plugin.md,
+"Model Runner V2" and "Hybrid KV cache manager and KV cache layouts".
+
 A vLLM release outside ``versions.TESTED_VLLM`` fails the engine's start-up (unless
 ``KVCOMM_ALLOW_UNTESTED_VLLM=1``). Refused at start-up, never inside a forward (``refusals``): rotary embeddings kvcomm cannot
 realign exactly, attention backends other than CPU_ATTN, FLASH_ATTN, TRITON_ATTN and FLASHINFER
@@ -52,7 +61,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
 
 from kvcomm.integrations.vllm.channel import Channel, channel
 from kvcomm.integrations.vllm.messages import KvcommWorkerMetadata
@@ -76,8 +90,16 @@ if TYPE_CHECKING:
 _SCHEDULER, _WORKER = CLOCKS["scheduler"], CLOCKS["worker"]
 
 
-class KvcommConnector(KVConnectorBase_V1):
-    """kvcomm's connector for one role; see the module docstring."""
+class KvcommConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvcomm's connector for one role; see the module docstring.
+
+    Declares ``SupportsHMA`` so that vLLM keeps its hybrid KV cache manager on: on a model whose
+    layers all use full attention that manager builds the one KV cache group it would build
+    without it, and an engine with more than one group is refused at start-up (``refusals``),
+    so the connector only ever runs with one group. Requires no KV cache layout
+    (``get_required_kvcache_layout`` stays vLLM's None): the worker learns whichever layout
+    vLLM picks at ``register_kv_caches`` (``layout``). Why: docs/decisions.md, 2026-12-07.
+    """
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -141,6 +163,13 @@ class KvcommConnector(KVConnectorBase_V1):
 
     @_SCHEDULER.timed()
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request)
+
+    @_SCHEDULER.timed()
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``request_finished`` when the connector declares ``SupportsHMA`` (one block list
+        per KV cache group; a running connector has exactly one group). Never delays the free."""
         return self.scheduler.request_finished(request)
 
     # -- worker side -------------------------------------------------------------------------

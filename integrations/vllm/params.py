@@ -42,7 +42,9 @@ request over these bounds with HTTP 400 before it reaches the engine.
 A request without the ``"kvcomm"`` key is not touched by the plugin. A request with an
 invalid value gets no reuse at all (it is prefilled like stock vLLM) and its output's
 ``kv_transfer_params`` carries ``{"kvcomm": {"error": "<what was wrong and how to fix it>"}}``;
-other requests are unaffected.
+other requests are unaffected. `kvcomm serve` answers HTTP 400 instead for every error it can
+see before vLLM tokenizes the prompt (``parse_params`` without a prompt length: types, keys,
+names, order); only a span past the prompt's end is answered in-band.
 """
 
 from __future__ import annotations
@@ -141,9 +143,11 @@ def _int(value: Any, where: str) -> int:
     return value
 
 
-def parse_params(params: Any, prompt_len: int, known_slots: Collection[str] | None = None) -> KvcommParams | None:
+def parse_params(params: Any, prompt_len: int | None, known_slots: Collection[str] | None = None) -> KvcommParams | None:
     """Validate a request's ``kv_transfer_params``; None when it does not opt into kvcomm.
 
+    prompt_len: the prompt's length in tokens; None where it is not known yet (`kvcomm serve`'s
+    middleware, before vLLM tokenizes): every check but a span's end against it.
     known_slots: slot names the server accepts (None: any well-formed name).
     """
     if params is None:
@@ -204,7 +208,7 @@ def parse_params(params: Any, prompt_len: int, known_slots: Collection[str] | No
         if unknown or missing:
             raise KvcommParamsError(f"{where}: unknown keys {shown(sorted(unknown))}, missing keys {sorted(missing)}")
         start, end = _int(item["start"], f"{where}.start"), _int(item["end"], f"{where}.end")
-        if not 0 <= start < end <= prompt_len:
+        if not 0 <= start < end or (prompt_len is not None and end > prompt_len):
             raise KvcommParamsError(f"{where} spans [{start}, {end}); need 0 <= start < end <= {prompt_len} (the prompt length)")
         slot = item["slot"]
         if not isinstance(slot, str) or not _SLOT.match(slot):

@@ -108,7 +108,11 @@ class PlannedRequest:
     """The quality guard's reuse twin of a sampled plan: served it again, learns nothing."""
 
     def summary(self) -> dict:
-        """Per-request provenance, returned in the output's ``kv_transfer_params["kvcomm"]``."""
+        """Per-request provenance, returned in the output's ``kv_transfer_params["kvcomm"]``;
+        ``reply_base``: whether ``finish`` keeps the reply's decode KV as the base of its text
+        (for the tokens whose KV was computed, all but the last sampled), by the engine's rule
+        (``ReuseEngine.learns_reply_from``: a scope that takes replies' bases from their decode,
+        and nothing estimated in the prompt)."""
         if self.head_of is not None:
             start, end = self.plan.exact_length, self.plan.pieces_start
             return {"prompt_tokens": end, "exact_tokens": start, "estimated_tokens": 0, "computed_tokens": end - start,
@@ -116,8 +120,10 @@ class PlannedRequest:
                     "note": "computes the head of a request planned ahead"}
         p = self.plan.provenance()
         summary = {"prompt_tokens": p.prompt_tokens, "exact_tokens": p.exact_tokens,
-                   "estimated_tokens": p.estimated_tokens, "computed_tokens": p.computed_tokens,
-                   "head_tokens": p.head_tokens, "fallback": p.fallback, "note": self.plan.note, "reason": explain(p)}
+                   "estimated_tokens": p.estimated_tokens, "realigned_tokens": p.realigned_tokens,
+                   "computed_tokens": p.computed_tokens, "head_tokens": p.head_tokens, "fallback": p.fallback,
+                   "reply_base": self.engine.uses_bases and self.engine.learns_reply_from(self.plan),
+                   "note": self.plan.note, "reason": explain(p)}
         return summary | {"shadow": True} if self.shadow else summary
 
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from kvcomm.integrations.vllm.channel import Capture, Channel
 from kvcomm.integrations.vllm.guard import guard_config
+from kvcomm.integrations.vllm.host_memory import Trimmer
 from kvcomm.integrations.vllm.messages import Finished, PlanAnswer, PlanAsk, handle_of
 from kvcomm.integrations.vllm.request_plans import PlannedRequest, ServerPlanner
 
@@ -52,6 +53,8 @@ class WorkerPlans:
         self._vllm_config = vllm_config
         self.channel = channel
         self.planner: ServerPlanner | None = None
+        self.trimmer: Trimmer | None = None
+        """Returns the host memory learning and eviction free (``vllm.host_memory``); built with the planner."""
         self._planned: dict[str, PlannedRequest] = {}
         self._learning: deque[tuple[Finished, PlannedRequest, Capture]] = deque()
         self._released: list[str] = []
@@ -75,6 +78,7 @@ class WorkerPlans:
     def _ensure_planner(self) -> None:
         if self.planner is None:
             self.planner = make_planner(self._vllm_config, self.channel, self.max_total_bytes)
+            self.trimmer = Trimmer()
 
     def answer(self, ask: PlanAsk, refused: str | None) -> PlanAnswer:
         """Plan ``ask``; a failure answers with the error (that request gets no reuse)."""
@@ -152,6 +156,8 @@ class WorkerPlans:
             self._finish(done, planned, capture)
             self._released.append(done.req_id)
         released, self._released = tuple(self._released), []
+        if released and self.trimmer is not None:
+            self.trimmer.released()
         return released
 
     @property

@@ -30,14 +30,14 @@ def copy_tokens(source: KVTarget, dest: KVTarget) -> None:
     _, views = upload_tables([t[name] for t in (source.tables(), dest.tables()) for name in _NAMES], dest.device)
     heads, dim = views[3].shape[1], views[3].shape[2]
     like = torch.empty(0, dtype=dest.dtype, device=dest.device)
-    copy_op(*views, like, source.n, source.layers, heads, dim)
+    copy_op(*views, like, source.n, source.layers, heads, dim, source.contiguous_channels, dest.contiguous_channels)
 
 
 @torch.library.custom_op("kvcomm::copy_tokens", mutates_args=())
 def copy_op(src_layers: torch.Tensor, src_tok: torch.Tensor, src_off: torch.Tensor, src_koff: torch.Tensor,
             src_voff: torch.Tensor, dst_layers: torch.Tensor, dst_tok: torch.Tensor, dst_off: torch.Tensor,
             dst_koff: torch.Tensor, dst_voff: torch.Tensor, like: torch.Tensor, n: int, layers: int, heads: int,
-            dim: int) -> None:
+            dim: int, src_contig: bool, dst_contig: bool) -> None:
     """One ``copy_kernel`` launch; reads and writes through the layer pointer tables."""
     import triton
 
@@ -47,7 +47,7 @@ def copy_op(src_layers: torch.Tensor, src_tok: torch.Tensor, src_off: torch.Tens
     copy_kernel[(layers, heads, triton.cdiv(n, block_t))](
         src_layers, src_tok, src_off, src_koff, src_voff, src_koff.stride(0), src_koff.stride(1),
         dst_layers, dst_tok, dst_off, dst_koff, dst_voff, dst_koff.stride(0), dst_koff.stride(1), like,
-        n, dim, BT=block_t, BD=triton.next_power_of_2(dim),
+        n, dim, BT=block_t, BD=triton.next_power_of_2(dim), SRC_CONTIG=src_contig, DST_CONTIG=dst_contig,
     )
 
 

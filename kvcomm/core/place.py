@@ -73,7 +73,7 @@ def _place_torch(piece: Piece, target: KVTarget, rotary: Rotary) -> None:
     device = target.device
     block = block_layers(layers, heads * length * dim * 4, device)
     direct = target.buffer is not None and target.dtype == torch.float32
-    at = positions(piece.position, length)
+    at = positions(piece.position, length, device)
     cos_sin = rotary.cos_sin(at, device) if piece.rotate else None
     keys = torch.empty(block, heads, length, dim, dtype=torch.float32, device=device)
     values = None if direct else torch.empty_like(keys)
@@ -147,7 +147,7 @@ def _place_triton(pieces: list[Piece], target: KVTarget, rotary: Rotary) -> None
                  0 if est is None else len(est.parts), 0 if est is None else est.first_layer,
                  cos, sin, piece.position, views["layer_ptrs"], views["tok"][piece.at : piece.at + n],
                  views["off"][piece.at : piece.at + n], views["koff"], views["voff"], out_like,
-                 rotary.rotary_dim // 2, piece.rotate, rotary.interleaved)
+                 rotary.rotary_dim // 2, piece.rotate, rotary.interleaved, target.contiguous_channels)
 
 
 _PLACEHOLDERS: dict[str, torch.Tensor] = {}
@@ -166,7 +166,7 @@ def place_op(base_k: torch.Tensor, base_v: torch.Tensor, dev_table: torch.Tensor
              logits: torch.Tensor, w_strides: list[int], n_sum: int, scale: float, sqrt: bool, tau: float,
              alpha: torch.Tensor, n_dev: int, first: int, cos: torch.Tensor, sin: torch.Tensor, position: int,
              layer_ptrs: torch.Tensor, tok: torch.Tensor, off: torch.Tensor, koff: torch.Tensor, voff: torch.Tensor,
-             out_like: torch.Tensor, half_rotary: int, rotate: bool, interleaved: bool) -> None:
+             out_like: torch.Tensor, half_rotary: int, rotate: bool, interleaved: bool, contig: bool) -> None:
     """One ``place_kernel`` launch (see ``triton_kernels``); writes through ``layer_ptrs``."""
     import triton
 
@@ -182,12 +182,13 @@ def place_op(base_k: torch.Tensor, base_v: torch.Tensor, dev_table: torch.Tensor
         cos, sin, cos.stride(0), position,
         layer_ptrs, tok, off, koff, voff, koff.stride(0), koff.stride(1), out_like,
         n, dim, half_rotary,
-        BT=block_t, BD=triton.next_power_of_2(dim), HAS_DEV=n_dev > 0, SQRT=sqrt, ROTATE=rotate, INTERLEAVED=interleaved,
+        BT=block_t, BD=triton.next_power_of_2(dim), BR=triton.next_power_of_2(max(half_rotary, 1)), HAS_DEV=n_dev > 0,
+        SQRT=sqrt, ROTATE=rotate, INTERLEAVED=interleaved, W_TOKEN=w_strides[4] == 0, CONTIG=contig,
     )
 
 
 def _place_bytes(base_k, base_v, dev_table, dev_f64, logits, w_strides, n_sum, scale, sqrt, tau, alpha, n_dev, first, cos, sin,
-                 position, layer_ptrs, tok, off, koff, voff, out_like, half_rotary, rotate, interleaved) -> int:
+                 position, layer_ptrs, tok, off, koff, voff, out_like, half_rotary, rotate, interleaved, contig) -> int:
     """What one launch reads and writes: the base, ``n_dev`` deviations of its tokens over
     layers ``first..``, the weights and angles of its tokens, and the output."""
     layers, heads, n, dim = base_k.shape

@@ -154,6 +154,8 @@ class ReusePlan:
         reused_shared = sum(in_shared[:end]) - sum(head) - sum(in_shared[p] for p in recomputed)
         outside_exact = any(prompt.end(i) > self.exact_length for i in shared)
         estimated = self.estimated_tokens - len(recomputed)
+        realigned = [(piece.start, piece.end) for piece in self.pieces if piece.match is None]
+        realigned_tokens = sum(b - a for a, b in realigned) - sum(any(a <= p < b for a, b in realigned) for p in recomputed)
         return Provenance(
             prompt_tokens=len(prompt),
             exact_tokens=self.exact_length,
@@ -168,6 +170,7 @@ class ReusePlan:
             cached_tokens=cached_tokens,
             head_tokens=self.computed_head,
             plan_s=plan_s,
+            realigned_tokens=realigned_tokens,
         )
 
 
@@ -188,6 +191,12 @@ class Provenance:
     computed head: new text, such as an agent's unseen system prompt, ahead of shared content).
     plan_s: of ``ttft_s``, the seconds spent planning (base-KV prefills of new content
     included); None where nobody measured it (a server's plan). ``reason``: all of it in words.
+
+    estimated_tokens counts every token served from stored KV moved to its new positions (a
+    realigned base), with or without an anchor's estimated deviation on top; realigned_tokens:
+    of them, those served as the realigned base alone, with no deviation (a cold slot: no
+    anchors yet; modes "realign" and "cacheblend"; the tail an anchor did not cover). So the
+    anchor-estimated tokens are ``estimated_tokens - realigned_tokens``.
     """
 
     prompt_tokens: int
@@ -203,6 +212,7 @@ class Provenance:
     cached_tokens: int = 0
     head_tokens: int = 0
     plan_s: float | None = None
+    realigned_tokens: int = 0
 
     @property
     def reason(self) -> str:

@@ -65,13 +65,16 @@ def because(note: str) -> str:
 
 
 def explain(p) -> str:
-    """``p`` (a ``Provenance``) in one line: "reused R of N tokens (exact E, estimated S);
-    computed C: H new text before the reused content, T from token X because ...". Counts use
-    thousands separators; parts with nothing in them are left out."""
+    """``p`` (a ``Provenance``) in one line: "reused R of N tokens (exact E, estimated S,
+    realigned A); computed C: H new text before the reused content, T from token X because
+    ...". ``estimated`` counts the tokens an anchor's deviation estimated, ``realigned`` those
+    served as their realigned base alone (a cold slot: ``Provenance.realigned_tokens``), so the
+    three add up to R. Counts use thousands separators; parts with nothing in them are left out."""
     n = p.prompt_tokens
     reused = p.exact_tokens + p.estimated_tokens
-    sources = ", ".join(f"{name} {count:,}" for name, count in (("exact", p.exact_tokens), ("estimated", p.estimated_tokens))
-                        if count)
+    realigned = p.realigned_tokens
+    counts = (("exact", p.exact_tokens), ("estimated", p.estimated_tokens - realigned), ("realigned", realigned))
+    sources = ", ".join(f"{name} {count:,}" for name, count in counts if count)
     line = f"reused {reused:,} of {n:,} tokens" + (f" ({sources})" if sources else "")
     why = because(p.note)
     if p.computed_tokens == 0:

@@ -24,16 +24,16 @@ def rand_kv(layers: int, t: int, gen: torch.Generator, scale: float = 1.0) -> KV
     return KV(scale * torch.randn(layers, H, t, D, generator=gen), scale * torch.randn(layers, H, t, D, generator=gen))
 
 
-def _pools(gen: torch.Generator) -> tuple[list[AnchorPool], list]:
+def _pools(gen: torch.Generator, n: int = 12) -> tuple[list[AnchorPool], list]:
     """Two slots' pools (in the second every anchor is as far from the segment, and gamma is low)
     and the requests of five segments: admitted, refused by entropy, an identical anchor, too
-    few anchors, a partly covered one."""
+    few anchors, a partly covered one. ``n``: the segments' length (anchors 2n/3 and 5n/3 too)."""
     pools = [AnchorPool(PoolConfig(gamma=1.0)), AnchorPool(PoolConfig(gamma=0.05))]
     slot = [("t", "a"), ("t", "b")]
-    center = rand_kv(L, 12, gen)
+    center = rand_kv(L, n, gen)
     for p, pool in enumerate(pools):
         for i in range(4):
-            length = 12 if i < 3 else 8
+            length = n if i < 3 else 2 * n // 3
             base = KV(center.keys[:, :, :length] + 0.3 * torch.randn(L, H, length, D, generator=gen),
                       center.values[:, :, :length] + (0.3 + 0.4 * i * (p == 0)) * torch.randn(L, H, length, D, generator=gen))
             following = rand_kv(L - 1, 3, gen)
@@ -44,21 +44,22 @@ def _pools(gen: torch.Generator) -> tuple[list[AnchorPool], list]:
         pools[1].candidates(slot[1], "new", near, np.eye(4, dtype=np.float32)[1]),
         pools[0].candidates(slot[0], "s0-1", pools[0].get("s0-1").base, np.eye(4, dtype=np.float32)[1]),
         AnchorPool().candidates(("t", "c"), "lonely", near, np.eye(4, dtype=np.float32)[0]),
-        pools[0].candidates(slot[0], "long", rand_kv(L, 20, gen), np.eye(4, dtype=np.float32)[2]),
+        pools[0].candidates(slot[0], "long", rand_kv(L, 5 * n // 3, gen), np.eye(4, dtype=np.float32)[2]),
     ]
     return pools, requests
 
 
-def _decide(fused: bool, monkeypatch):
+def _decide(fused: bool, monkeypatch, n: int = 12):
     monkeypatch.setenv("KVCOMM_TRITON", "1" if fused else "0")
     gen = torch.Generator().manual_seed(0)
-    pools, requests = _pools(gen)
+    pools, requests = _pools(gen, n)
     return requests, decide_all(requests, [c.pool.config.gamma for c in requests])
 
 
-def test_the_fused_path_decides_what_the_torch_path_decides(monkeypatch):
-    _, torch_path = _decide(False, monkeypatch)
-    _, fused = _decide(True, monkeypatch)
+@pytest.mark.parametrize("n", [12, 75])  # one token block of the distances kernel, and three
+def test_the_fused_path_decides_what_the_torch_path_decides(n, monkeypatch):
+    _, torch_path = _decide(False, monkeypatch, n)
+    _, fused = _decide(True, monkeypatch, n)
     kinds = []
     for a, b in zip(torch_path, fused):
         assert (a.match is None) == (b.match is None) and a.refusal == b.refusal

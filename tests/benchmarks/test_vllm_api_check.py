@@ -38,7 +38,11 @@ def test_the_installed_vllm_fits_the_connector():
             "Request.prompt_token_ids", "Request.kv_transfer_params", "KVConnectorOutput.kv_connector_worker_meta",
             "KVCacheGroupSpec.kv_cache_spec"} <= set(summary["fields_read"])
     assert "PASS  hooks   KvcommConnector (connector.py).wait_for_layer_load fits" in done.stdout
-    assert summary["layout"]["SupportsHMA"]["in_vllm"] and not summary["layout"]["SupportsHMA"]["declared_by_kvcomm"]
+    # The connector declares SupportsHMA (docs/decisions.md, 2026-12-07): its abstract hook is checked like the others.
+    assert summary["layout"]["SupportsHMA"]["in_vllm"] and summary["layout"]["SupportsHMA"]["declared_by_kvcomm"]
+    assert ("PASS  hooks   KvcommConnector (connector.py).request_finished_all_groups fits "
+            "SupportsHMA.request_finished_all_groups(request, block_ids)") in done.stdout
+    assert not summary["layout"]["get_required_kvcache_layout"]["declared_by_kvcomm"]
 
 
 def _tree_with(tmp_path: Path, edits: dict[str, tuple[str, str]]) -> Path:
@@ -67,6 +71,19 @@ def test_a_changed_hook_signature_and_a_renamed_field_are_named(tmp_path):
     assert any("wait_for_layer_load" in f and "'layer_name'" in f and "'name'" in f for f in failed), failed
     assert any("SchedulerOutput" in f and "'scheduled_cached_reqs'" in f for f in failed), failed
     assert "KVConnectorBase_V1.wait_for_layer_load: abstract self, layer_name: str -> None  ->  abstract self, name: str" in done.stdout
+
+
+def test_a_changed_supportshma_hook_is_named(tmp_path):
+    """The connector declares ``SupportsHMA``: a release that changes its abstract hook fails the check."""
+    tree = _tree_with(tmp_path, {
+        "distributed/kv_transfer/kv_connector/v1/base.py": (
+            'def request_finished_all_groups(\n        self,\n        request: "Request",\n        block_ids:',
+            'def request_finished_all_groups(\n        self,\n        request: "Request",\n        group_block_ids:'),
+    })
+    done = _check(tree, "--baseline", "installed")
+    assert done.returncode == 1 and "CONNECTOR DOES NOT FIT" in done.stdout, done.stdout + done.stderr
+    failed = _summary(done.stdout)["failed"]
+    assert any("request_finished_all_groups" in f and "'block_ids'" in f and "'group_block_ids'" in f for f in failed), failed
 
 
 def test_the_same_tree_as_baseline_differs_in_nothing():

@@ -95,6 +95,9 @@ def test_segment_longer_than_every_anchor_reuses_covered_head(tiny_executor):
     assert head.match is not None and head.base.length == longest  # the covered head is estimated
     assert (tail.segment_index, tail.match, tail.start) == (shared, None, prompt.starts[shared] + longest)  # the rest realigned
     assert tail.end == prompt.end(shared) and plan.reuse_end >= prompt.end(shared)
+    p = plan.provenance()  # the covered head counts as estimated, the rest as realigned, in counts and words
+    assert p.realigned_tokens >= tail.end - tail.start and p.estimated_tokens - p.realigned_tokens >= longest
+    assert f"estimated {p.estimated_tokens - p.realigned_tokens:,}, realigned {p.realigned_tokens:,})" in p.reason
     generation = tiny_executor.generate(prompt.token_ids, engine.materialize(plan), 4, None)
     engine.learn(plan, generation.computed)
     assert len(engine.pool("doc")) == 2  # a partially estimated sample does not become an anchor

@@ -40,6 +40,9 @@ def test_a_new_agent_computes_its_system_prompt_and_serves_the_document_behind_i
     assert p.exact_tokens + p.estimated_tokens + p.computed_tokens == p.prompt_tokens
     assert p.head_tokens == prompt.starts[doc] and p.reused_shared_tokens >= len(prompt.segments[doc])
     assert p.reuse_end == plan.reuse_end
+    # no anchor estimated anything: every reused token is the realigned base, and the words say so
+    assert p.realigned_tokens == p.estimated_tokens > 0
+    assert p.reason.startswith(f"reused {p.estimated_tokens:,} of {p.prompt_tokens:,} tokens (realigned {p.estimated_tokens:,});")
 
     without = engine.plan(prompt)  # an executor that cannot compute heads: reuse stops at the new text
     assert without.pieces == [] and without.computed_head == 0 and "has no base yet" in without.note

@@ -28,7 +28,7 @@ def server(kvcomm_server, fresh_key) -> dict:
     return {"base_url": kvcomm_server.base_url, "api_key": fresh_key()}
 
 
-REPLY_KEYS = ("kvcomm-test-replies-a", "kvcomm-test-replies-b", "kvcomm-test-replies-c")
+REPLY_KEYS = ("kvcomm-test-replies-a", "kvcomm-test-replies-b", "kvcomm-test-replies-c", "kvcomm-test-replies-d")
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,9 @@ def reply_server(replies_server, request) -> dict:
     """Connection options of ``replies_server`` with a key (tenant) of this test alone."""
     names = ("test_autogen_reviewer_reuses_the_writers_reply_on_the_server",
              "test_cut_off_replies_become_bases_on_the_server_as_in_process",
-             "test_ag2_pair_reuses_the_other_agents_reply_on_the_server")
-    return {"base_url": replies_server.base_url, "api_key": REPLY_KEYS[names.index(request.node.name)]}
+             "test_ag2_pair_reuses_the_other_agents_reply_on_the_server",
+             "test_a_cut_reply_is_registered_alike_in_process_and_on_the_server")
+    return {"base_url": replies_server.base_url, "api_key": REPLY_KEYS[names.index(request.node.originalname)]}
 
 
 def _team(client):
@@ -120,6 +121,39 @@ def test_cut_off_replies_become_bases_on_the_server_as_in_process(reply_server):
         KvcommChatCompletionClient.remote(**reply_server, max_new_tokens=4)
     with pytest.raises(ValueError, match="max_tokens=4 and max_new_tokens=5"):
         KvcommChatCompletionClient.remote(**reply_server, max_tokens=4, max_new_tokens=5)
+
+
+@pytest.mark.parametrize("scope, expected", [("all-reader-replies", False), ("all", True)])
+def test_a_cut_reply_is_registered_alike_in_process_and_on_the_server(scope, expected, request, smol):
+    """The same call (the writer, its reply cut by max_tokens) in process on the embedded model and
+    against `kvcomm serve` (the default scope: ``server``; ``all``: ``reply_server``). Only a scope
+    that takes replies' bases from their decode keeps the cut reply's KV as its base
+    (``learns_reply_from``, in process and in the server alike; in process the executor feeds the
+    last token back, remotely the client asks for one token more), and ``reply_registered`` says
+    so in both paths. In process the engine's bases are checked directly; the server's reviewer
+    reading a cut reply it registered is ``test_cut_off_replies_become_bases_on_the_server_as_in_process``."""
+    from kvcomm.core.segments import content_id
+    from kvcomm.integrations.local.backend import ChatBackend
+    from kvcomm.integrations.local.segments import ChatTurn
+    from kvcomm.integrations.remote.backend import RemoteChatBackend
+    from kvcomm.integrations.transformers.executor import TransformersExecutor
+    from kvcomm.reuse.config import ReuseConfig
+    from kvcomm.reuse.engine import ReuseEngine
+
+    options = request.getfixturevalue("reply_server" if scope == "all" else "server")
+    executor = TransformersExecutor(*smol)
+    engine = ReuseEngine(executor.rotary, ReuseConfig(scope=scope))
+    turns = [ChatTurn("system", WRITER), ChatTurn("user", "Name a capital city in Europe and say why it is famous.", "user")]
+    seen = {}
+    for path, backend in (("in process", ChatBackend(executor, engine, max_new_tokens=4)),
+                          ("remote", RemoteChatBackend(**options, max_new_tokens=4))):
+        reply = backend.complete(turns, agent="writer")
+        call = reply.call
+        seen[path] = (call.finish_reason, call.completion_tokens, call.reply_registered)
+        print(f"{scope} {path}: {reply.text!r} {seen[path]}: {call.reason}")
+        if path == "in process":
+            assert engine.has_base(content_id(reply.reply_ids)) is call.reply_registered
+    assert seen["in process"] == seen["remote"] == ("length", 4, expected)
 
 
 def test_ag2_pair_reuses_the_other_agents_reply_on_the_server(reply_server):

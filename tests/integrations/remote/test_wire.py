@@ -90,6 +90,13 @@ def test_provenance_from_a_server_summary_and_without_one(tokenizer):
     for rejected in ({"error": "bad slot"}, None, {"note": "x"}):
         p = provenance(chat, n, rejected, True)
         assert p.computed_tokens == n and p.exact_tokens == p.estimated_tokens == 0 and p.note
+    # annotated, no split (a streamed call): vLLM's count may hold KV kvcomm loaded, so it is no
+    # prefix-cache count, and the reason keeps the words
+    p = provenance(chat, n, None, True, cached_tokens=32, why_unknown="streamed: no split")
+    assert p.cached_tokens == 0 and "prefix cache" not in p.reason.split("; ")[0]
+    assert p.reason.endswith("because streamed: no split; vLLM did not compute 32 of the prompt tokens (its prefix cache "
+                             "or KV kvcomm loaded served them; this response has no split)")
+    assert provenance(chat, n, None, True, cached_tokens=0, why_unknown="streamed: no split").note == "streamed: no split"
 
 
 @pytest.mark.slow

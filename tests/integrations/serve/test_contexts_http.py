@@ -225,3 +225,8 @@ def test_bad_input_is_a_clear_4xx_and_the_server_keeps_serving(ctx_server):
     assert got == 400 and "set by the server" in answer["error"]["message"], answer
     assert backend.context(handle)["state"] == "retained"
     assert backend.complete([ChatTurn("user", "Still there?", "user")]).text is not None
+    # The context counters and vLLM's request counters share this process's counter file: both
+    # written after the 4xx above (new label values), /metrics still reads it whole.
+    status, text = ctx_server.request("GET", "/metrics", key=ctx_server.keys[0])
+    assert status == 200 and 'kvcomm_context_retains_total{outcome="retained"}' in text, str(text)[:300]
+    assert 'http_requests_total{handler="/v1/completions"' in text

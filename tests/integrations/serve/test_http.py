@@ -159,18 +159,29 @@ def test_bad_params_get_a_clear_error_while_good_requests_succeed(kvcomm_server,
     prompt = build_prompt(executor, spec.agents[0], {"task": _content(executor, spec.inputs[2]["task"])})
     good = annotations(prompt)
     span = good["segments"][0]
-    bad = [
+    refused = [  # the middleware sees these before vLLM: a 400
         {**good, "segments": [span, {**span, "start": span["start"] + 1}]},  # overlapping
-        {**good, "segments": [{**span, "end": len(prompt) + 5}]},  # out of range
         {**good, "segments": [{**span, "start": "0"}]},  # wrong type
+        {**good, "segments": [{**span, "end": 1e308}]},  # a float for an integer
     ]
-    jobs = [good, bad[0], good, bad[1], good, bad[2]]
+    past_the_end = {**good, "segments": [{**span, "end": len(prompt) + 5}]}  # known after tokenization: in-band
+
+    def send(kvcomm: dict):
+        return kvcomm_server.request("POST", "/v1/completions", {
+            "model": kvcomm_server.model, "prompt": list(prompt.token_ids), "max_tokens": 6, "temperature": 0,
+            "kv_transfer_params": {"kvcomm": kvcomm}}, key)
+
+    jobs = [good, refused[0], good, past_the_end, good, refused[1], refused[2]]
     with ThreadPoolExecutor(len(jobs)) as pool:
-        responses = list(pool.map(lambda kv: kvcomm_server.complete(prompt.token_ids, key, 6, kv), jobs))
-    assert all(r["choices"][0]["finish_reason"] in ("length", "stop") for r in responses)  # all served
-    errors = [r["kv_transfer_params"]["kvcomm"].get("error") for r in responses]
-    assert errors[0] is None and errors[2] is None and errors[4] is None
-    assert "overlaps" in errors[1] and "prompt length" in errors[3] and "must be an integer" in errors[5]
+        answers = list(pool.map(send, jobs))
+    assert [status for status, _ in answers] == [200, 400, 200, 200, 200, 400, 400], answers
+    served = [reply for status, reply in answers if status == 200]
+    assert all(r["choices"][0]["finish_reason"] in ("length", "stop") for r in served)
+    errors = [r["kv_transfer_params"]["kvcomm"].get("error") for r in served]
+    assert errors[0] is None and errors[1] is None and "prompt length" in errors[2] and errors[3] is None, errors
+    messages = [reply["error"]["message"] for status, reply in answers if status == 400]
+    assert "overlaps" in messages[0] and "must be an integer, got str" in messages[1]
+    assert "must be an integer, got float" in messages[2]
     status, reply = kvcomm_server.request("POST", "/v1/completions", {
         "model": kvcomm_server.model, "prompt": list(prompt.token_ids), "max_tokens": 2,
         "kv_transfer_params": {"kvcomm": {"handle": "request-x"}}}, key)

@@ -170,13 +170,14 @@ json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(m
 @given(body=st.dictionaries(st.sampled_from(["kv_transfer_params", "cache_salt", "prompt"]), json_values, max_size=3)
        | json_values, key=st.sampled_from([None, "key-one", "bad"]))
 def test_rewrite_never_crashes_and_keyed_requests_always_get_the_key_salt(body, key):
-    """Any JSON body: either a clear ValueError (a handle), or a body whose salt is the key's
-    when the key is valid; other fields are left as they were."""
+    """Any JSON body: either a clear ValueError (a handle, or kvcomm options the engine would
+    refuse), or a body whose salt is the key's when the key is valid; other fields are left as
+    they were."""
     original = json.loads(json.dumps(body))
     try:
         out = rewrite(json.loads(json.dumps(body)), key, DIGESTS)
     except ValueError as error:
-        assert "handle" in str(error)
+        assert "handle" in str(error) or str(error).startswith("kv_transfer_params"), error
         return
     if not isinstance(body, dict):
         assert out == original
@@ -187,6 +188,22 @@ def test_rewrite_never_crashes_and_keyed_requests_always_get_the_key_salt(body, 
         assert out == original
     assert {k: v for k, v in out.items() if k not in ("cache_salt", "kv_transfer_params")} == \
            {k: v for k, v in original.items() if k not in ("cache_salt", "kv_transfer_params")}
+
+
+def test_kvcomm_options_of_the_wrong_type_are_a_400_and_a_span_past_the_prompt_goes_to_the_engine(monkeypatch):
+    http = client(monkeypatch, KEYS)
+    segment = {"start": 0, "end": 2, "slot": "doc"}
+    for options, says in (({"segments": [{**segment, "end": 1e308}]}, "segments[0].end must be an integer, got float"),
+                          ({"segments": [{**segment, "start": "0"}]}, "segments[0].start must be an integer, got str"),
+                          ({"segments": [segment, segment]}, "overlaps"),
+                          ({"segments": [{**segment, "slot": "no spaces"}]}, "slot must be a name"),
+                          ({"colour": 1}, "unknown keys"), ({"calibrate": "yes"}, "calibrate must be true or false")):
+        reply = http.post("/v1/completions", json={"prompt": [1, 2], "kv_transfer_params": {"kvcomm": options}},
+                          headers={"Authorization": f"Bearer {KEYS[0]}"})
+        assert reply.status_code == 400 and says in reply.json()["error"]["message"], (options, reply.text)
+        assert "\n" not in reply.json()["error"]["message"]
+    past_the_end = {"segments": [{**segment, "end": 10**6}]}  # the prompt's length is known after tokenization
+    assert rewrite({"prompt": "text", "kv_transfer_params": {"kvcomm": past_the_end}}, KEYS[0], DIGESTS)
 
 
 def test_oversized_kvcomm_options_are_a_400_before_the_engine(monkeypatch):

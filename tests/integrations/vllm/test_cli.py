@@ -239,3 +239,13 @@ def test_serve_and_demo_apply_the_cpu_thread_settings_unless_set(monkeypatch, ar
     calls.clear()
     cli._thread_environment(argv)
     assert calls == []  # the user's own settings win
+
+
+def test_the_start_up_line_says_what_kvcomm_holds_at_most():
+    from kvcomm.integrations.serve.command import memory_line
+
+    line = memory_line(5 << 30, True, None)
+    assert "reuse state capped at 5.0 GiB (the default)" in line and "captures in flight at 1.0 GiB" in line
+    assert "kvcomm holds at most 6.0 GiB beside vLLM" in line
+    assert "(the default)" not in memory_line(5 << 30, False, 1 << 29) and "at most 5.5 GiB" in memory_line(5 << 30, False, 1 << 29)
+    assert "accelerator" in memory_line(None, True, None)
