@@ -14,7 +14,8 @@ before it saw the truth). The rule (docs/anchor-pool.md, docs/decisions.md 2026-
     estimate's summed squared error is below realignment's, for keys and for values alike;
     otherwise it serves the realigned base.
 
-Sums are fp64, per row (0 keys, 1 values), over every layer, head, token and channel of every pair.
+Sums are Python floats (fp64), per row (keys, values), over every layer, head, token and channel
+of every pair: host numbers, so the rule costs the reuse path no tensor op.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ EVIDENCE_MIN_PAIRS = 2
 class Evidence:
     """Running prequential sums of one slot part ("shared" or "following"): ``estimate_sq``, the
     squared error of the estimate the slot would have served, ``realign_sq``, that of its
-    realigned base (the real deviation's square), each fp64 ``[2]`` (keys, values); ``pairs``."""
+    realigned base (the real deviation's square), each ``[keys, values]``; ``pairs``."""
 
-    estimate_sq: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
-    realign_sq: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
+    estimate_sq: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    realign_sq: list[float] = field(default_factory=lambda: [0.0, 0.0])
     pairs: int = 0
 
     def add(self, alpha: torch.Tensor, cross: torch.Tensor, estimate_sq: torch.Tensor, real_sq: torch.Tensor) -> None:
@@ -42,24 +43,24 @@ class Evidence:
         and ``alpha``, the factors the served estimate would have carried (``[2, layers]``, in [0, 1]):
         ``||alpha e - r||^2 = <r, r> - 2 alpha <e, r> + alpha^2 <e, e>`` per layer."""
         alpha = alpha.to(torch.float64).cpu()
-        served = real_sq - 2 * alpha * cross + alpha * alpha * estimate_sq
-        self.estimate_sq += served.clamp_min(0).sum(1)
-        self.realign_sq += real_sq.sum(1)
+        served = (real_sq - 2 * alpha * cross + alpha * alpha * estimate_sq).clamp_min(0).sum(1).tolist()
+        self.estimate_sq = [held + new for held, new in zip(self.estimate_sq, served)]
+        self.realign_sq = [held + new for held, new in zip(self.realign_sq, real_sq.sum(1).tolist())]
         self.pairs += 1
 
     def ratio(self) -> tuple[float, float] | None:
         """(keys, values): the estimate's summed squared error over realignment's; None before any pair."""
         if self.pairs == 0:
             return None
-        ratio = self.estimate_sq / self.realign_sq.clamp_min(1e-300)
-        return float(ratio[0]), float(ratio[1])
+        keys, values = (served / max(realigned, 1e-300) for served, realigned in zip(self.estimate_sq, self.realign_sq))
+        return keys, values
 
     @property
     def earned(self) -> bool:
         """The rule of the module docstring: at least ``EVIDENCE_MIN_PAIRS`` pairs and the estimate's
         summed squared error strictly below realignment's for keys and for values (where
         realignment is exact, nothing is left to earn)."""
-        return self.pairs >= EVIDENCE_MIN_PAIRS and bool((self.estimate_sq < self.realign_sq).all())
+        return self.pairs >= EVIDENCE_MIN_PAIRS and all(served < realigned for served, realigned in zip(self.estimate_sq, self.realign_sq))
 
     def words(self) -> str:
         """"estimate error 0.62x / 0.71x realignment's (keys / values) over 3 pairs", or "no pairs yet"."""

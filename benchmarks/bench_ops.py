@@ -51,6 +51,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from op_counter import DispatchCounter  # noqa: E402
 
+from kvcomm.anchors.config import PoolConfig  # noqa: E402
+from kvcomm.anchors.evidence import EVIDENCE_MIN_PAIRS  # noqa: E402
 from kvcomm.core.copy import copy_tokens  # noqa: E402
 from kvcomm.core.kv import KV  # noqa: E402
 from kvcomm.core.kv_target import KVTarget, Paged  # noqa: E402
@@ -93,34 +95,56 @@ def prompt(template: str, contents: list[tuple[int, ...]]) -> Prompt:
     return Prompt(template, tuple(segments))
 
 
-def calibrate(engine: ReuseEngine, p: Prompt, layers: int, gen: torch.Generator, heads: int = KV_HEADS, dim: int = HEAD_DIM,
+def synthetic_kv(p: Prompt, start: int, layers: int, heads: int = KV_HEADS, dim: int = HEAD_DIM) -> KV:
+    """'Real' KV of ``p``'s tokens from ``start`` (``[layers, heads, n, dim]`` keys and values, fp32,
+    on the CPU), shaped like a model's: a vector per token id plus a vector per template (what the
+    context before a segment does to it) plus noise 0.05 its size. So a content's deviation between
+    two templates is the same for every content, which anchors can estimate (random KV per call
+    would give deviations no estimate beats realignment on, and the estimate-or-realign rule would
+    rightly never serve one)."""
+
+    def vector(seed: int, n: int = 1) -> torch.Tensor:
+        return torch.randn(2, layers, heads, n, dim, generator=torch.Generator().manual_seed(seed))
+
+    tokens = p.token_ids[start:]
+    by_token = torch.cat([vector(token) for token in tokens], dim=3)
+    context = vector(10**6 + sum(map(ord, p.template_id)))
+    noise = 0.05 * vector((31 * sum(tokens) + 7 * len(tokens) + 2 * sum(map(ord, p.template_id))) % 2**31, len(tokens))
+    kv = by_token + context + noise
+    return KV(kv[0], kv[1])
+
+
+def calibrate(engine: ReuseEngine, p: Prompt, layers: int, heads: int = KV_HEADS, dim: int = HEAD_DIM,
               dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
-    """A calibration call on random 'real' KV (``[layers, heads, n, dim]``, made on the CPU by
-    ``gen``, then moved): learns bases, fixed bases and anchors from it."""
+    """A calibration call on ``synthetic_kv``, moved to ``device`` in ``dtype``: learns bases,
+    fixed bases, anchors and the slots' evidence from it."""
     plan = engine.calibration_plan(p)
-    n = len(p) - plan.reuse_end
-    engine.learn(plan, KV(torch.randn(layers, heads, n, dim, generator=gen).to(device, dtype),
-                          torch.randn(layers, heads, n, dim, generator=gen).to(device, dtype)))
+    real = synthetic_kv(p, plan.reuse_end, layers, heads, dim)
+    engine.learn(plan, KV(real.keys.to(device, dtype), real.values.to(device, dtype)))
 
 
 def warm_engine(rotary, layers: int, anchors: int, segments: int, tokens: int, heads: int = KV_HEADS, dim: int = HEAD_DIM,
                 dtype: torch.dtype = torch.float32, device: str = "cpu") -> tuple[ReuseEngine, Prompt]:
-    """An engine whose slots hold ``anchors`` anchors each, and a prompt of ``segments`` new shared
-    contents of ``tokens`` tokens that it estimates (their bases learned elsewhere)."""
-    gen = torch.Generator().manual_seed(1)
-    engine = ReuseEngine(rotary, ReuseConfig())
+    """An engine whose slots hold ``anchors`` anchors each, having measured their estimates closer
+    to dense than realignment, and a prompt of ``segments`` new shared contents of ``tokens``
+    tokens that it estimates (their bases learned elsewhere)."""
+    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(max_anchors=anchors)))
 
     def contents(j: int) -> list[tuple[int, ...]]:
         return [tuple(1000 + 97 * s + 31 * j + t % 50 for t in range(tokens)) for s in range(segments)]
 
     def learn(template: str, j: int) -> None:
-        calibrate(engine, prompt(template, contents(j)), layers, gen, heads, dim, dtype, device)
+        calibrate(engine, prompt(template, contents(j)), layers, heads, dim, dtype, device)
 
-    for j in range(anchors):  # first sight: bases; second: anchors of template "reader"
+    # Bases read by "writer", then anchors of template "reader"; the last EVIDENCE_MIN_PAIRS
+    # contents meet a pool able to estimate them (measured pairs for the slots' evidence) and
+    # take the place of the first (the pool holds ``anchors``).
+    for j in range(anchors + EVIDENCE_MIN_PAIRS):
+        learn("writer", j)
         learn("reader", j)
-        learn("reader", j)
-    learn("writer", anchors)  # the new contents' bases, elsewhere
-    return engine, prompt("reader", contents(anchors))
+    new = anchors + EVIDENCE_MIN_PAIRS
+    learn("writer", new)  # the new contents' bases, elsewhere
+    return engine, prompt("reader", contents(new))
 
 
 def paged_cache(layers: int, tokens: int, block_size: int = 16) -> Paged:

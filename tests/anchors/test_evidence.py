@@ -28,8 +28,8 @@ def test_the_sums_are_the_squared_errors_of_the_served_estimate_and_of_realignme
     evidence = Evidence()
     evidence.add(alpha, *ShrinkageFit.empty(LAYERS).observe(e, r))
     served = [float(((a * e.keys - r.keys) ** 2).sum()), float(((b * e.values - r.values) ** 2).sum())]
-    assert evidence.estimate_sq.tolist() == pytest.approx(served, rel=1e-5)
-    assert evidence.realign_sq.tolist() == pytest.approx([float((r.keys ** 2).sum()), float((r.values ** 2).sum())], rel=1e-6)
+    assert evidence.estimate_sq == pytest.approx(served, rel=1e-5)
+    assert evidence.realign_sq == pytest.approx([float((r.keys ** 2).sum()), float((r.values ** 2).sum())], rel=1e-6)
 
 
 def test_an_estimate_is_earned_only_after_enough_pairs_closer_than_realignment():

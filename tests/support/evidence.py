@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from kvcomm.anchors.evidence import EVIDENCE_MIN_PAIRS, Evidence
 
 
@@ -12,5 +10,4 @@ def earn(pool, slot, parts=("shared", "following")) -> None:
     """Record in ``pool`` that ``slot`` (template, slot name) measured its estimate of each part
     at half realignment's squared error over ``EVIDENCE_MIN_PAIRS`` pairs."""
     for part in parts:
-        pool.evidence[(slot, part)] = Evidence(torch.tensor([1.0, 1.0], dtype=torch.float64),
-                                               torch.tensor([2.0, 2.0], dtype=torch.float64), EVIDENCE_MIN_PAIRS)
+        pool.evidence[(slot, part)] = Evidence([1.0, 1.0], [2.0, 2.0], EVIDENCE_MIN_PAIRS)
