@@ -1,9 +1,13 @@
 """The quality guard's twins in `kvcomm serve` (``vllm.guard``): how a request the guard sampled
 is measured, after its response has gone out, so the client waits for nothing.
 
-1. The dense twin: the same prompt, no kvcomm, under the tenant's plain salt (exact KV only;
-   vLLM's prefix cache may serve it from the tenant's plain requests), one token, the first
-   token's top-k log-probabilities (``top_k``, the guard's; at most vLLM's ``--max-logprobs``).
+1. The dense twin: the same prompt as a kvcomm calibration request (``calibrate``: nothing
+   reused, everything its prefill reveals learned, as the in-process guard's twin teaches its
+   engine) of the request's tenant, template and segments, under the tenant's plain salt
+   (exact KV only; vLLM's prefix cache may serve it from the tenant's plain requests), one
+   token, the first token's top-k log-probabilities (``top_k``, the guard's; at most vLLM's
+   ``--max-logprobs``). It is how a slot served realigned KV gets the dense sightings its
+   estimate must earn (``kvcomm.anchors.evidence``).
 2. The reuse twin: the same prompt under the request's reuse salt with the plan's shadow
    ticket (``kvcomm.shadow``): served the plan its request was served (vLLM's prefix cache
    may serve the request's own blocks, which hold the same KV), learning nothing; the
@@ -15,7 +19,7 @@ is measured, after its response has gone out, so the client waits for nothing.
 A failed twin or record costs the sample, never a request: it is counted and the first few
 are logged. At most ``MAX_IN_FLIGHT`` measurements run at once; a sample beyond that is
 skipped (its parked plan expires). The twins are requests like any other in vLLM's own
-metrics and usage; kvcomm's counters skip the reuse twin.
+metrics and usage; kvcomm's counters skip both (``shadow``).
 """
 
 from __future__ import annotations
@@ -75,7 +79,14 @@ class ShadowRequests:
         options = kvcomm_of(body)
         common = {"model": body.get("model"), "prompt": body["prompt"], "max_tokens": 1, "temperature": 0.0,
                   "logprobs": top_k, "return_tokens_as_token_ids": True}
-        status, dense = await call_app(self.app, scope, "POST", "/v1/completions", {**common, "cache_salt": dense_salt})
+        segments = {"segments": options["segments"]} if "segments" in options else {}  # else detected, as for the request
+        teach = {"kvcomm": {"tenant": options.get("tenant", "default"), "template": options.get("template", "default"),
+                            **segments, "calibrate": True, "shadow": True}}
+        status, dense = await call_app(self.app, scope, "POST", "/v1/completions",
+                                       {**common, "cache_salt": dense_salt, "kv_transfer_params": teach})
+        error = kvcomm_error(dense)
+        if error:
+            raise RuntimeError(f"the dense twin was not served as calibration: {error}")
         reference = dict(sorted(_first_token_logprobs(status, dense).items(), key=lambda kv: -kv[1])[:top_k])
         twin = {**common, "logprob_token_ids": list(reference), "cache_salt": body["cache_salt"],
                 "kv_transfer_params": {"kvcomm": {"tenant": options.get("tenant", "default"),

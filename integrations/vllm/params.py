@@ -18,9 +18,10 @@ Schema (JSON object; every key optional, unknown keys rejected)::
         "computes_head": false,              # with "ticket", set by `kvcomm serve` only: this request
                                              # computes the planned request's head (its prompt is that
                                              # request's first ``head_end`` tokens)
-        "shadow": false,                     # with "ticket", set by `kvcomm serve` only: this request
-                                             # is the quality guard's reuse twin of the planned request
-                                             # (served its plan again, learns nothing)
+        "shadow": false,                     # set by `kvcomm serve` only: one of the quality guard's
+                                             # twins of a sampled request, counted in no metric; with
+                                             # "ticket" the reuse twin (served the plan again, learns
+                                             # nothing), with "calibrate" the dense twin (learns)
         "calibrate": false,                  # true: reuse nothing, prefill densely and learn
                                              # everything (each shared segment whose content
                                              # has a base becomes an anchor of its slot, up to
@@ -133,8 +134,9 @@ class KvcommParams:
     computes_head: bool = False
     """With ``ticket``: this request computes that plan's head, its prompt the head's end's prefix."""
     shadow: bool = False
-    """With ``ticket``: this request is the quality guard's reuse twin of that plan's request
-    (``vllm.guard``): served the same plan, it learns nothing."""
+    """One of the quality guard's twins of a sampled request (``vllm.guard``), counted in no
+    metric: with ``ticket`` the reuse twin (served the same plan, it learns nothing), with
+    ``calibrate`` the dense twin (it learns, as calibration traffic does)."""
 
 
 def _int(value: Any, where: str) -> int:
@@ -189,9 +191,9 @@ def parse_params(params: Any, prompt_len: int | None, known_slots: Collection[st
         raise KvcommParamsError(f"kv_transfer_params.kvcomm.computes_head must be true or false, and true only with "
                                 f"a ticket, got {shown(computes_head)}")
     shadow = body.get("shadow", False)
-    if not isinstance(shadow, bool) or (shadow and (ticket is None or computes_head)):
+    if not isinstance(shadow, bool) or (shadow and ((ticket is None and not calibrate) or computes_head)):
         raise KvcommParamsError(f"kv_transfer_params.kvcomm.shadow must be true or false, and true only with a ticket "
-                                f"and without computes_head, got {shown(shadow)}")
+                                f"or calibrate and without computes_head, got {shown(shadow)}")
     ahead = {"ticket": ticket, "computes_head": computes_head, "shadow": shadow}
     if "segments" not in body:
         return KvcommParams(handle, template, None, tenant, calibrate, retain, release, **ahead)

@@ -105,7 +105,9 @@ class PlannedRequest:
     head_of: Ahead | None = None
     """Set on a head request: the plan made ahead whose head it computes."""
     shadow: bool = False
-    """The quality guard's reuse twin of a sampled plan: served it again, learns nothing."""
+    """One of the quality guard's twins of a sampled plan (``params.shadow``), counted nowhere."""
+    learns: bool = True
+    """Whether ``finish`` learns from it: all but the reuse twin (served a plan already learned from)."""
 
     def summary(self) -> dict:
         """Per-request provenance, returned in the output's ``kv_transfer_params["kvcomm"]``;
@@ -195,8 +197,10 @@ class ServerPlanner:
             return self._planned_ahead(token_ids, params, salted, max_tokens, adapter)
         engine, prompt, tenant = self._prompt(token_ids, params, tenant, adapter)
         if params.calibrate:
-            plan = engine.calibration_plan(prompt)
-        elif not salted:
+            request = _request(engine, engine.calibration_plan(prompt), tenant, max_tokens)
+            request.shadow = params.shadow
+            return request
+        if not salted:
             plan = ReusePlan(prompt)
             length, kv = engine.prefix_store.longest(prompt)
             length = min(length, len(prompt) - 1)
@@ -296,14 +300,14 @@ class ServerPlanner:
             raise KvcommParamsError("the sampled plan's head request did not complete: its request reused the exact "
                                     "prefix only, nothing to measure")
         twin = _request(ahead.engine, ahead.plan, ahead.tenant, 0, ahead.head if ahead.plan.computed_head else None)
-        return dataclasses.replace(twin, order=Order(twin.order.inject, 0, 0), shadow=True)
+        return dataclasses.replace(twin, order=Order(twin.order.inject, 0, 0), shadow=True, learns=False)
 
     def finish(self, planned: PlannedRequest, capture: Capture | None, reply_ids: list[int]) -> None:
         """Learn from the captured real KV of prompt positions ``[reuse_end, len(prompt))``;
         ``reply_ids`` (stop token excluded) becomes shared content with its decode KV as base
         when all of it was fed back (a reply cut by max_tokens lacks its last token's KV)."""
         plan, prompt = planned.plan, planned.plan.prompt
-        if planned.shadow:
+        if not planned.learns:
             return
         if planned.head_of is not None:  # a head request: its KV waits for the planned request
             start, end = plan.exact_length, plan.pieces_start
@@ -324,6 +328,9 @@ class ServerPlanner:
             if capture.has(n, n + r) and not planned.engine.has_base(reply.shared_id) and planned.engine.learns_reply_from(plan):
                 planned.engine.register_base(reply, to_position_free(capture.span(n, n + r), self.rotary, n))
             runs.add(reply_ids, f"{prompt.template_id}.reply")  # a pool per producing template
+        if planned.shadow:  # the dense twin: learned from, counted nowhere
+            record_pools(self.registry)
+            return
         provenance = plan.provenance()
         with self._lock:
             self.totals["requests"] += 1

@@ -98,6 +98,28 @@ def test_the_reuse_twin_is_served_its_requests_plan_and_the_measured_kl_drives_t
     assert planned.plan.estimated_tokens == 0 and "quality guard" in planned.plan.note
 
 
+def test_the_dense_twin_teaches_the_slot_it_measures_and_counts_nowhere(tiny_executor):
+    """The dense twin `kvcomm serve` sends for a sampled request (``calibrate`` and ``shadow``):
+    planned as calibration (nothing reused, the whole prompt captured) and learned from, so the
+    slot it measures gets the anchor its estimate must earn evidence with; its summary says
+    ``shadow``, so no metric counts it. ``shadow`` alone (neither ticket nor calibrate) is refused."""
+    probe = ServerPlanner(tiny_executor.rotary, CONFIG, guard=GuardConfig(fraction=1.0, budget=1e9, min_samples=1))
+    _sampled_request(probe, tiny_executor, 0, "c0")
+    ids, body, summary, shadow = _sampled_request(probe, tiny_executor, 1, "c1")
+    assert summary["realigned_tokens"] > 0 and shadow == "c1.shadow"  # a cold slot: realigned, sampled
+    pool = probe.engine("t").pool("task")
+    assert not any(("agent1", "task") in anchor.deviations for anchor in pool.anchors)
+
+    twin = probe.prepare(ids, _params(ids, {**body, "calibrate": True, "shadow": True}), salted=False, max_tokens=1)
+    assert twin.plan.reuse_end == 0 and (twin.order.capture_from, twin.order.capture_to) == (0, len(ids))
+    dense, _ = _run(probe, tiny_executor, ids, {**body, "calibrate": True, "shadow": True}, 1)
+    assert dense["shadow"] and dense["computed_tokens"] == len(ids)
+    assert any(("agent1", "task") in anchor.deviations for anchor in pool.anchors)  # learned
+
+    with pytest.raises(KvcommParamsError, match="shadow must be true or false, and true only with a ticket or calibrate"):
+        _params(ids, {**body, "shadow": True})
+
+
 def test_guard_settings_are_checked_when_the_connector_starts():
     assert guard_config(None) is None
     assert guard_config({"budget": 0.05}) == GuardConfig(budget=0.05)
