@@ -116,10 +116,10 @@ def run_team(url: str, tenant: str, team: int, document: str, pipeline, tokenize
 
 
 def run_teams(deployment: Replicas, name: str, teams: list[int], documents: list[str], pipeline, tokenizer,
-              kill_after: int | None = None, kill: int | None = None, tenant: str | None = None) -> Run:
+              kill_after: int | None = None, kill: int | None = None, tenant: str | None = None, kill_delay_s: float = 0.0) -> Run:
     """Every team of ``teams`` at once through the router, team ``t`` as tenant ``{tenant}-{t}``
     (default: fresh tenants); with ``kill_after``, replica ``kill`` (None: the one holding the
-    most teams with calls still to make) is SIGKILLed once that many calls have finished."""
+    most teams with calls still to make) is SIGKILLed ``kill_delay_s`` after that many calls have finished."""
     tenant = tenant or f"bench-replicas-{name.replace(' ', '-')}-{time.time_ns()}"
     out, done = Run(name, tenant), threading.Semaphore(0)
     threads = [threading.Thread(target=run_team, args=(deployment.url, f"{tenant}-{t}", t, documents[t], pipeline, tokenizer, out, done))
@@ -129,13 +129,14 @@ def run_teams(deployment: Replicas, name: str, teams: list[int], documents: list
     if kill_after is not None:
         for _ in range(kill_after):
             done.acquire()
+        time.sleep(kill_delay_s)
         if kill is None:  # the replica with the most teams that still have calls to make
             held = router_placement(deployment, teams)
             busy = [t for t in teams if len(out.team(t)) < AGENTS]
             kill = max(range(len(deployment.replicas)), key=lambda r: (sum(r in held[t] for t in busy), sum(r in p for p in held.values())))
         deployment.kill(kill)
         out.killed, out.killed_at = kill, time.monotonic()
-        print(f"  killed replica {kill} (SIGKILL) after {kill_after} calls", flush=True)
+        print(f"  killed replica {kill} (SIGKILL) {kill_delay_s:g} s after the {kill_after}th call finished", flush=True)
     for thread in threads:
         thread.join()
     out.placement = router_placement(deployment, teams) if deployment.policy == "consistent_hash" else \
@@ -214,6 +215,9 @@ def main() -> int:
     parser.add_argument("--logs", default=None, help="folder for the replicas' and the router's logs (default: a temporary one)")
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("--skip-policies", action="store_true", help="only the one-replica run and the kill (a quick check)")
+    parser.add_argument("--kill-delay", type=float, default=0.0,
+                        help="seconds between the half-way call and the SIGKILL (default 0; more than the save interval "
+                             "of 2 s lets the replica save what the teams taught it first)")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -235,19 +239,24 @@ def main() -> int:
         deployment.start_router("consistent_hash", replicas=[0])
         one = run_teams(deployment, "one replica", teams, documents, pipeline, tokenizer)
         results["one replica"] = report(one, None)
+        calls = {"one replica": one}
         for policy in () if args.skip_policies else POLICIES:
             deployment.stop_router()
             deployment.start_router(policy)
             run = run_teams(deployment, policy, teams, documents, pipeline, tokenizer)
             results[policy] = report(run, one)
+            calls[policy] = run
         deployment.stop_router()
         deployment.start_router("consistent_hash")
-        killed = run_teams(deployment, "kill", teams, documents, pipeline, tokenizer, kill_after=len(teams) * AGENTS // 2)
+        killed = run_teams(deployment, "kill", teams, documents, pipeline, tokenizer, kill_after=len(teams) * AGENTS // 2,
+                           kill_delay_s=args.kill_delay)
         results["kill"] = report(killed, one) | kill_report(killed)
+        calls["kill"] = killed
         homed = [t for t, places in killed.placement.items() if killed.killed in places]
         killed.restart_s = deployment.restart(killed.killed)
         print(f"  replica {killed.killed} restarted from its --state-dir in {killed.restart_s:.0f} s; its teams {homed} run again", flush=True)
         again = run_teams(deployment, "after restart", homed, documents, pipeline, tokenizer, tenant=killed.tenant)
+        calls["after restart"] = again
         results["after restart"] = report(again, one) | {"restart_s": killed.restart_s, "teams": homed,
                                                          "first_run_reuse": {t: reuse(killed.team(t)) for t in homed}}
         # the same teams' first calls in the kill run: their summarizer read the document cold
@@ -259,6 +268,7 @@ def main() -> int:
                       f"{fresh.reused}/{fresh.prompt} after the restart (the same tenant, its state restored from the save)")
                 print(f"    kill run: {first.note[:300]}\n    after restart: {fresh.note[:300]}")
     results["wall_s"] = time.monotonic() - began
+    results["calls"] = {name: [asdict(c) for c in run.calls] for name, run in calls.items()}
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     return 0

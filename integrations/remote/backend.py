@@ -120,7 +120,7 @@ class RemoteChatBackend:
         return _json(self._send(lambda: self._http.post(path, json=body)), path)
 
     def _send(self, request: Callable[[], httpx.Response]) -> httpx.Response:
-        """``request()``'s response, sent once more after a connection error or a gateway's 502-504."""
+        """``request()``'s response, sent once more after a connection failure (``affinity.retryable``)."""
         for attempt in (1, 2):
             try:
                 response = request()
