@@ -37,9 +37,9 @@ def test_first_call_falls_back_to_exactly_dense(smol_executor):
 @pytest.mark.parametrize("exact_prefix", [True, False])
 def test_same_context_reproduces_dense_kv_and_tokens(smol_executor, exact_prefix):
     """Behind the same preceding text it was recorded with, a reused segment is exact:
-    through the prefix store, or (a store with no room, so no exact prefix can hit) realigned
-    base + its own recorded deviation. With first_use bases the first run takes the bases and
-    the second records the anchors."""
+    through the prefix store, or (a store with no room, so no exact prefix can hit) its
+    realigned base, which first_use took from this very context in the first run (the second
+    run reuses it and computes nothing a pool could record: no anchors, no estimate)."""
     spec = parse_pipeline(PIPELINE)
     executor = smol_executor
     engine = ReuseEngine(executor.rotary, ReuseConfig() if exact_prefix else ReuseConfig(prefix_store_bytes=0))
@@ -53,7 +53,8 @@ def test_same_context_reproduces_dense_kv_and_tokens(smol_executor, exact_prefix
     if exact_prefix:
         assert plan.exact_length == len(prompt) - 1
     else:
-        assert plan.estimated_tokens > 0 and all(p.match.identical for p in plan.pieces)
+        assert plan.estimated_tokens > 0 and plan.provenance().realigned_tokens == plan.estimated_tokens
+        assert all(p.match is None for p in plan.pieces) and len(engine.pool("doc")) == 0
     full = executor.generate(prompt.token_ids, None, 1, None).computed
     assert (kv.keys - full.keys[:, :, : kv.length]).abs().max() <= 1e-4
     assert (kv.values - full.values[:, :, : kv.length]).abs().max() <= 1e-4
@@ -61,29 +62,45 @@ def test_same_context_reproduces_dense_kv_and_tokens(smol_executor, exact_prefix
 
 
 @pytest.mark.slow
-def test_estimation_kicks_in_after_two_anchors_and_learns(tiny_executor):
+def test_cold_slots_realign_and_calibration_calls_make_their_anchors(tiny_executor):
+    """The estimate-or-realign rule on a real pipeline: each row's reader computes its new doc
+    (first_use: its base), every asker after its first call serves that doc realigned (its
+    slot holds no anchor and no evidence) and computes nothing of it, so no anchor is made (the asker's first call, which
+    reused nothing, computed its doc: that one is); calibration calls of the asker make one per
+    row, each also a measured pair once the pool can estimate."""
     spec = parse_pipeline(PIPELINE)
     engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0)))
     provenance = [[c.provenance for c in run_row(spec, row, tiny_executor, engine)] for row in range(4)]
     readers, askers = [p[0] for p in provenance], [p[1] for p in provenance]
-    # first_use: the reader is the first to see each row's doc, so it computes it and takes its base there
     assert all(p.fallback and "new content" in p.note for p in readers[1:])
-    assert askers[0].fallback and askers[1].fallback  # the asker's pool holds <= 1 anchor
-    assert askers[2].estimated_tokens > 0 and not askers[2].fallback
-    assert len(engine.pool("doc")) == 2  # the two dense samples became anchors, reused ones did not
+    assert askers[0].fallback and "has no base yet" in askers[0].note  # the asker's own template text: its first call
+    assert all(not p.fallback and 0 < p.realigned_tokens == p.estimated_tokens for p in askers[1:])
+    assert len(engine.pool("doc")) == 1  # the asker's first call, which reused nothing; the rest computed no doc
     for p in (c for row in provenance for c in row):
         assert p.exact_tokens + p.estimated_tokens + p.computed_tokens == p.prompt_tokens
         assert p.computed_tokens >= 1  # the last prompt token is always recomputed
+    for row in range(3):
+        _, calibrated = run_agent(tiny_executor, engine, _prompt(tiny_executor, spec, 1, {"doc": spec.inputs[row]["doc"], "reader": "A summary."}), 4,
+                                  calibrate=True)
+        assert calibrated.estimated_tokens == 0
+    assert len(engine.pool("doc")) == 3
+    evidence = engine.pool("doc").evidence[(("asker", "doc"), "shared")]
+    assert evidence.pairs == 1  # the third met two anchors: the rule's first measured pair
 
 
 @pytest.mark.slow
 def test_segment_longer_than_every_anchor_reuses_covered_head(tiny_executor):
     """With min_coverage 0 (the mechanism alone; the default sends a mostly uncovered segment dense).
-    The asker's anchors come from two rows; the reader's prefill gives the long doc its base."""
+    The asker's anchors come from calibration calls on two rows, its slot's evidence is given
+    (``support.evidence``: the mechanism, not the rule); the reader's prefill gives the long doc
+    its base."""
     spec = parse_pipeline(PIPELINE)
     engine = ReuseEngine(tiny_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, min_coverage=0.0)))
     for row in range(2):
         run_row(spec, row, tiny_executor, engine)
+        asker = _prompt(tiny_executor, spec, 1, {"doc": spec.inputs[row]["doc"], "reader": "A summary."})
+        run_agent(tiny_executor, engine, asker, 4, calibrate=True)
+    earn(engine.pool("doc"), ("asker", "doc"))
     longest = max(a.length for a in engine.pool("doc").anchors)
     long_doc = " ".join(r["doc"] for r in spec.inputs)
     run_agent(tiny_executor, engine, _prompt(tiny_executor, spec, 0, {"doc": long_doc}), 4)
@@ -229,7 +246,8 @@ def test_first_use_bases_come_from_the_first_prefill_with_no_extra_forward(tiny_
     readers, askers = [row[0] for row in calls], [row[1] for row in calls]
     assert all(p.estimated_tokens == 0 for p in readers)  # the reader is always first to see its doc
     reused_doc = [p.reused_shared_tokens > 0 for p in askers]
-    # kvcomm estimates once the pool holds 2 anchors; realign once the asker's own fixed text has a base
-    assert reused_doc == ([False, False, True, True] if mode == "kvcomm" else [False, True, True, True])
+    # both reuse the doc once the asker's own fixed text has a base: kvcomm reaches what realign
+    # reaches (the doc realigned, its slot having earned no estimate)
+    assert reused_doc == [False, True, True, True]
     for p in (p for row in calls for p in row):
         assert p.exact_tokens + p.estimated_tokens + p.computed_tokens == p.prompt_tokens

@@ -215,13 +215,13 @@ def test_dynamic_ntk_prompt_past_the_exact_length_teaches_nothing(dynamic_execut
 def test_dynamic_ntk_prompt_past_the_exact_length_gets_no_stored_kv(dynamic_executor):
     """KV learned from short prompts (short frequencies) is not served to a long prompt, whose
     every key dense computes with the grown frequencies: not even the template's lead.
-    Standalone bases: three short prompts with three new docs then make anchors (first_use
-    bases would only take each doc's base)."""
+    Standalone bases: three short calibration prompts with three new docs make anchors (first_use
+    bases would only take each doc's base; plain calls would serve them realigned, making none)."""
     from kvcomm.reuse.runner import run_agent
 
     engine = ReuseEngine(dynamic_executor.rotary, ReuseConfig(pool=PoolConfig(gamma=1.0), base_source="standalone"))
     for start in (1000, 2000, 3000):
-        run_agent(dynamic_executor, engine, _token_prompt(20, start), 1)
+        run_agent(dynamic_executor, engine, _token_prompt(20, start), 1, calibrate=True)
     assert engine._fixed_bases and len(engine.pool("doc")) >= 2
     plan = engine.plan(_token_prompt(80, 1000), dynamic_executor.base_kv)
     assert plan.reuse_end == 0 and plan.exact_length == 0 and "no reuse" in plan.note

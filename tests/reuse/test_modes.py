@@ -18,6 +18,7 @@ from kvcomm.reuse.runner import run_agent, run_row
 from kvcomm.reuse.scopes import SCOPES
 from kvcomm.reuse.strategies import MODES
 from kvcomm.core.segments import Prompt, Segment, content_id
+from support.evidence import earn
 from support.two_agent_case import PIPELINE as TWO_AGENT_PIPELINE, agent_prompt
 
 PIPELINE = {**TWO_AGENT_PIPELINE, "max_new_tokens": 6}
@@ -244,8 +245,10 @@ def test_kvblend_plans_as_kvcomm_then_recomputes_and_full_ratio_is_dense(tiny_ex
     planned = {}
     for mode in ("kvcomm", "kvblend"):
         engine = ReuseEngine(executor.rotary, ReuseConfig(mode=mode, recompute_ratio=1.0))
-        for row in range(2):  # the asker's doc becomes an anchor twice; nothing is estimated yet
+        for row in range(2):  # the asker's calibration calls make its doc an anchor twice; nothing is estimated yet
             run_row(spec, row, executor, engine)
+            run_agent(executor, engine, _asker(executor, row), 1, calibrate=True)
+        earn(engine.pool("doc"), ("asker", "doc"))  # the slot's evidence given: the modes' mechanism, not the rule
         run_agent(executor, engine, _reader(executor, 2), 1)  # row 2's doc takes its base
         planned[mode] = (engine, engine.plan(_asker(executor, 2), executor.base_kv))
     (plain_engine, plain), (engine, blend) = planned["kvcomm"], planned["kvblend"]
