@@ -565,12 +565,16 @@ def test_a_crash_at_any_step_of_a_save_leaves_the_previous_save(tmp_path, monkey
     assert {p.name for p in tmp_path.iterdir()} == {MANIFEST} | _named(tmp_path)
 
 
+SAVER_CONFIG = ReuseConfig(pool=PoolConfig(gamma=1.0, max_anchors=24))
+"""The killed saver's engine settings; its saves are restored into engines of the same."""
+
+
 def _saver(directory: str) -> None:
     """Subprocess body: save a ~25 MB engine again and again, learning a few new anchors (new
     object files of up to a few MB, and evictions) and bumping a counter each time."""
     torch.set_num_threads(1)
     rotary = synthetic_rotary()
-    engine = ReuseEngine(rotary, ReuseConfig(pool=PoolConfig(gamma=1.0, max_anchors=24)))
+    engine = ReuseEngine(rotary, SAVER_CONFIG)
     feed(engine, 0, 40, max_len=3000)
     fingerprint = synthetic_fingerprint(rotary)
     for i in range(10**6):
@@ -591,7 +595,7 @@ def test_killing_a_save_midway_leaves_the_previous_save_loadable(tmp_path):
         for _ in range(15):  # random moments, mostly inside a write (the tests above inject crashes deterministically)
             time.sleep(rng.uniform(0.0, 0.3))
             os.kill(proc.pid, signal.SIGSTOP)  # freeze it at a random moment, load, then let it go on
-            restored = ReuseEngine(synthetic_rotary(), ReuseConfig(pool=PoolConfig(gamma=1.0)))
+            restored = ReuseEngine(synthetic_rotary(), SAVER_CONFIG)
             load_engine(tmp_path, restored, synthetic_fingerprint(restored.rotary))
             os.kill(proc.pid, signal.SIGCONT)
         time.sleep(rng.uniform(0.0, 0.6))
@@ -601,7 +605,7 @@ def test_killing_a_save_midway_leaves_the_previous_save_loadable(tmp_path):
         assert len(done) >= 3, done  # several saves ran, so the kills landed at varied points
     finally:
         proc.kill()
-    restored = ReuseEngine(synthetic_rotary(), ReuseConfig(pool=PoolConfig(gamma=1.0)))
+    restored = ReuseEngine(synthetic_rotary(), SAVER_CONFIG)
     load_engine(tmp_path, restored, synthetic_fingerprint(restored.rotary))
     (counter,) = {a.accesses for p in restored.pools.values() for a in p.anchors}  # one whole save
     assert done[-1] <= counter <= done[-1] + 1  # the last complete save, or one committed unprinted
