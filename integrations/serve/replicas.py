@@ -290,8 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.replicas < 1:
         parser.error(f"--replicas must be >= 1 (got {args.replicas})")
-    deployment = Replicas(args.logs, args.replicas, policy=args.policy, serve_args=serve_args, port=args.port, host=args.host,
-                          state_dir=args.state_dir, health_interval_s=args.health_interval)
+    try:
+        deployment = Replicas(args.logs, args.replicas, policy=args.policy, serve_args=serve_args, port=args.port,
+                              host=args.host, state_dir=args.state_dir, health_interval_s=args.health_interval)
+    except ValueError as error:  # the settings' own checks, as a usage error
+        parser.error(str(error))
     stopping, failed = threading.Event(), []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
