@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
+from kvcomm.integrations.serve.replicas import free_port, wait_for_health
 from kvcomm.integrations.serve.routes import HEALTH_PROBES  # noqa: F401 (the cases import it from here)
 
 STARTUP_TIMEOUT_S = 600
@@ -26,12 +25,6 @@ ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OM
 """vLLM's default process layout is kept (API server, engine core, worker: each its own
 process), as `kvcomm serve` runs unless told otherwise: a request's parameters are pickled on
 their way to the worker there (a body nested ~900 deep stopped the engine that way, issue 48)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class StartFailed(RuntimeError):
@@ -80,19 +73,13 @@ class Server:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                             env={**os.environ, **ENV, **self.env})
         self.url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise StartFailed(f"kvcomm serve exited with {self.process.returncode}", self.log_tail())
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        else:
+        try:
+            served = wait_for_health(self.process, self.url, STARTUP_TIMEOUT_S, 2)
+        except TimeoutError:
             self.kill()
-            raise StartFailed(f"kvcomm serve did not answer within {STARTUP_TIMEOUT_S} s", self.log_tail())
+            raise StartFailed(f"kvcomm serve did not answer within {STARTUP_TIMEOUT_S} s", self.log_tail()) from None
+        if served is None:
+            raise StartFailed(f"kvcomm serve exited with {self.process.returncode}", self.log_tail())
         self.footprint = worker_rss(self.process.pid)
         self.model = None
         for key in self.keys or [None]:

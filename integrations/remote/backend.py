@@ -121,21 +121,35 @@ class RemoteChatBackend:
 
     def _send(self, request: Callable[[], httpx.Response]) -> httpx.Response:
         """``request()``'s response, sent once more after a connection failure (``affinity.retryable``)."""
-        for attempt in (1, 2):
-            try:
-                response = request()
-            except httpx.HTTPError as error:
-                if attempt == 1 and affinity.retryable(error):
-                    self._note_retry(str(error) or type(error).__name__)
-                    time.sleep(affinity.RETRY_DELAY_S)
-                    continue
-                raise RemoteError(f"cannot reach the kvcomm server at {self.base_url} ({error}); is `kvcomm serve` running?") from error
-            if attempt == 1 and affinity.retryable(status=response.status_code, body=_peek(response)):
-                self._note_retry(f"HTTP {response.status_code}")
-                time.sleep(affinity.RETRY_DELAY_S)
-                continue
-            return response
-        raise AssertionError("unreachable")
+        try:
+            response = request()
+        except httpx.HTTPError as error:
+            if not self._retrying(error=error):
+                raise self._unreachable(error) from error
+        else:
+            if not self._retrying(response=response):
+                return response
+        time.sleep(affinity.RETRY_DELAY_S)
+        try:
+            return request()
+        except httpx.HTTPError as error:
+            raise self._unreachable(error) from error
+
+    def _retrying(self, error: httpx.HTTPError | None = None, response: httpx.Response | None = None) -> bool:
+        """Whether a first attempt that raised ``error`` or answered ``response`` is sent once more
+        (``affinity.retryable``); counted and logged if so."""
+        if error is not None:
+            if not affinity.retryable(error):
+                return False
+            self._note_retry(str(error) or type(error).__name__)
+        else:
+            if not affinity.retryable(status=response.status_code, body=_peek(response)):
+                return False
+            self._note_retry(f"HTTP {response.status_code}")
+        return True
+
+    def _unreachable(self, error: httpx.HTTPError) -> RemoteError:
+        return RemoteError(f"cannot reach the kvcomm server at {self.base_url} ({error}); is `kvcomm serve` running?")
 
     def _note_retry(self, why: str) -> None:
         self.retries += 1
@@ -330,21 +344,19 @@ class RemoteChatBackend:
 
     async def _asend(self, request: Callable[[], Any]) -> httpx.Response:
         """As ``_send``, for ``await request()``."""
-        for attempt in (1, 2):
-            try:
-                response = await request()
-            except httpx.HTTPError as error:
-                if attempt == 1 and affinity.retryable(error):
-                    self._note_retry(str(error) or type(error).__name__)
-                    await asyncio.sleep(affinity.RETRY_DELAY_S)
-                    continue
-                raise RemoteError(f"cannot reach the kvcomm server at {self.base_url} ({error}); is `kvcomm serve` running?") from error
-            if attempt == 1 and affinity.retryable(status=response.status_code, body=_peek(response)):
-                self._note_retry(f"HTTP {response.status_code}")
-                await asyncio.sleep(affinity.RETRY_DELAY_S)
-                continue
-            return response
-        raise AssertionError("unreachable")
+        try:
+            response = await request()
+        except httpx.HTTPError as error:
+            if not self._retrying(error=error):
+                raise self._unreachable(error) from error
+        else:
+            if not self._retrying(response=response):
+                return response
+        await asyncio.sleep(affinity.RETRY_DELAY_S)
+        try:
+            return await request()
+        except httpx.HTTPError as error:
+            raise self._unreachable(error) from error
 
     async def _stream(self, http: httpx.AsyncClient, body: dict, streamed: wire.StreamedCompletion, on_text: Callable[[str], None]) -> None:
         """Stream one completion into ``streamed``. Before its first chunk, a connection error or a

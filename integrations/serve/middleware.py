@@ -254,8 +254,9 @@ class KvcommTenantMiddleware:
         if isinstance(body, dict):
             try:
                 body = rewrite(body, key, self.digests, route.kind)
-                uses = await self.contexts.annotate(scope, body) if route.kind == "generation" else []
+                uses = []
                 if route.kind == "generation":
+                    uses = await self.contexts.annotate(scope, body)
                     check_options(body)
             except ContextError as error:
                 await _error(error.status, str(error), type(error).__name__)(scope, receive, send)

@@ -61,6 +61,27 @@ def router_binary() -> str:
     return found
 
 
+def answers_health(url: str, timeout_s: float = 10) -> bool:
+    """Whether the server at ``url`` answers ``GET /health`` with 200 within ``timeout_s``."""
+    try:
+        return httpx.get(url + "/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_for_health(process: subprocess.Popen, url: str, timeout_s: float, interval_s: float) -> float | None:
+    """Seconds until ``url`` answered ``/health`` (``answers_health``, polled every ``interval_s``)
+    while ``process`` ran; None if it exited first; ``TimeoutError`` after ``timeout_s``."""
+    began = time.monotonic()
+    while time.monotonic() - began < timeout_s:
+        if process.poll() is not None:
+            return None
+        if answers_health(url, 5):
+            return time.monotonic() - began
+        time.sleep(interval_s)
+    raise TimeoutError(f"{url} did not answer /health within {timeout_s:.0f} s")
+
+
 def _tree(pid: int) -> list:
     import psutil
 
@@ -102,21 +123,18 @@ class Replica:
 
     def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> float:
         """Seconds until ``/health`` answered 200; ``DeploymentError`` if the process exits first or the time runs out."""
-        began = time.monotonic()
-        while time.monotonic() - began < timeout_s:
-            if self.process is None or self.process.poll() is not None:
-                code = None if self.process is None else self.process.returncode
-                raise DeploymentError(f"replica {self.index} exited with {code} before serving:\n{_tail(self.log)}")
-            if self.healthy():
-                return time.monotonic() - began
-            time.sleep(1)
-        raise DeploymentError(f"replica {self.index} did not answer /health within {timeout_s:.0f} s:\n{_tail(self.log)}")
+        if self.process is None:
+            raise DeploymentError(f"replica {self.index} was never started")
+        try:
+            served = wait_for_health(self.process, self.url, timeout_s, 1)
+        except TimeoutError:
+            raise DeploymentError(f"replica {self.index} did not answer /health within {timeout_s:.0f} s:\n{_tail(self.log)}") from None
+        if served is None:
+            raise DeploymentError(f"replica {self.index} exited with {self.process.returncode} before serving:\n{_tail(self.log)}")
+        return served
 
     def healthy(self) -> bool:
-        try:
-            return httpx.get(self.url + "/health", timeout=10).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return answers_health(self.url)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -212,17 +230,12 @@ class Replicas:
             out.write(f"\n=== router: {' '.join(command)}\n")
             out.flush()
             self.router = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        began = time.monotonic()
-        while time.monotonic() - began < 120:
-            if self.router.poll() is not None:
-                raise DeploymentError(f"vllm-router exited with {self.router.returncode}:\n{_tail(self.router_log)}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise DeploymentError(f"vllm-router did not answer /health within 120 s:\n{_tail(self.router_log)}")
+        try:
+            served = wait_for_health(self.router, self.url, 120, 0.5)
+        except TimeoutError:
+            raise DeploymentError(f"vllm-router did not answer /health within 120 s:\n{_tail(self.router_log)}") from None
+        if served is None:
+            raise DeploymentError(f"vllm-router exited with {self.router.returncode}:\n{_tail(self.router_log)}")
 
     def kill(self, index: int) -> None:
         """SIGKILL replica ``index`` (its whole process tree); the router's next health check takes it out."""
@@ -277,8 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.replicas < 1:
         parser.error(f"--replicas must be >= 1 (got {args.replicas})")
-    deployment = Replicas(args.logs, args.replicas, policy=args.policy, serve_args=serve_args, port=args.port, host=args.host,
-                          state_dir=args.state_dir, health_interval_s=args.health_interval)
+    try:
+        deployment = Replicas(args.logs, args.replicas, policy=args.policy, serve_args=serve_args, port=args.port,
+                              host=args.host, state_dir=args.state_dir, health_interval_s=args.health_interval)
+    except ValueError as error:  # the settings' own checks, as a usage error
+        parser.error(str(error))
     stopping, failed = threading.Event(), []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())

@@ -22,7 +22,8 @@ def test_bad_options_are_refused(tmp_path, options, message):
 
 
 def test_the_command_refuses_bad_flags_and_starts_nothing(tmp_path):
-    for flags, message in ((["--replicas", "0"], "--replicas must be >= 1"), (["--policy", "prefix"], "invalid choice")):
+    for flags, message in ((["--replicas", "0"], "--replicas must be >= 1"), (["--policy", "prefix"], "invalid choice"),
+                           (["--health-interval", "0"], "health_interval_s must be >= 1")):
         done = subprocess.run([sys.executable, "-m", "kvcomm.integrations.serve.replicas", *flags, "--logs", str(tmp_path / "logs")],
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and message in done.stderr
