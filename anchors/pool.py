@@ -81,7 +81,7 @@ class AnchorPool:
         """``_alpha``'s device copies of the fitted factors, with the pair count they were made at."""
         self.evidence: dict[tuple[SlotKey, str], Evidence] = {}
         """Per (slot, "shared" or "following"): whether its estimate beats realignment (``observe``;
-        ``kvcomm.anchors.evidence``). Not persisted: a restored pool earns it again."""
+        ``kvcomm.anchors.evidence``). Saved and restored with the pool (``kvcomm.services.persist``)."""
 
     def __len__(self) -> int:
         return len(self._anchors)

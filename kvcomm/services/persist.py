@@ -5,7 +5,7 @@ A save (format version 3) is a directory holding ``manifest.json`` and one file 
 object, ``obj-<sha256 of the file>.safetensors``: an anchor's base KV with its embedding, one
 deviation, a fixed-segment base, a shared-content base with its embedding, and one small file
 of the pools' shrinkage-fit sums. The manifest holds the small mutable state (serials, access
-counts, eviction counts, fit pair counts, which deviation belongs to which anchor and slot)
+counts, eviction counts, fit pair counts, each slot's estimate-or-realign evidence, which deviation belongs to which anchor and slot)
 and names every object file with its size; a file's name is its checksum. Objects are
 immutable: nothing in kvcomm changes a stored base or deviation in place (an anchor's new
 deviation for a slot is a new object; eviction drops objects), so a save writes only the
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import threading
@@ -55,6 +56,7 @@ import torch
 from safetensors.torch import load_file, save as serialize
 
 from kvcomm.anchors.anchor import Anchor, Deviation
+from kvcomm.anchors.evidence import Evidence
 from kvcomm.anchors.pool import AnchorPool
 from kvcomm.anchors.shrinkage import ShrinkageFit
 from kvcomm.reuse.engine import ReuseEngine
@@ -228,8 +230,11 @@ def _snapshot(engine: ReuseEngine) -> tuple[dict, list[_Object]]:
                 for field_name in ("cross", "estimate_sq", "real_sq"):
                     fit_sums[f"pool{p}.fit{f}.{field_name}"] = getattr(fit, field_name).clone()
                 fits.append({"template": template, "slot": slot_name, "part": part, "pairs": fit.pairs})
+            evidence = [{"template": template, "slot": slot_name, "part": part, "estimate_sq": list(e.estimate_sq),
+                         "realign_sq": list(e.realign_sq), "pairs": e.pairs}
+                        for ((template, slot_name), part), e in sorted(pool.evidence.items())]
             pools.append({"slot": slot, "next_serial": pool.next_serial, "evictions": pool.evictions, "anchors": anchors,
-                          "fits": fits})
+                          "fits": fits, "evidence": evidence})
         for (template, content), kv in engine._fixed_bases.items():
             fixed.append({"template": template, "content": content, "file": add(_kv(kv))})
         for shared_id, (kv, embedding) in engine._bases.items():
@@ -619,6 +624,16 @@ def _build(manifest: dict, read: _Reader, engine: ReuseEngine, where: Path):
                 read.fail(f"slot {slot!r}: shrinkage fit {f} is for part {part!r}, expected 'shared' or 'following'")
             key = ((_field(item, "template", str, where), _field(item, "slot", str, where)), part)
             pool.fits[key] = ShrinkageFit(*sums, pairs=_field(item, "pairs", int, where))
+        for item in entry.get("evidence", []) if isinstance(entry, dict) else []:  # saves before the rule had none
+            key = ((_field(item, "template", str, where), _field(item, "slot", str, where)), _field(item, "part", str, where))
+            sums = [_field(item, n, list, where) for n in ("estimate_sq", "realign_sq")]
+            pairs = _field(item, "pairs", int, where)
+            if key[1] not in ("shared", "following") or pairs < 0 or any(
+                    len(row) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                                             and x >= 0 for x in row) for row in sums):
+                read.fail(f"slot {slot!r}: evidence {key} is not a pair count and two [keys, values] sums of squares "
+                          "for part 'shared' or 'following'")
+            pool.evidence[key] = Evidence([float(x) for x in sums[0]], [float(x) for x in sums[1]], pairs)
         pools[slot] = pool
     fixed = {}
     for f, entry in enumerate(_field(manifest, "fixed_bases", list, where)):

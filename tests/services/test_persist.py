@@ -351,6 +351,7 @@ def _same_state(a: ReuseEngine, b: ReuseEngine) -> None:
         for k, fit in pool.fits.items():
             assert fit.pairs == other.fits[k].pairs and torch.equal(fit.cross, other.fits[k].cross)
             assert torch.equal(fit.estimate_sq, other.fits[k].estimate_sq) and torch.equal(fit.real_sq, other.fits[k].real_sq)
+        assert pool.evidence == other.evidence
     assert sorted(a._bases) == sorted(b._bases) and sorted(a._fixed_bases) == sorted(b._fixed_bases)
     for k, (kv, embedding) in a._bases.items():
         assert kv_equal(kv, b._bases[k][0]) and (embedding == b._bases[k][1]).all()
@@ -618,8 +619,9 @@ if __name__ == "__main__":
     _saver(sys.argv[1])
 
 
-def test_shrinkage_fits_survive_a_restart(tmp_path):
-    """A restarted server keeps shrinking its slots' estimates as before, not raw until refitted."""
+def test_shrinkage_fits_and_evidence_survive_a_restart(tmp_path):
+    """A restarted server keeps shrinking its slots' estimates as before, not raw until refitted,
+    and serves the estimate where its slot had earned it, not the realigned base until earned again."""
     rotary = synthetic_rotary()
     config = ReuseConfig(pool=PoolConfig(gamma=0.0), prefix_store_bytes=0)
     engine = ReuseEngine(rotary, config)
@@ -632,6 +634,11 @@ def test_shrinkage_fits_survive_a_restart(tmp_path):
     for (slot, key), fit in fits.items():
         again = restored.pools[slot].fits[key]
         assert again.pairs == fit.pairs and torch.equal(again.cross, fit.cross) and torch.equal(again.real_sq, fit.real_sq)
+    evidence = {(slot, key): e for slot, pool in engine.pools.items() for key, e in pool.evidence.items()}
+    assert evidence and any(e.pairs >= 2 for e in evidence.values())
+    assert {(slot, key): e for slot, pool in restored.pools.items() for key, e in pool.evidence.items()} == evidence
+    earned = {(slot, key): engine.pools[slot].earned(*key) for slot, key in evidence}
+    assert any(earned.values()) and {(slot, key): restored.pools[slot].earned(*key) for slot, key in evidence} == earned
 
 
 def test_a_save_removes_temp_files_a_killed_save_left_behind(tmp_path):
