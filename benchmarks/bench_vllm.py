@@ -93,6 +93,8 @@ def use_kvcomm_from(tree: str | os.PathLike) -> None:
         raise RuntimeError(f"{tree} is not a kvcomm checkout (no kvcomm/__init__.py)")
     for package, folder in list(finder.MAPPING.items()):
         finder.MAPPING[package] = str(tree / Path(folder).relative_to(root))
+    # ahead of the path finder, so that a kvcomm/ folder on sys.path (the working directory's) does not win
+    sys.meta_path[:] = [finder._EditableFinder] + [f for f in sys.meta_path if f is not finder._EditableFinder]
     import kvcomm
 
     if not Path(kvcomm.__file__).resolve().is_relative_to(tree):

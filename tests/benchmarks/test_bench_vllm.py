@@ -9,6 +9,7 @@ import importlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -137,11 +138,12 @@ def test_a_baseline_tree_must_be_a_kvcomm_checkout_chosen_before_kvcomm_is_impor
               f"bench_vllm.use_kvcomm_from({str(tmp_path)!r})")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "is not a kvcomm checkout" in done.stderr, done.stderr[-2000:]
-    here = BENCHMARKS.parent
+    copy = tmp_path / "copy"  # another checkout: this one's files, run from this checkout's folder
+    shutil.copytree(BENCHMARKS.parent, copy, ignore=shutil.ignore_patterns(".venv", ".git", "docs", "tests", "__pycache__"))
     script = (f"import sys; sys.path.insert(0, {str(BENCHMARKS)!r}); import bench_vllm; "
-              f"bench_vllm.use_kvcomm_from({str(here)!r}); import kvcomm.integrations.vllm.worker as w; print(w.__file__)")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip() == str(here / "integrations" / "vllm" / "worker.py"), done.stderr[-2000:]
+              f"bench_vllm.use_kvcomm_from({str(copy)!r}); import kvcomm.integrations.vllm.worker as w; print(w.__file__)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=BENCHMARKS.parent)
+    assert done.returncode == 0 and done.stdout.strip() == str(copy / "integrations" / "vllm" / "worker.py"), done.stderr[-2000:]
 
 
 def test_tiny_decode_run_with_a_baseline_tree():
