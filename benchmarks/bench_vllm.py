@@ -37,9 +37,10 @@ finished), on the plugin-free engine (a child process), the plugin's engine with
 opted in (``VllmExecutor.generate``: prompt and reply captured); with ``--baseline-tree DIR``
 also opted in through the kvcomm code of another checkout (a child process that imports
 kvcomm from ``DIR``, e.g. ``git archive main`` unpacked: before and after a change in one
-run). Per request: tokens/s (generated tokens over its wall time) and CPU milliseconds per
+run). Per request: tokens/s (generated tokens over its wall time), CPU milliseconds per
 token of the process running the engine (``time.process_time``: less sensitive to other jobs
-on the cores than wall time). The engines take turns, in alternating order, ``--repeats``
+on the cores than wall time) and, on the plugin's engines, kvcomm's own share of it: its
+hooks' thread CPU time, both sides, as its step clocks observe it (``vllm.step_time``). The engines take turns, in alternating order, ``--repeats``
 times; reported per engine the medians, and per plugin engine its ratio to plugin-free within
 each turn (median, quartiles, least and most) beside the ratio of medians. The goal: opted in
 >= 0.98x plugin-free.
@@ -133,27 +134,48 @@ def _engine_worker(connection, tree: str | None) -> None:
             connection.send(_prefill_seconds(llm, ids, None))
 
 
-def _decode(llm, ids: list[int], max_tokens: int, stop_ids: list[int], extra_args: dict | None) -> tuple[float, float, int]:
-    """Wall time, this process's CPU time (s) and generated tokens of one greedy request of
-    ``max_tokens`` (prefix cache reset)."""
+def _kvcomm_cpu_seconds() -> float:
+    """kvcomm's hooks' thread CPU seconds so far in this process, scheduler and worker sides, as
+    their step clocks observed them (``kvcomm_step_cpu_seconds``; a side's step is observed when
+    it ends, so a request's last hooks may be counted with the next request)."""
+    from prometheus_client import REGISTRY
+
+    import kvcomm.integrations.vllm.step_time  # noqa: F401  (registers the metrics)
+
+    return sum(REGISTRY.get_sample_value("kvcomm_step_cpu_seconds_sum", {"side": side}) or 0.0
+               for side in ("scheduler", "worker"))
+
+
+Sample = tuple[float, float, "float | None", int]
+"""One request: wall s, the engine process's CPU s, kvcomm's hooks' CPU s (None: no plugin), generated tokens."""
+
+
+def _decode(llm, ids: list[int], max_tokens: int, stop_ids: list[int], extra_args: dict | None,
+            plugin: bool = False) -> Sample:
+    """One greedy request of ``max_tokens`` (prefix cache reset); ``plugin``: the engine loads
+    kvcomm's connector, whose CPU time is counted."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm.reset_prefix_cache()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop_ids, detokenize=False,
                             extra_args=extra_args)
+    hooks = _kvcomm_cpu_seconds() if plugin else None
     start, cpu = time.perf_counter(), time.process_time()
     out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
-    return time.perf_counter() - start, time.process_time() - cpu, len(out[0].outputs[0].token_ids)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return wall, cpu, None if hooks is None else _kvcomm_cpu_seconds() - hooks, len(out[0].outputs[0].token_ids)
 
 
-def _opted_in_decode(executor, ids: list[int], max_tokens: int) -> tuple[float, float, int]:
-    """``_decode`` through ``VllmExecutor.generate``: prompt and reply captured (their KV copied
-    when the request finished, in the step after it), ``max_tokens`` generated."""
+def _opted_in_decode(executor, ids: list[int], max_tokens: int) -> Sample:
+    """``_decode`` through ``VllmExecutor.generate``: prompt and reply captured, ``max_tokens``
+    generated."""
     executor.llm.reset_prefix_cache()
+    hooks = _kvcomm_cpu_seconds()
     start, cpu = time.perf_counter(), time.process_time()
     reply = executor.generate(ids, None, max_tokens - 1).reply_ids  # generates one more, fed back and captured
-    return time.perf_counter() - start, time.process_time() - cpu, len(reply) + 1
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return wall, cpu, _kvcomm_cpu_seconds() - hooks, len(reply) + 1
 
 
 class _ChildEngine:
@@ -180,7 +202,7 @@ class _ChildEngine:
         self.connection.send(ids)
         return self.connection.recv()
 
-    def decode(self, ids: list[int], max_tokens: int, stop_ids: list[int]) -> tuple[float, float, int]:
+    def decode(self, ids: list[int], max_tokens: int, stop_ids: list[int]) -> Sample:
         self.connection.send(("decode", ids, max_tokens, stop_ids))
         return self.connection.recv()
 
@@ -312,7 +334,7 @@ def decode_speed(repeats: int, tokens: int, baseline_tree: str | None = None) ->
     stops = sorted(executor.stop_ids)
     try:
         steps = {"plugin_free": lambda: children["plugin_free"].decode(ids, tokens, stops),
-                 "plugin_no_opt_in": lambda: _decode(executor.llm, ids, tokens, stops, None),
+                 "plugin_no_opt_in": lambda: _decode(executor.llm, ids, tokens, stops, None, plugin=True),
                  "plugin_opt_in": lambda: _opted_in_decode(executor, ids, tokens)}
         if baseline_tree is not None:
             steps["plugin_opt_in_baseline"] = lambda: children["plugin_opt_in_baseline"].decode(ids, tokens, stops)
@@ -332,22 +354,24 @@ def _spread(values: list[float]) -> dict:
             "max": round(max(values), 4)}
 
 
-def decode_report(samples: dict[str, list[tuple[float, float, int]]]) -> dict:
-    """The decode section from (wall s, engine process CPU s, generated tokens) per turn and
-    engine (``plugin_free`` first; each engine ran once per turn). Per engine: tokens/s and
-    CPU ms per token, median over the turns; per other engine: its tokens/s over plugin-free's
-    within each turn (``ratio``: median, quartiles, least, most), the ratio of the medians, and
-    its CPU per token over plugin-free's, the same way."""
+def decode_report(samples: dict[str, list[Sample]]) -> dict:
+    """The decode section from a ``Sample`` per turn and engine (``plugin_free`` among them;
+    each engine ran once per turn). Per engine: tokens/s, CPU ms per token and (plugin engines)
+    kvcomm's hooks' CPU ms per token, medians over the turns; per engine but plugin-free: its
+    tokens/s over plugin-free's within each turn (``ratio``: median, quartiles, least, most),
+    the ratio of the medians, and its CPU per token over plugin-free's, the same way."""
     turns = len(samples["plugin_free"])
     if turns == 0 or any(len(values) != turns for values in samples.values()):
         raise ValueError(f"every engine needs one sample per turn: {({k: len(v) for k, v in samples.items()})}")
-    rates = {name: [n / wall for wall, _, n in values] for name, values in samples.items()}
-    cpu = {name: [1000 * seconds / n for _, seconds, n in values] for name, values in samples.items()}
-    report = {"samples": turns, "generated": {name: [n for _, _, n in values] for name, values in samples.items()},
+    rates = {name: [n / wall for wall, _, _, n in values] for name, values in samples.items()}
+    cpu = {name: [1000 * seconds / n for _, seconds, _, n in values] for name, values in samples.items()}
+    report = {"samples": turns, "generated": {name: [n for *_, n in values] for name, values in samples.items()},
               "engines": {}}
-    for name in samples:
+    for name, values in samples.items():
         engine = {"tokens_per_s_p50": round(statistics.median(rates[name]), 3),
                   "cpu_ms_per_token_p50": round(statistics.median(cpu[name]), 3)}
+        if all(hooks is not None for _, _, hooks, _ in values):
+            engine["kvcomm_cpu_ms_per_token"] = _spread([1000 * hooks / n for _, _, hooks, n in values])
         if name != "plugin_free":
             engine["ratio"] = _spread([mine / free for mine, free in zip(rates[name], rates["plugin_free"])])
             engine["ratio_of_medians"] = round(engine["tokens_per_s_p50"] / statistics.median(rates["plugin_free"]), 4)
@@ -398,6 +422,7 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # the child engines' too: stdout is the result
     if args.data_path:
         print(json.dumps(data_path(args.repeats, args.tokens)))
         return
