@@ -32,6 +32,9 @@ import pytest
 pytestmark = pytest.mark.slow
 
 BLOCKS, BLOCK_SIZE, REPLY, ABORT_AFTER = 8, 32, 40, 6
+MAX_STEPS = 300
+"""Engine steps a scenario may take (the longest, four requests on a cache that holds two,
+takes about 90): a request whose blocks are never freed leaves the others waiting forever."""
 CHILD_TIMEOUT_S = {"v1": 900, "v2": 1800}
 
 
@@ -126,6 +129,9 @@ def _child(runner: str) -> None:
             tokens: dict[str, list[int]] = {}
             aborted: list[str] = []
             while engine.has_unfinished_requests() or any(chan.awaits_final(job["name"]) for job in jobs):
+                if len(steps) - first > MAX_STEPS:
+                    raise RuntimeError(f"scenario {name} still unfinished after {MAX_STEPS} engine steps; free blocks "
+                                       f"{pool.get_num_free_blocks()} of {report['free_at_start']}")
                 for output in engine.step():
                     tokens[output.request_id] = list(output.outputs[0].token_ids)
                 if abort_after is not None and len(steps) - first == abort_after:
@@ -203,14 +209,20 @@ def _report(runner: str, tmp_path_factory) -> dict:
     return json.loads(lines[-1][len("REPORT "):])
 
 
-_REPORTS: dict[str, dict] = {}
+_REPORTS: dict[str, dict | BaseException] = {}
 
 
 @pytest.fixture(params=["v1", "v2"])
 def report(request, tmp_path_factory) -> dict:
-    if request.param not in _REPORTS:
-        _REPORTS[request.param] = _report(request.param, tmp_path_factory)
+    if request.param not in _REPORTS:  # one child run per runner, whatever its outcome
+        try:
+            _REPORTS[request.param] = _report(request.param, tmp_path_factory)
+        except BaseException as failed:
+            _REPORTS[request.param] = failed
+            raise
     found = _REPORTS[request.param]
+    if isinstance(found, BaseException):
+        raise found
     assert found["runner_is_v2"] == (request.param == "v2")
     return found
 
