@@ -194,7 +194,7 @@ class KvcommConnectorWorker:
                 place_all(item.pieces, KVTarget.at_slots(self._paged, item.step.load_slots), self.channel.rotary)
 
     def save_kv_layer(self, layer_name: str, meta: "KVConnectorMetadata") -> None:
-        """Nothing per layer: the step's captures are copied once every layer has run (``wait_for_save``)."""
+        """Nothing per layer: a request's KV is copied once, in the step after it finished (``get_finished``)."""
 
     def get_finished(self, meta: "KVConnectorMetadata | None") -> set[str]:
         """vLLM's ``get_finished`` (after the step's forward, or alone on a step without one):

@@ -168,6 +168,7 @@ def test_a_finished_request_keeps_its_blocks_only_when_there_is_something_to_cap
     assert connector.request_finished(preempted, [])[0] is False
     meta = _step(connector)
     assert meta.final == [FinalCapture("done", "request-done", (3, 1, 4), 16, 8, 44)]
+    assert pickle.loads(pickle.dumps(meta)).final == meta.final  # crosses the process boundary
     assert [f.req_id for f in meta.finished] == ["done", "pending", "preempted"]  # the worker still forgets them
     assert not connector.channel.awaits_final("request-done")  # annotated: no in-process caller waits
 
