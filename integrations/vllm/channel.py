@@ -5,8 +5,8 @@ state between the connector instances and callers that share a process: in the w
 planner (``vllm.worker_plans``) and the layer hooks (``vllm.worker``); with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (scheduler, worker and caller in one process) also
 in-process callers such as ``VllmExecutor``. Across processes the connector sends metadata only (``vllm.messages``).
-It holds KV to inject per request handle, the real KV captured for it (kept on the KV
-cache's device until taken), the served model's ``Rotary`` (read from vLLM's rotary module
+It holds KV to inject per request handle, the real KV captured for it (copied once, when its
+request finished, and kept on the KV cache's device until taken), the served model's ``Rotary`` (read from vLLM's rotary module
 and self-checked by the worker side at start-up), and why the connector is off if it refused
 the engine's configuration at start-up.
 """
@@ -42,7 +42,7 @@ class Capture:
     def empty(layers: int, heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
               device: torch.device | str = "cpu", start: int = 0) -> "Capture":
         """Buffers for positions ``[start, start + capacity)`` on ``device`` (the KV cache's: the
-        connector copies each step's captured tokens there, every layer at once, and the engine
+        connector copies a finished request's tokens there, every layer at once, and the engine
         learns from them there; nothing goes through the host), keys and values views of one
         allocation; ``filled`` on the host."""
         both = torch.empty(layers, 2, heads, capacity, head_dim, dtype=dtype, device=device)
@@ -109,11 +109,16 @@ class Order:
 @dataclass
 class Channel:
     """One engine's orders, captures and prompt completion times (``time.perf_counter()``
-    when the forward computing a request's last prompt token ended), keyed by request handle."""
+    when the forward computing a request's last prompt token ended), keyed by request handle.
+
+    ``finals``: handles of in-process orders whose request finished and whose capture the
+    worker copies in a later engine step (``messages.FinalCapture``); their caller steps the
+    engine until ``awaits_final`` is False, then takes the capture."""
 
     orders: dict[str, Order] = field(default_factory=dict)
     captures: dict[str, Capture] = field(default_factory=dict)
     prompt_done_at: dict[str, float] = field(default_factory=dict)
+    finals: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
     refusal: str | None = None
     """Why this engine's connector is off (set once at start-up; None: it is on)."""
@@ -132,12 +137,30 @@ class Channel:
         with self.lock:
             return self.orders.get(handle)
 
+    def expect_final(self, handle: str) -> None:
+        """The handle's request finished; its capture is copied in a later engine step."""
+        with self.lock:
+            self.finals.add(handle)
+
+    def awaits_final(self, handle: str) -> bool:
+        """Whether the handle's finished request still waits for its capture to be copied."""
+        with self.lock:
+            return handle in self.finals
+
+    def put_final(self, handle: str, capture: Capture | None) -> None:
+        """The handle's final capture (None: not copied, e.g. its order was taken back) is done."""
+        with self.lock:
+            self.finals.discard(handle)
+            if capture is not None:
+                self.captures[handle] = capture
+
     def take(self, handle: str) -> tuple[Capture | None, float | None]:
         """Remove the handle's state; return its capture (on the KV cache's device) and prompt
         completion time (None if absent; ``prompt_done_at`` may hold a ``DeviceClock`` reading,
-        resolved here)."""
+        resolved here). A final capture not copied yet is then skipped (its order is gone)."""
         with self.lock:
             self.orders.pop(handle, None)
+            self.finals.discard(handle)
             capture, done_at = self.captures.pop(handle, None), self.prompt_done_at.pop(handle, None)
         return capture, done_at() if callable(done_at) else done_at
 

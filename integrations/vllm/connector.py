@@ -12,10 +12,13 @@ object of its side:
             prefix hit; None ("ask again") while an annotated request's plan is pending.
         update_state_after_alloc() - the claimed positions to load once blocks are allocated.
         build_connector_meta() - the step's ``KvcommMetadata``: per scheduled request the
-            slots to load and capture; plan asks and finished requests for the worker.
+            slots to load; the blocks of requests that finished, to capture; plan asks and
+            finished requests for the worker.
         update_connector_output() - takes the worker's plan answers.
-        request_finished() - the request's summary (or error) for its kv_transfer_params; its
-            reply goes down for the worker to learn from.
+        request_finished() / request_finished_all_groups() - the request's summary (or error)
+            for its kv_transfer_params; its reply goes down for the worker to learn from. A
+            request whose KV is captured (an annotated request's, an in-process order's) keeps
+            its blocks (delay-free True) until the worker copied them.
 
     Worker side (``worker.KvcommConnectorWorker``): holds every tensor.
         register_kv_caches() - checks every attention layer, learns its cache layout, reads
@@ -25,9 +28,12 @@ object of its side:
             layer's injected KV (realigned bases plus the anchors' weighted deviations) into
             the requests' load slots, one kernel per piece.
         save_kv_layer() - nothing.
-        wait_for_save() - copies each capturing request's step tokens out of their slots into
-            its capture buffer (every layer, one kernel), on the cache's device; stamps prompts
-            whose last token was computed (the TTFT end point) without waiting for the device.
+        wait_for_save() - stamps prompts whose last token was computed (the TTFT end point)
+            without waiting for the device.
+        get_finished() - copies the KV of the requests that finished since the last step out
+            of their held blocks into their captures (every layer, one kernel per request, on
+            the cache's device, once per request) and returns them as finished-sending: vLLM
+            frees their blocks.
         build_connector_worker_meta() - end of every step: learns from finished annotated
             requests, plans new ones (``worker_plans``), answers the scheduler.
 
@@ -163,14 +169,19 @@ class KvcommConnector(KVConnectorBase_V1, SupportsHMA):
 
     @_SCHEDULER.timed()
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request)
+        """True (keep the blocks until ``get_finished`` reports the request) when its KV is
+        captured; see ``KvcommConnectorScheduler.request_finished``."""
+        return self.scheduler.request_finished(request, block_ids)
 
     @_SCHEDULER.timed()
     def request_finished_all_groups(self, request: "Request",
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's ``request_finished`` when the connector declares ``SupportsHMA`` (one block list
-        per KV cache group; a running connector has exactly one group). Never delays the free."""
-        return self.scheduler.request_finished(request)
+        per KV cache group; a running connector has exactly one group, ``refusals``)."""
+        if len(block_ids) != 1 and self.refused is None:
+            raise RuntimeError(f"kvcomm: a request finished with {len(block_ids)} KV cache groups; the connector runs "
+                               "with one (engines with more are refused at start-up)")
+        return self.scheduler.request_finished(request, block_ids[0] if block_ids else [])
 
     # -- worker side -------------------------------------------------------------------------
 
@@ -194,6 +205,15 @@ class KvcommConnector(KVConnectorBase_V1, SupportsHMA):
     @_WORKER.timed()
     def wait_for_save(self) -> None:
         self.worker.wait_for_save(self._connector_metadata)
+
+    @_WORKER.timed()
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose held blocks the worker copied this step and vLLM may free, None):
+        kvcomm sends nothing elsewhere and receives nothing asynchronously. Each request id is in
+        this step's ``finished_req_ids``: it finished in the step before."""
+        if self.connector_worker is None:
+            return None, None
+        return self.worker.get_finished(self._connector_metadata) or None, None
 
     @_WORKER.timed(ends_step=True)
     def build_connector_worker_meta(self) -> KvcommWorkerMetadata | None:

@@ -31,6 +31,9 @@ from kvcomm.integrations.transformers.executor import TransformersExecutor, _as_
 from kvcomm.integrations.vllm.channel import Channel, Injection, Order, channel
 from kvcomm.integrations.vllm.llm import CONNECTOR, shutdown_llm
 
+_FINAL_STEPS = 4
+"""Engine steps a finished request's capture may take to be copied (it takes one: the next)."""
+
 
 class VllmExecutor:
     """Runs one agent call at a time on ``llm`` (a ``vllm.LLM`` from ``make_llm``, in-process).
@@ -102,8 +105,9 @@ class VllmExecutor:
         self.close()
 
     def _run(self, token_ids: Sequence[int], order: Order, max_tokens: int, salted: bool, on_token: OnToken | None = None):
-        """Submit one request under a fresh handle and step the engine until it finishes
-        (``on_token`` sees each new token; False aborts the request). ``salted``: the request
+        """Submit one request under a fresh handle and step the engine until it finishes and the
+        connector copied its captured KV (in the step after it finished, from the blocks vLLM
+        kept for that; ``on_token`` sees each new token; False aborts the request). ``salted``: the request
         carries a salt of its own (it injects KV); otherwise the executor's ``salt``, if any.
         Returns (token ids, vLLM's number of cached prompt tokens: those the connector loaded
         plus vLLM's own prefix-cache hit, Capture, prompt completion time)."""
@@ -130,7 +134,13 @@ class VllmExecutor:
         seen, cached, error, aborted = 0, 0, None, False
         try:
             engine.add_request(request_id, prompt, params)
-            while engine.has_unfinished_requests():
+            after = 0  # steps since the request finished, while its capture is being copied
+            while engine.has_unfinished_requests() or self.channel.awaits_final(handle):
+                if not engine.has_unfinished_requests():
+                    after += 1
+                    if after > _FINAL_STEPS:
+                        raise RuntimeError(f"the kvcomm connector did not copy the captured KV of a finished request "
+                                           f"within {_FINAL_STEPS} engine steps")
                 for output in engine.step():
                     if output.request_id != request_id or aborted:
                         continue

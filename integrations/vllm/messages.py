@@ -11,8 +11,9 @@ slots only.
 An annotated request's life (server-side planning): the scheduler sends a ``PlanAsk`` and
 answers vLLM's lookup "not yet"; the worker plans it at the end of that step and answers with
 a ``PlanAnswer``; the scheduler then claims ``inject_length`` tokens and sends slots
-(``StepRequest``, under ``handle_of(req_id)``); when the request finishes, a ``Finished``
-carries its reply so the worker can learn.
+(``StepRequest``, under ``handle_of(req_id)``); when the request finishes, a ``FinalCapture``
+names its blocks (held by vLLM until the worker copied them) and a ``Finished`` carries its
+reply, so the worker can capture its KV once and learn from it.
 """
 
 from __future__ import annotations
@@ -75,35 +76,63 @@ class Finished:
 
 @dataclass
 class StepRequest:
-    """One request's connector work in one engine step.
+    """One request's connector work in one engine step (sent only for steps that load or that
+    compute the prompt's last token).
 
     load_positions/load_slots: prompt positions to inject (``[N]`` int64, consecutive) and their
-    cache slots. capture_positions/capture_slots: positions (``[M]`` int64, consecutive) whose
-    KV to copy into the capture buffer once the step's forward has run; the buffer holds
-    positions ``[capture_start, capture_capacity)``. prompt_done: this step computes the
-    request's last prompt token. All on the host, as the scheduler builds them; the
-    worker's fused writer and copy upload the slots with their tables.
+    cache slots, on the host as the scheduler builds them (the worker's fused writer uploads the
+    slots with its tables). prompt_done: this step computes the request's last prompt token.
     """
 
     handle: str
     load_positions: torch.Tensor
     load_slots: torch.Tensor
-    capture_positions: torch.Tensor
-    capture_slots: torch.Tensor
-    capture_capacity: int
     prompt_done: bool
-    capture_start: int = 0
+
+
+@dataclass(frozen=True)
+class FinalCapture:
+    """A finished request's KV to keep: positions ``[start, end)``, copied once, in the step
+    after the request finished, out of its blocks into a capture of exactly those positions
+    (``channel.Capture``, under ``handle``).
+
+    vLLM keeps the blocks until then: the scheduler side's ``request_finished`` asked it to delay
+    their free, and the worker reports ``req_id`` in ``get_finished``'s finished-sending set in
+    the step it copied them (or skipped the copy: the caller took its order back, the connector
+    is off), which frees them. block_ids: the request's KV cache blocks (its one KV cache group)
+    in position order, covering at least positions ``[0, end)``; block_size: tokens per block.
+    """
+
+    req_id: str
+    handle: str
+    block_ids: tuple[int, ...]
+    block_size: int
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end <= len(self.block_ids) * self.block_size:
+            raise ValueError(f"final capture of {self.req_id!r}: positions [{self.start}, {self.end}) do not lie in its "
+                             f"{len(self.block_ids)} blocks of {self.block_size} tokens")
+
+    def slots(self) -> torch.Tensor:
+        """Cache slots of positions ``[start, end)`` (``[end - start]`` int64, on the host)."""
+        positions = torch.arange(self.start, self.end)
+        blocks = torch.tensor(self.block_ids, dtype=torch.int64)
+        return blocks[positions // self.block_size] * self.block_size + positions % self.block_size
 
 
 @dataclass
 class KvcommMetadata(KVConnectorMetadata):
-    """One step's scheduler-to-worker message: loads and captures of scheduled requests, and
-    for annotated requests the plans to make and the finished requests to learn from (the
+    """One step's scheduler-to-worker message: loads of scheduled requests, the KV of requests
+    that finished since the last step to capture (``final``, copied before anything is learned),
+    and for annotated requests the plans to make and the finished requests to learn from (the
     worker handles ``finished`` before ``asks``, so a reply is learned before the next plan)."""
 
     requests: list[StepRequest] = field(default_factory=list)
     asks: list[PlanAsk] = field(default_factory=list)
     finished: list[Finished] = field(default_factory=list)
+    final: list[FinalCapture] = field(default_factory=list)
 
 
 @dataclass

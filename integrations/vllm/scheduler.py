@@ -9,6 +9,16 @@ arrives through ``update_connector_output``, and the next lookup claims the toke
 (``vllm.messages``). When the request finishes its reply goes down in a ``Finished`` and its
 summary (or error) goes back in its ``kv_transfer_params``.
 
+Captured KV (an annotated request's or an in-process order's positions ``capture_from`` to
+``capture_to``, prompt and reply) is copied once, when the request finishes: ``request_finished``
+asks vLLM to keep the request's blocks (delay-free True), the next step's metadata names them
+(``FinalCapture``: block ids and positions), and the worker copies them in one go and reports the
+request finished-sending, which frees them. Nothing is copied while the request runs: a
+preempted request gives its blocks back and computes them again when it resumes, so the KV that
+exists at the end is the KV its reply was decoded with. A request that finishes with nothing to
+capture (aborted before its plan came back or while preempted, an in-process caller that took its
+order back, a rejected request) is freed at once.
+
 Capture memory is admitted here: the worker keeps an annotated request's real KV, every layer,
 keys and values (``capture_bytes_per_token`` a position), on the KV device and outside vLLM's KV
 budget, for the positions learning needs (``PlanAnswer.capture_from`` to ``capture_to``: the
@@ -51,7 +61,9 @@ from vllm.logger import init_logger
 
 from kvcomm.integrations.vllm.channel import Channel
 from kvcomm.integrations.vllm.guard import guard_config
-from kvcomm.integrations.vllm.messages import Finished, KvcommMetadata, KvcommWorkerMetadata, PlanAsk, StepRequest, handle_of
+from kvcomm.integrations.vllm.messages import (
+    FinalCapture, Finished, KvcommMetadata, KvcommWorkerMetadata, PlanAsk, StepRequest, handle_of,
+)
 from kvcomm.integrations.vllm.metrics import record_rejected, record_served
 from kvcomm.integrations.vllm.params import KvcommParamsError, parse_params, shown
 from kvcomm.integrations.vllm.refusals import apply_refusal
@@ -124,7 +136,6 @@ class _Tracked:
     hit: int = 0  # vLLM's own (block-aligned) prefix hit, as last offered to us
     load_start: int = 0
     load_count: int = 0
-    first_step: bool = True
     loaded_from: int | None = None  # the first position the connector loaded (None: nothing loaded)
 
 
@@ -157,6 +168,7 @@ class KvcommConnectorScheduler:
         self._rejected: dict[str, str] = {}
         self._asks: list[PlanAsk] = []
         self._finished: list[Finished] = []
+        self._final: list[FinalCapture] = []
         self._asked: set[str] = set()  # annotated requests whose plan was asked of the worker, until they finish
         self._capture_held: dict[str, int] = {}  # bytes of capture reserved per request id
         self._approximate: OrderedDict = OrderedDict()  # block hash -> None: blocks that may hold approximate KV
@@ -297,11 +309,13 @@ class KvcommConnectorScheduler:
         tracked.load_start, tracked.load_count = tracked.hit, num_external_tokens
         if num_external_tokens:
             tracked.loaded_from = tracked.hit
-        tracked.first_step = True
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvcommMetadata:
-        meta = KvcommMetadata(asks=self._asks, finished=self._finished)
-        self._asks, self._finished = [], []
+        """The step's metadata: per scheduled tracked request that loads or computes its last
+        prompt token, a ``StepRequest`` (decode steps send nothing); the final captures, asks
+        and finished requests queued since the last step."""
+        meta = KvcommMetadata(asks=self._asks, finished=self._finished, final=self._final)
+        self._asks, self._finished, self._final = [], [], []
         if not self._tracked:
             return meta
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
@@ -312,25 +326,25 @@ class KvcommConnectorScheduler:
             tracked = self._tracked.get(req_id)
             if tracked is None or tracked.pending:
                 continue
+            start = computed[req_id]
+            prompt_done = start < tracked.prompt_len <= start + count
+            if not (tracked.load_count or prompt_done):
+                continue
             if not tracked.planned and self.channel.order(tracked.handle) is None:
                 continue  # the in-process caller took its order back
-            blocks = torch.tensor(self.kv_cache_manager.get_block_ids(req_id)[0], dtype=torch.int64)
-            start = computed[req_id]
-            load = _EMPTY
+            load, slots = _EMPTY, _EMPTY
             if tracked.load_count:
                 load = torch.arange(tracked.load_start, tracked.load_start + tracked.load_count)
+                blocks = torch.tensor(self.kv_cache_manager.get_block_ids(req_id)[0], dtype=torch.int64)
+                slots = _slots(blocks, load, block_size)
                 tracked.load_count = 0
-            end = min(start + count, tracked.capture_to)
-            low = tracked.capture_from if tracked.first_step else max(tracked.capture_from, start)
-            capture = torch.arange(low, end) if end > low else _EMPTY
-            tracked.first_step = False
-            meta.requests.append(StepRequest(
-                tracked.handle, load, _slots(blocks, load, block_size), capture, _slots(blocks, capture, block_size),
-                tracked.capture_to, start < tracked.prompt_len <= start + count, tracked.capture_from,
-            ))
+            meta.requests.append(StepRequest(tracked.handle, load, slots, prompt_done))
         return meta
 
-    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``request_finished`` (``block_ids``: the request's blocks of its one KV cache
+        group). Returns (delay the blocks' free: a ``FinalCapture`` of them goes down with the
+        next step's metadata, and the worker frees them; kv_transfer_params to return)."""
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is not None and tracked.loaded_from is not None and (
                 not tracked.planned or (tracked.summary or {}).get("estimated_tokens", 1) > 0):
@@ -344,8 +358,9 @@ class KvcommConnectorScheduler:
             else:
                 self._capture_held.pop(request.request_id, None)
             return False, {"kvcomm": {"error": error}}
+        delay = tracked is not None and self._capture_at_finish(request, tracked, block_ids)
         if tracked is None or not tracked.planned:
-            return False, None
+            return delay, None
         # The last sampled token is never fed back, so its KV does not exist: a stop token is
         # dropped from the reply, and so is the last token of a reply cut by max_tokens (the
         # remote chat clients ask for one token more than they keep, so the reply they pass on
@@ -353,10 +368,26 @@ class KvcommConnectorScheduler:
         reply = list(request.output_token_ids)[:-1]
         self._finished.append(Finished(request.request_id, tuple(reply)))  # the worker learns from it
         if tracked.summary is None:
-            return False, None  # aborted before the worker answered its plan
+            return delay, None  # aborted before the worker answered its plan (delay is False: nothing captured)
         if request.num_computed_tokens >= tracked.prompt_len:
             record_served(tracked.summary)  # here, before the response leaves; the worker learns a step later
-        return False, {"kvcomm": tracked.summary}
+        return delay, {"kvcomm": tracked.summary}
+
+    def _capture_at_finish(self, request: "Request", tracked: _Tracked, block_ids: list[int]) -> bool:
+        """Queue the finished request's ``FinalCapture``: positions ``capture_from`` up to what
+        was computed (``num_computed_tokens``: the last sampled token is never fed back) or
+        ``capture_to``. False (free the blocks now) when there is nothing to capture."""
+        if tracked.pending or (not tracked.planned and self.channel.order(tracked.handle) is None):
+            return False  # no plan yet, or the in-process caller took its order back
+        block_size = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        end = min(request.num_computed_tokens, tracked.capture_to, len(block_ids) * block_size)
+        if end <= tracked.capture_from:
+            return False  # nothing computed to keep (e.g. preempted: its blocks are gone)
+        self._final.append(FinalCapture(request.request_id, tracked.handle, tuple(block_ids), block_size,
+                                        tracked.capture_from, end))
+        if not tracked.planned:
+            self.channel.expect_final(tracked.handle)  # the in-process caller steps the engine until it is copied
+        return True
 
 
 def _slots(blocks: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

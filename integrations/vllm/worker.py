@@ -1,9 +1,11 @@
 """The kvcomm connector's worker side: checks every attention layer and learns its cache layout
 at start-up (``register_kv_caches``: ``vllm.refusals``, ``vllm.layout``, ``vllm.rotary``), then
-does each step's device work: writes the injected KV before a layer runs, gathers the captured
-KV after it ran, stamps when a prompt's last token was computed. At the end of every step it
-learns from finished annotated requests and plans new ones (``vllm.worker_plans``), answering
-the scheduler side (``vllm.scheduler``) through the worker metadata (``vllm.messages``).
+does each step's device work: writes the injected KV before a layer runs, stamps when a
+prompt's last token was computed, and copies the KV of requests that finished (held by vLLM
+until then) into their captures, once per request (``FinalCapture``), reporting them
+finished-sending so vLLM frees their blocks. At the end of every step it learns from finished
+annotated requests and plans new ones (``vllm.worker_plans``), answering the scheduler side
+(``vllm.scheduler``) through the worker metadata (``vllm.messages``).
 
 The KV to inject and the captured KV are found on the engine's ``Channel`` under each
 ``StepRequest``'s handle. Hooks receive the step's bound ``KvcommMetadata`` from the connector.
@@ -24,7 +26,7 @@ from kvcomm.core.place import Piece, clip, place_all
 from kvcomm.core.rope import RopeError
 from kvcomm.integrations.vllm.channel import Capture, Channel
 from kvcomm.integrations.vllm.layout import KvIO, LayoutError
-from kvcomm.integrations.vllm.messages import KvcommMetadata, KvcommWorkerMetadata, StepRequest
+from kvcomm.integrations.vllm.messages import FinalCapture, KvcommMetadata, KvcommWorkerMetadata, StepRequest
 from kvcomm.integrations.vllm.refusals import apply_refusal, device_memory_budget, layer_refusal, refusal_of_any_rank
 from kvcomm.integrations.vllm.worker_plans import WorkerPlans
 
@@ -38,7 +40,7 @@ _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 @dataclass
 class _DeviceStep:
     """A step's work for one request: the fused writer's pieces for the loaded positions (re-
-    indexed to the step's load slots) and the capture slots and positions."""
+    indexed to the step's load slots)."""
 
     step: StepRequest
     pieces: list[Piece]
@@ -93,6 +95,7 @@ class KvcommConnectorWorker:
         self._device_steps: list[_DeviceStep] = []
         self._work_meta: KvcommMetadata | None = None
         self._written = False
+        self._finals_meta: KvcommMetadata | None = None
         self._device: torch.device | None = None
         self._clock: DeviceClock | None = None
         self._plans = WorkerPlans(vllm_config, channel)
@@ -191,23 +194,49 @@ class KvcommConnectorWorker:
                 place_all(item.pieces, KVTarget.at_slots(self._paged, item.step.load_slots), self.channel.rotary)
 
     def save_kv_layer(self, layer_name: str, meta: "KVConnectorMetadata") -> None:
-        """Nothing per layer: the step's captures are copied once every layer has run (``wait_for_save``)."""
+        """Nothing per layer: a request's KV is copied once, in the step after it finished (``get_finished``)."""
 
-    def _capture(self, step: StepRequest) -> Capture:
-        with self.channel.lock:
-            capture = self.channel.captures.get(step.handle)
-            if capture is None:
-                like = self._paged
-                _, heads, dim = like.key_offsets.shape
-                capture = Capture.empty(len(like.caches), heads, step.capture_capacity - step.capture_start, dim,
-                                        like.caches[0].dtype, self._device, start=step.capture_start)
-                self.channel.captures[step.handle] = capture
-            return capture
+    def get_finished(self, meta: "KVConnectorMetadata | None") -> set[str]:
+        """vLLM's ``get_finished`` (after the step's forward, or alone on a step without one):
+        copy the final captures of the requests that finished since the last step, and return
+        their request ids, every one of them, copied or not, so that vLLM frees their blocks
+        (its finished-sending set; the copies are queued on the device stream before any later
+        write to those blocks, so nothing waits for the device)."""
+        if not isinstance(meta, KvcommMetadata):
+            return set()
+        self._copy_finals(meta)
+        return {final.req_id for final in meta.final}
+
+    def _copy_finals(self, meta: KvcommMetadata) -> None:
+        """Each final capture of the step, once (whichever of ``get_finished`` and
+        ``build_connector_worker_meta`` runs first): one copy of every layer's keys and values
+        into a capture of exactly its positions, put on the channel. Skipped when the connector
+        is off or the order is gone (an in-process caller took it back)."""
+        if self._finals_meta is meta:
+            return
+        self._finals_meta = meta
+        for final in meta.final:
+            capture = None
+            if self.refused is None and self.channel.order(final.handle) is not None:
+                capture = self._copy_final(final)
+            self.channel.put_final(final.handle, capture)
+
+    def _copy_final(self, final: FinalCapture) -> Capture:
+        like = self._paged
+        _, heads, dim = like.key_offsets.shape
+        count = final.end - final.start
+        capture = Capture.empty(len(like.caches), heads, count, dim, like.caches[0].dtype, self._device, start=final.start)
+        copy_tokens(KVTarget.at_slots(like, final.slots()), KVTarget.contiguous(capture.kv, 0, count))
+        capture.filled.fill_(True)
+        return capture
 
     def build_connector_worker_meta(self, meta: "KVConnectorMetadata | None") -> KvcommWorkerMetadata | None:
         """End of every step (also steps with nothing scheduled): learn from the requests that
-        finished (within the step's learning budget, ``WorkerPlans.learn``), then plan the new
-        annotated ones; their answers and the released captures go to the scheduler."""
+        finished (their final captures copied first; within the step's learning budget,
+        ``WorkerPlans.learn``), then plan the new annotated ones; their answers and the released
+        captures go to the scheduler."""
+        if isinstance(meta, KvcommMetadata):
+            self._copy_finals(meta)
         asks, finished = (meta.asks, meta.finished) if isinstance(meta, KvcommMetadata) else ([], [])
         for done in finished:
             self._plans.finish(done)
@@ -217,29 +246,18 @@ class KvcommConnectorWorker:
         return KvcommWorkerMetadata(answers, released) if answers or released else None
 
     def wait_for_save(self, meta: "KVConnectorMetadata | None") -> None:
-        """End of the step's forward: copy each request's captured tokens (every layer at once)
-        into its capture buffer, mark them filled, and note when the prompts whose last token
-        was computed end on the device (the TTFT end point; no wait for the device here)."""
+        """End of the step's forward: note when the prompts whose last token was computed end on
+        the device (the TTFT end point; no wait for the device here). Nothing is copied while a
+        request runs: its KV is captured once it finished (``get_finished``)."""
+        self._work_meta, self._device_steps = None, []
         if meta is None:
             return
         assert isinstance(meta, KvcommMetadata)
-        work = self._work(meta) if meta.requests and self.refused is None else []
-        self._work_meta, self._device_steps = None, []
-        if not meta.requests:
+        if not any(step.prompt_done for step in meta.requests):
             return
-        for item in work:
-            step = item.step
-            if step.capture_slots.numel():
-                capture = self._capture(step)
-                first = int(step.capture_positions[0])
-                copy_tokens(KVTarget.at_slots(self._paged, step.capture_slots),
-                            KVTarget.contiguous(capture.kv, first - capture.start, step.capture_positions.numel()))
         done = self._clock.now() if self._clock is not None else time.perf_counter()
         with self.channel.lock:
             for step in meta.requests:
-                capture = self.channel.captures.get(step.handle)
-                if capture is not None and step.capture_positions.numel():
-                    capture.mark(step.capture_positions)
                 if step.prompt_done:
                     self.channel.prompt_done_at[step.handle] = done
 

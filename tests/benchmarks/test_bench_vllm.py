@@ -9,6 +9,7 @@ import importlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +114,54 @@ def test_tiny_run_end_to_end():
     check_overhead_invariants(report["overhead"])
     assert set(report["overhead"]) == {"short", "document"}
     assert [o["samples"] for o in report["overhead"].values()] == [2, 2]  # two prompts of each kind, one repeat
+
+
+def test_decode_report_gives_per_turn_ratios_and_cpu_per_token(bench):
+    samples = {"plugin_free": [(2.0, 1.0, None, 100), (4.0, 1.2, None, 100), (1.0, 0.8, None, 100)],  # 50, 25, 100 tokens/s
+               "plugin_opt_in": [(2.5, 1.1, 0.01, 100), (4.0, 1.2, 0.03, 100), (1.0, 0.9, 0.018, 90)]}  # 40, 25, 90 tokens/s
+    report = bench.decode_report(samples)
+    assert report["samples"] == 3 and report["generated"]["plugin_opt_in"] == [100, 100, 90]
+    free, mine = report["engines"]["plugin_free"], report["engines"]["plugin_opt_in"]
+    assert free["tokens_per_s_p50"] == 50 and mine["tokens_per_s_p50"] == 40
+    assert free["cpu_ms_per_token_p50"] == pytest.approx(10.0) and mine["cpu_ms_per_token_p50"] == pytest.approx(11.0)
+    assert mine["ratio"]["p50"] == pytest.approx(0.9) and (mine["ratio"]["min"], mine["ratio"]["max"]) == (0.8, 1.0)
+    assert mine["ratio_of_medians"] == pytest.approx(0.8)  # not the per-turn median: the turns differ
+    assert mine["cpu_ratio"]["p50"] == pytest.approx(1.1) and "ratio" not in free
+    assert mine["kvcomm_cpu_ms_per_token"]["p50"] == pytest.approx(0.2) and "kvcomm_cpu_ms_per_token" not in free
+    with pytest.raises(ValueError, match="one sample per turn"):
+        bench.decode_report({"plugin_free": [(1.0, 1.0, None, 10)], "plugin_opt_in": []})
+
+
+def test_a_baseline_tree_must_be_a_kvcomm_checkout_chosen_before_kvcomm_is_imported(bench, tmp_path):
+    with pytest.raises(RuntimeError, match="imported before its checkout could be chosen"):
+        bench.use_kvcomm_from(tmp_path)  # this process imported kvcomm already
+    script = (f"import sys; sys.path.insert(0, {str(BENCHMARKS)!r}); import bench_vllm; "
+              f"bench_vllm.use_kvcomm_from({str(tmp_path)!r})")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "is not a kvcomm checkout" in done.stderr, done.stderr[-2000:]
+    copy = tmp_path / "copy"  # another checkout: this one's files, run from this checkout's folder
+    shutil.copytree(BENCHMARKS.parent, copy, ignore=shutil.ignore_patterns(".venv", ".git", "docs", "tests", "__pycache__"))
+    script = (f"import sys; sys.path.insert(0, {str(BENCHMARKS)!r}); import bench_vllm; "
+              f"bench_vllm.use_kvcomm_from({str(copy)!r}); import kvcomm.integrations.vllm.worker as w; print(w.__file__)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=BENCHMARKS.parent)
+    assert done.returncode == 0 and done.stdout.strip() == str(copy / "integrations" / "vllm" / "worker.py"), done.stderr[-2000:]
+
+
+def test_tiny_decode_run_with_a_baseline_tree():
+    """``--decode`` with ``--baseline-tree`` (this checkout again): four engines take turns, each
+    sample counted, every ratio within each turn."""
+    pytest.importorskip("vllm")
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_vllm.py"), "--decode", "--repeats", "2", "--decode-tokens", "8",
+         "--baseline-tree", str(BENCHMARKS.parent)],
+        capture_output=True, text=True, timeout=1500,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)  # stdout holds the result alone (the child engines log to stderr)
+    assert set(report["engines"]) == {"plugin_free", "plugin_no_opt_in", "plugin_opt_in", "plugin_opt_in_baseline"}
+    assert report["samples"] == 2 and all(n == [8, 8] for n in report["generated"].values()), report["generated"]
+    for name, engine in report["engines"].items():
+        assert engine["tokens_per_s_p50"] > 0 and engine["cpu_ms_per_token_p50"] > 0, name
+        assert ("kvcomm_cpu_ms_per_token" in engine) == (name != "plugin_free"), name
+        if name != "plugin_free":
+            assert engine["ratio"]["min"] <= engine["ratio"]["p50"] <= engine["ratio"]["max"], name

@@ -16,7 +16,8 @@ runs other tests (or the ``kvcomm`` command line) under V2 the same way (docs/vl
 The child records, per engine step, the real calls in order: V2's ``pre_forward`` /
 ``no_forward`` / ``post_forward``, each connector hook, every attention layer's read of the
 cache (``impl.forward``), the worker's fused writes (``place_all``) and capture copies
-(``copy_tokens``). It runs, on one engine with a small KV cache (8 blocks of 32 tokens, prefix caching off):
+(``copy_tokens``: one per request, in the step after it finished, ``test_capture_at_finish``).
+It runs, on one engine with a small KV cache (8 blocks of 32 tokens, prefix caching off):
 
 - ``dense``: a capturing request with nothing injected (the reference);
 - ``sync`` / ``async``: an exact prefix injected (and garbage KV, which must change the
@@ -192,10 +193,11 @@ def _install(llm, recorder: _Recorder) -> dict:
     def bound_requests(*_):
         meta = connector._connector_metadata
         for step in getattr(meta, "requests", ()):
-            recorder.steps[-1]["requests"].append(
-                [step.handle, int(step.load_positions.numel()), int(step.capture_positions.numel())])
+            recorder.steps[-1]["requests"].append([step.handle, int(step.load_positions.numel())])
+        recorder.steps[-1]["finals"] = [final.handle for final in getattr(meta, "final", ())]
 
     recorder.wrap(connector, "wait_for_save", "wait_for_save", before=bound_requests)
+    recorder.wrap(connector, "get_finished", "get_finished")
 
     def answers(result):
         recorder.event(f"answers:{0 if result is None else len(result.answers)}")
@@ -232,7 +234,7 @@ def _run(llm, channel, jobs: list[dict]) -> dict:
         sampling = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False,
                                   extra_args={"kv_transfer_params": params})
         engine.add_request(job["name"], prompt, sampling)
-    while engine.has_unfinished_requests():
+    while engine.has_unfinished_requests() or any(channel.awaits_final(job["name"]) for job in jobs if "order" in job):
         for output in engine.step():
             if output.finished:
                 results[output.request_id] = {"tokens": list(output.outputs[0].token_ids),
@@ -400,17 +402,21 @@ def test_injected_kv_is_used_and_exact_in_both_load_orders(report):
     assert not any(step["sync"] for step in _steps(report, "async"))
 
 
-def test_captures_are_copied_after_every_layer_ran_and_are_complete(report):
+def test_captures_are_copied_once_after_the_request_finished_and_are_complete(report):
+    """One copy per capturing request, in ``get_finished`` of the step after it finished (with
+    a forward or without), after every layer ran and before learning; none while it decodes."""
     captured = 0
     for step in _all_steps(report):
         events = step["events"]
+        assert events.count("capture") == len(step.get("finals", ())), events
         if "capture" not in events:
             continue
-        captured += 1
-        assert step["kind"] == "forward"
-        assert _first(events, "capture") > _last(events, "attend") and _first(events, "capture") > _last(events, "finish_forward")
+        captured += events.count("capture")
+        assert _first(events, "capture") > _first(events, "get_finished") > _last(events, "wait_for_save")
+        if step["kind"] == "forward":
+            assert _first(events, "capture") > _last(events, "attend") and _first(events, "capture") > _last(events, "finish_forward")
         assert _last(events, "capture") < _first(events, "build_connector_worker_meta"), events
-    assert captured >= 16 * 4
+    assert captured >= 12  # in-process orders: 4 dense, 4 injecting (exact, garbage; two orders), 4 in the crowd
     assert all(outcome["complete"] for outcome in report["dense_outcome"].values())
 
 
@@ -420,8 +426,8 @@ def test_every_step_calls_the_hooks_in_v2s_order(report):
         calls = [e for e in events if e not in ("wait", "save", "attend", "write", "capture")]
         if step["kind"] == "no_forward":
             assert calls == ["no_forward", "pre_forward", "handle_preemptions", "finish_forward", "post_forward",
-                             "start_load_kv", "wait_for_save", "build_connector_worker_meta"], calls
-            assert not {"wait", "attend", "write", "capture"} & set(events)
+                             "start_load_kv", "wait_for_save", "get_finished", "build_connector_worker_meta"], calls
+            assert not {"wait", "attend", "write"} & set(events)
             kwargs = next(e for e in step["events"] if e.startswith("start_load_kv_kwargs:"))
             assert kwargs == "start_load_kv_kwargs:"  # nothing to build from: no input batch
         else:
@@ -453,7 +459,7 @@ def test_preempted_requests_reload_their_injection_and_capture_everything(report
     assert preempted, "no request was preempted; the test's cache is too large"
     loads: dict[str, int] = {}
     for step in steps:
-        for handle, load, _ in step["requests"]:
+        for handle, load in step["requests"]:
             loads[handle] = loads.get(handle, 0) + (load > 0)
     # A preempted request lost its blocks (no prefix cache keeps them here): it loads its
     # injection again when it resumes.

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from kvcomm.integrations.vllm.messages import Finished, KvcommWorkerMetadata, PlanAnswer  # noqa: E402
+from kvcomm.integrations.vllm.messages import FinalCapture, Finished, KvcommWorkerMetadata, PlanAnswer  # noqa: E402
 
 
 def _scheduler_connector(**extra):
@@ -108,7 +108,7 @@ def test_bad_options_are_refused_at_once_without_asking_the_worker():
     assert "prompt length" in connector.request_finished(request, [])[1]["kvcomm"]["error"]
 
 
-def test_an_in_process_order_is_claimed_beyond_vllms_hit_and_sent_as_slots_of_the_bound_block_table():
+def test_an_in_process_order_is_claimed_beyond_vllms_hit_and_its_load_sent_as_slots_of_the_bound_block_table():
     from kvcomm.core.kv import KV
     from kvcomm.integrations.vllm.channel import Injection, Order
 
@@ -123,12 +123,86 @@ def test_an_in_process_order_is_claimed_beyond_vllms_hit_and_sent_as_slots_of_th
         scheduled_new_reqs=[SimpleNamespace(req_id="o", num_computed_tokens=16)],
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]), num_scheduled_tokens={"o": 24}))
     (step,) = meta.requests
-    assert step.handle == "h" and step.prompt_done and (step.capture_start, step.capture_capacity) == (20, 45)
+    assert step.handle == "h" and step.prompt_done
     assert step.load_positions.tolist() == [16, 17, 18, 19] and step.load_slots.tolist() == [0, 1, 2, 3]  # block 0
-    assert step.capture_positions.tolist() == list(range(20, 40))
-    assert step.capture_slots.tolist() == list(range(4, 16)) + list(range(112, 120))  # blocks 0 and 7 (block size 16)
-    assert connector.request_finished(request, []) == (False, None)  # an in-process order: the caller takes its KV
+    request.num_computed_tokens = 40  # the prompt's last token computed; a decode step sends nothing
+    assert _step_of(connector, "o", 40, 1).requests == []
+    # Finished: vLLM keeps its blocks (delay-free) until the worker copied positions [20, 42)
+    # in the next step; the caller waits for that copy, then takes the capture.
+    request.num_computed_tokens = 42
+    assert connector.request_finished(request, [5, 0, 7]) == (True, None)
+    assert connector.channel.awaits_final("h")
+    (final,) = _step(connector).final
+    assert final == FinalCapture("o", "h", (5, 0, 7), 16, 20, 42)
+    assert final.slots().tolist() == list(range(4, 16)) + list(range(112, 122))  # blocks 0 and 7 (block size 16)
+    assert _step(connector).final == []  # once
     connector.channel.take("h")
+    assert not connector.channel.awaits_final("h")
+
+
+def _step_of(connector, req_id: str, computed: int, count: int):
+    return connector.build_connector_meta(SimpleNamespace(
+        scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[req_id], num_computed_tokens=[computed]),
+        num_scheduled_tokens={req_id: count}))
+
+
+def test_a_finished_request_keeps_its_blocks_only_when_there_is_something_to_capture():
+    """Delay-free True exactly when a FinalCapture goes down: an annotated request with its plan,
+    up to what was computed; not a request aborted before its plan came back, one preempted (its
+    blocks are gone, nothing computed), one whose order the in-process caller took back, or a
+    rejected one. The capture ends at what was computed, or at capture_to."""
+    from kvcomm.integrations.vllm.channel import Order
+
+    connector = _scheduler_connector()
+    summary = {"prompt_tokens": 40, "exact_tokens": 0, "estimated_tokens": 0, "computed_tokens": 40,
+               "fallback": True, "note": ""}
+    done, pending, preempted = _request("done"), _request("pending"), _request("preempted")
+    for request in (done, pending, preempted):
+        connector.get_num_new_matched_tokens(request, 0)
+    _step(connector)
+    connector.update_connector_output(_output({"done": PlanAnswer(0, 8, summary), "preempted": PlanAnswer(0, 0, summary)}))
+    done.num_computed_tokens = 44  # 40 prompt + 5 sampled, the last never fed back
+    assert connector.request_finished(done, [3, 1, 4]) == (True, {"kvcomm": summary})
+    assert connector.request_finished(pending, [2]) == (False, None)
+    preempted.num_computed_tokens = 0
+    assert connector.request_finished(preempted, [])[0] is False
+    meta = _step(connector)
+    assert meta.final == [FinalCapture("done", "request-done", (3, 1, 4), 16, 8, 44)]
+    assert pickle.loads(pickle.dumps(meta)).final == meta.final  # crosses the process boundary
+    assert [f.req_id for f in meta.finished] == ["done", "pending", "preempted"]  # the worker still forgets them
+    assert not connector.channel.awaits_final("request-done")  # annotated: no in-process caller waits
+
+    cut = _request("cut", n=10, options={"segments": [{"start": 2, "end": 8, "slot": "task"}]})
+    connector.get_num_new_matched_tokens(cut, 0)
+    _step(connector)
+    connector.update_connector_output(_output({"cut": PlanAnswer(0, 0, {**summary, "prompt_tokens": 10}, capture_to=12)}))
+    cut.num_computed_tokens = 14
+    assert connector.request_finished(cut, [9])[0] is True
+    assert _step(connector).final[0].end == 12  # capture_to
+
+    taken = _request("taken", options={"handle": "gone"})
+    connector.channel.place("gone", Order(None, 0, 45))
+    connector.get_num_new_matched_tokens(taken, 0)
+    connector.channel.take("gone")
+    assert connector.request_finished(taken, [1, 2, 3]) == (False, None)
+    bad = _request("bad", options={"segments": [{"start": 4, "end": 99, "slot": "task"}]})
+    connector.get_num_new_matched_tokens(bad, 0)
+    assert connector.request_finished(bad, [1, 2, 3])[0] is False
+    assert _step(connector).final == []
+    with pytest.raises(ValueError, match="do not lie in its 1 blocks of 16 tokens"):
+        FinalCapture("x", "h", (1,), 16, 0, 17)
+
+
+def test_request_finished_all_groups_passes_the_one_groups_blocks():
+    connector = _scheduler_connector()
+    request = _request("g")
+    connector.get_num_new_matched_tokens(request, 0)
+    _step(connector)
+    connector.update_connector_output(_output({"g": PlanAnswer(0, 0, None)}))
+    assert connector.request_finished_all_groups(request, ([6, 2, 8],))[0] is True
+    assert _step(connector).final[0].block_ids == (6, 2, 8)
+    with pytest.raises(RuntimeError, match="finished with 2 KV cache groups"):
+        connector.request_finished_all_groups(_request("h"), ([1], [2]))
 
 
 def test_a_request_whose_capture_would_exceed_the_budget_is_served_plainly_with_a_note():
@@ -212,15 +286,14 @@ def test_an_opted_in_request_under_a_lora_adapter_is_asked_for_with_the_adapters
     assert adapter_identity(LoRARequest("critic-persona", 1, str(folder))) != same  # replaced weights: another adapter
 
 
-def _captured_from(connector, request, hit: int) -> int:
-    """The first position the request's first step captures, with vLLM's hit at ``hit``."""
+def _captured_from(connector, request, hit: int) -> tuple[int, dict]:
+    """The first position the request's capture holds when it finishes, with vLLM's hit at
+    ``hit``; and its kv_transfer_params."""
     connector.update_state_after_alloc(request, None, 0)
-    meta = connector.build_connector_meta(SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=request.request_id, num_computed_tokens=hit)],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
-        num_scheduled_tokens={request.request_id: request.num_prompt_tokens - hit}))
-    (step,) = [s for s in meta.requests if s.handle.endswith(request.request_id)]
-    return int(step.capture_positions[0])
+    delay, params = connector.request_finished(request, [1, 2, 3])
+    (final,) = _step(connector).final
+    assert delay and final.req_id == request.request_id
+    return final.start, params
 
 
 def test_a_prefix_hit_on_blocks_that_may_hold_approximate_kv_is_not_learned_from():
@@ -253,9 +326,11 @@ def test_a_prefix_hit_on_blocks_that_may_hold_approximate_kv_is_not_learned_from
 
     tainted = planned("after-est", ["h0", "h1"], PlanAnswer(0, 0, computed))  # planned to compute everything
     assert connector.get_num_new_matched_tokens(tainted, 32) == (0, False)  # vLLM's hit: the estimated blocks
-    assert _captured_from(connector, tainted, 32) == 32  # the prompt stays incomplete: nothing learned
-    assert "may hold approximate KV: not learned from" in connector.request_finished(tainted, [])[1]["kvcomm"]["note"]
+    start, params = _captured_from(connector, tainted, 32)
+    assert start == 32  # the prompt stays incomplete: nothing learned
+    assert "may hold approximate KV: not learned from" in params["kvcomm"]["note"]
     clean = planned("after-exact", ["e0", "e1"], PlanAnswer(0, 0, computed))
     assert connector.get_num_new_matched_tokens(clean, 32) == (0, False)
-    assert _captured_from(connector, clean, 32) == 0  # exact blocks: learned from as before
-    assert "approximate" not in connector.request_finished(clean, [])[1]["kvcomm"]["note"]
+    start, params = _captured_from(connector, clean, 32)
+    assert start == 0  # exact blocks: learned from as before
+    assert "approximate" not in params["kvcomm"]["note"]
