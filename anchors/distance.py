@@ -42,6 +42,11 @@ def value_l2_many(anchors: Sequence[KV], new: KV, ns: Sequence[int], heads: Head
     return [channel.double().sum().sqrt() for channel in channels]
 
 
+ADMISSION_TEMPERATURE = 0.0075
+"""Relative distance scale of admission: an anchor this fraction farther than the nearest gets
+1/e of its weight in p (``admission_logits``)."""
+
+
 def admission_logits(l2: torch.Tensor, counts: torch.Tensor, temperature: float) -> torch.Tensor:
     """Logits of the admission distribution over ``A`` compatible anchors, fp64 ``[A]``:
     ``-(r / r_min) / temperature`` with ``r = l2 / sqrt(counts)``, the per-element RMS value

@@ -20,8 +20,7 @@ import numpy as np
 import torch
 
 from kvcomm.anchors.anchor import Anchor, SlotKey
-from kvcomm.anchors.distance import DeviceDistances
-from kvcomm.anchors.pool import ADMISSION_TEMPERATURE
+from kvcomm.anchors.distance import ADMISSION_TEMPERATURE, DeviceDistances
 from kvcomm.core.device import OP_BYTES, host_read, upload, uses_triton
 from kvcomm.core.kv import KV
 
@@ -79,8 +78,9 @@ class Decision:
             self.candidates.pool.count_access(self.candidates, self.p)
 
 
-def decide_all(requests: list[Candidates], gammas: list[float]) -> list[Decision]:
-    """Decide every request (one host read in all); ``gammas[i]``: request i's pool's gamma."""
+def decide_all(requests: list[Candidates]) -> list[Decision]:
+    """Decide every request (one host read in all), each under its pool's gamma now."""
+    gammas = [c.pool.config.gamma for c in requests]
     pending = [i for i, c in enumerate(requests) if c.refusal is None and c.identical is None]
     decisions: list[Decision | None] = [None] * len(requests)
     for i, c in enumerate(requests):

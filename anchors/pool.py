@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -21,11 +21,12 @@ import torch
 from kvcomm.anchors.anchor import Anchor, Deviation, SlotKey
 from kvcomm.anchors.config import PoolConfig
 from kvcomm.anchors.distance import (
-    DeviceDistances, EstimateDistances, admission_logits, estimate_distances_many, value_l2_many,
+    ADMISSION_TEMPERATURE, DeviceDistances, EstimateDistances, admission_logits, estimate_distances_many, value_l2_many,
 )
 from kvcomm.anchors.distance_cache import DistanceCache
 from kvcomm.anchors.evidence import Evidence
 from kvcomm.anchors.index import EmbeddingIndex
+from kvcomm.anchors.matching import Candidates, decide_all
 from kvcomm.anchors.shrinkage import ShrinkageFit
 from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.estimate import Estimate
@@ -35,11 +36,6 @@ from kvcomm.core.kv import KV
 SHRINKAGE_MIN_PAIRS = 2
 """Observed (estimate, real) pairs a slot needs before its shrinkage factors are used; until
 then its estimates are served unshrunk."""
-
-ADMISSION_TEMPERATURE = 0.0075
-"""Relative distance scale of admission: an anchor this fraction farther than the nearest gets
-1/e of its weight in p (``admission_logits``)."""
-
 
 @dataclass(frozen=True)
 class Match:
@@ -104,6 +100,14 @@ class AnchorPool:
     def get(self, segment_id: str) -> Anchor | None:
         return self._anchors.get(segment_id)
 
+    def set_gamma(self, gamma: float) -> None:
+        """Admit under ``gamma`` from the next decision on (``PoolConfig.gamma``; the quality
+        guard tightens and loosens it). Raises ValueError, changing nothing, for a gamma
+        ``PoolConfig`` refuses."""
+        config = replace(self.config, gamma=gamma)
+        with self._lock:
+            self.config = config
+
     # -- admission -------------------------------------------------------------------------
 
     def decide(
@@ -125,9 +129,7 @@ class AnchorPool:
         (``observe`` measures it). ``refusals``: when given and the answer is None, the reason
         is appended to it, in words (for provenance notes).
         """
-        from kvcomm.anchors.matching import decide_all
-
-        (decision,) = decide_all([self.candidates(slot, segment_id, base, embedding)], [self.config.gamma])
+        (decision,) = decide_all([self.candidates(slot, segment_id, base, embedding)])
         if commit:
             decision.commit()
         match = decision.match if admission else decision.estimable
@@ -139,8 +141,6 @@ class AnchorPool:
         """What this pool can match the segment against (``matching.Candidates``), decided on
         the host: the identical anchor, or the compatible anchors narrowed by embedding and
         the tokens they cover, or why it refuses before any distance."""
-        from kvcomm.anchors.matching import Candidates
-
         length = base.length
         found = Candidates(self, slot, segment_id, base, embedding)
         with self._lock:

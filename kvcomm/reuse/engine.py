@@ -248,8 +248,7 @@ class ReuseEngine:
                 pool = self.pool(segment.slot)
                 requests.append(pool.candidates((plan.prompt.template_id, segment.slot), segment.shared_id, *known))
                 indices.append(index)
-        gammas = [c.pool.config.gamma for c in requests]
-        return dict(zip(indices, decide_all(requests, gammas))) if requests else {}
+        return dict(zip(indices, decide_all(requests))) if requests else {}
 
     def reuse_limit(self, prompt: Prompt) -> int:
         """First prompt position no estimated or realigned piece may reach: the last token is

@@ -31,7 +31,6 @@ stops before its content and the rest is computed densely. One guard serves one 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import random
@@ -267,7 +266,7 @@ class QualityGuard:
             if state.gamma_before is None:
                 state.gamma_before = pool.config.gamma
             gamma = pool.config.gamma * self.config.tighten_factor
-            pool.config = dataclasses.replace(pool.config, gamma=gamma)
+            pool.set_gamma(gamma)
             state.tightenings += 1
             state.reason = f"{why}: gamma lowered to {gamma:.4g} (fewer reuses)"
             state.recent.clear()  # judge the new gamma on its own samples
@@ -279,7 +278,7 @@ class QualityGuard:
     def _loosen(self, state: SlotQuality, pool, slot: str, mean: float) -> None:
         """Undo one tightening of ``slot`` (a full window well within budget)."""
         gamma = min(pool.config.gamma / self.config.tighten_factor, state.gamma_before)
-        pool.config = dataclasses.replace(pool.config, gamma=gamma)
+        pool.set_gamma(gamma)
         state.tightenings -= 1
         state.loosenings += 1
         state.reason = (f"mean KL {mean:.4g} over the last {len(state.recent)} shadowed requests is at most "
