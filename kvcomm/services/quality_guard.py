@@ -207,10 +207,7 @@ class QualityGuard:
         for i, piece in enumerate(plan.pieces):
             segment = plan.prompt.segments[piece.segment_index]
             if segment.is_shared and self.disabled(segment.slot):
-                plan.pieces = plan.pieces[:i]
-                plan.note = f"quality guard: reuse disabled for slot {segment.slot!r} ({self.slots[segment.slot].reason})"
-                if plan.blend is not None:
-                    plan.blend = plan.blend.cut(plan.reuse_end) if plan.estimated_tokens > 0 else None
+                plan.cut(i, f"quality guard: reuse disabled for slot {segment.slot!r} ({self.slots[segment.slot].reason})")
                 return
 
     def sample(self, plan: ReusePlan) -> tuple[str, ...]:
