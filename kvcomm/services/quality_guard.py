@@ -1,4 +1,4 @@
-"""Quality guard (shadow mode): measure what estimated reuse costs on live traffic and back
+"""Quality guard: measure what estimated reuse costs on live traffic and back
 off per slot when it costs too much.
 
 For a sampled fraction of the requests that reused stored KV beyond the exact prefix
@@ -9,7 +9,7 @@ was served in that request gets the sample. The budget is ``QUALITY_BUDGET`` (5)
 model's first-token KL floor (``GuardConfig.for_floor``), on by default wherever kvcomm runs.
 When a slot's rolling mean exceeds the budget, the guard acts and logs why:
 
-- ``"tighten"``: multiply the slot pool's gamma by ``tighten_factor`` (the entropy rule reuses
+- ``"tighten"``: multiply the slot pool's gamma by ``tighten_factor`` (``AnchorPool.set_gamma``; the entropy rule reuses
   when H <= gamma * log(n), so a lower gamma means fewer reuses), and after
   ``max_tightenings`` such steps disable the slot;
 - ``"disable"``: disable the slot at once.
@@ -19,7 +19,7 @@ or below ``loosen_below * budget`` gets one tightening back (gamma divided by
 ``tighten_factor``, never above the gamma it had before the guard first tightened it). The gap
 between the two thresholds keeps a slot from flapping on every sample.
 
-With ``learn`` (the default), the shadow prefill also teaches the engine: its KV is computed densely from the
+With ``learn`` (the default), the twin also teaches the engine: its KV is computed densely from the
 first token, so the engine learns from it as from a calibration request
 (``ReuseEngine.calibration_plan``): every shared segment whose content has a base is recorded in
 its slot's pool, which a request that estimated never does.
