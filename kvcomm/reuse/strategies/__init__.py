@@ -18,7 +18,7 @@ A strategy is ``(PlanContext) -> Serving``: it reads the prompt, its exact prefi
 engine's stored KV through the context (``strategies/context.py``) and returns what it decided:
 a computed head's end, the pieces in prompt order, the segments to learn from and why reuse
 stops (``kvcomm.reuse.plan.Serving``). The engine hands that to ``ReusePlan.serve``; a strategy
-never changes the plan or the engine.
+never changes the plan (asking for new content's base may have the engine compute and keep it).
 """
 
 from __future__ import annotations
