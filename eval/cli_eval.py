@@ -166,10 +166,11 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--device", metavar="DEV", help="transformers backend: cpu (default), cuda or cuda:N")
     parser.add_argument("--noise-floor", choices=tuple(DTYPES), metavar="DTYPE",
                         help="also measure dense in DTYPE against --dtype")
-    parser.add_argument("--quality-budget", type=quality_budget, default=QUALITY_BUDGET, metavar="TIMES",
+    parser.add_argument("--quality-budget", type=quality_budget, default=argparse.SUPPRESS, metavar="TIMES",
                         help=f"run kvcomm and kvblend under a quality guard holding every slot to TIMES x the model's "
                         f"first-token KL floor (measured once per model and cached); 'off': no guard "
-                        f"(default {QUALITY_BUDGET:g}; transformers backend)")
+                        f"(default {QUALITY_BUDGET:g} on the transformers backend, off on vllm, which keeps no "
+                        f"log-probabilities for the guard's twins)")
     parser.set_defaults(eval_command=run_eval_command)
     return parser
 
@@ -310,10 +311,15 @@ def run_eval_command(args, executor=None) -> int:
             del other
             meta["dtype_noise_floor"] = {"dtype": floor_dtype, "reference_dtype": meta["dtype"], **floor}
             print(format_noise_floor(meta["dtype_noise_floor"]))
-        if settings.quality_budget is not None and any(MODES[m].estimates for m in settings.modes if m in MODES):
-            if args.backend != "transformers":
+        guarded = settings.quality_budget is not None and any(MODES[m].estimates for m in settings.modes if m in MODES)
+        if guarded and args.backend != "transformers":
+            if hasattr(args, "quality_budget"):
                 raise ValueError("the quality guard measures twins on the transformers backend: pass --quality-budget off "
                                  "with --backend vllm")
+            print("quality guard off: the vllm backend keeps no log-probabilities for its twins (on by default on the "
+                  "transformers backend)")
+            settings, guarded = dataclasses.replace(settings, quality_budget=None), False
+        if guarded:
             from kvcomm.eval.kl_floor import kl_floor
 
             floor = kl_floor(getattr(args, "model", None), meta["dtype"], settings.top_k, getattr(args, "device", None))

@@ -15,7 +15,11 @@ back to the text, succeed, and say so. Process 2 prints, per round and agent, ea
 outcome, the call's reason in words and its end-to-end TTFT.
 
     .venv/bin/python examples/remote_team.py                     # starts its own `kvcomm serve` (a minute or two on a CPU)
-    .venv/bin/python examples/remote_team.py --url http://localhost:8000 [--api-key K]
+    .venv/bin/python examples/remote_team.py --url http://localhost:8000 [--api-key K] [--session TEAM]
+
+Behind a router in front of several replicas (``python -m kvcomm.integrations.serve.replicas``),
+both processes send one session key (``--session``; default one per tenant), so the contexts
+the writer retains and the readers' calls land on the same replica.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ MAX_TOKENS = 16
 
 
 def client(url: str, api_key: str | None, name: str) -> KvcommChatCompletionClient:
-    return KvcommChatCompletionClient.remote(url, api_key=api_key, agent_name=name, max_tokens=MAX_TOKENS)
+    session = os.environ.get("KVCOMM_EXAMPLE_SESSION")  # --session, passed on to the readers' process
+    return KvcommChatCompletionClient.remote(url, api_key=api_key, agent_name=name, max_tokens=MAX_TOKENS, session=session)
 
 
 async def write(url: str, api_key: str | None) -> tuple[dict, list[dict], KvcommChatCompletionClient]:
@@ -125,11 +130,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running `kvcomm serve` (default: start one)")
     parser.add_argument("--api-key", help="one of the server's --api-key keys (both processes use it: one tenant)")
+    parser.add_argument("--session", help="the team's session key for a router (both processes send it; default: one per tenant)")
     parser.add_argument("--role", choices=("writer", "readers"), default="writer", help=argparse.SUPPRESS)
     parser.add_argument("--rounds-file", help=argparse.SUPPRESS)
     parser.add_argument("--phase", default="retained", help=argparse.SUPPRESS)
     args = parser.parse_args()
     api_key = args.api_key or os.environ.get("KVCOMM_EXAMPLE_API_KEY")
+    if args.session:
+        os.environ["KVCOMM_EXAMPLE_SESSION"] = args.session
     if args.role == "readers":
         with open(args.rounds_file) as handle:
             shared = json.load(handle)

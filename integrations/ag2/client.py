@@ -14,8 +14,9 @@ options in the config entry or the ``create`` params: ``max_tokens`` (the reply 
 
 Remote flavour (against ``kvcomm serve``): a ``base_url`` in the config entry, e.g.
 ``{"model": "kvcomm", "model_client_cls": "KvcommAG2Client", "base_url": "http://host:8000"}``
-(optional ``api_key``, ``kvcomm_tenant``, ``kvcomm_tokenizer``; the served model is checked),
-or ``backend=RemoteChatBackend(url)`` shared by every agent.
+(optional ``api_key``, ``kvcomm_tenant``, ``kvcomm_tokenizer``, ``kvcomm_session``: the key a
+router routes the team's calls by, ``remote.affinity``; the served model is checked), or
+``backend=RemoteChatBackend(url, session=...)`` shared by every agent.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class KvcommAG2Client:
             backend = RemoteChatBackend(
                 str(self.config["base_url"]), reuse=reuse, api_key=self.config.get("api_key"),
                 tenant=str(self.config.get("kvcomm_tenant", "default")), tokenizer=self.config.get("kvcomm_tokenizer"),
+                session=self.config.get("kvcomm_session"),
             )
         if backend is None:
             backend = ChatBackend.embedded(reuse=reuse)

@@ -71,7 +71,8 @@ class KvcommChatCompletionClient(ChatCompletionClient):
     def remote(cls, base_url: str, *, max_tokens: int | None = None, agent_name: str | None = None, **options: Any) -> "KvcommChatCompletionClient":
         """A client of ``kvcomm serve`` at ``base_url``. max_tokens: default reply budget (128;
         ``max_new_tokens`` is a deprecated alias); ``options`` go to ``RemoteChatBackend``
-        (``tokenizer``, ``model``, ``reuse``, ``tenant``, ``api_key``, ...)."""
+        (``tokenizer``, ``model``, ``reuse``, ``tenant``, ``api_key``, ``session``: the key a router
+        routes the team's calls by, the same for every agent of a team; ``remote.affinity``)."""
         from kvcomm.integrations.remote.backend import RemoteChatBackend
 
         budget = reply_budget({"max_tokens": max_tokens, "max_new_tokens": options.pop("max_new_tokens", None)},

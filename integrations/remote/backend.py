@@ -24,6 +24,12 @@ carries each named context, and ``ChatCall.contexts`` reports "hit", "unused", "
 from the text) or "absent" (no message carries it);
 ``release`` lets the server drop the KV; ``context`` reads the server's record.
 
+Behind a router (several replicas, ``vllm-router --policy consistent_hash``): every request
+carries ``X-Session-ID: session`` (``remote.affinity``; default one key per tenant), so a team's
+calls land on one replica; a call whose connection failed is sent once more with the same key.
+A completion naming a context the replica does not know (the team was re-homed after a replica
+died) is sent again without the name and served from its text, reported "fallback".
+
 Not here: the per-source split of a *streamed* call (vLLM streams no ``kv_transfer_params``:
 a streamed call's provenance counts every prompt token as computed and its note says so, and
 its contexts are "retained" or "fallback" from the response header; ``create`` has the split).
@@ -45,7 +51,7 @@ from kvcomm.integrations.local.backend import ChatCall, ChatReply, calling_agent
 from kvcomm.integrations.local.summary import summarize
 from kvcomm.reuse.handles import ContextHandle
 from kvcomm.integrations.local.segments import ChatPrompt, ChatTurn, parse_tool_calls, render_chat, supports_tools
-from kvcomm.integrations.remote import wire
+from kvcomm.integrations.remote import affinity, wire
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +77,8 @@ class RemoteChatBackend:
     exact prefixes) and ``cache_salt`` for annotated requests; a server with API keys
     decides the tenant by the key instead. max_new_tokens: default reply budget. api_key:
     sent as a bearer token. timeout: seconds per HTTP request. verify: run the tokenizer check.
+    session: the key a router routes the calls by (``X-Session-ID``; ``remote.affinity``): give
+    every client of a team the same one; default one per tenant (``affinity.default_session``).
     """
 
     remote = True
@@ -78,7 +86,7 @@ class RemoteChatBackend:
     def __init__(
         self, base_url: str, *, tokenizer: Any = None, model: str | None = None, reuse: bool = True,
         tenant: str = "default", max_new_tokens: int = 128, api_key: str | None = None, timeout: float = 600.0,
-        max_log: int = 10_000, verify: bool = True,
+        max_log: int = 10_000, verify: bool = True, session: str | None = None,
     ):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
@@ -89,7 +97,12 @@ class RemoteChatBackend:
         self.tenant = tenant
         self.max_new_tokens = max_new_tokens
         self.calls: deque[ChatCall] = deque(maxlen=max_log)
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.session = affinity.check_session(affinity.default_session(tenant, api_key) if session is None else session)
+        self._headers = {affinity.SESSION_HEADER: self.session}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        self.retries = 0
+        """Calls sent a second time after a connection error (``affinity.retryable``)."""
         self._timeout = timeout
         self._http = httpx.Client(base_url=self.base_url, headers=self._headers, timeout=timeout)
         self._content_ids: dict[str, str] = {}  # context id -> content id (the hash of its token ids)
@@ -107,10 +120,26 @@ class RemoteChatBackend:
         return _json(self._send(lambda: self._http.post(path, json=body)), path)
 
     def _send(self, request: Callable[[], httpx.Response]) -> httpx.Response:
-        try:
-            return request()
-        except httpx.HTTPError as error:
-            raise RemoteError(f"cannot reach the kvcomm server at {self.base_url} ({error}); is `kvcomm serve` running?") from error
+        """``request()``'s response, sent once more after a connection failure (``affinity.retryable``)."""
+        for attempt in (1, 2):
+            try:
+                response = request()
+            except httpx.HTTPError as error:
+                if attempt == 1 and affinity.retryable(error):
+                    self._note_retry(str(error) or type(error).__name__)
+                    time.sleep(affinity.RETRY_DELAY_S)
+                    continue
+                raise RemoteError(f"cannot reach the kvcomm server at {self.base_url} ({error}); is `kvcomm serve` running?") from error
+            if attempt == 1 and affinity.retryable(status=response.status_code, body=_peek(response)):
+                self._note_retry(f"HTTP {response.status_code}")
+                time.sleep(affinity.RETRY_DELAY_S)
+                continue
+            return response
+        raise AssertionError("unreachable")
+
+    def _note_retry(self, why: str) -> None:
+        self.retries += 1
+        log.warning("the call to %s failed (%s); sending it once more with session key %r", self.base_url, why, self.session)
 
     def _served_model(self, model: str | None) -> tuple[str, int]:
         served = {m["id"]: m for m in self._get("/v1/models").get("data", [])}
@@ -129,9 +158,16 @@ class RemoteChatBackend:
         template, its tokenizer) to exactly the ids the local rendering gives."""
         local = list(self.render(PROBE).prompt.token_ids)
         messages = [{"role": t.role, "content": t.content} for t in PROBE]
-        answer = self._post("/tokenize", {"model": self.model_name, "messages": messages, "add_generation_prompt": True,
-                                          "add_special_tokens": False})
-        remote = answer.get("tokens")
+        response = self._send(lambda: self._http.post("/tokenize", json={
+            "model": self.model_name, "messages": messages, "add_generation_prompt": True, "add_special_tokens": False}))
+        if response.status_code == 401 and "Authorization" in self._headers:
+            # vllm-router (0.1.17) forwards /tokenize without the caller's key; its chat route
+            # forwards it, and a one-token chat completion reports its prompt's token ids.
+            answer = self._post("/v1/chat/completions", {"model": self.model_name, "messages": messages, "max_tokens": 1,
+                                                         "temperature": 0.0, "return_token_ids": True})
+            remote = answer.get("prompt_token_ids")
+        else:
+            remote = _json(response, "/tokenize").get("tokens")
         if remote != local:
             first = next((i for i, (a, b) in enumerate(zip(local, remote or [])) if a != b), min(len(local), len(remote or [])))
             raise RemoteError(
@@ -189,7 +225,7 @@ class RemoteChatBackend:
         response = self._send(lambda: self._http.post(f"{CONTEXTS}/{context_id}/release", json={"tenant": self.tenant}))
         if response.status_code == 404:
             return False
-        return bool(_json(response, "release").get("released"))
+        return bool(_json(response, f"{CONTEXTS}/{context_id}/release").get("released"))
 
     def context(self, handle: ContextHandle | str) -> dict[str, Any]:
         """The server's record of a context (id, tokens, bytes, state, expires_at, ...)."""
@@ -245,7 +281,11 @@ class RemoteChatBackend:
             raise ValueError("token callbacks need the async path: use acomplete(on_text=...) on a remote backend")
         started = time.perf_counter()
         chat, body, budget = self._prepare(turns, tools, max_new_tokens, context_ids, stream=False)
-        data = self._post("/v1/completions", body)
+        response = self._send(lambda: self._http.post("/v1/completions", json=body))
+        if response.status_code == 404 and _named_contexts(body):
+            body = self._forget_contexts(body, response)
+            response = self._send(lambda: self._http.post("/v1/completions", json=body))
+        data = _json(response, "/v1/completions")
         ttft = wire.end_to_end_ttft(data, time.perf_counter() - started)
         return self._finish(turns, chat, tools, started, data, budget, ttft, agent=agent, context_ids=context_ids)
 
@@ -262,10 +302,24 @@ class RemoteChatBackend:
         try:
             async with httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
                 if on_text is None:
-                    data = _json(await self._asend(http.post("/v1/completions", json=body)), "/v1/completions")
+                    response = await self._asend(lambda: http.post("/v1/completions", json=body))
+                    if response.status_code == 404 and _named_contexts(body):
+                        body = self._forget_contexts(body, response)
+                        response = await self._asend(lambda: http.post("/v1/completions", json=body))
+                    data = _json(response, "/v1/completions")
                     ttft = wire.end_to_end_ttft(data, time.perf_counter() - started)
                 else:
-                    await self._stream(http, body, streamed, on_text)
+                    for attempt in (1, 2, 3):
+                        try:
+                            await self._stream(http, body, streamed, on_text)
+                            break
+                        except _UnknownContext as unknown:
+                            body = self._forget_contexts(body, unknown.response)
+                        except _StreamNotStarted as failed:
+                            if attempt > 1 or not failed.retry:
+                                raise RemoteError(f"the stream from {self.base_url} broke ({failed.why})") from failed.__cause__
+                            self._note_retry(failed.why)
+                            await asyncio.sleep(affinity.RETRY_DELAY_S)
                     data = streamed.response()
                     ttft = None if streamed.first_token_at is None else streamed.first_token_at - started
         except asyncio.CancelledError:
@@ -274,18 +328,37 @@ class RemoteChatBackend:
         return self._finish(turns, chat, tools, started, data, budget, ttft, agent=agent, context_ids=context_ids,
                             why_unknown="streamed: vLLM streams no kv_transfer_params (use create for the split)" if on_text else "")
 
-    async def _asend(self, pending) -> httpx.Response:
-        try:
-            return await pending
-        except httpx.HTTPError as error:
-            raise RemoteError(f"cannot reach the kvcomm server at {self.base_url} ({error}); is `kvcomm serve` running?") from error
+    async def _asend(self, request: Callable[[], Any]) -> httpx.Response:
+        """As ``_send``, for ``await request()``."""
+        for attempt in (1, 2):
+            try:
+                response = await request()
+            except httpx.HTTPError as error:
+                if attempt == 1 and affinity.retryable(error):
+                    self._note_retry(str(error) or type(error).__name__)
+                    await asyncio.sleep(affinity.RETRY_DELAY_S)
+                    continue
+                raise RemoteError(f"cannot reach the kvcomm server at {self.base_url} ({error}); is `kvcomm serve` running?") from error
+            if attempt == 1 and affinity.retryable(status=response.status_code, body=_peek(response)):
+                self._note_retry(f"HTTP {response.status_code}")
+                await asyncio.sleep(affinity.RETRY_DELAY_S)
+                continue
+            return response
+        raise AssertionError("unreachable")
 
     async def _stream(self, http: httpx.AsyncClient, body: dict, streamed: wire.StreamedCompletion, on_text: Callable[[str], None]) -> None:
+        """Stream one completion into ``streamed``. Before its first chunk, a connection error or a
+        gateway's 502-504 raises ``_StreamNotStarted`` (the caller sends it once more) and a 404
+        for a named context ``_UnknownContext``; once text was passed on, a break is a ``RemoteError``."""
         try:
             async with http.stream("POST", "/v1/completions", json=body) as response:
                 streamed.contexts = _header_contexts(response.headers.get("x-kvcomm-contexts"))
                 if response.status_code != 200:
                     await response.aread()
+                    if response.status_code == 404 and _named_contexts(body):
+                        raise _UnknownContext(response)
+                    if affinity.retryable(status=response.status_code, body=response.text):
+                        raise _StreamNotStarted(f"HTTP {response.status_code}", retry=True)
                     _json(response, "/v1/completions")
                 async for line in response.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -297,7 +370,22 @@ class RemoteChatBackend:
                     if text:
                         on_text(text)
         except httpx.HTTPError as error:
+            if not streamed.text:
+                raise _StreamNotStarted(str(error) or type(error).__name__, retry=affinity.retryable(error)) from error
             raise RemoteError(f"the stream from {self.base_url} broke ({error})") from error
+
+    def _forget_contexts(self, body: dict[str, Any], response: httpx.Response) -> dict[str, Any]:
+        """``body`` without its context names, after the server answered 404 for one: the replica
+        does not know it (another replica holds it: the team was re-homed after a failure, or a
+        server restarted without ``--state-dir``). The call is served from the text it carries
+        and its contexts are reported "fallback"."""
+        named = _named_contexts(body)
+        log.warning("the server does not know context(s) %s for this tenant (%s); the call is served from the text",
+                    ", ".join(sorted(named)), response.text[:200])
+        for context_id in named:
+            self._content_ids.pop(context_id, None)
+        segments = [{k: v for k, v in span.items() if k != "context"} for span in body["kv_transfer_params"]["kvcomm"]["segments"]]
+        return {**body, "kv_transfer_params": {"kvcomm": {**body["kv_transfer_params"]["kvcomm"], "segments": segments}}}
 
     def _finish(
         self, turns, chat: ChatPrompt, tools, started: float, data: dict[str, Any], budget: int, ttft_s: float | None, *,
@@ -380,6 +468,38 @@ class RemoteChatBackend:
         return summarize(list(self.calls), baseline)
 
 
+class _UnknownContext(Exception):
+    """A streamed completion answered 404 for a context it names."""
+
+    def __init__(self, response: httpx.Response):
+        super().__init__(response.text[:200])
+        self.response = response
+
+
+class _StreamNotStarted(Exception):
+    """A streamed completion failed before its first chunk; ``retry``: the failure is a connection error."""
+
+    def __init__(self, why: str, retry: bool):
+        super().__init__(why)
+        self.why, self.retry = why, retry
+
+
+def _peek(response: httpx.Response) -> str:
+    """The start of an error response's body ("" for a 200 or a streamed body not read)."""
+    if response.status_code == 200:
+        return ""
+    try:
+        return response.text[:500]
+    except httpx.ResponseNotRead:
+        return ""
+
+
+def _named_contexts(body: dict[str, Any]) -> list[str]:
+    """The context ids a completion body names on its segments."""
+    params = (body.get("kv_transfer_params") or {}).get("kvcomm") or {}
+    return [span["context"] for span in params.get("segments") or [] if span.get("context")]
+
+
 def _header_contexts(value: str | None) -> dict[str, str] | None:
     try:
         parsed = json.loads(value) if value else None
@@ -397,7 +517,9 @@ def _root(base_url: str) -> str:
 
 def _json(response: httpx.Response, path: str) -> dict[str, Any]:
     if response.status_code == 401:
-        raise RemoteError(f"{path} answered HTTP 401 (unauthorized): pass api_key= one of the server's --api-key keys")
+        behind = (" (behind vllm-router 0.1.17 the context API gets no key: its proxy forwards no Authorization header "
+                  "there; see docs/serving.md, replicas)") if path.startswith(CONTEXTS) else ""
+        raise RemoteError(f"{path} answered HTTP 401 (unauthorized): pass api_key= one of the server's --api-key keys{behind}")
     if response.status_code != 200:
         raise RemoteError(f"{path} answered HTTP {response.status_code}: {response.text[:500]}")
     try:

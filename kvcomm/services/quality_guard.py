@@ -6,7 +6,8 @@ For a sampled fraction of the requests that reused stored KV beyond the exact pr
 and records KL(dense || reuse) of the first reply token's distribution (top-k + "other"
 bucket, as the evaluation computes it: a lower bound of the full KL). Each slot whose content
 was served in that request gets the sample. The budget is ``QUALITY_BUDGET`` (5) times the
-model's first-token KL floor (``GuardConfig.for_floor``), on by default wherever kvcomm runs.
+model's first-token KL floor (``GuardConfig.for_floor``), on by default in `kvcomm eval` and
+`kvcomm serve`; `kvcomm run`, `kvcomm demo` and the in-process clients run without it.
 When a slot's rolling mean exceeds the budget, the guard acts and logs why:
 
 - ``"tighten"``: multiply the slot pool's gamma by ``tighten_factor`` (``AnchorPool.set_gamma``; the entropy rule reuses
@@ -64,8 +65,8 @@ SLOT_METRICS = {
 QUALITY_BUDGET = 5.0
 """The quality budget, in the unit a user reads: a slot's rolling mean first-token KL may reach
 this many times the model's precision floor (first-token KL of dense in the serving dtype
-against the other, ``kvcomm.eval.kl_floor``); R4's "no measurable change". `kvcomm eval`,
-`run`, `demo` and `serve` hold every slot to it by default (``GuardConfig.for_floor``)."""
+against the other, ``kvcomm.eval.kl_floor``); R4's "no measurable change". `kvcomm eval` and
+`kvcomm serve` hold every slot to it by default (``GuardConfig.for_floor``)."""
 
 DEFAULT_FRACTION = 0.05
 """Share of reusing requests the guard twins: at most 5 dense twins per 100 requests (each a

@@ -257,6 +257,7 @@ def test_eval_on_the_vllm_backend_without_kl(tiny_llama, tmp_path, capsys):
     assert main(argv) == 0, capsys.readouterr().err[-3000:]
     printed = capsys.readouterr().out
     assert "agent calls in" in printed and "prefix hit" in printed
+    assert "quality guard off: the vllm backend keeps no log-probabilities" in printed  # the default budget, said
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["backend"] == "vllm" and results["settings"]["kl"] is False
     assert results["settings"]["model"] == tiny_llama and (out / "results.csv").is_file()
