@@ -30,7 +30,7 @@ class PoolConfig:
     with fewer it goes dense and becomes one. 2 is the reference's rule."""
     min_coverage: float = 0.5
     """A segment whose anchors would cover fewer than this share of its tokens goes dense and
-    becomes an anchor instead of reusing its head."""
+    becomes an anchor instead of reusing its covered first tokens."""
     shrinkage: bool = True
     """Scale each layer's estimated deviation by the slot's fitted factor in [0, 1]
     (``kvcomm.anchors.shrinkage``), fitted on the estimates the pool would have made for the

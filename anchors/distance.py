@@ -1,7 +1,7 @@
 """Distances between a new segment's base KV and an anchor's, all on position-free KV.
 
 Every function compares the first ``n`` tokens of both (``n <= min(lengths)``) unless it
-says otherwise, and returns fp32. With KV heads split over ranks (``heads``, see
+says otherwise, and returns fp32. With KV heads split over ranks (``head_shards``, see
 ``kvcomm.core.heads``) the KVs hold this rank's heads; sums over heads come last, after the
 ranks' per-head partials were gathered, so every rank gets the single-process numbers.
 """
@@ -18,15 +18,15 @@ from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV
 
 
-def value_l2(anchor: KV, new: KV, n: int, heads: HeadShards = ALL_HEADS) -> torch.Tensor:
+def value_l2(anchor: KV, new: KV, n: int, head_shards: HeadShards = ALL_HEADS) -> torch.Tensor:
     """Scalar L2 norm of the value difference on the first ``n`` tokens (the reference's
     admission distance), fp64: per-channel fp32 sums of squares, added in fp64 (a single fp32
     norm over millions of elements drifts by ~1e-4 relative). Equals
     ``EstimateDistances.value_l2`` of the same pair exactly."""
-    return value_l2_many([anchor], new, [n], heads)[0]
+    return value_l2_many([anchor], new, [n], head_shards)[0]
 
 
-def value_l2_many(anchors: Sequence[KV], new: KV, ns: Sequence[int], heads: HeadShards = ALL_HEADS) -> list[torch.Tensor]:
+def value_l2_many(anchors: Sequence[KV], new: KV, ns: Sequence[int], head_shards: HeadShards = ALL_HEADS) -> list[torch.Tensor]:
     """``value_l2(anchors[a], new, ns[a])`` for every anchor, with one ``gather`` for all of
     them under split heads (one exchange per decision, not one per anchor)."""
     if len(anchors) != len(ns):
@@ -38,8 +38,13 @@ def value_l2_many(anchors: Sequence[KV], new: KV, ns: Sequence[int], heads: Head
     for channel, anchor, n in zip(channels, anchors, ns):
         for start, end, d in _difference_blocks(anchor.values, new.values, n):
             torch.sum(d.mul_(d), 2, out=channel[start:end])
-    (channels,) = heads.gather([channels], [2])
+    (channels,) = head_shards.gather([channels], [2])
     return [channel.double().sum().sqrt() for channel in channels]
+
+
+ADMISSION_TEMPERATURE = 0.0075
+"""Relative distance scale of admission: an anchor this fraction farther than the nearest gets
+1/e of its weight in p (``admission_logits``)."""
 
 
 def admission_logits(l2: torch.Tensor, counts: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -97,13 +102,13 @@ class DeviceDistances:
 
 
 
-def estimate_distances(anchor: KV, new: KV, n: int, heads: HeadShards = ALL_HEADS) -> EstimateDistances:
+def estimate_distances(anchor: KV, new: KV, n: int, head_shards: HeadShards = ALL_HEADS) -> EstimateDistances:
     """``estimate_distances_many`` for one anchor."""
-    return estimate_distances_many([anchor], new, [n], heads)[0]
+    return estimate_distances_many([anchor], new, [n], head_shards)[0]
 
 
 def estimate_distances_many(
-    anchors: Sequence[KV], new: KV, ns: Sequence[int], heads: HeadShards = ALL_HEADS,
+    anchors: Sequence[KV], new: KV, ns: Sequence[int], head_shards: HeadShards = ALL_HEADS,
 ) -> list[EstimateDistances]:
     """Both kinds of distance for each anchor vs ``new`` on its first ``ns[i]`` tokens, from
     base values only (reported for keys too: key deviations are weighted by value distances).
@@ -147,7 +152,7 @@ def estimate_distances_many(
     for j in range(len(anchors)):
         token[j][0], channel[j, 0] = token[j][1], channel[j, 1]
     count = len(anchors)
-    gathered = heads.gather([*token, *channel[:, 1]], [2] * count + [1] * count)
+    gathered = head_shards.gather([*token, *channel[:, 1]], [2] * count + [1] * count)
     out = []
     for j in range(count):
         every_head_token, every_head_values = gathered[j], gathered[count + j]

@@ -32,11 +32,11 @@ class KVEmbedding:
     """``kv_embedding`` of a base that holds this rank's heads (``kvcomm.core.heads``): the
     per-head means of every rank are gathered first, so each rank gets the vector of all heads."""
 
-    def __init__(self, heads: HeadShards = ALL_HEADS):
-        self.heads = heads
+    def __init__(self, head_shards: HeadShards = ALL_HEADS):
+        self.head_shards = head_shards
 
     def __call__(self, token_ids: Sequence[int], base: KV) -> np.ndarray:
-        (pooled,) = self.heads.gather([base.values.float().mean(dim=2)], [1])
+        (pooled,) = self.head_shards.gather([base.values.float().mean(dim=2)], [1])
         return normalize(pooled.flatten().cpu().numpy())
 
 

@@ -20,8 +20,7 @@ import numpy as np
 import torch
 
 from kvcomm.anchors.anchor import Anchor, SlotKey
-from kvcomm.anchors.distance import DeviceDistances
-from kvcomm.anchors.pool import ADMISSION_TEMPERATURE
+from kvcomm.anchors.distance import ADMISSION_TEMPERATURE, DeviceDistances
 from kvcomm.core.device import OP_BYTES, host_read, upload, uses_triton
 from kvcomm.core.kv import KV
 
@@ -79,8 +78,9 @@ class Decision:
             self.candidates.pool.count_access(self.candidates, self.p)
 
 
-def decide_all(requests: list[Candidates], gammas: list[float]) -> list[Decision]:
-    """Decide every request (one host read in all); ``gammas[i]``: request i's pool's gamma."""
+def decide_all(requests: list[Candidates]) -> list[Decision]:
+    """Decide every request (one host read in all), each under its pool's gamma now."""
+    gammas = [c.pool.config.gamma for c in requests]
     pending = [i for i, c in enumerate(requests) if c.refusal is None and c.identical is None]
     decisions: list[Decision | None] = [None] * len(requests)
     for i, c in enumerate(requests):
@@ -141,7 +141,7 @@ def _fused_admission(requests: list[Candidates], gammas: list[float]):
     device = first.device
     width = triton.next_power_of_2(max(len(c.anchors) for c in requests))
     counts = [[min(c.base.length, a.length) for a in c.anchors] for c in requests]
-    per_token = layers * heads * dim * requests[0].pool.heads.size
+    per_token = layers * heads * dim * requests[0].pool.head_shards.size
     tables = [np.array([[a.base.values.data_ptr(), *a.base.values.stride()[:3]] for a in c.anchors], dtype=np.int64).reshape(-1)
               for c in requests]
     padded = np.array([n + [0] * (width - len(n)) for n in counts], dtype=np.int64)
@@ -164,14 +164,14 @@ def _fused_admission(requests: list[Candidates], gammas: list[float]):
                      parts[s, : len(c.anchors)], layers, max(counts[s]))
         tokens.append(token)
     channel = parts.sum(2)  # the token blocks' shares, every segment at once
-    every_head = requests[0].pool.heads.gather([channel], [3])[0]  # admission reads every head's differences
+    every_head = requests[0].pool.head_shards.gather([channel], [3])[0]  # admission reads every head's differences
     result = torch.empty(len(requests), 2 + width, dtype=torch.float64, device=device)
     admission_op(every_head, floats[s_weighted:s_limits], packed[s_anchors:], floats[s_limits:s_anchors], result, width,
                  float(ADMISSION_TEMPERATURE))
     rows = host_read(result).tolist()
     distances = []
     for s, c in enumerate(requests):
-        token = c.pool.heads.gather([tokens[s]], [1])[0]
+        token = c.pool.head_shards.gather([tokens[s]], [1])[0]
         used = tuple(i for i, a in enumerate(c.anchors) if a.length >= c.covered)
         distances.append(DeviceDistances(token, channel[s, : len(c.anchors)], tuple(counts[s]),
                                          1.0 / (layers * token.shape[1] * dim), used))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -21,11 +21,12 @@ import torch
 from kvcomm.anchors.anchor import Anchor, Deviation, SlotKey
 from kvcomm.anchors.config import PoolConfig
 from kvcomm.anchors.distance import (
-    DeviceDistances, EstimateDistances, admission_logits, estimate_distances_many, value_l2_many,
+    ADMISSION_TEMPERATURE, DeviceDistances, EstimateDistances, admission_logits, estimate_distances_many, value_l2_many,
 )
 from kvcomm.anchors.distance_cache import DistanceCache
 from kvcomm.anchors.evidence import Evidence
 from kvcomm.anchors.index import EmbeddingIndex
+from kvcomm.anchors.matching import Candidates, decide_all
 from kvcomm.anchors.shrinkage import ShrinkageFit
 from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.estimate import Estimate
@@ -35,11 +36,6 @@ from kvcomm.core.kv import KV
 SHRINKAGE_MIN_PAIRS = 2
 """Observed (estimate, real) pairs a slot needs before its shrinkage factors are used; until
 then its estimates are served unshrunk."""
-
-ADMISSION_TEMPERATURE = 0.0075
-"""Relative distance scale of admission: an anchor this fraction farther than the nearest gets
-1/e of its weight in p (``admission_logits``)."""
-
 
 @dataclass(frozen=True)
 class Match:
@@ -61,11 +57,11 @@ class Match:
 
 
 class AnchorPool:
-    def __init__(self, config: PoolConfig | None = None, heads: HeadShards = ALL_HEADS):
-        """heads: the KV heads this process holds (``kvcomm.core.heads``); every KV given to
+    def __init__(self, config: PoolConfig | None = None, head_shards: HeadShards = ALL_HEADS):
+        """head_shards: the KV heads this process holds (``kvcomm.core.heads``); every KV given to
         the pool holds those, and its decisions are those of one process holding all heads."""
         self.config = config or PoolConfig()
-        self.heads = heads
+        self.head_shards = head_shards
         self._anchors: dict[str, Anchor] = {}  # insertion order == serial order
         self._by_serial: dict[int, str] = {}
         self._index: EmbeddingIndex | None = None
@@ -104,6 +100,14 @@ class AnchorPool:
     def get(self, segment_id: str) -> Anchor | None:
         return self._anchors.get(segment_id)
 
+    def set_gamma(self, gamma: float) -> None:
+        """Admit under ``gamma`` from the next decision on (``PoolConfig.gamma``; the quality
+        guard tightens and loosens it). Raises ValueError, changing nothing, for a gamma
+        ``PoolConfig`` refuses."""
+        config = replace(self.config, gamma=gamma)
+        with self._lock:
+            self.config = config
+
     # -- admission -------------------------------------------------------------------------
 
     def decide(
@@ -125,9 +129,7 @@ class AnchorPool:
         (``observe`` measures it). ``refusals``: when given and the answer is None, the reason
         is appended to it, in words (for provenance notes).
         """
-        from kvcomm.anchors.matching import decide_all
-
-        (decision,) = decide_all([self.candidates(slot, segment_id, base, embedding)], [self.config.gamma])
+        (decision,) = decide_all([self.candidates(slot, segment_id, base, embedding)])
         if commit:
             decision.commit()
         match = decision.match if admission else decision.estimable
@@ -139,8 +141,6 @@ class AnchorPool:
         """What this pool can match the segment against (``matching.Candidates``), decided on
         the host: the identical anchor, or the compatible anchors narrowed by embedding and
         the tokens they cover, or why it refuses before any distance."""
-        from kvcomm.anchors.matching import Candidates
-
         length = base.length
         found = Candidates(self, slot, segment_id, base, embedding)
         with self._lock:
@@ -205,20 +205,20 @@ class AnchorPool:
         found: list[EstimateDistances | None] = [cache.get(segment_id, base, a.serial, n) for a, n in zip(compatible, ns)]
         todo = [i for i, a in enumerate(compatible) if found[i] is None and full and a.length >= covered]
         for i, d in zip(todo, estimate_distances_many(
-            [compatible[i].base for i in todo], base, [ns[i] for i in todo], self.heads,
+            [compatible[i].base for i in todo], base, [ns[i] for i in todo], self.head_shards,
         )):
             found[i] = d
             cache.put(segment_id, base, compatible[i].serial, ns[i], d)
         missing = [i for i, f in enumerate(found) if f is None]
-        l2 = dict(zip(missing, value_l2_many([compatible[i].base for i in missing], base, [ns[i] for i in missing], self.heads)))
+        l2 = dict(zip(missing, value_l2_many([compatible[i].base for i in missing], base, [ns[i] for i in missing], self.head_shards)))
         return [f if f is not None else l2[i] for i, f in enumerate(found)]
 
     def _admission(self, compatible: list[Anchor], base: KV, l2: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The admission distribution p over ``compatible``, fp64 ``[A]``; ``l2``: their value L2
         distances to ``base`` if already known."""
         counts = [min(base.length, a.length) for a in compatible]
-        l2 = torch.stack(l2 if l2 is not None else value_l2_many([a.base for a in compatible], base, counts, self.heads))
-        per_token = base.values.shape[0] * base.values.shape[1] * self.heads.size * base.values.shape[3]
+        l2 = torch.stack(l2 if l2 is not None else value_l2_many([a.base for a in compatible], base, counts, self.head_shards))
+        per_token = base.values.shape[0] * base.values.shape[1] * self.head_shards.size * base.values.shape[3]
         logits = admission_logits(l2, torch.tensor(counts, device=l2.device) * per_token, ADMISSION_TEMPERATURE)
         # fp64 and a rounding tolerance: in fp32 a uniform p has an entropy just above
         # log(n), so gamma = 1 (which must always reuse) would never reuse.
@@ -226,7 +226,8 @@ class AnchorPool:
 
     @staticmethod
     def _coverage(compatible: list[Anchor], length: int) -> int:
-        """Tokens to estimate: the head of the segment the longest compatible anchor covers."""
+        """Tokens to estimate: the segment's first tokens, as many as the longest compatible
+        anchor holds (its coverage)."""
         return min(length, max(a.length for a in compatible))
 
     def _narrow(self, compatible: list[Anchor], embedding: np.ndarray) -> list[Anchor]:
@@ -289,7 +290,7 @@ class AnchorPool:
             return shared, following
         tau = self.config.temperature
         dist = match.distances or estimate_distances_many(
-            [a.base for a in match.anchors], base, [match.covered] * len(match.anchors), self.heads,
+            [a.base for a in match.anchors], base, [match.covered] * len(match.anchors), self.head_shards,
         )
         same_length = following_parts is not None and len({p.length for p in following_parts}) == 1
         alpha_shared = self._alpha(match.slot, "shared", shrink, first, layers, device)
@@ -370,7 +371,7 @@ class AnchorPool:
         fit = self.fits.setdefault((slot, part), ShrinkageFit.empty(layers))
         served = fit.factors(SHRINKAGE_MIN_PAIRS) if self.config.shrinkage else None
         alpha = torch.ones(2, layers, dtype=torch.float64) if served is None else torch.stack(served)
-        cross, estimate_sq, real_sq = fit.observe(estimate, real, self.heads)
+        cross, estimate_sq, real_sq = fit.observe(estimate, real, self.head_shards)
         self.evidence.setdefault((slot, part), Evidence()).add(alpha, cross, estimate_sq, real_sq)
 
     # -- learning and eviction -------------------------------------------------------------

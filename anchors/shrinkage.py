@@ -46,7 +46,7 @@ class ShrinkageFit:
     def empty(cls, layers: int) -> "ShrinkageFit":
         return cls(*(torch.zeros(2, layers, dtype=torch.float64) for _ in range(3)))
 
-    def observe(self, estimate: KV, real: KV, heads: HeadShards = ALL_HEADS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def observe(self, estimate: KV, real: KV, head_shards: HeadShards = ALL_HEADS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Add one pair: both ``[layers, kv_heads, T, head_dim]``, any float dtype, same shape
         (this rank's heads under split heads: the sums are over all heads, per head first).
         ``real`` may leave out the first layers (a deviation stored from a later layer): the
@@ -61,7 +61,7 @@ class ShrinkageFit:
         for row, (e, r) in enumerate(((estimate.keys, real.keys), (estimate.values, real.values))):
             e, r = e.double().flatten(2), r.double().flatten(2)
             per_head[0, row], per_head[1, row], per_head[2, row] = (e * r).sum(2), (e * e).sum(2), (r * r).sum(2)
-        (per_head,) = heads.gather([per_head], [3])
+        (per_head,) = head_shards.gather([per_head], [3])
         pair = torch.zeros(3, *self.cross.shape, dtype=torch.float64)
         pair[:, :, skip:] = per_head.sum(3).cpu()  # the sums stay in host memory: a few numbers per layer
         self.cross += pair[0]

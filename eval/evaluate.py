@@ -340,11 +340,6 @@ class EvalResult:
     def calls(self) -> list[CallRecord]:
         return [c for r in self.runs for c in r.calls]
 
-    def aggregates(self) -> list[dict]:
-        from kvcomm.eval.summary import aggregate  # summary imports this module
-
-        return aggregate(self)
-
 
 def _decider(spec) -> str:
     names = [a.name for a in spec.agents]

@@ -112,7 +112,7 @@ def extract_number(reply: str) -> float | None:
     return _to_float(*found[-1].groups()) if found else None
 
 
-def _reference_number(ref: object) -> float | None:
+def reference_number(ref: object) -> float | None:
     if isinstance(ref, bool):
         return None
     if isinstance(ref, (int, float)):
@@ -131,7 +131,7 @@ def number(reply: str, ref: object) -> float:
     ``ref`` is an int, float or numeric string ("1,234", "$5", "9281.25"); equality tolerates a
     relative error of 1e-6.
     """
-    want, got = _reference_number(ref), extract_number(reply)
+    want, got = reference_number(ref), extract_number(reply)
     if want is None or got is None or not math.isfinite(want):
         return 0.0
     return float(math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9))

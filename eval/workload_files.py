@@ -11,8 +11,8 @@ from types import MappingProxyType
 from kvcomm.core.textfile import parse_json, read_utf8
 from kvcomm.reuse.pipeline import PipelineError, parse_pipeline
 
-from .scorers import SCORERS, _reference_number
-from .workloads import DEFAULT_MAX_NEW_TOKENS, Workload, WorkloadError, _finish, _order
+from .scorers import SCORERS, reference_number
+from .workload import DEFAULT_MAX_NEW_TOKENS, Workload, WorkloadError, build_workload, seeded_order
 
 def _json(text: str, where: str) -> object:
     return parse_json(text, where, WorkloadError)
@@ -21,7 +21,7 @@ def _json(text: str, where: str) -> object:
 def _check_reference(ref: object, scorer: str, where: str) -> None:
     ok = {
         "choice": isinstance(ref, str) and ref.strip().upper() in ("A", "B", "C", "D"),
-        "number": not isinstance(ref, bool) and _reference_number(ref) is not None,
+        "number": not isinstance(ref, bool) and reference_number(ref) is not None,
         "exact": (isinstance(ref, (str, int, float)) and not isinstance(ref, bool) and str(ref).strip() != "")
         or (isinstance(ref, list) and bool(ref) and all(isinstance(r, str) and r.strip() for r in ref)),
     }
@@ -68,7 +68,7 @@ def _load_pipeline_file(path: str, obj: object, limit: int | None, seed: int,
     for r, ref in enumerate(refs):
         if ref is not None:
             _check_reference(ref, name, f"{path}: references[{r}]")
-    order = _order(n, limit, seed)
+    order = seeded_order(n, limit, seed)
     obj["inputs"] = [obj["inputs"][i] for i in order]
     if max_new_tokens is not None:
         obj["max_new_tokens"] = max_new_tokens
@@ -105,13 +105,13 @@ def _load_jsonl_file(path: str, text: str, limit: int | None, n_agents: int, see
     for (_, answer, _, d), name in zip(items, names):
         _check_reference(answer, name, f"{path}: line {d['line']}: 'answer'")
     mnt = max_new_tokens if max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS["file"]
-    order = _order(len(items), limit, seed)
+    order = seeded_order(len(items), limit, seed)
     stem = os.path.splitext(os.path.basename(path))[0]
     chosen = [names[i] for i in order]
     main = max(set(chosen), key=chosen.count) if len(set(chosen)) > 1 else chosen[0]
     row_scorers = [SCORERS[c] for c in chosen] if len(set(chosen)) > 1 else []
     rows = [(items[i][0], items[i][1], items[i][3]) for i in order]
-    return _finish(stem, rows, n_agents, mnt, SCORERS[main],
+    return build_workload(stem, rows, n_agents, mnt, SCORERS[main],
                    "Think about the task and give your answer. Be brief.",
                    "Give the final answer. End your reply with \"Answer: <answer>\".",
                    f"{path}, {n_agents} agents + decider, seed {seed}", row_scorers=row_scorers)

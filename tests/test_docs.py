@@ -5,6 +5,10 @@ README.md is at most 150 lines and ``kvcomm eval --help`` at most 50 (at 80 colu
 names a file that exists. Links to other sites, mail addresses and in-page anchors (``#...``)
 are not checked; a link's own ``#anchor`` is dropped before the file is looked up.
 
+docs/architecture.md's file table names every source file of the package (``kvcomm/``,
+``anchors/``, ``integrations/``, ``eval/``; ``__init__.py`` aside): a row's first cell names its
+folders, its second the files in them, by name or by a path from the folder or its parent.
+
 Every ```` ```python ```` block of README.md and docs/ runs as written, in a fresh Python
 process on the embedded model, in an empty folder holding only ``pipeline.json`` (the file the
 README's example reads: the bundled ``chain`` pipeline cut to one row and 8-token replies),
@@ -131,3 +135,52 @@ def test_the_snippet_finder_sees_markers(tmp_path):
     found = [(m.group("code"), m.group("reason").strip() if m.group(0).startswith("<!--") else None)
              for m in _SNIPPET.finditer(text)]
     assert found == [("print(1)\n", None), ("x\n", "needs a GPU"), ("y\n", "")]
+
+
+PACKAGE_FOLDERS = ("kvcomm", "anchors", "integrations", "eval")
+"""The source folders of the package (``pyproject.toml``'s ``package-dir``)."""
+
+
+def file_table_names(text: str) -> set[str]:
+    """Repository paths the folder/file table of ``text`` names: for a row ``| `a/b/`, `c/` | ...
+    `x.py` ... `d/y.py` ... |``, each backticked name joined to each folder of the row (``c/``
+    is a sibling of ``a/b/``) and to that folder's parent."""
+    named = set()
+    for line in text.splitlines():
+        cells = line.split("|")
+        if not line.startswith("| `") or len(cells) < 4:
+            continue
+        folders = re.findall(r"`([^`]+/)`", cells[1])
+        if not folders:
+            continue
+        first = Path(folders[0])
+        resolved = [first] + [Path(f) if "/" in f.rstrip("/") else first.parent / f for f in folders[1:]]
+        for folder in resolved:
+            for name in re.findall(r"`([^`\s]+)`", cells[2]):
+                named.update({(folder / name).as_posix(), (folder.parent / name).as_posix()})
+    return named
+
+
+def unnamed_sources(text: str) -> list[str]:
+    """Source files of the package that the file table of ``text`` does not name."""
+    sources = sorted(p.relative_to(ROOT).as_posix() for top in PACKAGE_FOLDERS for p in (ROOT / top).rglob("*.py")
+                     if p.name != "__init__.py" and "__pycache__" not in p.parts)
+    assert len(sources) > 100, "the scan found too few source files"
+    named = file_table_names(text)
+    return [path for path in sources if path not in named]
+
+
+def test_the_architecture_file_table_names_every_source_file():
+    missing = unnamed_sources((ROOT / "docs" / "architecture.md").read_text(encoding="utf-8"))
+    assert not missing, "docs/architecture.md's file table does not name: " + ", ".join(missing)
+
+
+@pytest.mark.parametrize("name, path", [
+    ("`ids.py` (client segment ids bound to their content), ", "integrations/vllm/ids.py"),
+    ("`strategies/context.py`, ", "kvcomm/reuse/strategies/context.py"),
+    ("`local/summary.py`", "integrations/local/summary.py"),
+])
+def test_the_file_table_check_sees_a_missing_file(name, path):
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    assert name in text
+    assert unnamed_sources(text.replace(name, "")) == [path]

@@ -1,8 +1,9 @@
-"""Layers import only downward, and packages import each other in no cycle.
+"""Layers import only downward, packages import each other in no cycle, and files neither.
 
 core < anchors < reuse < services < integrations < eval < cli: a module may import its own
 layer or those below it. Inside a layer that holds several packages (the integrations), the
-packages' import graph has no cycle. Every import in the source counts, lazy ones inside
+packages' import graph has no cycle; nor has the graph of modules (files), so each file can be
+read knowing only what it imports. Every import in the source counts, lazy ones inside
 functions and ``TYPE_CHECKING`` ones included: each is a dependency. Read from the source
 files with ``ast`` (nothing is imported), so the test also covers modules whose imports need
 vLLM or AutoGen.
@@ -117,6 +118,43 @@ def package_cycles(known: dict[str, Path]) -> list[list[str]]:
     return cycles
 
 
+def file_cycles(known: dict[str, Path]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or not (the strongly connected
+    components of the module graph with more than one module), each sorted; an edge: a module
+    imports another (``from pkg import module`` and ``from pkg.module import name`` alike)."""
+    edges: dict[str, set[str]] = {}
+    for name, path in known.items():
+        for target in imports(path, name):
+            if target not in known and target.rpartition(".")[0] in known:
+                target = target.rpartition(".")[0]
+            if target in known and target != name:
+                edges.setdefault(name, set()).add(target)
+    order, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def connect(node: str) -> None:  # Tarjan's algorithm
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(edges.get(node, ())):
+            if nxt not in order:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], order[nxt])
+        if low[node] == order[node]:
+            group = []
+            while not group or group[-1] != node:
+                group.append(stack.pop())
+                on_stack.discard(group[-1])
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(known):
+        if node not in order:
+            connect(node)
+    return groups
+
+
 def test_the_scan_sees_every_layer():
     known = modules()
     for layer in LAYERS:
@@ -155,3 +193,23 @@ def test_a_cycle_between_packages_is_caught(tmp_path):
     path.write_text(known["kvcomm.integrations.vllm.llm"].read_text() + "\nimport kvcomm.integrations.serve.command\n")
     known["kvcomm.integrations.vllm.llm"] = path
     assert any({"kvcomm.integrations.vllm", "kvcomm.integrations.serve"} <= set(c) for c in package_cycles(known))
+
+
+def test_files_import_each_other_in_no_cycle():
+    found = file_cycles(modules())
+    assert not found, "modules that import each other:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+@pytest.mark.parametrize("source, target, lazy", [
+    ("kvcomm.anchors.distance", "kvcomm.anchors.pool", False),  # pool imports distance
+    ("kvcomm.eval.metrics", "kvcomm.eval.outputs", True),  # closed through outputs -> summary -> metrics
+])
+def test_a_cycle_between_files_is_caught(tmp_path, source, target, lazy):
+    """The check itself: one more import, at the top or inside a function, that closes a loop is flagged."""
+    known = modules()
+    assert not any(source in c for c in file_cycles(known))
+    path = tmp_path / "module.py"
+    added = f"\ndef later():\n    import {target}\n" if lazy else f"\nimport {target}\n"
+    path.write_text(known[source].read_text() + added)
+    known[source] = path
+    assert any({source, target} <= set(c) for c in file_cycles(known))

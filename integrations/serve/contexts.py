@@ -62,6 +62,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvcomm.core.segments import content_id
 from kvcomm.integrations.serve.internal import call_app, kvcomm_error
+from kvcomm.integrations.serve.salts import salt_of
 from kvcomm.services.contexts import EVICTED, Context, ContextError, ContextStore, NotFound
 
 PREFIX = "/v1/kvcomm/contexts"
@@ -343,8 +344,6 @@ class ContextRoutes:
         await self._engine(None, context, list(context.token_ids[:1]), [], {"release": [context.content_id]})
 
     async def _engine(self, scope, context: Context, prompt: list[int], segments: list, contexts: dict):
-        from kvcomm.integrations.serve.middleware import salt_of
-
         body = {"model": context.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
                 "cache_salt": salt_of(context.tenant, True),
                 "kv_transfer_params": {"kvcomm": {"tenant": context.tenant, "template": "kvcomm.context",

@@ -61,6 +61,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvcomm.integrations.serve.bodies import MAX_BODY_BYTES, NOT_JSON, BodyError, read_body
 from kvcomm.integrations.serve.contexts import ContextError, ContextRoutes
+from kvcomm.integrations.serve.salts import client_salt, salt_of
 from kvcomm.integrations.serve.heads import HeadRequests
 from kvcomm.integrations.serve.internal import kvcomm_of
 from kvcomm.integrations.serve.routes import RouteTable
@@ -81,18 +82,6 @@ def key_digest(key: str) -> str:
 def tenant_of(key: str) -> str:
     """The tenant id of an API key: a hash, so the key itself never reaches the engine or logs."""
     return "key-" + hashlib.sha256(b"kvcomm-tenant\0" + key.encode("utf-8")).hexdigest()[:32]
-
-
-def salt_of(tenant: str, reuse: bool) -> str:
-    """vLLM ``cache_salt`` for a tenant's requests (``reuse``: requests that opted into kvcomm)."""
-    digest = hashlib.sha256(b"kvcomm-salt\0" + tenant.encode("utf-8")).hexdigest()[:32]
-    return f"kvcomm-{digest}" + ("-reuse" if reuse else "")
-
-
-def client_salt(salt: str) -> str:
-    """A plain request's own ``cache_salt`` as vLLM gets it: the same client salt maps to the same
-    value (clients keep their own cache partitions), and never to a ``salt_of`` value."""
-    return "client-" + hashlib.sha256(b"kvcomm-client-salt\0" + salt.encode("utf-8")).hexdigest()[:32]
 
 
 def _options(body: dict) -> tuple[dict | None, Any]:

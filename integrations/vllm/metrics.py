@@ -103,7 +103,7 @@ def record_pools(registry) -> None:
         tenant_bytes[label] = tenant_bytes.get(label, 0) + tenant["bytes"]
     for label, held in tenant_bytes.items():
         TENANT_BYTES.labels(label).set(held)
-    if registry.heads.rank != 0:
+    if registry.head_shards.rank != 0:
         return
     anchors: dict[str, int] = {}
     for tenant in numbers["tenants"].values():

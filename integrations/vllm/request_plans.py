@@ -156,7 +156,7 @@ class ServerPlanner:
         apply to what this process holds. guard: the quality guard's settings (None: none)."""
         self.rotary = rotary
         self.registry = TenantRegistry(rotary, config, max_total_bytes=max_total_bytes, max_tenant_bytes=max_tenant_bytes,
-                                       heads=heads)
+                                       head_shards=heads)
         self.config = self.registry.config
         self.totals = {"exact": 0, "estimated": 0, "computed": 0, "requests": 0, "fallbacks": 0}
         self._runs: dict[str, RunIndex] = {}

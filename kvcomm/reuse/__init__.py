@@ -8,9 +8,9 @@ from kvcomm.core.exports import lazy_exports, names
 _EXPORTS = {
     "kvcomm.reuse.engine": ("ReuseEngine",),
     "kvcomm.reuse.config": ("ReuseConfig", "BASE_SOURCES"),
-    "kvcomm.reuse.strategies": ("MODES", "Mode"),
+    "kvcomm.reuse.strategies": ("MODES", "Mode", "PlanContext"),
     "kvcomm.reuse.scopes": ("SCOPES", "DEFAULT_SCOPE", "Scope"),
-    "kvcomm.reuse.plan": ("ReusePlan", "Provenance", "EstimatedPiece", "BlendRequest"),
+    "kvcomm.reuse.plan": ("ReusePlan", "Provenance", "Piece", "Serving", "BlendRequest"),
     "kvcomm.reuse.executor": ("Executor", "Generation"),
     "kvcomm.reuse.pipeline": (
         "PipelineSpec", "AgentSpec", "Slot", "PipelineError", "load_pipeline", "loads_pipeline", "parse_pipeline", "load_bundled_pipeline",

@@ -14,14 +14,14 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from types import MappingProxyType
 from typing import Callable
 
 import torch
 
 from kvcomm.anchors.anchor import Deviation, kv_digest
 from kvcomm.anchors.index import Embedder, KVEmbedding
-from kvcomm.anchors.matching import decide_all
+from kvcomm.anchors.matching import Decision, decide_all
 from kvcomm.anchors.pool import AnchorPool
 from kvcomm.core.heads import ALL_HEADS, HeadShards
 from kvcomm.core.kv import KV, place, to_position_free
@@ -29,11 +29,11 @@ from kvcomm.core.rope import RopeError, Rotary
 from kvcomm.core.segments import Prompt, Segment, content_id
 from kvcomm.reuse.assemble import assemble, reuse_device, reuse_layout
 from kvcomm.reuse.config import ReuseConfig
-from kvcomm.reuse.plan import BlendRequest, ReusePlan
+from kvcomm.reuse.plan import ReusePlan
 from kvcomm.reuse.prefix_store import PrefixStore
 from kvcomm.reuse.scopes import SCOPES
 from kvcomm.reuse.strategies import MODES
-from kvcomm.reuse.strategies.realign import first_after_exact
+from kvcomm.reuse.strategies.context import PlanContext
 from kvcomm.reuse.workspace import KVWorkspace
 
 BaseProvider = Callable[[Segment], KV]
@@ -46,17 +46,17 @@ class ReuseEngine:
 
     def __init__(
         self, rotary: Rotary, config: ReuseConfig | None = None, embedder: Embedder | None = None,
-        workspace: KVWorkspace | None = None, heads: HeadShards = ALL_HEADS,
+        workspace: KVWorkspace | None = None, head_shards: HeadShards = ALL_HEADS,
     ):
         """embedder: maps shared content to its pool-narrowing vector (default: its pooled base
         values, ``KVEmbedding``). workspace: memory ``materialized`` lends (engines may share
         one); by default the engine's own, keeping at most ``config.workspace_bytes`` idle.
-        heads: the KV heads this process holds (``kvcomm.core.heads``): every KV the engine
+        head_shards: the KV heads this process holds (``kvcomm.core.heads``): every KV the engine
         takes and gives holds those, and its plans are those of one process holding all heads."""
         self.rotary = rotary
         self.config = config or ReuseConfig()
-        self.heads = heads
-        self.embedder = embedder if embedder is not None else KVEmbedding(heads)
+        self.head_shards = head_shards
+        self.embedder = embedder if embedder is not None else KVEmbedding(head_shards)
         self.pools: dict[str, AnchorPool] = {}
         self.prefix_store = PrefixStore(self.config.prefix_store_bytes)
         self.workspace = workspace if workspace is not None else KVWorkspace(self.config.workspace_bytes)
@@ -70,7 +70,7 @@ class ReuseEngine:
     def pool(self, slot: str) -> AnchorPool:
         with self._lock:
             if slot not in self.pools:
-                self.pools[slot] = AnchorPool(self.config.pool, self.heads)
+                self.pools[slot] = AnchorPool(self.config.pool, self.head_shards)
             return self.pools[slot]
 
     def register_base(self, segment: Segment, base: KV) -> KV:
@@ -180,36 +180,47 @@ class ReuseEngine:
         (``plan.new_bases``). heads: the executor computes a head before the reused pieces
         (``Executor.computes_heads``), so text the engine cannot serve (an agent's unseen
         system prompt) need not end reuse of the shared content after it."""
-        plan = ReusePlan(prompt, heads=heads)
-        last = len(prompt) - 1
         try:
             self.rotary.check_length(len(prompt))
         except RopeError as error:
             # Past the exact length every key of the prompt is computed with other frequencies:
             # no stored KV (exact prefix, template lead, base) matches what dense computes.
-            plan.note = f"no reuse: {error}"
-            return plan
+            return ReusePlan(prompt, heads=heads, note=f"no reuse: {error}")
+        length, kv, position_free = self._exact_prefix(prompt)
+        mode = MODES[self.config.mode]
+        decisions = self._decide(prompt, length, provide_base) if mode.estimates else {}
+        plan = ReusePlan(prompt, heads=heads, exact_length=length, exact_kv=kv, exact_position_free=position_free,
+                         decisions=decisions)
+        plan.serve(mode.strategy(PlanContext(
+            prompt, length, heads, self.reuse_limit(prompt), MappingProxyType(decisions),
+            base=lambda segment: self.base(segment, provide_base),
+            fixed_base=lambda index: self.fixed_base(prompt, index),
+            fixed_digest=lambda index: self.fixed_digest(prompt, index),
+        )))
+        for piece in plan.pieces:
+            if piece.match is not None:  # an estimate served: its anchors get an access
+                decisions[piece.segment_index].commit()
+        if self.scope.compute_trailing_text:
+            plan.cut_trailing_text()
+        if provide_base is None and mode.uses_bases:
+            plan.expect_new_bases(lambda shared_id: self._held_base(shared_id) is not None)
+        if mode.recompute:
+            plan.ask_recompute(self.config.recompute_ratio, CHECK_LAYER)
+        return plan
+
+    def _exact_prefix(self, prompt: Prompt) -> tuple[int, KV | None, bool]:
+        """(length, KV, position-free) of the prompt's exact prefix, never its last token: the
+        longest stored prefix, else a template's stored first segment (nothing precedes it, so
+        its stored base is its exact KV, position-free)."""
+        last = len(prompt) - 1
         length, kv = self.prefix_store.longest(prompt)
         if length > last:
             length, kv = last, kv.span(0, last)
-        plan.exact_length, plan.exact_kv = length, kv
         lead = self._fixed_bases.get(_fixed_key(prompt, 0))
-        if plan.exact_length == 0 and lead is not None and not prompt.segments[0].is_shared:
-            # Nothing precedes a template's first segment, so its stored base is its exact KV.
+        if length == 0 and lead is not None and not prompt.segments[0].is_shared:
             length = min(lead.length, last)
-            plan.exact_length, plan.exact_kv, plan.exact_position_free = length, lead.span(0, length), True
-        mode = MODES[self.config.mode]
-        if mode.estimates:
-            plan.decisions = self._decide(plan, provide_base)
-        mode.strategy(self, plan, provide_base)
-        if self.scope.compute_trailing_text:
-            _drop_trailing_text(plan)
-        if provide_base is None and mode.uses_bases:
-            plan.new_bases = [i for i, s in enumerate(prompt.segments)
-                              if s.is_shared and self._held_base(s.shared_id) is None and plan.computes(i)]
-        if mode.recompute and plan.estimated_tokens > 0:
-            plan.blend = BlendRequest(plan.pieces_start, plan.reuse_end, self.config.recompute_ratio, CHECK_LAYER)
-        return plan
+            return length, lead.span(0, length), True
+        return length, kv, False
 
     def calibration_plan(self, prompt: Prompt, provide_base: BaseProvider | None = None) -> ReusePlan:
         """A plan that reuses nothing and learns all a dense prefill of ``prompt`` reveals.
@@ -222,34 +233,29 @@ class ReuseEngine:
         ``min_compatible``: for calibration traffic (``kvcomm eval --warm-items``), costing
         a dense prefill per call. Content new to the engine becomes a base, not an anchor, as
         in ``plan`` (its deviation against its own first use is zero)."""
-        plan = ReusePlan(prompt)
-        plan.note = "calibration: computed densely, learned"
         if not self.learns_at(len(prompt)):
-            plan.note = "calibration: nothing learned, the prompt is past the exact RoPE length"
-            return plan
-        anchors = MODES[self.config.mode].estimates
+            return ReusePlan(prompt, note="calibration: nothing learned, the prompt is past the exact RoPE length")
+        anchors, new_bases, learn = MODES[self.config.mode].estimates, [], []
         for index, segment in enumerate(prompt.segments):
             if not segment.is_shared:
                 continue
             if self.base(segment, provide_base) is None:
-                plan.new_bases.append(index)
+                new_bases.append(index)
             elif anchors:
-                plan.learn.append(index)
-        return plan
+                learn.append(index)
+        return ReusePlan(prompt, learn=learn, new_bases=new_bases, note="calibration: computed densely, learned")
 
-    def _decide(self, plan: ReusePlan, provide: BaseProvider | None) -> dict:
-        """Every slot pool's decision on every shared segment a strategy may reach (those after
-        the exact prefix whose content has a base), made at once: one host read in all."""
+    def _decide(self, prompt: Prompt, exact_length: int, provide: BaseProvider | None) -> dict[int, Decision]:
+        """Every slot pool's decision on every shared segment a strategy may reach (those ending
+        after the exact prefix whose content has a base), made at once: one host read in all."""
         requests, indices = [], []
-        for index in range(first_after_exact(plan), len(plan.prompt.segments)):
-            segment = plan.prompt.segments[index]
-            known = self.base(segment, provide) if segment.is_shared else None
+        for index, segment in enumerate(prompt.segments):
+            known = self.base(segment, provide) if segment.is_shared and prompt.end(index) > exact_length else None
             if known is not None:
                 pool = self.pool(segment.slot)
-                requests.append(pool.candidates((plan.prompt.template_id, segment.slot), segment.shared_id, *known))
+                requests.append(pool.candidates((prompt.template_id, segment.slot), segment.shared_id, *known))
                 indices.append(index)
-        gammas = [c.pool.config.gamma for c in requests]
-        return dict(zip(indices, decide_all(requests, gammas))) if requests else {}
+        return dict(zip(indices, decide_all(requests))) if requests else {}
 
     def reuse_limit(self, prompt: Prompt) -> int:
         """First prompt position no estimated or realigned piece may reach: the last token is
@@ -341,7 +347,8 @@ class ReuseEngine:
                 self._put_prefix(plan, prompt, computed)
             self._take_fixed_bases(prompt, [i for i in range(len(prompt.segments)) if prompt.starts[i] >= begin], real)
             for index in plan.learn:
-                self._record(prompt, index, real)
+                if self._held_base(prompt.segments[index].shared_id) is not None:  # else dropped since planning
+                    self._record(prompt, index, real)
 
     def _learn_head(self, plan: ReusePlan, head: KV | None) -> None:
         """What the computed head revealed, computed behind exact KV only, so clean: bases of new
@@ -438,18 +445,6 @@ def _deep_deviation(real: KV, base: KV) -> KV:
     first = DEVIATION_FIRST_LAYER
     return KV(real.keys[first:] - base.keys[first:].to(real.keys.dtype),
               real.values[first:] - base.values[first:].to(real.values.dtype))
-
-
-def _drop_trailing_text(plan: ReusePlan) -> None:
-    """Cut ``plan`` after its last reused shared segment: the fixed template text it would
-    serve after that (fixed pieces, a piece's following segment) is computed instead."""
-    segments, end = plan.prompt.segments, plan.reuse_end
-    while plan.pieces and not segments[plan.pieces[-1].segment_index].is_shared:
-        plan.pieces.pop()
-    if plan.pieces and plan.pieces[-1].following_base is not None:
-        plan.pieces[-1] = replace(plan.pieces[-1], following_start=None, following_base=None)
-    if plan.reuse_end < end:
-        plan.note = f"template text after the last reused shared segment is computed (from {plan.reuse_end})"
 
 
 def _fixed_key(prompt: Prompt, index: int) -> tuple[str, str]:

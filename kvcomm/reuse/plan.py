@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 from kvcomm.anchors.pool import AnchorPool, Match
 from kvcomm.core.kv import KV
@@ -15,17 +16,15 @@ EXACT, ESTIMATED, COMPUTED = "exact", "estimated", "computed"
 
 
 @dataclass(frozen=True)
-class EstimatedPiece:
-    """A shared segment realigned to ``start`` plus its estimated deviation, optionally with
-    the fixed segment after it (``following_start``, ``following_base``: position-free, possibly
-    cut short so the last prompt token is left to compute).
-
-    ``base`` is the segment's position-free base KV cut to the estimated tokens. Without a
-    ``match`` (modes "realign" and "cacheblend"; in "kvcomm" and "kvblend", what a plan serves
-    realigned behind an estimate, ``ReuseConfig.behind_estimate``) the piece is the
-    realigned base alone, with no deviation; such a piece may also be a fixed segment (its
-    stored base) or the uncovered tail of a shared segment whose head an anchor piece estimated.
-    """
+class Piece:
+    """Prompt tokens ``[start, end)`` served from stored KV moved to their positions: segment
+    ``segment_index``'s position-free ``base`` (cut to the tokens served) realigned to
+    ``start``, plus, where ``match`` is set, the deviation ``pool`` estimates from the matched
+    anchors; without a ``match`` the piece is the realigned base alone (a fixed segment's
+    stored base, a shared segment its slot does not estimate, or the tail of one whose first
+    tokens an estimated piece serves). ``following_start``, ``following_base``: the fixed
+    segment after an estimated shared one, estimated with it (position-free, possibly cut short
+    so the last prompt token is left to compute)."""
 
     segment_index: int
     start: int
@@ -40,6 +39,35 @@ class EstimatedPiece:
         if self.following_base is not None:
             return self.following_start + self.following_base.length
         return self.start + self.base.length
+
+
+@dataclass
+class Serving:
+    """What a plan strategy decided to serve after the exact prefix ``[0, exact_length)``: a
+    computed head up to ``head_end`` (0: none), then ``pieces`` tiling ``[pieces_start,
+    reuse_end)`` in prompt order; the shared segments to ``learn`` from; why reuse stopped
+    (``note``). The strategy fills it as it walks the prompt and returns it; the engine hands
+    it to ``ReusePlan.serve``."""
+
+    exact_length: int
+    head_end: int = 0
+    pieces: list[Piece] = field(default_factory=list)
+    learn: list[int] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def next_start(self) -> int:
+        """Where the next piece must start: the end of the last piece, or of the computed head,
+        or of the exact prefix."""
+        return self.pieces[-1].end if self.pieces else max(self.exact_length, self.head_end)
+
+    @property
+    def reuse_end(self) -> int:
+        return self.pieces[-1].end if self.pieces else self.exact_length
+
+    def stop(self, note: str) -> None:
+        """Reuse stops; ``note`` says why, unless an earlier stop said it already."""
+        self.note = self.note or note
 
 
 @dataclass(frozen=True)
@@ -104,7 +132,7 @@ class ReusePlan:
     head_end: int = 0
     exact_kv: KV | None = None
     exact_position_free: bool = False
-    pieces: list[EstimatedPiece] = field(default_factory=list)
+    pieces: list[Piece] = field(default_factory=list)
     learn: list[int] = field(default_factory=list)
     new_bases: list[int] = field(default_factory=list)
     note: str = ""
@@ -127,14 +155,52 @@ class ReusePlan:
         return self.pieces_start - self.exact_length
 
     @property
-    def next_start(self) -> int:
-        """Where a strategy's next piece must start: the end of the last piece, or of the head
-        being planned (``head_end``), or of the exact prefix."""
-        return self.pieces[-1].end if self.pieces else max(self.exact_length, self.head_end)
-
-    @property
     def estimated_tokens(self) -> int:
         return self.reuse_end - self.pieces_start
+
+    # -- the plan's writers: a plan changes only through these ----------------------------
+
+    def serve(self, serving: Serving) -> None:
+        """Take a strategy's decisions; the plan must hold only its exact prefix so far."""
+        if self.pieces or self.head_end or serving.exact_length != self.exact_length:
+            raise ValueError("a plan takes one strategy's decisions, made after its own exact prefix")
+        self.head_end, self.pieces, self.learn, self.note = serving.head_end, serving.pieces, serving.learn, serving.note
+
+    def cut(self, index: int, note: str) -> None:
+        """Serve only ``pieces[:index]``: the rest is computed densely (the selective recompute
+        shrinks to what is still estimated); ``note`` says why."""
+        self.pieces = self.pieces[:index]
+        self.note = note
+        if self.blend is not None:
+            self.blend = self.blend.cut(self.reuse_end) if self.estimated_tokens > 0 else None
+
+    def cut_trailing_text(self) -> None:
+        """Cut the plan after its last reused shared segment: the fixed template text it would
+        serve after that (fixed pieces, a piece's following segment) is computed instead."""
+        segments, end = self.prompt.segments, self.reuse_end
+        while self.pieces and not segments[self.pieces[-1].segment_index].is_shared:
+            self.pieces.pop()
+        if self.pieces and self.pieces[-1].following_base is not None:
+            self.pieces[-1] = replace(self.pieces[-1], following_start=None, following_base=None)
+        if self.reuse_end < end:
+            self.note = f"template text after the last reused shared segment is computed (from {self.reuse_end})"
+
+    def expect_new_bases(self, has_base: Callable[[str], bool]) -> None:
+        """``new_bases``: the shared segments this plan computes whose content has no base
+        (``has_base(shared_id)`` is False), so ``learn`` takes theirs from the computed KV."""
+        self.new_bases = [i for i, s in enumerate(self.prompt.segments)
+                          if s.is_shared and not has_base(s.shared_id) and self.computes(i)]
+
+    def ask_recompute(self, ratio: float, check_layer: int) -> None:
+        """Ask the executor for a selective recompute of the estimated tokens (``blend``), if any."""
+        if self.estimated_tokens > 0:
+            self.blend = BlendRequest(self.pieces_start, self.reuse_end, ratio, check_layer)
+
+    def record_recompute(self, positions: Sequence[int]) -> None:
+        """The prompt positions the executor's selective recompute recomputed (``recompute``)."""
+        self.recompute = tuple(positions)
+
+    # -- reading -----------------------------------------------------------------------------
 
     def computes(self, index: int) -> bool:
         """Whether segment ``index`` is computed whole by the forward pass (in the head or the tail)."""

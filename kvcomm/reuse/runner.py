@@ -95,7 +95,7 @@ def execute(
     with engine.materialized(plan) as prefix:  # executors copy the prefix into their own cache
         generation = executor.generate(plan.prompt.token_ids, prefix, max_new_tokens, started, **options)
     if plan.blend is not None:
-        plan.recompute = tuple(generation.recomputed)
+        plan.record_recompute(generation.recomputed)
     return generation
 
 

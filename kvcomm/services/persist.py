@@ -608,7 +608,7 @@ def _build(manifest: dict, read: _Reader, engine: ReuseEngine, where: Path):
             anchors.append(anchor)
         if slot in pools:
             read.fail(f"slot {slot!r} appears twice")
-        pool = AnchorPool(engine.config.pool, engine.heads)
+        pool = AnchorPool(engine.config.pool, engine.head_shards)
         next_serial, evictions = _field(entry, "next_serial", int, where), _field(entry, "evictions", int, where)
         try:
             pool.restore(anchors, next_serial, evictions)

@@ -1,4 +1,4 @@
-"""Quality guard (shadow mode): measure what estimated reuse costs on live traffic and back
+"""Quality guard: measure what estimated reuse costs on live traffic and back
 off per slot when it costs too much.
 
 For a sampled fraction of the requests that reused stored KV beyond the exact prefix
@@ -10,7 +10,7 @@ model's first-token KL floor (``GuardConfig.for_floor``), on by default in `kvco
 `kvcomm serve`; `kvcomm run`, `kvcomm demo` and the in-process clients run without it.
 When a slot's rolling mean exceeds the budget, the guard acts and logs why:
 
-- ``"tighten"``: multiply the slot pool's gamma by ``tighten_factor`` (the entropy rule reuses
+- ``"tighten"``: multiply the slot pool's gamma by ``tighten_factor`` (``AnchorPool.set_gamma``; the entropy rule reuses
   when H <= gamma * log(n), so a lower gamma means fewer reuses), and after
   ``max_tightenings`` such steps disable the slot;
 - ``"disable"``: disable the slot at once.
@@ -20,7 +20,7 @@ or below ``loosen_below * budget`` gets one tightening back (gamma divided by
 ``tighten_factor``, never above the gamma it had before the guard first tightened it). The gap
 between the two thresholds keeps a slot from flapping on every sample.
 
-With ``learn`` (the default), the shadow prefill also teaches the engine: its KV is computed densely from the
+With ``learn`` (the default), the twin also teaches the engine: its KV is computed densely from the
 first token, so the engine learns from it as from a calibration request
 (``ReuseEngine.calibration_plan``): every shared segment whose content has a base is recorded in
 its slot's pool, which a request that estimated never does.
@@ -32,7 +32,6 @@ stops before its content and the rest is computed densely. One guard serves one 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import random
@@ -209,10 +208,7 @@ class QualityGuard:
         for i, piece in enumerate(plan.pieces):
             segment = plan.prompt.segments[piece.segment_index]
             if segment.is_shared and self.disabled(segment.slot):
-                plan.pieces = plan.pieces[:i]
-                plan.note = f"quality guard: reuse disabled for slot {segment.slot!r} ({self.slots[segment.slot].reason})"
-                if plan.blend is not None:
-                    plan.blend = plan.blend.cut(plan.reuse_end) if plan.estimated_tokens > 0 else None
+                plan.cut(i, f"quality guard: reuse disabled for slot {segment.slot!r} ({self.slots[segment.slot].reason})")
                 return
 
     def sample(self, plan: ReusePlan) -> tuple[str, ...]:
@@ -268,7 +264,7 @@ class QualityGuard:
             if state.gamma_before is None:
                 state.gamma_before = pool.config.gamma
             gamma = pool.config.gamma * self.config.tighten_factor
-            pool.config = dataclasses.replace(pool.config, gamma=gamma)
+            pool.set_gamma(gamma)
             state.tightenings += 1
             state.reason = f"{why}: gamma lowered to {gamma:.4g} (fewer reuses)"
             state.recent.clear()  # judge the new gamma on its own samples
@@ -280,7 +276,7 @@ class QualityGuard:
     def _loosen(self, state: SlotQuality, pool, slot: str, mean: float) -> None:
         """Undo one tightening of ``slot`` (a full window well within budget)."""
         gamma = min(pool.config.gamma / self.config.tighten_factor, state.gamma_before)
-        pool.config = dataclasses.replace(pool.config, gamma=gamma)
+        pool.set_gamma(gamma)
         state.tightenings -= 1
         state.loosenings += 1
         state.reason = (f"mean KL {mean:.4g} over the last {len(state.recent)} shadowed requests is at most "

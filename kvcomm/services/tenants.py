@@ -83,9 +83,9 @@ class TenantEngine(ReuseEngine):
 
     def __init__(
         self, rotary: Rotary, config: ReuseConfig | None = None, embedder: Embedder | None = None,
-        on_grow: Callable[[], None] | None = None, workspace: KVWorkspace | None = None, heads: HeadShards = ALL_HEADS,
+        on_grow: Callable[[], None] | None = None, workspace: KVWorkspace | None = None, head_shards: HeadShards = ALL_HEADS,
     ):
-        super().__init__(rotary, config, embedder, workspace, heads)
+        super().__init__(rotary, config, embedder, workspace, head_shards)
         self.on_grow = on_grow
         self.evicted = {"prefix_store": 0, "bases": 0, "fixed_bases": 0, "anchors": 0}
         self.pinned: set[str] = set()
@@ -117,9 +117,7 @@ class TenantEngine(ReuseEngine):
     def learn(self, plan: ReusePlan, computed: KV, reply_ids: tuple[int, ...] = (), reply_kv: KV | None = None,
               head: KV | None = None) -> None:
         with self._held_without_shrink():  # new content's bases are registered, then learned from
-            # A base evicted under memory pressure since planning cannot be learned from:
-            # skip that segment (it stays a dense sample) rather than fail the request.
-            plan.learn = [i for i in plan.learn if self.has_base(plan.prompt.segments[i].shared_id)]
+            # (a base evicted under memory pressure since planning is not learned from: ReuseEngine.learn)
             super().learn(plan, computed, reply_ids, reply_kv, head)
 
     def register_base(self, segment: Segment, base: KV) -> KV:
@@ -153,7 +151,7 @@ class TenantEngine(ReuseEngine):
         """Bytes counted for a base's embedding: this rank's share, as for its KV. Every rank of a
         head split holds the whole vector, so counting it whole would put a rank over its share
         of a byte cap before one process holding all heads would be over the cap."""
-        return getattr(embedding, "nbytes", 0) // self.heads.size
+        return getattr(embedding, "nbytes", 0) // self.head_shards.size
 
     def _anchor_bases(self) -> set[int]:
         """Ids of the base value tensors anchors hold: a content's base held by the engine and
@@ -212,9 +210,9 @@ class TenantRegistry:
 
     def __init__(
         self, rotary: Rotary, config: ReuseConfig | None = None, *, max_total_bytes: int | None = None,
-        max_tenant_bytes: int | None = None, embedder: Embedder | None = None, heads: HeadShards = ALL_HEADS,
+        max_tenant_bytes: int | None = None, embedder: Embedder | None = None, head_shards: HeadShards = ALL_HEADS,
     ):
-        """heads: the KV heads this process holds (``kvcomm.core.heads``); the byte caps
+        """head_shards: the KV heads this process holds (``kvcomm.core.heads``); the byte caps
         apply to the bytes this process holds."""
         for name, value in (("max_total_bytes", max_total_bytes), ("max_tenant_bytes", max_tenant_bytes)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
@@ -222,7 +220,7 @@ class TenantRegistry:
         self.rotary = rotary
         self.config = config or ReuseConfig()
         self.embedder = embedder
-        self.heads = heads
+        self.head_shards = head_shards
         self.max_total_bytes = max_total_bytes
         self.max_tenant_bytes = max_tenant_bytes
         self._engines: dict[str, TenantEngine] = {}
@@ -238,7 +236,7 @@ class TenantRegistry:
         with self._lock:
             engine = self._engines.get(tenant)
             if engine is None:
-                engine = TenantEngine(self.rotary, self.config, self.embedder, workspace=self.workspace, heads=self.heads)
+                engine = TenantEngine(self.rotary, self.config, self.embedder, workspace=self.workspace, head_shards=self.head_shards)
                 engine.on_grow = lambda: self.enforce(engine)
                 self._engines[tenant] = engine
             return engine

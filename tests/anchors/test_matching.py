@@ -53,7 +53,7 @@ def _decide(fused: bool, monkeypatch, n: int = 12):
     monkeypatch.setenv("KVCOMM_TRITON", "1" if fused else "0")
     gen = torch.Generator().manual_seed(0)
     pools, requests = _pools(gen, n)
-    return requests, decide_all(requests, [c.pool.config.gamma for c in requests])
+    return requests, decide_all(requests)
 
 
 @pytest.mark.parametrize("n", [12, 75])  # one token block of the distances kernel, and three

@@ -16,7 +16,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvcomm.anchors.anchor import Anchor, Deviation
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.anchors.pool import ADMISSION_TEMPERATURE, AnchorPool, Match
+from kvcomm.anchors.distance import ADMISSION_TEMPERATURE
+from kvcomm.anchors.pool import AnchorPool, Match
 from kvcomm.core.kv import KV
 
 L, H, D = 2, 1, 4

@@ -102,7 +102,7 @@ def test_two_ranks_count_half_of_what_one_process_counts_and_shrink_alike():
     rotary = Rotary(1.0 / (1e4 ** (torch.arange(0, 8, 2).float() / 8)), head_dim=8)
     embedder = lambda token_ids, base: np.full(64, 0.125, dtype=np.float32)  # noqa: E731 (whole on every rank)
     whole = TenantEngine(rotary, embedder=embedder)
-    ranks = [TenantEngine(rotary, embedder=embedder, heads=_Rank(r)) for r in (0, 1)]
+    ranks = [TenantEngine(rotary, embedder=embedder, head_shards=_Rank(r)) for r in (0, 1)]
     gen = torch.Generator().manual_seed(0)
     for i in range(6):
         segment = Segment(tuple(range(100 * i, 100 * i + 3 + i)), slot="doc", shared_id=f"d{i}")

@@ -87,7 +87,7 @@ def replay(rank: int, size: int, log_path: str, init_file: str, out_dir: str) ->
     try:
         log = torch.load(log_path, weights_only=False)
         heads = ProcessGroupHeads(dist.group.WORLD)
-        engine = ReuseEngine(log["rotary"], log["config"], heads=heads)
+        engine = ReuseEngine(log["rotary"], log["config"], head_shards=heads)
         plan, results = None, []
         for event in log["events"]:
             if event[0] in ("plan", "calibrate"):

@@ -14,10 +14,11 @@ estimated tokens (``recompute``: CacheBlend's step, run by the executor).
 - ``cacheblend``: ``realign``, then CacheBlend's recompute (Yao et al. 2024).
 - ``kvblend``: ``kvcomm``, then CacheBlend's recompute.
 
-A strategy is ``(engine, plan, provide) -> None``: it appends pieces to ``plan`` (which holds
-the exact prefix), may list segments to learn (``plan.learn``) and sets ``plan.note`` where
-reuse stops. It reads the engine's state through ``base``, ``fixed_base``, ``fixed_digest``,
-``pool`` and ``reuse_limit``.
+A strategy is ``(PlanContext) -> Serving``: it reads the prompt, its exact prefix and the
+engine's stored KV through the context (``strategies/context.py``) and returns what it decided:
+a computed head's end, the pieces in prompt order, the segments to learn from and why reuse
+stops (``kvcomm.reuse.plan.Serving``). The engine hands that to ``ReusePlan.serve``; a strategy
+never changes the plan (asking for new content's base may have the engine compute and keep it).
 """
 
 from __future__ import annotations
@@ -25,20 +26,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from kvcomm.reuse.plan import Serving
+from kvcomm.reuse.strategies.context import PlanContext
 from kvcomm.reuse.strategies.estimate import plan_estimates
 from kvcomm.reuse.strategies.realign import plan_realigned
 
 
-def plan_exact(engine, plan, provide) -> None:
+def plan_exact(context: PlanContext) -> Serving:
     """Mode "exact": nothing beyond the exact prefix."""
-    plan.note = "mode exact: exact prefix only"
+    serving = context.serving()
+    serving.stop("mode exact: exact prefix only")
+    return serving
 
 
 @dataclass(frozen=True)
 class Mode:
     """A plan strategy and whether a selective recompute of its estimated tokens follows."""
 
-    strategy: Callable[..., None]
+    strategy: Callable[[PlanContext], Serving]
     recompute: bool = False
     uses_bases: bool = True
     """Whether its plans serve shared content from base KV (so replies are worth keeping as bases)."""

@@ -17,99 +17,98 @@ guard's dense twins (``GuardConfig.learn``), each also a measured pair for the e
 
 from __future__ import annotations
 
-from kvcomm.reuse.plan import EstimatedPiece, ReusePlan
-from kvcomm.reuse.strategies.realign import add_realigned, first_after_exact, head_before, new_content_note, start_head
+from kvcomm.reuse.plan import Piece, Serving
+from kvcomm.reuse.strategies.context import PlanContext
+from kvcomm.reuse.strategies.realign import add_realigned, first_after_exact, head_before, new_content_note
 
 
-def plan_estimates(engine, plan: ReusePlan, provide) -> None:
-    prompt, last = plan.prompt, engine.reuse_limit(plan.prompt)
-    index, reusing = first_after_exact(plan), True
-    head = head_before(engine, plan, index, provide)
+def plan_estimates(context: PlanContext) -> Serving:
+    prompt, last, serving = context.prompt, context.limit, context.serving()
+    index, reusing = first_after_exact(context), True
+    head = head_before(context, index)
     if head is not None:
         index = head[0]
-        start_head(plan, index)
+        serving.head_end = prompt.starts[index]
     while index < len(prompt.segments):
         segment, start = prompt.segments[index], prompt.starts[index]
-        reusing = reusing and start < last and start == plan.next_start  # the last token is always computed
+        reusing = reusing and start < last and start == serving.next_start  # the last token is always computed
         if not reusing:
-            _mark_dense_sample(plan, index)
+            _mark_dense_sample(serving, context, index)
             index += 1
         elif not segment.is_shared:
-            reusing = _serve_fixed(engine, plan, index, last)
+            reusing = _serve_fixed(serving, context, index)
             index += 1
         else:
-            known = engine.base(segment, provide)
+            known = context.base(segment)
             if known is None:  # new content: computed densely, its base taken in learn
-                plan.note = plan.note or new_content_note(segment)
+                serving.stop(new_content_note(segment))
                 reusing = False
                 index += 1
             else:
-                reusing, index = _serve_shared(engine, plan, index, last, known)
+                reusing, index = _serve_shared(serving, context, index, known[0])
+    return serving
 
 
-def _mark_dense_sample(plan: ReusePlan, index: int) -> None:
+def _mark_dense_sample(serving: Serving, context: PlanContext, index: int) -> None:
     """After reuse ended: a shared segment with a base whose slot would not serve an estimate
     of it is computed, so ``learn`` records it as an anchor (and as evidence) when the request
     is clean."""
-    decision = plan.decisions.get(index)
-    if decision is None or plan.prompt.starts[index] < plan.reuse_end:
+    decision = context.decisions.get(index)
+    if decision is None or context.prompt.starts[index] < serving.reuse_end:
         return
     match = decision.match
     if match is None or not (match.identical or decision.candidates.pool.earned(match.slot)):
-        plan.learn.append(index)
+        serving.learn.append(index)
 
 
-def _serve_fixed(engine, plan: ReusePlan, index: int, last: int) -> bool:
+def _serve_fixed(serving: Serving, context: PlanContext, index: int) -> bool:
     """A fixed segment reached by reuse: served as its template's realigned stored base, else reuse ends."""
-    fixed = engine.fixed_base(plan.prompt, index)
+    fixed = context.fixed_base(index)
     if fixed is None:
-        plan.note = plan.note or f"fixed segment {index} at {plan.prompt.starts[index]} has no base yet"
+        serving.stop(f"fixed segment {index} at {context.prompt.starts[index]} has no base yet")
         return False
-    return add_realigned(plan, index, fixed, last)
+    return add_realigned(serving, context, index, fixed)
 
 
-def _serve_shared(engine, plan: ReusePlan, index: int, last: int, known) -> tuple[bool, int]:
-    """A shared segment with a base (``known``: base, embedding) reached by reuse: estimated
-    where its slot earned it, else realigned. Returns (reuse goes on, next index)."""
-    prompt = plan.prompt
+def _serve_shared(serving: Serving, context: PlanContext, index: int, base) -> tuple[bool, int]:
+    """A shared segment with a base (``base``) reached by reuse: estimated where its slot
+    earned it, else realigned. Returns (reuse goes on, next index)."""
+    prompt = context.prompt
     segment, start = prompt.segments[index], prompt.starts[index]
-    base = known[0]
-    pool = engine.pool(segment.slot)
-    decision = plan.decisions[index]
-    match = decision.match
+    decision = context.decisions[index]
+    pool, match = decision.candidates.pool, decision.match
     if match is None or not (match.identical or pool.earned(match.slot)):
-        return add_realigned(plan, index, base, last), index + 1
-    decision.commit()
-    covered = min(match.covered, last - start)
+        return add_realigned(serving, context, index, base), index + 1
+    covered = min(match.covered, context.limit - start)
     if match.identical:  # its deviation is applied to the very base it was measured against
         base = match.anchors[0].base
-    piece = EstimatedPiece(index, start, base.span(0, covered), match, pool)
+    piece = Piece(index, start, base.span(0, covered), match, pool)
     if covered < len(segment):  # partly covered: the rest realigned, behind the estimate
-        plan.pieces.append(piece)
-        return add_realigned(plan, index, base, last, covered), index + 1
-    piece = _with_following(engine, piece, prompt, last)
-    plan.pieces.append(piece)
+        serving.pieces.append(piece)
+        return add_realigned(serving, context, index, base, covered), index + 1
+    piece = _with_following(context, piece)
+    serving.pieces.append(piece)
     return True, index + (1 if piece.following_base is None else 2)
 
 
-def _with_following(engine, piece: EstimatedPiece, prompt, last: int) -> EstimatedPiece:
+def _with_following(context: PlanContext, piece: Piece) -> Piece:
     """Extend a fully covered shared piece over the fixed segment after it, when every matched
     anchor measured its deviation against the fixed base held now and the slot earned its
     estimate of that segment (an identical match: its own measured deviation)."""
-    nxt = piece.segment_index + 1
+    prompt, nxt = context.prompt, piece.segment_index + 1
     if nxt >= len(prompt.segments) or prompt.segments[nxt].is_shared:
         return piece
     if not (piece.match.identical or piece.pool.earned(piece.match.slot, "following")):
         return piece
-    fixed_base = engine.fixed_base(prompt, nxt)
+    fixed_base = context.fixed_base(nxt)
     if fixed_base is None:
         return piece
-    digest = engine.fixed_digest(prompt, nxt)
+    digest = context.fixed_digest(nxt)
     deviations = [a.deviations[piece.match.slot] for a in piece.match.anchors]
     if any(d.following is None or d.following_base != digest for d in deviations):
         return piece  # measured against another base of this fixed segment (dropped, relearned)
     start = prompt.starts[nxt]
-    length = min(fixed_base.length, last - start)
+    length = min(fixed_base.length, context.limit - start)
     if length <= 0:
         return piece
-    return EstimatedPiece(piece.segment_index, piece.start, piece.base, piece.match, piece.pool, start, fixed_base.span(0, length))
+    return Piece(piece.segment_index, piece.start, piece.base, piece.match, piece.pool, start, fixed_base.span(0, length))

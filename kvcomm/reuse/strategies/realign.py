@@ -1,37 +1,40 @@
-"""Strategy "realign": every segment with a stored base, RoPE-realigned, no deviation."""
+"""Strategy "realign": every segment with a stored base, RoPE-realigned, no deviation; and the
+walk's steps the "kvcomm" strategy shares (the computed head, a realigned piece)."""
 
 from __future__ import annotations
 
-from kvcomm.reuse.plan import EstimatedPiece, ReusePlan
+from kvcomm.reuse.plan import Piece, Serving
+from kvcomm.reuse.strategies.context import PlanContext
 
 
-def plan_realigned(engine, plan: ReusePlan, provide) -> None:
+def plan_realigned(context: PlanContext) -> Serving:
     """Serve each segment after the exact prefix as its realigned base (shared: its content's
     base; fixed: the template's stored base), in order, up to the first without one. No
     anchors, no admission."""
-    prompt, last = plan.prompt, engine.reuse_limit(plan.prompt)
-    first = first_after_exact(plan)
-    head = head_before(engine, plan, first, provide)
+    prompt, serving = context.prompt, context.serving()
+    first = first_after_exact(context)
+    head = head_before(context, first)
     if head is not None:
         first = head[0]
-        start_head(plan, first)
+        serving.head_end = prompt.starts[first]
     for index in range(first, len(prompt.segments)):
         segment = prompt.segments[index]
-        if prompt.starts[index] != plan.next_start:  # the exact prefix ends inside this segment
-            return
+        if prompt.starts[index] != serving.next_start:  # the exact prefix ends inside this segment
+            break
         if segment.is_shared:
-            known = engine.base(segment, provide)
+            known = context.base(segment)
             if known is None:
-                plan.note = new_content_note(segment)
-                return
+                serving.stop(new_content_note(segment))
+                break
             base = known[0]
         else:
-            base = engine.fixed_base(prompt, index)
+            base = context.fixed_base(index)
             if base is None:
-                plan.note = f"fixed segment {index} at {prompt.starts[index]} has no base yet"
-                return
-        if not add_realigned(plan, index, base, last):
-            return
+                serving.stop(f"fixed segment {index} at {prompt.starts[index]} has no base yet")
+                break
+        if not add_realigned(serving, context, index, base):
+            break
+    return serving
 
 
 HEAD_MIN_REUSE = 64
@@ -40,55 +43,48 @@ computing a head costs the vLLM executor one more engine step (a request of its 
 few reused tokens do not pay back (docs/measurements/2026-12-06-first-task.md)."""
 
 
-def head_before(engine, plan: ReusePlan, index: int, provide) -> tuple[int, bool] | None:
+def head_before(context: PlanContext, index: int) -> tuple[int, bool] | None:
     """(the segment a computed head would end at, whether the head holds template text new to
-    the engine), when the plan may have one (``plan.heads``) and segment ``index`` (the first
-    after the exact prefix, starting right there) cannot be served first: the first shared
-    segment from ``index`` on whose content has a base, if text the engine does not serve on
-    its own lies before it (fixed segments, new content), it starts before the last prompt
-    token and holds at least ``HEAD_MIN_REUSE`` tokens. Template text is new when a fixed
-    segment has no stored base (an agent's first call); new shared content (a reply just
-    written) is not. Computing the head is clean, so the engine learns from it. None
-    otherwise: reuse stops where it did."""
-    prompt = plan.prompt
-    if not plan.heads or plan.pieces or index >= len(prompt.segments) or prompt.starts[index] != plan.exact_length:
+    the engine), when the executor computes heads and segment ``index`` (the first after the
+    exact prefix, starting right there) cannot be served first: the first shared segment from
+    ``index`` on whose content has a base, if text the engine does not serve on its own lies
+    before it (fixed segments, new content), it starts before the last prompt token and holds
+    at least ``HEAD_MIN_REUSE`` tokens. Template text is new when a fixed segment has no stored
+    base (an agent's first call); new shared content (a reply just written) is not. Computing
+    the head is clean, so the engine learns from it. None otherwise: reuse stops where it did."""
+    prompt = context.prompt
+    if not context.computes_head or index >= len(prompt.segments) or prompt.starts[index] != context.exact_length:
         return None
     new = False
     for k in range(index, len(prompt.segments)):
         segment = prompt.segments[k]
-        known = engine.base(segment, provide) is not None if segment.is_shared else engine.fixed_base(prompt, k) is not None
+        known = context.base(segment) is not None if segment.is_shared else context.fixed_base(k) is not None
         if segment.is_shared and known:
-            worth = len(segment) >= HEAD_MIN_REUSE and prompt.starts[k] < engine.reuse_limit(prompt)
+            worth = len(segment) >= HEAD_MIN_REUSE and prompt.starts[k] < context.limit
             return (k, new) if k > index and worth else None
         new = new or not (segment.is_shared or known)
     return None
 
 
-def start_head(plan: ReusePlan, index: int) -> None:
-    """Plan the computed head up to segment ``index``: pieces start there."""
-    plan.head_end = plan.prompt.starts[index]  # the provenance's head_tokens say it: the note stays free for why reuse stops
-
-
-def first_after_exact(plan: ReusePlan) -> int:
+def first_after_exact(context: PlanContext) -> int:
     """Index of the first segment that ends after the exact prefix (``len(segments)`` if none)."""
-    prompt = plan.prompt
-    return next((i for i in range(len(prompt.segments)) if prompt.end(i) > plan.exact_length), len(prompt.segments))
+    prompt = context.prompt
+    return next((i for i in range(len(prompt.segments)) if prompt.end(i) > context.exact_length), len(prompt.segments))
 
 
-def add_realigned(plan: ReusePlan, index: int, base, last: int, offset: int = 0) -> bool:
+def add_realigned(serving: Serving, context: PlanContext, index: int, base, offset: int = 0) -> bool:
     """Append segment ``index``'s tokens from ``offset`` on, served as their realigned ``base``
-    (position-free, the segment's own; no deviation), to ``plan``, which must reach exactly
-    there; never a token at or past ``last`` (``ReuseEngine.reuse_limit``). Returns whether the
-    whole segment is now reused (so reuse may go on), False if the plan does not reach there or
-    it was cut short."""
-    prompt = plan.prompt
+    (position-free, the segment's own; no deviation), to ``serving``, which must reach exactly
+    there; never a token at or past ``context.limit``. Returns whether the whole segment is now
+    reused (so reuse may go on), False if ``serving`` does not reach there or it was cut short."""
+    prompt = context.prompt
     start = prompt.starts[index] + offset
-    if start != plan.next_start:  # the exact prefix ends inside this segment
+    if start != serving.next_start:  # the exact prefix ends inside this segment
         return False
-    end = min(len(prompt.segments[index]), base.length, last - prompt.starts[index])
+    end = min(len(prompt.segments[index]), base.length, context.limit - prompt.starts[index])
     if end <= offset:
         return False
-    plan.pieces.append(EstimatedPiece(index, start, base.span(offset, end), None, None))
+    serving.pieces.append(Piece(index, start, base.span(offset, end), None, None))
     return end == len(prompt.segments[index])
 
 

@@ -161,7 +161,7 @@ def test_metric_labels_are_bounded_whatever_the_clients_name(tiny_executor, monk
     planner = ServerPlanner(tiny_executor.rotary)
     for t in range(100):
         engine = planner.engine(f"client-tenant-{t}")
-        engine.pools[f"client-slot-{t}"] = AnchorPool(engine.config.pool, engine.heads)
+        engine.pools[f"client-slot-{t}"] = AnchorPool(engine.config.pool, engine.head_shards)
     ids, spans = request(1)
     serve(planner, tiny_executor, ids, spans, "client-tenant-99")  # learning refreshes the gauges
     names = {tenant_label(f"client-tenant-{t}") for t in range(100)}

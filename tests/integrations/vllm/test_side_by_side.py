@@ -129,6 +129,7 @@ def test_eval_runs_are_not_served_each_others_blocks_and_report_their_own(vllm_l
     warm-up or the dense run computed for the same prompt. Each run keeps its own prefix caching."""
     from kvcomm.eval.evaluate import EvalSettings, evaluate
     from kvcomm.eval.outputs import format_table
+    from kvcomm.eval.summary import aggregate
     from kvcomm.core.segments import Segment
     from kvcomm.reuse.runner import build_prompt
 
@@ -149,7 +150,7 @@ def test_eval_runs_are_not_served_each_others_blocks_and_report_their_own(vllm_l
         for call in run.calls:
             assert 0 <= call.cached_tokens <= call.computed_tokens
     assert dense.run.mode == "dense" and sum(c.cached_tokens for c in dense.calls) >= 32  # its own prefix caching
-    rows = {r["mode"]: r for r in result.aggregates() if r["seed"] == "pooled"}
+    rows = {r["mode"]: r for r in aggregate(result) if r["seed"] == "pooled"}
     for mode, run in zip(("dense", "exact"), result.runs):
         assert rows[mode]["cached_tokens"] == sum(c.cached_tokens for c in run.calls)
         assert rows[mode]["cached_token_rate"] == rows[mode]["cached_tokens"] / rows[mode]["prompt_tokens"]
