@@ -7,8 +7,9 @@ jobs on the cores than wall time, blind to time spent waiting). The times are su
 until the side's step ends, then observed once:
 
 - ``worker``: ``start_load_kv``, ``wait_for_layer_load`` and ``save_kv_layer`` (every layer),
-  ``wait_for_save`` and ``build_connector_worker_meta`` (learning from finished requests and
-  planning new ones). vLLM's model runner calls ``build_connector_worker_meta`` once at the end
+  ``wait_for_save``, ``get_finished`` (copying finished requests' captured KV out of their
+  blocks) and ``build_connector_worker_meta`` (learning from finished requests and planning
+  new ones). vLLM's model runner calls ``build_connector_worker_meta`` once at the end
   of every step it executes (forward or not), after the others; it ends the worker's step.
 - ``scheduler``: ``get_num_new_matched_tokens``, ``update_state_after_alloc``,
   ``build_connector_meta``, ``update_connector_output``, ``request_finished``. vLLM's scheduler
