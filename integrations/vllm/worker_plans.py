@@ -174,14 +174,16 @@ class WorkerPlans:
 
 def tensor_parallel_heads(vllm_config: "VllmConfig"):
     """The KV heads this worker holds: all of them, or its rank's share of vLLM's tensor-parallel
-    group (decisions gathered over the group's CPU (gloo) communicator)."""
+    group (partials gathered over the group's device communicator where it carries the KV's
+    device, NCCL on a GPU, else over its CPU (gloo) communicator)."""
     from kvcomm.core.heads import ALL_HEADS, ProcessGroupHeads
 
     if vllm_config.parallel_config.tensor_parallel_size == 1:
         return ALL_HEADS
     from vllm.distributed.parallel_state import get_tp_group
 
-    return ProcessGroupHeads(get_tp_group().cpu_group)
+    group = get_tp_group()
+    return ProcessGroupHeads(group.cpu_group, group.device_group)
 
 
 def _rank_share(cap: int | None, size: int) -> int | None:

@@ -58,13 +58,22 @@ ALL_HEADS = HeadShards()
 
 class ProcessGroupHeads(HeadShards):
     """Heads split over the ranks of a ``torch.distributed`` process group (e.g. vLLM's
-    tensor-parallel CPU group, gloo). One ``all_gather`` per ``gather`` call, of all its parts
-    at once as raw bytes (any dtype, no rounding), through the host."""
+    tensor-parallel group). One ``all_gather`` per ``gather`` call, of all its parts at once as
+    raw bytes (any dtype, no rounding).
 
-    def __init__(self, group: "torch.distributed.ProcessGroup"):
+    ``group`` carries host tensors (gloo). ``device_group`` (optional; vLLM's NCCL group on a
+    GPU) carries the parts where they live when its backend serves their device (``CARRIES``):
+    no copy through the host, so no host sync; parts on a device it does not serve, or on
+    several devices, go through the host and ``group``."""
+
+    CARRIES = {"gloo": "cpu", "nccl": "cuda"}
+    """Backend -> the device type whose tensors it gathers in place."""
+
+    def __init__(self, group: "torch.distributed.ProcessGroup", device_group: "torch.distributed.ProcessGroup | None" = None):
         import torch.distributed as dist
 
         self.group = group
+        self.device_group = device_group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
@@ -75,20 +84,32 @@ class ProcessGroupHeads(HeadShards):
         dist.all_gather_object(values, value, group=self.group)
         return all(v == values[0] for v in values)
 
+    def carrier(self, parts: Sequence[torch.Tensor]) -> "torch.distributed.ProcessGroup":
+        """The group that gathers ``parts``: ``device_group`` where it serves their one device, else ``group``."""
+        import torch.distributed as dist
+
+        devices = {p.device for p in parts}
+        if self.device_group is not None and len(devices) == 1:
+            if self.CARRIES.get(str(dist.get_backend(self.device_group))) == next(iter(devices)).type:
+                return self.device_group
+        return self.group
+
     def gather(self, parts: Sequence[torch.Tensor], dims: Sequence[int]) -> list[torch.Tensor]:
         import torch.distributed as dist
 
         super().gather(parts, dims)
         if not parts:
             return []
-        host = [p.detach().to("cpu").contiguous() for p in parts]
-        raw = torch.cat([p.reshape(-1).view(torch.uint8) for p in host])
+        group = self.carrier(parts)
+        local = [p.detach().contiguous() if group is self.device_group else p.detach().to("cpu").contiguous()
+                 for p in parts]
+        raw = torch.cat([p.reshape(-1).view(torch.uint8) for p in local])
         received = [torch.empty_like(raw) for _ in range(self.size)]
-        dist.all_gather(received, raw, group=self.group)
+        dist.all_gather(received, raw, group=group)
         out, offset = [], 0
-        for part, local, dim in zip(parts, host, dims):
-            width = local.numel() * local.element_size()
-            pieces = [r[offset : offset + width].clone().view(local.dtype).view(local.shape) for r in received]
+        for part, mine, dim in zip(parts, local, dims):
+            width = mine.numel() * mine.element_size()
+            pieces = [r[offset : offset + width].clone().view(mine.dtype).view(mine.shape) for r in received]
             out.append(torch.cat(pieces, dim).to(part.device))
             offset += width
         return out

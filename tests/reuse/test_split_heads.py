@@ -23,7 +23,7 @@ from kvcomm.reuse.config import ReuseConfig
 from kvcomm.reuse.pipeline import load_demo_pipeline
 from kvcomm.reuse.runner import run_row
 from support.one_thread import one_thread  # noqa: F401 (autouse: the recording runs single-threaded, as each rank does)
-from support.split_heads import RecordingEngine, replay
+from support.split_heads import PARTIAL_DIMS, RecordingEngine, gather_both_ways, partials, replay
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +89,18 @@ def test_one_process_gather_is_the_identity():
     assert same is part
     with pytest.raises(ValueError, match="2 partials but 1 head axes"):
         ALL_HEADS.gather([part, part], [1])
+
+
+def test_a_device_group_gathers_in_place_and_equals_the_host_path(tmp_path):
+    """Two ranks: with a device group that serves the partials' device (on a GPU, NCCL and
+    CUDA tensors; here gloo and CPU ones) the gather runs on it, without staging through the
+    host group, and gives bit for bit what the host path gives: every rank's partials side by
+    side in rank order, dtypes kept."""
+    mp.spawn(gather_both_ways, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    expected = [torch.cat([partials(r)[i] for r in range(2)], dim) for i, dim in enumerate(PARTIAL_DIMS)]
+    for rank in range(2):
+        got = torch.load(tmp_path / f"gather{rank}.pt", weights_only=False)
+        assert got["groups"] == ["device", "host"]
+        for way in ("device", "host"):
+            assert [t.dtype for t in got["gathered"][way]] == [t.dtype for t in expected]
+            assert all(torch.equal(a, b) for a, b in zip(got["gathered"][way], expected, strict=True)), way

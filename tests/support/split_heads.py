@@ -116,3 +116,37 @@ def replay(rank: int, size: int, log_path: str, init_file: str, out_dir: str) ->
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def partials(rank: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s per-head partials of three dtypes, heads on axes 1, 0 and 2."""
+    generator = torch.Generator().manual_seed(rank)
+    return [torch.randn(3, 2, 5, dtype=torch.float64, generator=generator),
+            torch.randn(2, 4, generator=generator).to(torch.bfloat16),
+            torch.randint(-9, 9, (2, 3, 1), generator=generator)]
+
+
+PARTIAL_DIMS = (1, 0, 2)
+
+
+def gather_both_ways(rank: int, size: int, init_file: str, out_dir: str) -> None:
+    """One rank: gathers ``partials`` through a ``ProcessGroupHeads`` with a device group (gloo
+    serves CPU tensors: gathered in place) and through one without (staged through the host);
+    records which group each ``all_gather`` used. Writes ``gather{r}.pt`` to ``out_dir``."""
+    import torch.distributed as dist
+
+    from kvcomm.core.heads import ProcessGroupHeads
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
+    try:
+        device_group = dist.new_group(backend="gloo")
+        used, all_gather = [], dist.all_gather
+        dist.all_gather = lambda out, tensor, group=None, **kw: (used.append(group), all_gather(out, tensor, group=group, **kw))[1]
+        through = {}
+        for name, heads in (("device", ProcessGroupHeads(dist.group.WORLD, device_group)),
+                            ("host", ProcessGroupHeads(dist.group.WORLD))):
+            through[name] = heads.gather(partials(rank), PARTIAL_DIMS)
+        groups = ["device" if g is device_group else "host" if g is dist.group.WORLD else repr(g) for g in used]
+        torch.save({"gathered": through, "groups": groups}, os.path.join(out_dir, f"gather{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
