@@ -115,6 +115,10 @@ class VllmExecutor:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        # A thread that has run no torch op yet (e.g. an AutoGen client's worker) holds OpenMP's
+        # default thread count until its first one; vLLM's CPU attention sizes a step's metadata
+        # by the count in force then and refuses a kernel run under another, so fix it first.
+        torch.set_num_threads(torch.get_num_threads())
         handle = uuid.uuid4().hex
         engine = self.llm.llm_engine
         if engine.has_unfinished_requests():

@@ -7,6 +7,7 @@ prefill with 64-token chunks, fp32 on both sides.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -125,3 +126,29 @@ def test_demo_pipeline_conformance(vllm_executor, smol_executor):
     assert estimated > 0
     assert len(exact_calls) >= 1 and all(c.reply_ids == d.reply_ids for c, d in exact_calls)
     assert sum(reply_agree) >= 0.8 * len(reply_agree)
+
+
+def test_a_call_from_a_fresh_thread_runs_whatever_its_default_thread_count(vllm_executor, smol_executor):
+    """AutoGen runs a client's calls in worker threads; one that has run no torch op holds
+    OpenMP's default thread count (here the cores'), not the process's, and vLLM's CPU attention
+    once refused such a step ("Check failed: input->metadata->thread_num == thread_num")."""
+    ids = smol_executor.encode("Name three colours of the rainbow and one fruit for each of them.")
+    reference = vllm_executor.generate(ids, None, 4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the process's count differs from a fresh thread's default (2 cores here)
+    outcome: list = []
+    try:
+        thread = threading.Thread(target=lambda: outcome.append(_attempt(vllm_executor, ids)))
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert not isinstance(outcome[0], Exception), outcome[0]
+    assert list(outcome[0].reply_ids) == list(reference.reply_ids)
+
+
+def _attempt(executor, ids):
+    try:
+        return executor.generate(ids, None, 4)
+    except Exception as error:  # reported in the test's thread
+        return error
