@@ -7,7 +7,9 @@ prefill with 64-token chunks, fp32 on both sides.
 from __future__ import annotations
 
 import dataclasses
-import threading
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -128,27 +130,39 @@ def test_demo_pipeline_conformance(vllm_executor, smol_executor):
     assert sum(reply_agree) >= 0.8 * len(reply_agree)
 
 
-def test_a_call_from_a_fresh_thread_runs_whatever_its_default_thread_count(vllm_executor, smol_executor):
+FRESH_THREAD = """
+import threading, torch
+torch.set_num_threads(1)  # the process's count; a fresh thread's OpenMP default is the cores' (2 here)
+from kvcomm.integrations.vllm.executor import VllmExecutor
+from kvcomm.integrations.vllm.llm import make_llm
+from kvcomm.integrations.transformers.embedded import load_tokenizer
+executor = VllmExecutor(make_llm(max_num_batched_tokens=64, max_num_seqs=2, block_size=32), load_tokenizer())
+ids = executor.encode("Name three colours of the rainbow and one fruit for each of them.")
+reference = executor.generate(ids, None, 4).reply_ids
+outcome = []
+def call():
+    try:
+        outcome.append(executor.generate(ids, None, 4).reply_ids)
+    except Exception as error:
+        outcome.append(error)
+thread = threading.Thread(target=call)
+thread.start()
+thread.join()
+executor.close()
+print("OUTCOME", outcome[0] == reference, repr(outcome[0])[:300])
+"""
+
+
+def test_a_call_from_a_fresh_thread_runs_whatever_its_default_thread_count(tmp_path):
     """AutoGen runs a client's calls in worker threads; one that has run no torch op holds
-    OpenMP's default thread count (here the cores'), not the process's, and vLLM's CPU attention
-    once refused such a step ("Check failed: input->metadata->thread_num == thread_num")."""
-    ids = smol_executor.encode("Name three colours of the rainbow and one fruit for each of them.")
-    reference = vllm_executor.generate(ids, None, 4)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the process's count differs from a fresh thread's default (2 cores here)
-    outcome: list = []
-    try:
-        thread = threading.Thread(target=lambda: outcome.append(_attempt(vllm_executor, ids)))
-        thread.start()
-        thread.join()
-    finally:
-        torch.set_num_threads(threads)
-    assert not isinstance(outcome[0], Exception), outcome[0]
-    assert list(outcome[0].reply_ids) == list(reference.reply_ids)
-
-
-def _attempt(executor, ids):
-    try:
-        return executor.generate(ids, None, 4)
-    except Exception as error:  # reported in the test's thread
-        return error
+    OpenMP's default thread count, not the process's, and vLLM's CPU attention refused such a
+    step ("Check failed: input->metadata->thread_num == thread_num (2 vs. 1)"). Its own process:
+    the engine must be built under a count other than a fresh thread's default."""
+    if (os.cpu_count() or 1) < 2 or os.environ.get("OMP_NUM_THREADS") == "1":
+        pytest.fail("needs a fresh thread's default thread count above 1 (2+ cores, OMP_NUM_THREADS not 1)")
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env.pop("OMP_NUM_THREADS", None)
+    done = subprocess.run([sys.executable, "-c", FRESH_THREAD], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=tmp_path)
+    outcome = [line for line in done.stdout.splitlines() if line.startswith("OUTCOME")]
+    assert done.returncode == 0 and outcome and outcome[0].startswith("OUTCOME True"), (outcome, done.stderr[-2000:])
