@@ -23,7 +23,8 @@ SUMMARY_FIELDS = {
 
 @pytest.mark.slow
 def test_run_on_the_short_pipeline_reuses_tokens_and_reports_every_field(capsys):
-    # gamma 1 reuses whenever two anchors are compatible, so the third row estimates.
+    # standalone bases: every later row's task is reused from its base (realigned: no slot has
+    # earned an estimate in three rows); the first row computes it and its slot keeps an anchor.
     short = str(importlib.resources.files("kvcomm") / "data" / "demo_pipeline.json")
     assert main(["run", short, "--limit", "3", "--gamma", "1.0", "--base-source", "standalone", "--json"]) == 0
     captured = capsys.readouterr()
@@ -42,7 +43,8 @@ def test_run_on_the_short_pipeline_reuses_tokens_and_reports_every_field(capsys)
     first_row = [c for c in report["calls"] if c["input_index"] == 0]
     assert all(c["fallback"] and c["reply_equal"] for c in first_row)  # nothing to reuse yet: dense, same replies
     assert all(c["reason"].startswith(f"reused {c['exact_tokens'] + c['estimated_tokens']:,} of ") for c in report["calls"])
-    assert report["anchors"]["task"] >= 2
+    assert report["anchors"]["task"] >= 1
+    assert any("realigned" in c["reason"] for c in report["calls"] if c["input_index"] > 0)
     assert report["base_source"] == "standalone"
 
 
