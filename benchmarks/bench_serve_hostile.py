@@ -245,7 +245,7 @@ def logged_caps(text: str) -> dict:
     """The byte caps the server says it uses (its printed command line's connector config):
     ``{"max_tenant_bytes": int | None, "max_total_bytes": int | None, "max_capture_bytes": int}``
     (the capture budget: the config's, else the connector's default)."""
-    from kvcomm.integrations.vllm.scheduler import DEFAULT_MAX_CAPTURE_BYTES
+    from kvcomm.integrations.vllm.connector_config import DEFAULT_MAX_CAPTURE_BYTES
 
     caps = {}
     for name in ("max_tenant_bytes", "max_total_bytes", "max_capture_bytes"):

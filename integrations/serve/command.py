@@ -133,7 +133,7 @@ def default_max_total_bytes(capture_bytes: int | None) -> int | None:
     from vllm.platforms import current_platform
 
     from kvcomm.integrations.vllm.refusals import host_memory_budget
-    from kvcomm.integrations.vllm.scheduler import DEFAULT_MAX_CAPTURE_BYTES
+    from kvcomm.integrations.vllm.connector_config import DEFAULT_MAX_CAPTURE_BYTES
 
     if not current_platform.is_cpu():
         return None
@@ -143,7 +143,7 @@ def default_max_total_bytes(capture_bytes: int | None) -> int | None:
 def memory_line(cap: int | None, default: bool, capture_bytes: int | None) -> str:
     """What the start-up line says of kvcomm's memory: the reuse state's cap and the capture
     budget of the requests in flight, which together bound what kvcomm holds."""
-    from kvcomm.integrations.vllm.scheduler import DEFAULT_MAX_CAPTURE_BYTES
+    from kvcomm.integrations.vllm.connector_config import DEFAULT_MAX_CAPTURE_BYTES
 
     gib = 1 << 30
     captures = (DEFAULT_MAX_CAPTURE_BYTES if capture_bytes is None else capture_bytes) / gib

@@ -58,6 +58,9 @@ memory vLLM leaves free (without one the cap is set from that memory). A refused
 reason as their error); with ``kv_connector_extra_config={"strict": true}`` the engine fails to
 start instead. Requests without ``kv_transfer_params["kvcomm"]`` are not touched.
 
+The settings (``kv_connector_extra_config``) are read once, when each side's connector is built,
+into a ``connector_config.ConnectorConfig``: an unknown key or a bad value fails the start.
+
 How it works (annotated requests and in-process orders, the data path, tensor parallelism, CUDA
 graphs) and what is supported: docs/vllm-plugin.md.
 """
@@ -75,13 +78,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcomm.integrations.vllm.channel import Channel, channel
+from kvcomm.integrations.vllm.connector_config import ConnectorConfig
 from kvcomm.integrations.vllm.messages import KvcommWorkerMetadata
 from kvcomm.integrations.vllm.refusals import engine_refusal
 from kvcomm.integrations.vllm.scheduler import KvcommConnectorScheduler
 from kvcomm.integrations.vllm.step_time import CLOCKS
 from kvcomm.integrations.vllm.versions import check_vllm_version
 from kvcomm.integrations.vllm.worker import KvcommConnectorWorker
-from kvcomm.reuse.scopes import DEFAULT_SCOPE, check_scope
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -116,18 +119,16 @@ class KvcommConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         check_vllm_version()  # an untested vLLM fails the start-up (versions.py), before anything reads its API
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = self._kv_transfer_config
-        self.engine_id = str(extra.engine_id)
+        self.config = ConnectorConfig.from_transfer(self._kv_transfer_config)  # a bad setting fails the start here
+        self.engine_id = str(self._kv_transfer_config.engine_id)
         self.channel: Channel = channel(self.engine_id)
-        strict = bool(extra.get_from_extra_config("strict", False))
-        check_scope(extra.get_from_extra_config("reuse_scope", DEFAULT_SCOPE))  # refuse an unknown one now
         refused = engine_refusal(vllm_config, kv_cache_config)
         self.connector_scheduler: KvcommConnectorScheduler | None = None
         self.connector_worker: KvcommConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = KvcommConnectorScheduler(vllm_config, kv_cache_config, self.channel, refused, strict)
+            self.connector_scheduler = KvcommConnectorScheduler(kv_cache_config, self.channel, refused, self.config)
         elif role == KVConnectorRole.WORKER:
-            self.connector_worker = KvcommConnectorWorker(vllm_config, self.channel, refused, strict)
+            self.connector_worker = KvcommConnectorWorker(vllm_config, self.channel, refused, self.config)
 
     @property
     def refused(self) -> str | None:

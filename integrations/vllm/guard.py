@@ -41,7 +41,10 @@ def guard_config(value: Any) -> GuardConfig | None:
             isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()):
         raise ValueError(f"kv_connector_extra_config guard must be an object {{\"budget\": nats, \"fraction\": share}} "
                          f"(fraction optional, default {GuardConfig.fraction}), got {str(value)[:200]}")
-    return GuardConfig(budget=float(value["budget"]), fraction=float(value.get("fraction", GuardConfig.fraction)))
+    try:
+        return GuardConfig(budget=float(value["budget"]), fraction=float(value.get("fraction", GuardConfig.fraction)))
+    except ValueError as error:
+        raise ValueError(f"kv_connector_extra_config guard {str(value)[:200]}: {error}") from None
 
 
 class ServerGuards:

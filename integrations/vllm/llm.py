@@ -59,8 +59,11 @@ def make_llm(model: str | None = None, in_process: bool = True, **overrides: Any
     settings = {**DEFAULTS, **overrides}
     settings.setdefault("kv_transfer_config", transfer_config())
     transfer = settings["kv_transfer_config"]
-    if transfer is not None and (transfer.kv_connector_extra_config or {}).get("state_dir"):
-        os.environ.setdefault(WORKER_SHUTDOWN_ENV, str(WORKER_SHUTDOWN_S))  # inherited by the worker processes
+    if transfer is not None and transfer.kv_connector == CONNECTOR:
+        from kvcomm.integrations.vllm.connector_config import ConnectorConfig
+
+        if ConnectorConfig.from_transfer(transfer).state_dir:  # a bad setting is refused here, before vLLM starts
+            os.environ.setdefault(WORKER_SHUTDOWN_ENV, str(WORKER_SHUTDOWN_S))  # inherited by the worker processes
     if in_process and settings["kv_transfer_config"] is not None:
         _refuse_a_second_connector()
     if in_process:

@@ -55,7 +55,8 @@ import reprlib
 from dataclasses import dataclass
 from typing import Any, Collection
 
-_SLOT = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
+SLOT_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
+"""A well-formed slot name (an annotation's ``slot``, a name in the connector's ``slots``)."""
 _KEYS = {"handle", "template", "tenant", "segments", "calibrate", "contexts", "ticket", "computes_head", "shadow"}
 MAX_TENANT_LENGTH = 256
 MAX_NAME_LENGTH = 256
@@ -213,7 +214,7 @@ def parse_params(params: Any, prompt_len: int | None, known_slots: Collection[st
         if not 0 <= start < end or (prompt_len is not None and end > prompt_len):
             raise KvcommParamsError(f"{where} spans [{start}, {end}); need 0 <= start < end <= {prompt_len} (the prompt length)")
         slot = item["slot"]
-        if not isinstance(slot, str) or not _SLOT.match(slot):
+        if not isinstance(slot, str) or not SLOT_NAME.match(slot):
             raise KvcommParamsError(f"{where}.slot must be a name like 'task' (letters, digits, _ . -), got {shown(slot)}")
         if known_slots is not None and slot not in known_slots:
             raise KvcommParamsError(f"{where}.slot {shown(slot)} is not a known slot; known: {sorted(known_slots)}")

@@ -23,7 +23,7 @@ Capture memory is admitted here: the worker keeps an annotated request's real KV
 keys and values (``capture_bytes_per_token`` a position), on the KV device and outside vLLM's KV
 budget, for the positions learning needs (``PlanAnswer.capture_from`` to ``capture_to``: the
 prompt's computed tail, and the reply only when the scope learns its decode KV).
-``max_capture_bytes`` (``kv_connector_extra_config``, default ``DEFAULT_MAX_CAPTURE_BYTES``)
+``max_capture_bytes`` (``vllm.connector_config``, default ``DEFAULT_MAX_CAPTURE_BYTES``)
 bounds the captures of all requests in flight together: a request is reserved prompt +
 ``max_tokens`` positions when asked for, cut to its plan's capture when the answer comes, and
 released when the worker reports it let the capture go (``KvcommWorkerMetadata.released``:
@@ -60,7 +60,7 @@ import torch
 from vllm.logger import init_logger
 
 from kvcomm.integrations.vllm.channel import Channel
-from kvcomm.integrations.vllm.guard import guard_config
+from kvcomm.integrations.vllm.connector_config import ConnectorConfig
 from kvcomm.integrations.vllm.messages import (
     FinalCapture, Finished, KvcommMetadata, KvcommWorkerMetadata, PlanAsk, StepRequest, handle_of,
 )
@@ -69,7 +69,6 @@ from kvcomm.integrations.vllm.params import KvcommParamsError, parse_params, sho
 from kvcomm.integrations.vllm.refusals import apply_refusal
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -77,9 +76,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 _EMPTY = torch.zeros(0, dtype=torch.int64)
-DEFAULT_MAX_CAPTURE_BYTES = 1 << 30
-"""Bytes of captured KV all opted-in requests in flight may hold together (1 GiB: 8,192 positions
-of an 8B model in bf16)."""
 
 
 def capture_bytes_per_token(kv_cache_config: "KVCacheConfig") -> int:
@@ -144,26 +140,21 @@ class KvcommConnectorScheduler:
 
     refused: why the connector is off (None: on); here the engine configuration's refusal, else
     the one the worker side recorded on the channel (in one process it registered its layers
-    first). ``kv_cache_manager`` is bound by the connector once vLLM built it.
+    first). ``config``: the connector's settings. ``kv_cache_manager`` is bound by the connector
+    once vLLM built it.
     """
 
-    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", channel: Channel,
-                 refused: str | None, strict: bool):
+    def __init__(self, kv_cache_config: "KVCacheConfig", channel: Channel, refused: str | None,
+                 config: ConnectorConfig):
         self.channel = channel
         self.refused = refused if refused is not None else channel.refusal
-        apply_refusal(channel, self.refused, strict)
+        apply_refusal(channel, self.refused, config.strict)
         self.kv_cache_manager: KVCacheManager | None = None
         self._kv_cache_config = kv_cache_config
-        extra = vllm_config.kv_transfer_config
-        self._plan = bool(extra.get_from_extra_config("plan", False))
-        budget = extra.get_from_extra_config("max_capture_bytes", DEFAULT_MAX_CAPTURE_BYTES)
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-            raise ValueError(f"max_capture_bytes must be a positive number of bytes, got {budget!r}")
-        self.max_capture_bytes = budget
-        guard_config(extra.get_from_extra_config("guard", None))  # refused here, at start, not at the first plan
+        self._plan = config.plan
+        self.max_capture_bytes = config.max_capture_bytes
         self._token_bytes = capture_bytes_per_token(kv_cache_config)
-        slots = extra.get_from_extra_config("slots", None)
-        self._known_slots = None if slots is None else frozenset(slots)
+        self._known_slots = config.slots
         self._tracked: dict[str, _Tracked] = {}
         self._rejected: dict[str, str] = {}
         self._asks: list[PlanAsk] = []

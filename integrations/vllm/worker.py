@@ -25,6 +25,7 @@ from kvcomm.core.kv_target import KVTarget, Paged
 from kvcomm.core.place import Piece, clip, place_all
 from kvcomm.core.rope import RopeError
 from kvcomm.integrations.vllm.channel import Capture, Channel
+from kvcomm.integrations.vllm.connector_config import ConnectorConfig
 from kvcomm.integrations.vllm.layout import KvIO, LayoutError
 from kvcomm.integrations.vllm.messages import FinalCapture, KvcommMetadata, KvcommWorkerMetadata, StepRequest
 from kvcomm.integrations.vllm.refusals import apply_refusal, device_memory_budget, layer_refusal, refusal_of_any_rank
@@ -81,14 +82,15 @@ class KvcommConnectorWorker:
 
     refused: why the connector is off (None: on); the engine configuration's refusal at first,
     then also any layer's, the layout self-check's or the rotary self-check's, on any rank.
+    config: the connector's settings.
     """
 
-    def __init__(self, vllm_config: "VllmConfig", channel: Channel, refused: str | None, strict: bool):
+    def __init__(self, vllm_config: "VllmConfig", channel: Channel, refused: str | None, config: ConnectorConfig):
         self._vllm_config = vllm_config
+        self._config = config
         self.channel = channel
-        self._strict = strict
         self.refused = refused
-        apply_refusal(channel, refused, strict)
+        apply_refusal(channel, refused, config.strict)
         self._io: dict[str, KvIO] = {}
         self._layer_index: dict[str, int] = {}
         self._paged: Paged | None = None
@@ -98,7 +100,7 @@ class KvcommConnectorWorker:
         self._finals_meta: KvcommMetadata | None = None
         self._device: torch.device | None = None
         self._clock: DeviceClock | None = None
-        self._plans = WorkerPlans(vllm_config, channel)
+        self._plans = WorkerPlans(vllm_config, channel, config)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Check every attention layer and learn its cache layout (start-up, once); on any
@@ -117,18 +119,14 @@ class KvcommConnectorWorker:
         self.refused = refusal_of_any_rank(self.refused, self._vllm_config)
         if self.refused is None:  # every rank builds its planner (and restores its state) together
             self.refused = refusal_of_any_rank(self._plans.start(), self._vllm_config)
-        apply_refusal(self.channel, self.refused, self._strict)
+        apply_refusal(self.channel, self.refused, self._config.strict)
 
     def _memory_refusal(self) -> str | None:
         """``refusals.device_memory_budget`` for this rank's KV device, after vLLM allocated its
         cache; the cap it settles on is the planner's ``max_total_bytes``."""
-        from kvcomm.integrations.vllm.scheduler import DEFAULT_MAX_CAPTURE_BYTES
-
-        extra = self._vllm_config.kv_transfer_config
         free = torch.cuda.mem_get_info(self._device)[0] if self._device.type == "cuda" else None
         cap, refused = device_memory_budget(
-            self._device.type, free, extra.get_from_extra_config("max_total_bytes", None),
-            int(extra.get_from_extra_config("max_capture_bytes", DEFAULT_MAX_CAPTURE_BYTES)),
+            self._device.type, free, self._config.max_total_bytes, self._config.max_capture_bytes,
             self._vllm_config.parallel_config.tensor_parallel_size)
         self._plans.max_total_bytes = cap
         return refused

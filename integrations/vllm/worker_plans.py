@@ -25,7 +25,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from kvcomm.integrations.vllm.channel import Capture, Channel
-from kvcomm.integrations.vllm.guard import guard_config
+from kvcomm.integrations.vllm.connector_config import ConnectorConfig
 from kvcomm.integrations.vllm.host_memory import Trimmer
 from kvcomm.integrations.vllm.messages import Finished, PlanAnswer, PlanAsk, handle_of
 from kvcomm.integrations.vllm.request_plans import PlannedRequest, ServerPlanner
@@ -49,8 +49,9 @@ class WorkerPlans:
     other (it used to build the planner, and restore gigabytes, inside its engine step).
     """
 
-    def __init__(self, vllm_config: "VllmConfig", channel: Channel):
+    def __init__(self, vllm_config: "VllmConfig", channel: Channel, config: ConnectorConfig):
         self._vllm_config = vllm_config
+        self._config = config
         self.channel = channel
         self.planner: ServerPlanner | None = None
         self.trimmer: Trimmer | None = None
@@ -58,15 +59,14 @@ class WorkerPlans:
         self._planned: dict[str, PlannedRequest] = {}
         self._learning: deque[tuple[Finished, PlannedRequest, Capture]] = deque()
         self._released: list[str] = []
-        self.max_total_bytes = vllm_config.kv_transfer_config.get_from_extra_config("max_total_bytes", None)
+        self.max_total_bytes = config.max_total_bytes
         """All ranks' byte cap; the worker sets it from the device memory at start-up (``refusals.device_memory_budget``)."""
-        slots = vllm_config.kv_transfer_config.get_from_extra_config("slots", None)
-        self._known_slots = None if slots is None else frozenset(slots)
+        self._known_slots = config.slots
 
     def start(self) -> str | None:
         """Build the planner now when server-side planning is on (``plan`` in the connector's
         extra config); returns why it could not be built (the connector is then refused), else None."""
-        if not self._vllm_config.kv_transfer_config.get_from_extra_config("plan", False):
+        if not self._config.plan:
             return None
         try:
             self._ensure_planner()
@@ -77,7 +77,7 @@ class WorkerPlans:
 
     def _ensure_planner(self) -> None:
         if self.planner is None:
-            self.planner = make_planner(self._vllm_config, self.channel, self.max_total_bytes)
+            self.planner = make_planner(self._vllm_config, self.channel, self._config, self.max_total_bytes)
             self.trimmer = Trimmer()
 
     def answer(self, ask: PlanAsk, refused: str | None) -> PlanAnswer:
@@ -216,12 +216,14 @@ def _agree_on_restored(planner: ServerPlanner, heads) -> None:
               "missing); every rank starts cold")
 
 
-def make_planner(vllm_config: "VllmConfig", channel: Channel, max_total_bytes: object = None) -> ServerPlanner:
+def make_planner(vllm_config: "VllmConfig", channel: Channel, config: ConnectorConfig,
+                 max_total_bytes: int | None = None) -> ServerPlanner:
     """A planner on the served model's own rotary embedding (vLLM's module, self-checked at
-    start-up). With ``state_dir`` the checkpoint is also loaded with transformers, once, for
+    start-up), with the connector's settings ``config``. With ``state_dir`` the checkpoint is also loaded with transformers, once, for
     the fingerprint of the saved state (its config and weights, under transformers' names),
     and the state is restored and then saved periodically and at exit, from this process.
-    ``max_total_bytes``: the byte cap of all ranks together (``WorkerPlans.max_total_bytes``).
+    ``max_total_bytes``: the byte cap of all ranks together (``WorkerPlans.max_total_bytes``; None:
+    no cap).
 
     Under tensor parallelism (``tensor_parallel_heads``) each rank's planner holds its heads;
     the byte caps are split evenly (a rank holds ``1/size`` of every KV and counts ``1/size`` of
@@ -231,21 +233,17 @@ def make_planner(vllm_config: "VllmConfig", channel: Channel, max_total_bytes: o
     another tensor-parallel size is not loaded)."""
     from kvcomm.anchors.config import PoolConfig
     from kvcomm.reuse.config import ReuseConfig
-    from kvcomm.reuse.scopes import DEFAULT_SCOPE
 
     rotary = channel.rotary
     if rotary is None:
         raise RuntimeError("the kvcomm connector's worker side has not read the served model's rotary embedding")
-    extra = vllm_config.kv_transfer_config
-    pool = PoolConfig(gamma=float(extra.get_from_extra_config("gamma", PoolConfig.gamma)),
-                      max_anchors=int(extra.get_from_extra_config("max_anchors", PoolConfig.max_anchors)))
+    pool = PoolConfig(gamma=config.gamma, max_anchors=config.max_anchors)
     heads = tensor_parallel_heads(vllm_config)
     caps = {"max_total_bytes": _rank_share(max_total_bytes, heads.size),
-            "max_tenant_bytes": _rank_share(extra.get_from_extra_config("max_tenant_bytes", None), heads.size)}
-    scope = extra.get_from_extra_config("reuse_scope", DEFAULT_SCOPE)  # checked at start by the connector
-    guard = guard_config(extra.get_from_extra_config("guard", None))  # checked at start by the connector
-    planner = ServerPlanner(rotary, ReuseConfig(pool=pool, scope=scope), heads=heads, guard=guard, **caps)
-    state_dir = extra.get_from_extra_config("state_dir", None)
+            "max_tenant_bytes": _rank_share(config.max_tenant_bytes, heads.size)}
+    planner = ServerPlanner(rotary, ReuseConfig(pool=pool, scope=config.reuse_scope), heads=heads, guard=config.guard,
+                            **caps)
+    state_dir = config.state_dir
     if state_dir and heads.size > 1:
         state_dir = os.path.join(state_dir, f"tp{heads.size}-rank{heads.rank}")  # each rank saves its own heads
     if state_dir:
@@ -256,7 +254,7 @@ def make_planner(vllm_config: "VllmConfig", channel: Channel, max_total_bytes: o
         model, tokenizer = load_model_and_tokenizer(str(vllm_config.model_config.model))
         fingerprint = model_fingerprint(model, tokenizer, rotary, kv_dtype=vllm_config.model_config.dtype)
         del model
-        state = PlannerState(planner, state_dir, fingerprint, float(extra.get_from_extra_config("save_interval_s", 60.0)))
+        state = PlannerState(planner, state_dir, fingerprint, config.save_interval_s)
         state.restore()
         _agree_on_restored(planner, heads)
         state.start()

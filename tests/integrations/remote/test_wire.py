@@ -12,7 +12,7 @@ from kvcomm.integrations.local.segments import ChatTurn, render_chat
 from kvcomm.integrations.remote.wire import (
     StreamedCompletion, completion_body, end_to_end_ttft, provenance, ttft_seconds, wire_slot,
 )
-from kvcomm.integrations.vllm.params import _SLOT, parse_params
+from kvcomm.integrations.vllm.params import SLOT_NAME, parse_params
 
 _author = st.text(min_size=1, max_size=90)
 _index = st.integers(0, 10_000)
@@ -22,7 +22,7 @@ _index = st.integers(0, 10_000)
 @given(author=_author, k=_index, other=_author)
 def test_wire_slots_pass_the_servers_rule_and_keep_authors_apart(author, k, other):
     slot = wire_slot(f"{author}#{k}")
-    assert _SLOT.match(slot), slot
+    assert SLOT_NAME.match(slot), slot
     assert wire_slot(f"{author}#{k}") == slot
     assert slot.endswith(f".{k}")
     if other != author:

@@ -21,11 +21,13 @@ from kvcomm.integrations.vllm.worker_plans import LEARN_POSITIONS_PER_STEP, Work
 def _plans(executor) -> WorkerPlans:
     from vllm.config import VllmConfig
 
+    from kvcomm.integrations.vllm.connector_config import ConnectorConfig
     from kvcomm.integrations.vllm.llm import transfer_config
 
     channel = Channel()
     channel.rotary = executor.rotary
-    return WorkerPlans(VllmConfig(kv_transfer_config=transfer_config(extra={"plan": True, "gamma": 1.0})), channel)
+    config = VllmConfig(kv_transfer_config=transfer_config(extra={"plan": True, "gamma": 1.0}))
+    return WorkerPlans(config, channel, ConnectorConfig.from_vllm(config))
 
 
 def _serve(plans: WorkerPlans, executor, req_id: str, length: int, seed: int) -> None:
