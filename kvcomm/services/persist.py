@@ -5,8 +5,8 @@ A save (format version 3) is a directory holding ``manifest.json`` and one file 
 object, ``obj-<sha256 of the file>.safetensors``: an anchor's base KV with its embedding, one
 deviation, a fixed-segment base, a shared-content base with its embedding, and one small file
 of the pools' shrinkage-fit sums. The manifest holds the small mutable state (serials, access
-counts, eviction counts, fit pair counts, each slot's estimate-or-realign evidence, which deviation belongs to which anchor and slot)
-and names every object file with its size; a file's name is its checksum. Objects are
+counts, eviction counts, fit pair counts, each slot's estimate-or-realign evidence, which
+deviation belongs to which anchor and slot) and names every object file with its size; a file's name is its checksum. Objects are
 immutable: nothing in kvcomm changes a stored base or deviation in place (an anchor's new
 deviation for a slot is a new object; eviction drops objects), so a save writes only the
 objects that are not on disk yet, and a tenant that learned one anchor writes about that
@@ -614,7 +614,7 @@ def _build(manifest: dict, read: _Reader, engine: ReuseEngine, where: Path):
             pool.restore(anchors, next_serial, evictions)
         except ValueError as error:
             raise PersistError(f"{where}: slot {slot!r}: {error}; raise this engine's limits or prune the save") from None
-        for f, item in enumerate(entry.get("fits", []) if isinstance(entry, dict) else []):  # saves before fits had none
+        for f, item in enumerate(_field(entry, "fits", list, where) if "fits" in entry else []):  # saves before fits had none
             sums = [read.tensor(f"{fits_prefix}pool{p}.fit{f}.{n}") for n in ("cross", "estimate_sq", "real_sq")]
             layers = read.shape[0] if read.shape is not None else sums[0].shape[-1]
             if any(t.shape != (2, layers) or t.dtype != torch.float64 for t in sums):
@@ -624,7 +624,7 @@ def _build(manifest: dict, read: _Reader, engine: ReuseEngine, where: Path):
                 read.fail(f"slot {slot!r}: shrinkage fit {f} is for part {part!r}, expected 'shared' or 'following'")
             key = ((_field(item, "template", str, where), _field(item, "slot", str, where)), part)
             pool.fits[key] = ShrinkageFit(*sums, pairs=_field(item, "pairs", int, where))
-        for item in entry.get("evidence", []) if isinstance(entry, dict) else []:  # saves before the rule had none
+        for item in _field(entry, "evidence", list, where) if "evidence" in entry else []:  # saves before the rule had none
             key = ((_field(item, "template", str, where), _field(item, "slot", str, where)), _field(item, "part", str, where))
             sums = [_field(item, n, list, where) for n in ("estimate_sq", "realign_sq")]
             pairs = _field(item, "pairs", int, where)
