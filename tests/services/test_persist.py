@@ -410,6 +410,10 @@ CORRUPTIONS = {
     "missing tensor": (_drop_tensor, "is missing"),
     "missing object file": (lambda d: _tensor_file(d).unlink(), "object file missing"),
     "wrong field type": (lambda d: _rewrite_manifest(d, lambda m: m["pools"][0].update(anchors="x")), "must be a list"),
+    "evidence not a list": (lambda d: _rewrite_manifest(d, lambda m: m["pools"][0].update(evidence=5)), "must be a list"),
+    "negative evidence": (lambda d: _rewrite_manifest(d, lambda m: m["pools"][0].update(evidence=[
+        {"template": "t", "slot": "s", "part": "shared", "estimate_sq": [-1.0, 0.0], "realign_sq": [0.0, 0.0], "pairs": 1}])),
+        "sums of squares"),
     "other format": (lambda d: _rewrite_manifest(d, lambda m: m.update(format="x")), "not a kvcomm anchor save"),
     "newer version": (lambda d: _rewrite_manifest(d, lambda m: m.update(version=99)), "format version 99"),
     "first layer out of range": (lambda d: _first_layer(d, LAYERS), "first_layer 2 is not a layer"),
