@@ -85,14 +85,14 @@ def host_memory_budget(capture_bytes: int, total_bytes: int | None = None) -> in
     return max(1, int(HOST_MEMORY_SHARE * total_bytes) - capture_bytes)
 
 
-def device_memory_budget(device_type: str, free_bytes: int | None, max_total_bytes: Any, capture_bytes: int,
-                         ranks: int = 1) -> tuple[Any, str | None]:
+def device_memory_budget(device_type: str, free_bytes: int | None, max_total_bytes: int | None, capture_bytes: int,
+                         ranks: int = 1) -> tuple[int | None, str | None]:
     """(the ``max_total_bytes`` to use, the refusal or None) for the reuse state beside vLLM's KV cache.
 
     On an accelerator, bases, anchors, exact prefixes and captures live in the device memory
     vLLM leaves free after allocating its KV cache (``free_bytes``, this rank's, read at
     start-up). They are capped by ``max_total_bytes`` (all ranks together, so each rank holds
-    ``1/ranks`` of it); without one the cap is ``DEVICE_MEMORY_SHARE`` of what is free less the
+    ``1/ranks`` of it; a positive integer, ``ConnectorConfig`` checked it); without one the cap is ``DEVICE_MEMORY_SHARE`` of what is free less the
     capture budget (``capture_bytes``: ``max_capture_bytes``, which bounds the captures of all
     requests in flight together, ``vllm.scheduler``). A given cap whose share plus the capture
     budget does not fit
@@ -108,8 +108,6 @@ def device_memory_budget(device_type: str, free_bytes: int | None, max_total_byt
                           f"less than the capture budget ({capture_bytes / gib:.1f} GiB, max_capture_bytes): "
                           "lower --gpu-memory-utilization or max_capture_bytes")
         return room, None
-    if not isinstance(max_total_bytes, int) or isinstance(max_total_bytes, bool) or max_total_bytes <= 0:
-        return max_total_bytes, None  # TenantRegistry refuses it with its own message
     need = max_total_bytes // ranks + capture_bytes
     if need > free_bytes:
         return max_total_bytes, (

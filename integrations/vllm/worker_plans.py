@@ -187,9 +187,9 @@ def tensor_parallel_heads(vllm_config: "VllmConfig"):
 
 
 def _rank_share(cap: int | None, size: int) -> int | None:
-    """A byte cap on all ranks together -> the cap on one rank's share (a value that is not a
-    positive integer is left for ``TenantRegistry`` to refuse with its own message)."""
-    if cap is None or size == 1 or isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
+    """A byte cap on all ranks together (None, or a positive integer: ``ConnectorConfig``
+    checked it) -> the cap on one rank's share."""
+    if cap is None or size == 1:
         return cap
     return max(1, cap // size)
 
