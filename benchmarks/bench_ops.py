@@ -230,11 +230,11 @@ def _learning(engine: ReuseEngine, p: Prompt, layers: int):
 def vllm_step(tokens: int) -> dict:
     """Per engine step, the worker hooks' device cost (see the module docstring)."""
     from kvcomm.integrations.transformers.embedded import load_tokenizer
-    from kvcomm.integrations.vllm.executor import VllmExecutor
-    from kvcomm.integrations.vllm.llm import make_llm
-    from kvcomm.integrations.vllm.worker import KvcommConnectorWorker
+    from kvcomm.integrations.vllm.inprocess.executor import VllmExecutor
+    from kvcomm.integrations.vllm.inprocess.llm import make_llm
+    from kvcomm.integrations.vllm.connector.worker import KvcommConnectorWorker
 
-    import kvcomm.integrations.vllm.worker as worker_module
+    import kvcomm.integrations.vllm.connector.worker as worker_module
 
     steps: list[dict] = [{}]
     hooks = ("wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished", "build_connector_worker_meta")

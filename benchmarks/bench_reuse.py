@@ -501,8 +501,8 @@ def main(argv=None):
     if args.backend == "vllm":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        from kvcomm.integrations.vllm.llm import make_llm
-        from kvcomm.integrations.vllm.executor import VllmExecutor
+        from kvcomm.integrations.vllm.inprocess.llm import make_llm
+        from kvcomm.integrations.vllm.inprocess.executor import VllmExecutor
 
         executor = VllmExecutor(make_llm(), load_tokenizer())
     else:

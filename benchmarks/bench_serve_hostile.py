@@ -21,7 +21,7 @@ the longest gap between two of the canary's tokens bounds the longest engine ste
 own work (at most ``--step-tokens`` tokens a step), kvcomm's and the machine's other jobs
 together. kvcomm's own work per engine step is read from the server's ``/metrics``
 (``kvcomm_step_seconds`` and ``kvcomm_step_max_seconds`` per side: worker hooks, scheduler
-hooks, RPCs to the workers; ``kvcomm.integrations.vllm.step_time``), scraped before and after: steps,
+hooks, RPCs to the workers; ``kvcomm.integrations.vllm.connector.step_time``), scraped before and after: steps,
 p99 (a histogram bucket's upper bound) and the longest step since the server started, wall and
 thread CPU time. Then each tenant sends, as its first sighting, a prompt another tenant taught
 the server: any exact or estimated kvcomm token, or vLLM prefix-cache hit, there is a
@@ -46,7 +46,7 @@ RSS drift D% after warm-up, worker RSS at most W (bound)"
 (drift: the median of the last tenth of samples against the median of the tenth after the
 first fifth of requests). Also counted: planned requests whose note says they learned nothing
 because vLLM's prefix cache served them blocks that may hold approximate KV (the
-approximate-block rule, ``kvcomm.integrations.vllm.scheduler``).
+approximate-block rule, ``kvcomm.integrations.vllm.connector.scheduler``).
 
 Headline (``headline``, last in the JSON): server exits (engine crashes in the fuzz, deep bodies
 that stopped the server, a server not alive after a case or the soak), unauthenticated 2xx
@@ -224,7 +224,7 @@ def tenant_bytes(client: httpx.Client, url: str, key: str) -> list[float]:
 
 
 def step_figures(before: dict, after: dict, clock: str = "") -> dict:
-    """kvcomm's time per engine step and side (``kvcomm.integrations.vllm.step_time``) between two
+    """kvcomm's time per engine step and side (``kvcomm.integrations.vllm.connector.step_time``) between two
     scrapes: steps observed, their p99 (the upper bound of the histogram bucket that holds it, in
     ms) and the longest step since the server started (the max gauge, in ms); ``clock``: "" for
     wall time, "cpu_" for the thread's CPU time."""
@@ -245,7 +245,7 @@ def logged_caps(text: str) -> dict:
     """The byte caps the server says it uses (its printed command line's connector config):
     ``{"max_tenant_bytes": int | None, "max_total_bytes": int | None, "max_capture_bytes": int}``
     (the capture budget: the config's, else the connector's default)."""
-    from kvcomm.integrations.vllm.connector_config import DEFAULT_MAX_CAPTURE_BYTES
+    from kvcomm.integrations.vllm.wire.config import DEFAULT_MAX_CAPTURE_BYTES
 
     caps = {}
     for name in ("max_tenant_bytes", "max_total_bytes", "max_capture_bytes"):

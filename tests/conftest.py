@@ -83,7 +83,8 @@ def vllm_llm():
     prompts span several blocks and chunks), server-side planning of annotated requests on.
     Tests that send annotated requests name their own tenant (``own_tenant``)."""
     pytest.importorskip("vllm")
-    from kvcomm.integrations.vllm.llm import make_llm, shutdown_llm, transfer_config
+    from kvcomm.integrations.vllm.inprocess.llm import make_llm, shutdown_llm
+    from kvcomm.integrations.vllm.wire.config import transfer_config
 
     import os
 
@@ -95,7 +96,7 @@ def vllm_llm():
 
 @pytest.fixture(scope="session")
 def vllm_executor(vllm_llm, smol_tokenizer):
-    from kvcomm.integrations.vllm.executor import VllmExecutor
+    from kvcomm.integrations.vllm.inprocess.executor import VllmExecutor
 
     return VllmExecutor(vllm_llm, smol_tokenizer)
 

@@ -176,7 +176,7 @@ def test_packages_import_each_other_in_no_cycle():
     ("kvcomm.reuse.runner", "kvcomm.services.quality_guard", True),
     ("kvcomm.services.tenants", "kvcomm.reuse.engine", False),
     ("kvcomm.integrations.vllm.connector", "kvcomm.eval.report", True),
-    ("kvcomm.eval.demo", "kvcomm.integrations.vllm.llm", False),
+    ("kvcomm.eval.demo", "kvcomm.integrations.vllm.inprocess.llm", False),
 ])
 def test_an_upward_import_is_caught(tmp_path, source, target, bad):
     """The checks themselves: a module given one more import is flagged exactly when it goes up."""
@@ -190,8 +190,8 @@ def test_an_upward_import_is_caught(tmp_path, source, target, bad):
 def test_a_cycle_between_packages_is_caught(tmp_path):
     known = modules()
     path = tmp_path / "module.py"
-    path.write_text(known["kvcomm.integrations.vllm.llm"].read_text() + "\nimport kvcomm.integrations.serve.command\n")
-    known["kvcomm.integrations.vllm.llm"] = path
+    path.write_text(known["kvcomm.integrations.vllm.inprocess.llm"].read_text() + "\nimport kvcomm.integrations.serve.command\n")
+    known["kvcomm.integrations.vllm.inprocess.llm"] = path
     assert any({"kvcomm.integrations.vllm", "kvcomm.integrations.serve"} <= set(c) for c in package_cycles(known))
 
 

@@ -2,7 +2,7 @@
 
 The client renders the conversation locally (``local.segments``), so the request's prompt is
 token ids and each shared message is a span ``[start, end)`` of them, annotated in
-``kv_transfer_params["kvcomm"]`` (schema: ``vllm.params``). The server plans those spans with
+``kv_transfer_params["kvcomm"]`` (schema: ``vllm.wire.params``). The server plans those spans with
 its own reuse engine and answers with ``{"kvcomm": {"prompt_tokens", "exact_tokens",
 "estimated_tokens", "realigned_tokens", "computed_tokens", "head_tokens", "fallback",
 "reply_base", "note", "reason"}}`` (or ``{"error": ...}``; ``realigned_tokens``, the part of

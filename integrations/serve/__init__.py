@@ -5,7 +5,7 @@ from kvcomm.core.exports import lazy_exports, names
 
 _EXPORTS = {
     "kvcomm.integrations.serve.middleware": ("KvcommTenantMiddleware",),
-    "kvcomm.integrations.vllm.state": ("PlannerState",),
+    "kvcomm.integrations.vllm.planning.planner_state": ("PlannerState",),
 }
 __all__ = names(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -11,13 +11,13 @@ import math
 import sys
 from pathlib import Path
 
-from kvcomm.integrations.vllm.llm import WORKER_SHUTDOWN_ENV, WORKER_SHUTDOWN_S
+from kvcomm.integrations.vllm.wire.config import WORKER_SHUTDOWN_ENV, WORKER_SHUTDOWN_S
 from kvcomm.reuse.scopes import DEFAULT_SCOPE
 from kvcomm.services.quality_guard import GuardConfig
 
 
 MIDDLEWARE = "kvcomm.integrations.serve.middleware.KvcommTenantMiddleware"
-WORKER_EXTENSION = "kvcomm.integrations.vllm.worker_extension.KvcommWorkerExtension"
+WORKER_EXTENSION = "kvcomm.integrations.vllm.connector.worker_extension.KvcommWorkerExtension"
 DEFAULT_HOST = "127.0.0.1"
 """Where `kvcomm serve` listens unless ``--host`` is given: loopback only (vLLM's own default
 binds every interface). ``--host 0.0.0.0`` serves other machines; pair it with ``--api-key``."""
@@ -93,7 +93,7 @@ def serve_argv(
     Unless given: ``--host 127.0.0.1`` (``DEFAULT_HOST``) and per-request metrics (TTFT in every
     response), besides fp32, a 2,048-token context, eager mode and prompt token details."""
     from kvcomm.integrations.transformers.embedded import resolve_model_dir
-    from kvcomm.integrations.vllm.llm import CONNECTOR, CONNECTOR_MODULE
+    from kvcomm.integrations.vllm.wire.config import CONNECTOR, CONNECTOR_MODULE
 
     extra: dict = {"plan": plan, **(engine or {})}
     if slots:
@@ -132,8 +132,8 @@ def default_max_total_bytes(capture_bytes: int | None) -> int | None:
     worker sizes it from the device memory vLLM leaves free, ``refusals.device_memory_budget``)."""
     from vllm.platforms import current_platform
 
-    from kvcomm.integrations.vllm.refusals import host_memory_budget
-    from kvcomm.integrations.vllm.connector_config import DEFAULT_MAX_CAPTURE_BYTES
+    from kvcomm.integrations.vllm.connector.refusals import host_memory_budget
+    from kvcomm.integrations.vllm.wire.config import DEFAULT_MAX_CAPTURE_BYTES
 
     if not current_platform.is_cpu():
         return None
@@ -143,7 +143,7 @@ def default_max_total_bytes(capture_bytes: int | None) -> int | None:
 def memory_line(cap: int | None, default: bool, capture_bytes: int | None) -> str:
     """What the start-up line says of kvcomm's memory: the reuse state's cap and the capture
     budget of the requests in flight, which together bound what kvcomm holds."""
-    from kvcomm.integrations.vllm.connector_config import DEFAULT_MAX_CAPTURE_BYTES
+    from kvcomm.integrations.vllm.wire.config import DEFAULT_MAX_CAPTURE_BYTES
 
     gib = 1 << 30
     captures = (DEFAULT_MAX_CAPTURE_BYTES if capture_bytes is None else capture_bytes) / gib

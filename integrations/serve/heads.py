@@ -6,7 +6,7 @@ needs its head computed first. For every opted-in ``/v1/completions`` request of
 with a token-id prompt and a reuse salt, the middleware (``HeadRequests.before``):
 
 1. plans it ahead on the workers, outside the engine step (``collective_rpc`` of
-   ``vllm.worker_extension``; ``ServerPlanner.plan_ahead``: ``engine.plan(..., heads=True)``,
+   ``vllm.connector.worker_extension``; ``ServerPlanner.plan_ahead``: ``engine.plan(..., heads=True)``,
    parked under a fresh ticket), every rank the same way;
 2. when the plan computes a head ``[start, end)``: sends a request of its own for the prompt's
    first ``end`` tokens (``computes_head``; one token generated, dropped), which injects the

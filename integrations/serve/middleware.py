@@ -68,7 +68,7 @@ from kvcomm.integrations.serve.routes import RouteTable
 from kvcomm.integrations.serve.vllm_args import accepted_keys
 from kvcomm.integrations.serve.shadows import ShadowRequests
 from kvcomm.integrations.serve import ttft
-from kvcomm.integrations.vllm.params import KvcommParamsError, parse_params, shown  # noqa: F401 (shown: re-exported)
+from kvcomm.integrations.vllm.wire.params import KvcommParamsError, parse_params, shown  # noqa: F401 (shown: re-exported)
 
 KEY_DIGESTS_ENV = "KVCOMM_TENANT_KEY_DIGESTS"
 """Comma-separated SHA-256 hex digests of the API keys that are tenants (set by ``kvcomm serve``)."""

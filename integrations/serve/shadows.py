@@ -1,4 +1,4 @@
-"""The quality guard's twins in `kvcomm serve` (``vllm.guard``): how a request the guard sampled
+"""The quality guard's twins in `kvcomm serve` (``vllm.planning.guard``): how a request the guard sampled
 is measured, after its response has gone out, so the client waits for nothing.
 
 1. The dense twin: the same prompt as a kvcomm calibration request (``calibrate``: nothing
@@ -14,7 +14,7 @@ is measured, after its response has gone out, so the client waits for nothing.
    log-probabilities of the dense twin's top-k tokens (``logprob_token_ids``).
 3. KL(dense || reuse) over those tokens and an "other" bucket (``kl_topk_other_of``: a lower
    bound of the full KL, as the in-process guard measures) goes to every rank's guard
-   (``collective_rpc`` of ``vllm.worker_extension``'s ``kvcomm_guard_record``).
+   (``collective_rpc`` of ``vllm.connector.worker_extension``'s ``kvcomm_guard_record``).
 
 A failed twin or record costs the sample, never a request: it is counted and the first few
 are logged. At most ``MAX_IN_FLIGHT`` measurements run at once; a sample beyond that is

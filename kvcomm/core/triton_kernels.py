@@ -11,7 +11,7 @@ Destination addresses (``place``, ``copy``): element ``(l, h, t, d)`` of keys (v
 one formula for a contiguous buffer (``tok`` = token offsets, ``off`` = 0) and for any paged
 layout (``tok`` = the first element of the slot's block, ``off`` = the slot's place in its
 block, ``koff``/``voff`` learned from the backend's own write op:
-``kvcomm.integrations.vllm.layout``).
+``kvcomm.integrations.vllm.connector.layout``).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ _ADAPTER_SEP = "\x00adapter:"
 
 def adapter_key(tenant: str, adapter: str | None) -> str:
     """The engine key of ``tenant``'s requests under LoRA adapter ``adapter`` (its identity,
-    e.g. ``vllm.params.adapter_identity``; None: the base model, whose key is ``tenant``)."""
+    e.g. ``vllm.wire.params.adapter_identity``; None: the base model, whose key is ``tenant``)."""
     _check_key(tenant)
     if adapter is None:
         return tenant

@@ -142,7 +142,7 @@ def test_a_baseline_tree_must_be_a_kvcomm_checkout_chosen_before_kvcomm_is_impor
     copy = tmp_path / "copy"  # another checkout: this one's files, run from this checkout's folder
     shutil.copytree(BENCHMARKS.parent, copy, ignore=shutil.ignore_patterns(".venv", ".git", "docs", "tests", "__pycache__"))
     script = (f"import sys; sys.path.insert(0, {str(BENCHMARKS)!r}); import bench_vllm; "
-              f"bench_vllm.use_kvcomm_from({str(copy)!r}); import kvcomm.integrations.vllm.worker as w; print(w.__file__)")
+              f"bench_vllm.use_kvcomm_from({str(copy)!r}); import kvcomm.integrations.vllm.connector.worker as w; print(w.__file__)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=BENCHMARKS.parent)
     assert done.returncode == 0 and done.stdout.strip() == str(copy / "integrations" / "vllm" / "worker.py"), done.stderr[-2000:]
 

@@ -17,7 +17,7 @@ from kvcomm.reuse.plan import ReusePlan
 
 FIELDS = {f.name for f in dataclasses.fields(ReusePlan)}
 IN_PLACE = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse", "update", "setdefault"}
-LEFT_TO_THE_SERVING_HALF = {"kvcomm.integrations.vllm.request_plans"}
+LEFT_TO_THE_SERVING_HALF = {"kvcomm.integrations.vllm.planning.server_planner"}
 """It sets a new plan's exact prefix and note after making it (issue 51's serving half, which
 edits integrations/vllm, gives them to the constructor)."""
 

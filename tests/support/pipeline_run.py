@@ -92,7 +92,8 @@ def main(mode: str, model: str | None = None, tensor_parallel_size: int = 1, sta
     from kvcomm.core.segments import Segment
     from kvcomm.reuse.pipeline import load_demo_pipeline
     from kvcomm.reuse.runner import _content, build_prompt
-    from kvcomm.integrations.vllm.llm import make_llm, transfer_config
+    from kvcomm.integrations.vllm.inprocess.llm import make_llm
+    from kvcomm.integrations.vllm.wire.config import transfer_config
     from support.tokenizer import embedded_tokenizer
 
     llm = make_llm(model, in_process=mode == "inproc", max_num_batched_tokens=64, max_num_seqs=8, block_size=32,

@@ -12,7 +12,7 @@ from kvcomm.integrations.local.segments import ChatTurn, render_chat
 from kvcomm.integrations.remote.wire import (
     StreamedCompletion, completion_body, end_to_end_ttft, provenance, ttft_seconds, wire_slot,
 )
-from kvcomm.integrations.vllm.params import SLOT_NAME, parse_params
+from kvcomm.integrations.vllm.wire.params import SLOT_NAME, parse_params
 
 _author = st.text(min_size=1, max_size=90)
 _index = st.integers(0, 10_000)

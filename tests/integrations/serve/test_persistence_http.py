@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcomm.integrations.vllm.state import TENANT_FILE
+from kvcomm.integrations.vllm.planning.planner_state import TENANT_FILE
 from kvcomm.services.persist import MANIFEST, object_refs
 from kvcomm.reuse.pipeline import load_demo_pipeline
 from kvcomm.reuse.runner import _content, build_prompt

@@ -52,12 +52,12 @@ def _child(runner: str) -> None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.inputs import TokensPrompt
 
-    import kvcomm.integrations.vllm.worker as worker_module
+    import kvcomm.integrations.vllm.connector.worker as worker_module
     from kvcomm.core.copy import copy_tokens
     from kvcomm.core.kv import KV
     from kvcomm.core.kv_target import KVTarget
-    from kvcomm.integrations.vllm.channel import Order, channel
-    from kvcomm.integrations.vllm.llm import make_llm, shutdown_llm
+    from kvcomm.integrations.vllm.wire.channel import Order, channel
+    from kvcomm.integrations.vllm.inprocess.llm import make_llm, shutdown_llm
 
     llm = make_llm(max_model_len=5 * BLOCK_SIZE, block_size=BLOCK_SIZE, max_num_batched_tokens=64, max_num_seqs=8,
                    num_gpu_blocks_override=BLOCKS, enable_prefix_caching=False)

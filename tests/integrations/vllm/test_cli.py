@@ -81,7 +81,7 @@ def _connector(kv_extra=None, **parallel):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     from kvcomm.integrations.vllm.connector import KvcommConnector
-    from kvcomm.integrations.vllm.llm import transfer_config
+    from kvcomm.integrations.vllm.wire.config import transfer_config
 
     config = VllmConfig(parallel_config=ParallelConfig(**parallel), kv_transfer_config=transfer_config(extra=kv_extra))
     full = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.float32)

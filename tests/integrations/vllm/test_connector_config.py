@@ -1,4 +1,4 @@
-"""The connector's settings (``vllm.connector_config``): read once into a ``ConnectorConfig``, with
+"""The connector's settings (``vllm.wire.config``): read once into a ``ConnectorConfig``, with
 today's defaults; every bad value and every unknown key refused at start-up with a message that
 names it; what `kvcomm serve` builds loads as vLLM's own parser hands it over; and no other module
 reads ``kv_connector_extra_config``. No engine runs."""
@@ -16,8 +16,8 @@ import torch
 pytest.importorskip("vllm")
 
 from kvcomm.anchors.config import PoolConfig  # noqa: E402
-from kvcomm.integrations.vllm.connector_config import ConnectorConfig  # noqa: E402
-from kvcomm.integrations.vllm.params import shown  # noqa: E402
+from kvcomm.integrations.vllm.wire.config import ConnectorConfig  # noqa: E402
+from kvcomm.integrations.vllm.wire.params import shown  # noqa: E402
 from kvcomm.reuse.scopes import DEFAULT_SCOPE  # noqa: E402
 from kvcomm.services.quality_guard import GuardConfig  # noqa: E402
 
@@ -32,7 +32,7 @@ def _connector(role: str, extra: dict):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     from kvcomm.integrations.vllm.connector import KvcommConnector
-    from kvcomm.integrations.vllm.llm import transfer_config
+    from kvcomm.integrations.vllm.wire.config import transfer_config
 
     config = VllmConfig(kv_transfer_config=transfer_config(extra=extra))
     full = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.float32)
@@ -159,7 +159,8 @@ def test_what_kvcomm_serve_builds_loads_as_vllms_parser_hands_it_over(tmp_path):
 
 
 def test_make_llm_refuses_a_bad_setting_before_vllm_starts(monkeypatch):
-    from kvcomm.integrations.vllm.llm import make_llm, transfer_config
+    from kvcomm.integrations.vllm.inprocess.llm import make_llm
+    from kvcomm.integrations.vllm.wire.config import transfer_config
 
     for name, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1"),
                         ("VLLM_LOGGING_STREAM", "ext://sys.stderr")):
@@ -176,4 +177,4 @@ def test_only_the_settings_module_reads_the_extra_config():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Attribute) and node.attr in ("kv_connector_extra_config", "get_from_extra_config"):
                 readers.add(path.relative_to(ROOT).as_posix())
-    assert readers == {"integrations/vllm/connector_config.py"}
+    assert readers == {"integrations/vllm/wire/config.py"}

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcomm.integrations.vllm.detect import RunIndex
-from kvcomm.integrations.vllm.params import SpanAnnotation
+from kvcomm.integrations.vllm.planning.run_index import RunIndex
+from kvcomm.integrations.vllm.wire.params import SpanAnnotation
 from kvcomm.reuse.pipeline import Slot, load_demo_pipeline
 from kvcomm.reuse.runner import run_row
 

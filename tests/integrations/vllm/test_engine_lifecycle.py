@@ -20,8 +20,8 @@ import json, sys
 import torch
 from kvcomm.core.segments import Segment
 from kvcomm.integrations.transformers.embedded import load_tokenizer
-from kvcomm.integrations.vllm.llm import make_llm
-from kvcomm.integrations.vllm.executor import VllmExecutor
+from kvcomm.integrations.vllm.inprocess.llm import make_llm
+from kvcomm.integrations.vllm.inprocess.executor import VllmExecutor
 
 model = sys.argv[1]
 def start():
@@ -37,7 +37,8 @@ try:
 except RuntimeError as error:
     refused = str(error)
 from vllm import LLM  # around make_llm: the second engine starts, on the first one's connector
-from kvcomm.integrations.vllm.llm import DEFAULTS, shutdown_llm, transfer_config
+from kvcomm.integrations.vllm.inprocess.llm import DEFAULTS, shutdown_llm
+from kvcomm.integrations.vllm.wire.config import transfer_config
 rogue = LLM(model=model, **{**DEFAULTS, "block_size": 32, "max_num_batched_tokens": 64}, kv_transfer_config=transfer_config())
 try:
     VllmExecutor(rogue, load_tokenizer(model))

@@ -133,8 +133,8 @@ def test_demo_pipeline_conformance(vllm_executor, smol_executor):
 FRESH_THREAD = """
 import threading, torch
 torch.set_num_threads(1)  # the process's count; a fresh thread's OpenMP default is the cores' (2 here)
-from kvcomm.integrations.vllm.executor import VllmExecutor
-from kvcomm.integrations.vllm.llm import make_llm
+from kvcomm.integrations.vllm.inprocess.executor import VllmExecutor
+from kvcomm.integrations.vllm.inprocess.llm import make_llm
 from kvcomm.integrations.transformers.embedded import load_tokenizer
 executor = VllmExecutor(make_llm(max_num_batched_tokens=64, max_num_seqs=2, block_size=32), load_tokenizer())
 ids = executor.encode("Name three colours of the rainbow and one fruit for each of them.")

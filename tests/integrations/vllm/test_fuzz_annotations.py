@@ -10,7 +10,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcomm.integrations.vllm.params import KvcommParams, KvcommParamsError, parse_params
+from kvcomm.integrations.vllm.wire.params import KvcommParams, KvcommParamsError, parse_params
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=True) | st.text(max_size=12),

@@ -4,11 +4,11 @@ import subprocess
 import sys
 import textwrap
 
-from kvcomm.integrations.vllm.host_memory import Trimmer
+from kvcomm.integrations.vllm.planning.host_memory import Trimmer
 
 FRAGMENTED = textwrap.dedent("""
     import json, time, psutil, torch
-    from kvcomm.integrations.vllm.host_memory import Trimmer
+    from kvcomm.integrations.vllm.planning.host_memory import Trimmer
     rss = lambda: psutil.Process().memory_info().rss
     torch.empty(16 << 20, dtype=torch.uint8)  # freed at once: glibc's mmap threshold rises past a segment's KV
     held = [torch.ones(1 << 18) for _ in range(400)]  # 400 x 1 MiB, as a pool's segments are

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvcomm.core.kv import KV
-from kvcomm.integrations.vllm.channel import Injection, Order
+from kvcomm.integrations.vllm.wire.channel import Injection, Order
 
 pytestmark = pytest.mark.slow
 

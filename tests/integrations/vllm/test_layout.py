@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
-from kvcomm.integrations.vllm.layout import KvIO, LayoutError  # noqa: E402
+from kvcomm.integrations.vllm.connector.layout import KvIO, LayoutError  # noqa: E402
 
 
 class _Layer(torch.nn.Module):

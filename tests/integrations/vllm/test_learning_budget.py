@@ -1,4 +1,4 @@
-"""Learning in the engine step is bounded (``vllm.worker_plans``): the worker learns at most
+"""Learning in the engine step is bounded (``vllm.planning.worker_plans``): the worker learns at most
 ``LEARN_POSITIONS_PER_STEP`` captured positions a step (at least one request), the oldest first,
 reports each capture it lets go so the scheduler releases its bytes, and ends with the state it
 would have had learning every request at once. Driven as the worker side drives ``WorkerPlans``
@@ -12,17 +12,17 @@ import torch
 
 pytest.importorskip("vllm")
 
-from kvcomm.integrations.vllm.channel import Capture, Channel  # noqa: E402
-from kvcomm.integrations.vllm.messages import Finished, PlanAsk, handle_of  # noqa: E402
-from kvcomm.integrations.vllm.params import parse_params  # noqa: E402
-from kvcomm.integrations.vllm.worker_plans import LEARN_POSITIONS_PER_STEP, WorkerPlans  # noqa: E402
+from kvcomm.integrations.vllm.wire.channel import Capture, Channel  # noqa: E402
+from kvcomm.integrations.vllm.wire.messages import Finished, PlanAsk, handle_of  # noqa: E402
+from kvcomm.integrations.vllm.wire.params import parse_params  # noqa: E402
+from kvcomm.integrations.vllm.planning.worker_plans import LEARN_POSITIONS_PER_STEP, WorkerPlans  # noqa: E402
 
 
 def _plans(executor) -> WorkerPlans:
     from vllm.config import VllmConfig
 
-    from kvcomm.integrations.vllm.connector_config import ConnectorConfig
-    from kvcomm.integrations.vllm.llm import transfer_config
+    from kvcomm.integrations.vllm.wire.config import ConnectorConfig
+    from kvcomm.integrations.vllm.wire.config import transfer_config
 
     channel = Channel()
     channel.rotary = executor.rotary

@@ -18,7 +18,7 @@ def _forbid_transformers_model(monkeypatch) -> None:
 
 def test_eval_vllm_backend_builds_its_executor_from_a_tokenizer_alone(monkeypatch):
     from kvcomm.eval import cli_eval
-    from kvcomm.integrations.vllm import executor, llm
+    from kvcomm.integrations.vllm.inprocess import executor, llm
 
     built = {}
 
@@ -39,7 +39,7 @@ def test_vllm_executor_stop_tokens_without_a_transformers_model(monkeypatch, vll
     from transformers import GenerationConfig
 
     from kvcomm.integrations.transformers.embedded import embedded_model_dir, load_tokenizer
-    from kvcomm.integrations.vllm.executor import VllmExecutor
+    from kvcomm.integrations.vllm.inprocess.executor import VllmExecutor
 
     _forbid_transformers_model(monkeypatch)
     tokenizer = load_tokenizer()
@@ -54,7 +54,7 @@ def test_vllm_executor_stop_tokens_without_a_transformers_model(monkeypatch, vll
 @pytest.mark.parametrize("eos", [7, [7, 9]])
 def test_generation_config_eos_is_a_stop_token(monkeypatch, vllm_llm, eos):
     from kvcomm.integrations.transformers.embedded import load_tokenizer
-    from kvcomm.integrations.vllm.executor import VllmExecutor
+    from kvcomm.integrations.vllm.inprocess.executor import VllmExecutor
 
     model_config = vllm_llm.llm_engine.vllm_config.model_config
     monkeypatch.setattr(type(model_config), "try_get_generation_config", lambda self: {"eos_token_id": eos})

@@ -21,7 +21,8 @@ def lora_llm(tmp_path_factory, smol_tokenizer):
     from vllm.lora.request import LoRARequest
 
     from kvcomm.integrations.transformers.embedded import resolve_model_dir
-    from kvcomm.integrations.vllm.llm import make_llm, shutdown_llm, transfer_config
+    from kvcomm.integrations.vllm.inprocess.llm import make_llm, shutdown_llm
+    from kvcomm.integrations.vllm.wire.config import transfer_config
     from support.lora import write_adapter
 
     folder, model = tmp_path_factory.mktemp("adapters"), resolve_model_dir(None)

@@ -1,4 +1,4 @@
-"""What the connector's scheduler and worker sides tell each other (``vllm.messages``): the
+"""What the connector's scheduler and worker sides tell each other (``vllm.wire.messages``): the
 worker metadata of several workers (tensor-parallel ranks) aggregates into one answer per
 request."""
 
@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvcomm.integrations.vllm.messages import KvcommWorkerMetadata, PlanAnswer, PlanAsk  # noqa: E402
+from kvcomm.integrations.vllm.wire.messages import KvcommWorkerMetadata, PlanAnswer, PlanAsk  # noqa: E402
 
 
 def test_worker_metadata_aggregates_the_answers_of_several_workers():

@@ -142,7 +142,7 @@ class _Recorder:
 def _install(llm, recorder: _Recorder) -> dict:
     """Wrap the engine's real objects so that every call is recorded (and, when asked, clear
     ``has_sync_kv_loads`` on the scheduler's outputs). Returns what the engine runs."""
-    import kvcomm.integrations.vllm.worker as worker_module
+    import kvcomm.integrations.vllm.connector.worker as worker_module
     from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
@@ -256,8 +256,9 @@ def _child() -> None:
     import torch
 
     from kvcomm.core.kv import KV
-    from kvcomm.integrations.vllm.channel import Injection, Order, channel
-    from kvcomm.integrations.vllm.llm import make_llm, shutdown_llm, transfer_config
+    from kvcomm.integrations.vllm.wire.channel import Injection, Order, channel
+    from kvcomm.integrations.vllm.inprocess.llm import make_llm, shutdown_llm
+    from kvcomm.integrations.vllm.wire.config import transfer_config
 
     llm = make_llm(max_model_len=5 * BLOCK_SIZE, block_size=BLOCK_SIZE, max_num_batched_tokens=64, max_num_seqs=8,
                    num_gpu_blocks_override=BLOCKS, enable_prefix_caching=False, kv_transfer_config=transfer_config(extra={"plan": True, "gamma": 1.0}))
@@ -495,7 +496,7 @@ def test_every_kv_cache_layout_vllm_can_pick_is_written_and_read_exactly(layout_
     from kvcomm.core.copy import copy_tokens
     from kvcomm.core.kv import KV
     from kvcomm.core.kv_target import KVTarget, Paged
-    from kvcomm.integrations.vllm.layout import KvIO
+    from kvcomm.integrations.vllm.connector.layout import KvIO
 
     from .test_layout import _cpu_layer, _FlashLayoutImpl, _Layer
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcomm.integrations.vllm.params import KvcommParamsError, SpanAnnotation, parse_params
+from kvcomm.integrations.vllm.wire.params import KvcommParamsError, SpanAnnotation, parse_params
 
 
 def test_requests_without_kvcomm_key_are_not_opted_in():

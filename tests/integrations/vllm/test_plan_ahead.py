@@ -15,9 +15,9 @@ from kvcomm.core.place import place_all
 from kvcomm.reuse.config import ReuseConfig
 from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.reuse.runner import run_agent
-from kvcomm.integrations.vllm.channel import Capture
-from kvcomm.integrations.vllm.params import KvcommParamsError, parse_params
-from kvcomm.integrations.vllm.request_plans import ServerPlanner, annotated_prompt
+from kvcomm.integrations.vllm.wire.channel import Capture
+from kvcomm.integrations.vllm.wire.params import KvcommParamsError, parse_params
+from kvcomm.integrations.vllm.planning.server_planner import ServerPlanner, annotated_prompt
 
 CONFIG = ReuseConfig(pool=PoolConfig(gamma=1.0))
 MAX_TOKENS = 3

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("vllm")
 
 from kvcomm.integrations.vllm.connector import KvcommConnector  # noqa: E402
-from kvcomm.integrations.vllm.refusals import config_refusal, device_memory_budget, host_memory_budget  # noqa: E402
+from kvcomm.integrations.vllm.connector.refusals import config_refusal, device_memory_budget, host_memory_budget  # noqa: E402
 
 
 def _group(spec):
@@ -88,7 +88,7 @@ def test_the_connector_asks_vllm_for_piecewise_cuda_graphs():
     """vLLM turns FULL_AND_PIECEWISE into PIECEWISE when the connector class says so."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from kvcomm.integrations.vllm.llm import transfer_config
+    from kvcomm.integrations.vllm.wire.config import transfer_config
 
     assert KVConnectorFactory.get_connector_class(transfer_config()) is KvcommConnector
     assert KvcommConnector.requires_piecewise_for_cudagraph({}) is True
@@ -98,7 +98,8 @@ _REFUSED_ENGINE = r"""
 import json, sys
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
-from kvcomm.integrations.vllm.llm import make_llm, transfer_config
+from kvcomm.integrations.vllm.inprocess.llm import make_llm
+from kvcomm.integrations.vllm.wire.config import transfer_config
 strict = sys.argv[1] == "strict"
 try:
     llm = make_llm(sys.argv[2], block_size=32, max_num_batched_tokens=64,

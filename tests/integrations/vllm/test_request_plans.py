@@ -11,9 +11,9 @@ from prometheus_client import REGISTRY
 from kvcomm.anchors.config import PoolConfig
 from kvcomm.reuse.config import ReuseConfig
 from kvcomm.services.tenants import tenant_label
-from kvcomm.integrations.vllm.channel import Capture
-from kvcomm.integrations.vllm.params import parse_params
-from kvcomm.integrations.vllm.request_plans import ServerPlanner
+from kvcomm.integrations.vllm.wire.channel import Capture
+from kvcomm.integrations.vllm.wire.params import parse_params
+from kvcomm.integrations.vllm.planning.server_planner import ServerPlanner
 
 
 def serve(planner: ServerPlanner, executor, ids: list[int], spans: list[dict], tenant: str, max_tokens: int = 3,
@@ -85,7 +85,7 @@ def test_tenant_byte_cap_holds_and_does_not_touch_other_tenants(tiny_executor):
 def test_metrics_count_what_the_requests_reported(planner, tiny_executor):
     """Counters from the summaries (``record_served``, as the connector's scheduler side calls
     it), pool gauges from the planner itself after it learned."""
-    from kvcomm.integrations.vllm.metrics import record_served
+    from kvcomm.integrations.vllm.planning.metrics import record_served
 
     def sample(source: str) -> float:
         return REGISTRY.get_sample_value("kvcomm_prompt_tokens_total", {"source": source}) or 0.0
@@ -123,7 +123,7 @@ def test_a_segment_id_is_bound_to_its_content(planner, tiny_executor):
     """A client id names one content: the id sent again with other tokens is refused (the request
     is served without reuse), never estimated from the first content's base; the same content
     under any id, or none, is the same content to the engine."""
-    from kvcomm.integrations.vllm.params import KvcommParamsError
+    from kvcomm.integrations.vllm.wire.params import KvcommParamsError
 
     first, spans = request(1)
     named = [{**spans[0], "id": "doc-1"}]
@@ -141,8 +141,8 @@ def test_a_segment_id_is_bound_to_its_content(planner, tiny_executor):
 
 
 def test_remembered_segment_ids_are_bounded():
-    from kvcomm.integrations.vllm.ids import SegmentIds
-    from kvcomm.integrations.vllm.params import parse_params as parse
+    from kvcomm.integrations.vllm.planning.segment_ids import SegmentIds
+    from kvcomm.integrations.vllm.wire.params import parse_params as parse
 
     ids = SegmentIds(max_ids=10)
     for n in range(100):
@@ -155,7 +155,7 @@ def test_metric_labels_are_bounded_whatever_the_clients_name(tiny_executor, monk
     """Slot names (and, without API keys, tenants) come from clients: 100 tenants with 100 slots
     export at most MAX_*_LABELS label values each, the rest summed under "other"."""
     from kvcomm.anchors.pool import AnchorPool
-    from kvcomm.integrations.vllm import metrics
+    from kvcomm.integrations.vllm.planning import metrics
 
     monkeypatch.setattr(metrics, "_labels", {"slot": {}, "tenant": {}})
     planner = ServerPlanner(tiny_executor.rotary)

@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 
 from kvcomm.core.rope import RopeError  # noqa: E402
 from kvcomm.integrations.transformers.rotary import rotary_from_model  # noqa: E402
-from kvcomm.integrations.vllm.rotary import rotary_from_vllm, self_check, served_rotary  # noqa: E402
+from kvcomm.integrations.vllm.connector.rotary import rotary_from_vllm, self_check, served_rotary  # noqa: E402
 
 HEAD_DIM = 16
 MAX_POSITIONS = 2048
@@ -134,7 +134,7 @@ def _config(head_dim: int, rope: dict):
 
 
 def test_the_served_rotary_is_found_in_vllms_rope_cache_and_a_failing_check_refuses(monkeypatch):
-    from kvcomm.integrations.vllm import rotary as vllm_rotary
+    from kvcomm.integrations.vllm.connector import rotary as vllm_rotary
 
     rope = {"rope_type": "default", "rope_theta": 5000.0}
     module = _vllm_module(rope, head_dim=24)
@@ -151,7 +151,7 @@ def test_the_engine_reads_the_embedded_models_rotary_from_vllm(vllm_llm, smol):
     """In a running engine, the connector's Rotary (vLLM's module, self-checked at start-up)
     equals the one transformers reads from the same checkpoint."""
     from kvcomm.core.fingerprint import rope_digest
-    from kvcomm.integrations.vllm.channel import channel
+    from kvcomm.integrations.vllm.wire.channel import channel
 
     served = channel(str(vllm_llm.llm_engine.vllm_config.kv_transfer_config.engine_id))
     assert served.refusal is None and served.rope_check.passed
@@ -162,7 +162,8 @@ _UNSUPPORTED_ROPE_ENGINE = r"""
 import json, sys
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
-from kvcomm.integrations.vllm.llm import make_llm, transfer_config
+from kvcomm.integrations.vllm.inprocess.llm import make_llm
+from kvcomm.integrations.vllm.wire.config import transfer_config
 strict = sys.argv[1] == "strict"
 rope = {"rope_type": "dynamic", "alpha": 2.0, "rope_theta": 100000.0}
 try:

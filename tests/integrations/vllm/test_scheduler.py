@@ -1,4 +1,4 @@
-"""The connector's scheduler side without an engine (``vllm.scheduler``, built through
+"""The connector's scheduler side without an engine (``vllm.connector.scheduler``, built through
 ``KvcommConnector`` as vLLM builds it): an annotated request is answered "not yet" and asked
 for in the step's metadata; the worker's answer makes it claimable; errors and aborts travel
 back; finished requests go down before new asks."""
@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from kvcomm.integrations.vllm.messages import FinalCapture, Finished, KvcommWorkerMetadata, PlanAnswer  # noqa: E402
+from kvcomm.integrations.vllm.wire.messages import FinalCapture, Finished, KvcommWorkerMetadata, PlanAnswer  # noqa: E402
 
 
 def _scheduler_connector(**extra):
@@ -22,7 +22,7 @@ def _scheduler_connector(**extra):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     from kvcomm.integrations.vllm.connector import KvcommConnector
-    from kvcomm.integrations.vllm.llm import transfer_config
+    from kvcomm.integrations.vllm.wire.config import transfer_config
 
     config = VllmConfig(kv_transfer_config=transfer_config(extra={"plan": True, **extra}))
     full = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.float32)
@@ -110,7 +110,7 @@ def test_bad_options_are_refused_at_once_without_asking_the_worker():
 
 def test_an_in_process_order_is_claimed_beyond_vllms_hit_and_its_load_sent_as_slots_of_the_bound_block_table():
     from kvcomm.core.kv import KV
-    from kvcomm.integrations.vllm.channel import Injection, Order
+    from kvcomm.integrations.vllm.wire.channel import Injection, Order
 
     connector = _scheduler_connector()
     inject = Injection.of_kv(KV(torch.zeros(1, 3, 20, 64), torch.zeros(1, 3, 20, 64)))
@@ -151,7 +151,7 @@ def test_a_finished_request_keeps_its_blocks_only_when_there_is_something_to_cap
     up to what was computed; not a request aborted before its plan came back, one preempted (its
     blocks are gone, nothing computed), one whose order the in-process caller took back, or a
     rejected one. The capture ends at what was computed, or at capture_to."""
-    from kvcomm.integrations.vllm.channel import Order
+    from kvcomm.integrations.vllm.wire.channel import Order
 
     connector = _scheduler_connector()
     summary = {"prompt_tokens": 40, "exact_tokens": 0, "estimated_tokens": 0, "computed_tokens": 40,
@@ -210,7 +210,7 @@ def test_a_request_whose_capture_would_exceed_the_budget_is_served_plainly_with_
     dtype bytes on the KV device, outside vLLM's budget: here 1 layer x 2 x 3 x 64 x 4 = 1,536
     bytes a position. Over max_capture_bytes the request is not planned (no ask, nothing
     claimed or captured); the reason comes back in its kv_transfer_params."""
-    from kvcomm.integrations.vllm.scheduler import capture_bytes_per_token
+    from kvcomm.integrations.vllm.connector.scheduler import capture_bytes_per_token
 
     connector = _scheduler_connector(max_capture_bytes=45 * 1536)
     assert capture_bytes_per_token(connector.scheduler._kv_cache_config) == 1536
@@ -266,7 +266,7 @@ def test_an_opted_in_request_under_a_lora_adapter_is_asked_for_with_the_adapters
     adapter, another for another name, another path, or the same path with other files."""
     from vllm.lora.request import LoRARequest
 
-    from kvcomm.integrations.vllm.scheduler import adapter_identity
+    from kvcomm.integrations.vllm.connector.scheduler import adapter_identity
 
     folder = tmp_path / "critic"
     folder.mkdir()

@@ -1,4 +1,4 @@
-"""The quality guard in the server's planner (``vllm.guard``): plans made ahead sampled, the reuse
+"""The quality guard in the server's planner (``vllm.planning.guard``): plans made ahead sampled, the reuse
 twin served its request's plan and learning nothing, a KL measured from sparse log-probabilities
 (as `kvcomm serve` reads them from vLLM) equal to the in-process guard's, recorded and acted on,
 and later plans cut at a disabled slot; driven as the connector drives the planner, on a tiny
@@ -14,9 +14,9 @@ from kvcomm.core.kv import KV
 from kvcomm.core.kv_target import KVTarget
 from kvcomm.core.place import place_all
 from kvcomm.services.quality_guard import GuardConfig
-from kvcomm.integrations.vllm.guard import guard_config
-from kvcomm.integrations.vllm.params import KvcommParamsError
-from kvcomm.integrations.vllm.request_plans import ServerPlanner
+from kvcomm.integrations.vllm.wire.config import guard_config
+from kvcomm.integrations.vllm.wire.params import KvcommParamsError
+from kvcomm.integrations.vllm.planning.server_planner import ServerPlanner
 from .test_plan_ahead import CONFIG, MAX_TOKENS, _params, _run, agent_request
 
 

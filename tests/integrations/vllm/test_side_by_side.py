@@ -36,7 +36,7 @@ SPEC = parse_pipeline({
 def _spy(monkeypatch) -> list[tuple[tuple[int, ...], int, int]]:
     """Every request ``VllmExecutor`` sends from now on: (prompt ids, injected tokens, vLLM's
     cached prompt tokens), in order."""
-    from kvcomm.integrations.vllm.executor import VllmExecutor
+    from kvcomm.integrations.vllm.inprocess.executor import VllmExecutor
 
     seen = []
     run = VllmExecutor._run

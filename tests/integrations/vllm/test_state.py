@@ -11,8 +11,8 @@ import logging
 from kvcomm.anchors.config import PoolConfig
 from kvcomm.reuse.config import ReuseConfig
 from kvcomm.core.fingerprint import model_fingerprint
-from kvcomm.integrations.vllm.state import TENANT_FILE, PlannerState
-from kvcomm.integrations.vllm.request_plans import ServerPlanner
+from kvcomm.integrations.vllm.planning.planner_state import TENANT_FILE, PlannerState
+from kvcomm.integrations.vllm.planning.server_planner import ServerPlanner
 from kvcomm.services.tenants import adapter_key, tenant_label
 from support.one_thread import one_thread  # noqa: F401 (autouse fixture)
 from ..vllm.test_request_plans import request, serve
@@ -50,7 +50,7 @@ def test_a_restarted_planner_restores_every_tenant_and_plans_the_same(tiny_execu
 
     other_model = dataclasses.replace(fingerprint, checkpoint="another checkpoint")
     elsewhere = _planner(tiny_executor)
-    with caplog.at_level(logging.ERROR, logger="kvcomm.integrations.vllm.state"):
+    with caplog.at_level(logging.ERROR, logger="kvcomm.integrations.vllm.planning.planner_state"):
         refused = PlannerState(elsewhere, tmp_path, other_model).restore()
     assert all(text.startswith("not restored") for text in refused.values()) and "starts cold" in caplog.text
     assert elsewhere.registry.tenants == () or all(not e.pools for e in elsewhere.engines.values())
@@ -103,7 +103,7 @@ def test_a_refused_save_is_moved_aside_untouched_and_never_overwritten(tiny_exec
     ):
         state = PlannerState(planner, tmp_path, where, interval_s=3600)
         caplog.clear()
-        with caplog.at_level(logging.ERROR, logger="kvcomm.integrations.vllm.state"):
+        with caplog.at_level(logging.ERROR, logger="kvcomm.integrations.vllm.planning.planner_state"):
             outcome = state.restore()
         assert outcome[folder.name].startswith("not restored"), (name, outcome)
         aside = [p for p in tmp_path.iterdir() if p.name.startswith(f"{folder.name}.refused-")]
@@ -166,7 +166,7 @@ def test_a_save_that_runs_out_of_space_keeps_the_previous_one_and_a_later_save_s
     handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
     try:
-        with caplog.at_level(logging.ERROR, logger="kvcomm.integrations.vllm.state"):
+        with caplog.at_level(logging.ERROR, logger="kvcomm.integrations.vllm.planning.planner_state"):
             state._guarded_save()  # what the saver thread and the save at exit call
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
@@ -200,7 +200,7 @@ def test_a_restart_removes_what_killed_saves_left_and_moves_an_unreadable_tenant
         path.parent.mkdir(exist_ok=True)
         path.write_bytes(b"\0" * 4096)
     (b / TENANT_FILE).write_text('{"tenant": "tea')  # torn
-    with caplog.at_level(logging.INFO, logger="kvcomm.integrations.vllm.state"):
+    with caplog.at_level(logging.INFO, logger="kvcomm.integrations.vllm.planning.planner_state"):
         outcome = PlannerState(_planner(tiny_executor), tmp_path, fingerprint).restore()
     assert outcome[a.name].startswith("restored") and outcome[b.name].startswith("not restored")
     assert not any(p.exists() for p in stale) and all(p.exists() for p in kept)

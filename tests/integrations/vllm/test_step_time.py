@@ -1,4 +1,4 @@
-"""kvcomm's own time per engine step (``vllm.step_time``): the clock itself, then the connector's
+"""kvcomm's own time per engine step (``vllm.connector.step_time``): the clock itself, then the connector's
 hooks and the plan-ahead RPC timed in the in-process engine, one observation per engine step
 and side."""
 
@@ -9,7 +9,7 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
-from kvcomm.integrations.vllm.step_time import SIDES, StepClock
+from kvcomm.integrations.vllm.connector.step_time import SIDES, StepClock
 
 
 def _sample(name: str, side: str) -> float:
@@ -69,7 +69,7 @@ def test_the_connector_hooks_and_plan_ahead_are_timed_once_per_engine_step(vllm_
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvcomm.integrations.vllm.worker_extension import KvcommWorkerExtension
+    from kvcomm.integrations.vllm.connector.worker_extension import KvcommWorkerExtension
 
     text = " ".join(f"pump {n} failed at the river station, the engineer wrote in report {n % 7}." for n in range(24))
     ids = vllm_executor.encode(text)

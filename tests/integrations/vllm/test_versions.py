@@ -13,7 +13,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 from kvcomm.integrations.vllm.connector import KvcommConnector  # noqa: E402
-from kvcomm.integrations.vllm.versions import ALLOW_UNTESTED_ENV, TESTED_VLLM, check_vllm_version, version_refusal  # noqa: E402
+from kvcomm.integrations.vllm.connector.versions import ALLOW_UNTESTED_ENV, TESTED_VLLM, check_vllm_version, version_refusal  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -47,7 +47,7 @@ def test_the_connector_refuses_an_untested_vllm_before_reading_its_config(monkey
 def test_the_opt_out_starts_with_a_warning_and_a_wrong_value_is_refused(monkeypatch, caplog):
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
     monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
-    with caplog.at_level(logging.WARNING, logger="kvcomm.integrations.vllm.versions"):
+    with caplog.at_level(logging.WARNING, logger="kvcomm.integrations.vllm.connector.versions"):
         check_vllm_version()
     assert "untested vLLM 0.33.0" in caplog.text
     with pytest.raises(AttributeError):  # past the version check: the None config is read next

@@ -19,7 +19,7 @@ import threading
 from collections import OrderedDict
 
 from kvcomm.core.segments import content_id
-from kvcomm.integrations.vllm.params import KvcommParams, KvcommParamsError, shown
+from kvcomm.integrations.vllm.wire.params import KvcommParams, KvcommParamsError, shown
 
 MAX_IDS = 4096
 """Client segment ids remembered per tenant."""

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from kvcomm.integrations.vllm.channel import Channel
+    from kvcomm.integrations.vllm.wire.channel import Channel
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def device_memory_budget(device_type: str, free_bytes: int | None, max_total_byt
     start-up). They are capped by ``max_total_bytes`` (all ranks together, so each rank holds
     ``1/ranks`` of it; a positive integer, ``ConnectorConfig`` checked it); without one the cap is ``DEVICE_MEMORY_SHARE`` of what is free less the
     capture budget (``capture_bytes``: ``max_capture_bytes``, which bounds the captures of all
-    requests in flight together, ``vllm.scheduler``). A given cap whose share plus the capture
+    requests in flight together, ``vllm.connector.scheduler``). A given cap whose share plus the capture
     budget does not fit
     is refused, or the first large plan would fail inside a forward. On a CPU (host memory) the
     cap is the operator's, or ``host_memory_budget`` without one."""

@@ -2,9 +2,9 @@
 
 One process-level ``Channel`` per engine (keyed by ``KVTransferConfig.engine_id``) carries
 state between the connector instances and callers that share a process: in the worker, the
-planner (``vllm.worker_plans``) and the layer hooks (``vllm.worker``); with
+planner (``vllm.planning.worker_plans``) and the layer hooks (``vllm.connector.worker``); with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (scheduler, worker and caller in one process) also
-in-process callers such as ``VllmExecutor``. Across processes the connector sends metadata only (``vllm.messages``).
+in-process callers such as ``VllmExecutor``. Across processes the connector sends metadata only (``vllm.wire.messages``).
 It holds KV to inject per request handle, the real KV captured for it (copied once, when its
 request finished, and kept on the KV cache's device until taken), the served model's ``Rotary`` (read from vLLM's rotary module
 and self-checked by the worker side at start-up), and why the connector is off if it refused

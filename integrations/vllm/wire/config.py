@@ -10,7 +10,8 @@ when vLLM replaces the connector with its own offloading connector, and under
 ``MultiConnector`` each child gets the extra config its own entry names.
 
 `kvcomm serve` builds these settings from its flags (``serve.command.engine_settings``);
-``vllm.llm.transfer_config`` takes them as a dict.
+``transfer_config`` takes them as a dict and builds the ``KVTransferConfig`` that loads the
+connector by module path (``CONNECTOR_MODULE``).
 """
 
 from __future__ import annotations
@@ -22,13 +23,34 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Mapping
 
 from kvcomm.anchors.config import PoolConfig
-from kvcomm.integrations.vllm.guard import guard_config
-from kvcomm.integrations.vllm.params import SLOT_NAME, shown
+from kvcomm.integrations.vllm.wire.params import SLOT_NAME, shown
 from kvcomm.reuse.scopes import DEFAULT_SCOPE, SCOPES
 from kvcomm.services.quality_guard import GuardConfig
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig, VllmConfig
+
+CONNECTOR = "KvcommConnector"
+CONNECTOR_MODULE = "kvcomm.integrations.vllm.connector"
+
+def transfer_config(engine_id: str | None = None, extra: dict[str, Any] | None = None):
+    """The ``KVTransferConfig`` that loads kvcomm's connector (``kv_role="kv_both"``)."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector=CONNECTOR, kv_role="kv_both", kv_connector_module_path=CONNECTOR_MODULE,
+        engine_id=engine_id, kv_connector_extra_config=dict(extra or {}),
+    )
+
+
+WORKER_SHUTDOWN_S = 60
+"""With a ``state_dir``: seconds vLLM's worker process may take to exit (its own teardown, then
+the planner's save at exit) before its engine core sends it SIGTERM, 4 s later SIGKILL. vLLM's
+default (5 s) is short for a save of a few tenants on a busy machine."""
+
+WORKER_SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
+"""vLLM's grace period for a worker process at shutdown (see ``WORKER_SHUTDOWN_S``)."""
+
 
 DEFAULT_MAX_CAPTURE_BYTES = 1 << 30
 """Bytes of captured KV all opted-in requests in flight may hold together (1 GiB: 8,192 positions
@@ -42,10 +64,10 @@ WHERE = "kv_connector_extra_config"
 class ConnectorConfig:
     """Every setting of the kvcomm connector, checked when built (``ValueError`` naming the key).
 
-    plan: plan annotated requests in the worker (server-side planning, ``vllm.worker_plans``);
+    plan: plan annotated requests in the worker (server-side planning, ``vllm.planning.worker_plans``);
         default False.
     strict: a refusal fails the engine's start instead of leaving the connector off
-        (``vllm.refusals``); default False.
+        (``vllm.connector.refusals``); default False.
     reuse_scope: one of ``kvcomm.reuse.scopes.SCOPES``; default ``DEFAULT_SCOPE``.
     gamma: the anchor pools' admission entropy factor, a finite number >= 0 (``PoolConfig.gamma``,
         default 1.0).
@@ -59,10 +81,10 @@ class ConnectorConfig:
         a positive integer; default ``DEFAULT_MAX_CAPTURE_BYTES`` (1 GiB).
     slots: the slot names annotations may use (each a name like ``task``: letters, digits,
         ``_ . -``); None (default): any well-formed name. Given as a non-empty list.
-    guard: the quality guard (``vllm.guard``), given as ``{"budget": nats, "fraction": share}``;
+    guard: the quality guard (``vllm.planning.guard``), given as ``{"budget": nats, "fraction": share}``;
         None (default): no guard.
     state_dir: the folder the planner's state is restored from at start and saved to
-        (``vllm.state``); None (default): nothing kept across restarts.
+        (``vllm.planning.planner_state``); None (default): nothing kept across restarts.
     save_interval_s: seconds between saves of ``state_dir``, a positive finite number; default 60.
     """
 
@@ -171,3 +193,22 @@ def _guard(value: Any) -> GuardConfig | None:
     if value is None or isinstance(value, GuardConfig):
         return value
     return guard_config(value)
+
+
+GUARD_KEYS = ("budget", "fraction")
+
+
+def guard_config(value: Any) -> GuardConfig | None:
+    """The guard's settings from ``kv_connector_extra_config["guard"]`` (None: no guard); raises
+    ValueError, saying what to change, for anything else than ``{"budget": B[, "fraction": F]}``
+    with B >= 0 nats and F in [0, 1]."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - set(GUARD_KEYS) or "budget" not in value or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()):
+        raise ValueError(f"kv_connector_extra_config guard must be an object {{\"budget\": nats, \"fraction\": share}} "
+                         f"(fraction optional, default {GuardConfig.fraction}), got {str(value)[:200]}")
+    try:
+        return GuardConfig(budget=float(value["budget"]), fraction=float(value.get("fraction", GuardConfig.fraction)))
+    except ValueError as error:
+        raise ValueError(f"kv_connector_extra_config guard {str(value)[:200]}: {error}") from None

@@ -3,15 +3,15 @@
 worker's planner outside the engine step.
 
 - ``kvcomm_plan_ahead(ticket, token_ids, kvcomm)``: plan a request before it is submitted and
-  park the plan under ``ticket`` (``vllm.request_plans``, computed heads); returns this rank's
+  park the plan under ``ticket`` (``vllm.planning.server_planner``, computed heads); returns this rank's
   ``{"head": [start, end] | None, "shadow": ...}`` or ``{"error": why}``.
 - ``kvcomm_guard_record(shadow, kl, seconds)``: record the KL the middleware measured for a
-  plan the quality guard sampled (``vllm.guard``); returns ``{"recorded": bool}`` or ``{"error": why}``.
+  plan the quality guard sampled (``vllm.planning.guard``); returns ``{"recorded": bool}`` or ``{"error": why}``.
 """
 
 from __future__ import annotations
 
-from kvcomm.integrations.vllm.step_time import CLOCKS
+from kvcomm.integrations.vllm.connector.step_time import CLOCKS
 
 
 class KvcommWorkerExtension:

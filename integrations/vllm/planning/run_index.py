@@ -23,7 +23,7 @@ import random
 import threading
 from typing import Sequence
 
-from kvcomm.integrations.vllm.params import SpanAnnotation
+from kvcomm.integrations.vllm.wire.params import SpanAnnotation
 
 _MOD = (1 << 61) - 1
 

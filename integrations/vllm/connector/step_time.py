@@ -1,7 +1,7 @@
 """kvcomm's own time per vLLM engine step, per side, as Prometheus metrics.
 
 Each hook of the connector (``vllm.connector``) and each RPC to the workers
-(``vllm.worker_extension``: ``kvcomm_plan_ahead``, ``kvcomm_guard_record``) is timed with ``time.perf_counter`` (wall
+(``vllm.connector.worker_extension``: ``kvcomm_plan_ahead``, ``kvcomm_guard_record``) is timed with ``time.perf_counter`` (wall
 seconds) and ``time.thread_time`` (CPU seconds of the calling thread: less sensitive to other
 jobs on the cores than wall time, blind to time spent waiting). The times are summed per side
 until the side's step ends, then observed once:

@@ -12,7 +12,7 @@ vLLM starts, so the API server's ``/metrics`` aggregates both with vLLM's own.
 - ``kvcomm_requests_total{outcome="planned"|"rejected"}``; ``kvcomm_fallbacks_total``: planned
   requests whose shared content was all recomputed.
 - ``kvcomm_guard_shadowed_total``: requests the quality guard measured against their dense
-  twin (``vllm.guard``); per guarded slot ``kvcomm_guard_kl_mean{tenant,slot}`` (rolling mean
+  twin (``vllm.planning.guard``); per guarded slot ``kvcomm_guard_kl_mean{tenant,slot}`` (rolling mean
   KL(dense || reuse) of the first reply token, nats, top-k + other: a lower bound),
   ``kvcomm_guard_kl_last{tenant,slot}``, ``kvcomm_guard_samples{tenant,slot}``, ``kvcomm_guard_gamma{tenant,slot}`` (the slot's gamma
   now), ``kvcomm_guard_tightenings{tenant,slot}`` and ``kvcomm_guard_disabled{tenant,slot}``

@@ -1,7 +1,7 @@
 """Server-side reuse planning for requests annotated with shared segments
-(``kv_transfer_params["kvcomm"]["segments"]``, see ``vllm.params``).
+(``kv_transfer_params["kvcomm"]["segments"]``, see ``vllm.wire.params``).
 
-Runs in vLLM's worker process (``vllm.worker_plans``, the connector's worker side), one ``ReuseEngine``
+Runs in vLLM's worker process (``vllm.planning.worker_plans``, the connector's worker side), one ``ReuseEngine``
 per tenant key (``kv_transfer_params["kvcomm"]["tenant"]``; ``kvcomm serve`` with API keys
 sets it from the authenticated key). A request's prompt becomes fixed segments (the gaps)
 and shared segments (the annotated spans); the engine plans and materializes the reusable
@@ -25,7 +25,7 @@ Computed heads (plans made ahead): vLLM's connector supplies KV for one range ri
 vLLM's own prefix hit, so a plan that computes a head (text no stored KV serves, such as an
 agent's unseen system prompt, with shared content after it: ``ReusePlan.head_end``) cannot be
 served by one request. `kvcomm serve` plans such requests ahead, outside the engine step
-(``plan_ahead``, called through vLLM's ``collective_rpc`` by ``vllm.worker_extension``), with
+(``plan_ahead``, called through vLLM's ``collective_rpc`` by ``vllm.connector.worker_extension``), with
 ``heads=True``, as the in-process runner does, and parks the plan under a ticket; when the plan
 has a head it first sends a request of its own for the prompt's first ``head_end`` tokens
 (``computes_head``: the exact prefix injected, the head computed and kept under the ticket), then
@@ -34,7 +34,7 @@ vLLM's prefix cache under the same salt, the rest injected) and the pieces after
 the head as the in-process engine does. A ticket is used once; at most ``MAX_AHEAD`` plans are
 parked (oldest dropped), none older than ``AHEAD_TTL_S``.
 
-Quality guard (``vllm.guard``, with ``guard`` settings): every plan is cut at slots the
+Quality guard (``vllm.planning.guard``, with ``guard`` settings): every plan is cut at slots the
 tenant's guard disabled; a plan made ahead that the guard samples is also parked under its
 shadow ticket (``SHADOW_SUFFIX``, at most ``MAX_AHEAD``, none older than ``SHADOW_TTL_S``) for
 the reuse twin `kvcomm serve` sends after the response (``params.shadow``: served the same plan,
@@ -61,13 +61,13 @@ from kvcomm.reuse.reason import explain
 from kvcomm.core.rope import Rotary
 from kvcomm.core.segments import Prompt, Segment
 from kvcomm.services.tenants import TenantRegistry, adapter_key
-from kvcomm.integrations.vllm.channel import Capture, Injection, Order
+from kvcomm.integrations.vllm.wire.channel import Capture, Injection, Order
 from kvcomm.reuse.assemble import exact_piece, pieces
-from kvcomm.integrations.vllm.detect import RunIndex
-from kvcomm.integrations.vllm.guard import ServerGuards
-from kvcomm.integrations.vllm.ids import SegmentIds
-from kvcomm.integrations.vllm.metrics import record_pools
-from kvcomm.integrations.vllm.params import KvcommParams, KvcommParamsError, shown
+from kvcomm.integrations.vllm.planning.run_index import RunIndex
+from kvcomm.integrations.vllm.planning.guard import ServerGuards
+from kvcomm.integrations.vllm.planning.segment_ids import SegmentIds
+from kvcomm.integrations.vllm.planning.metrics import record_pools
+from kvcomm.integrations.vllm.wire.params import KvcommParams, KvcommParamsError, shown
 
 MAX_AHEAD = 64
 """Plans made ahead and not yet used, per process, at most (the oldest is dropped)."""

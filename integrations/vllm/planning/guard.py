@@ -1,7 +1,7 @@
 """The quality guard in the kvcomm connector (``kvcomm.services.quality_guard``): one guard per
 engine of the server's planner (a tenant, or a tenant's adapter), set by
 ``kv_connector_extra_config["guard"] = {"budget": nats, "fraction": share}`` (`kvcomm serve
---guard-budget/--guard-fraction`), checked when the connector starts (``guard_config``).
+--guard-budget/--guard-fraction`), checked when the connector starts (``vllm.wire.config.guard_config``).
 
 - Every plan of a guarded engine, made ahead or in the engine step, is cut at the first slot
   the guard disabled (``ServerGuards.restrict``).
@@ -12,7 +12,7 @@ engine of the server's planner (a tenant, or a tenant's adapter), set by
   again through its shadow ticket, learning nothing; the log-probabilities of the dense twin's
   top-k tokens) give KL(dense || reuse) over the top-k tokens and an "other" bucket (a lower
   bound of the full KL), recorded on every rank (``ServerGuards.record``, through
-  ``vllm.worker_extension``). The guard tightens or disables the slots as in process.
+  ``vllm.connector.worker_extension``). The guard tightens or disables the slots as in process.
 
 Requests planned in the engine step (chat routes, text prompts, adapters) are restricted but not
 sampled: their plans are not kept for a twin. Every rank samples alike (the same seed, the same
@@ -21,31 +21,12 @@ plans in the same order). Guard numbers are exported by rank 0 (``metrics.record
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection
+from typing import Callable, Collection
 
 from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.reuse.plan import ReusePlan
 from kvcomm.services.quality_guard import GuardConfig, QualityGuard
-from kvcomm.integrations.vllm.metrics import record_guard
-
-GUARD_KEYS = ("budget", "fraction")
-
-
-def guard_config(value: Any) -> GuardConfig | None:
-    """The guard's settings from ``kv_connector_extra_config["guard"]`` (None: no guard); raises
-    ValueError, saying what to change, for anything else than ``{"budget": B[, "fraction": F]}``
-    with B >= 0 nats and F in [0, 1]."""
-    if value is None:
-        return None
-    if not isinstance(value, dict) or set(value) - set(GUARD_KEYS) or "budget" not in value or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()):
-        raise ValueError(f"kv_connector_extra_config guard must be an object {{\"budget\": nats, \"fraction\": share}} "
-                         f"(fraction optional, default {GuardConfig.fraction}), got {str(value)[:200]}")
-    try:
-        return GuardConfig(budget=float(value["budget"]), fraction=float(value.get("fraction", GuardConfig.fraction)))
-    except ValueError as error:
-        raise ValueError(f"kv_connector_extra_config guard {str(value)[:200]}: {error}") from None
-
+from kvcomm.integrations.vllm.planning.metrics import record_guard
 
 class ServerGuards:
     """The planner's guards, one per engine key (module docstring). ``config`` None: no guard,

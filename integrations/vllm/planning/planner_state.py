@@ -40,7 +40,7 @@ from kvcomm.core.fingerprint import ModelFingerprint
 from kvcomm.services.persist import PersistError, save_engine, tidy, write_text_atomically
 from kvcomm.services.state_files import remove_temp_files
 from kvcomm.services.tenants import tenant_label
-from kvcomm.integrations.vllm.request_plans import ServerPlanner
+from kvcomm.integrations.vllm.planning.server_planner import ServerPlanner
 
 log = logging.getLogger(__name__)
 TENANT_FILE = "tenant.json"

@@ -2,7 +2,7 @@
 attention backend, without patching vLLM.
 
 Load it with ``KVTransferConfig(kv_connector="KvcommConnector", kv_role="kv_both",
-kv_connector_module_path="kvcomm.integrations.vllm.connector")`` (``vllm.llm.make_llm`` and
+kv_connector_module_path="kvcomm.integrations.vllm.connector")`` (``vllm.inprocess.llm.make_llm`` and
 ``kvcomm serve`` do). vLLM builds one ``KvcommConnector`` per role; it hands its hooks to the
 object of its side:
 
@@ -77,14 +77,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvcomm.integrations.vllm.channel import Channel, channel
-from kvcomm.integrations.vllm.connector_config import ConnectorConfig
-from kvcomm.integrations.vllm.messages import KvcommWorkerMetadata
-from kvcomm.integrations.vllm.refusals import engine_refusal
-from kvcomm.integrations.vllm.scheduler import KvcommConnectorScheduler
-from kvcomm.integrations.vllm.step_time import CLOCKS
-from kvcomm.integrations.vllm.versions import check_vllm_version
-from kvcomm.integrations.vllm.worker import KvcommConnectorWorker
+from kvcomm.integrations.vllm.wire.channel import Channel, channel
+from kvcomm.integrations.vllm.wire.config import ConnectorConfig
+from kvcomm.integrations.vllm.wire.messages import KvcommWorkerMetadata
+from kvcomm.integrations.vllm.connector.refusals import engine_refusal
+from kvcomm.integrations.vllm.connector.scheduler import KvcommConnectorScheduler
+from kvcomm.integrations.vllm.connector.step_time import CLOCKS
+from kvcomm.integrations.vllm.connector.versions import check_vllm_version
+from kvcomm.integrations.vllm.connector.worker import KvcommConnectorWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

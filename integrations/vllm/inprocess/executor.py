@@ -28,8 +28,9 @@ from kvcomm.core.kv import KV, to_position_free
 from kvcomm.reuse.plan import BlendRequest
 from kvcomm.core.segments import Segment
 from kvcomm.integrations.transformers.executor import TransformersExecutor, _as_list
-from kvcomm.integrations.vllm.channel import Channel, Injection, Order, channel
-from kvcomm.integrations.vllm.llm import CONNECTOR, shutdown_llm
+from kvcomm.integrations.vllm.wire.channel import Channel, Injection, Order, channel
+from kvcomm.integrations.vllm.inprocess.llm import shutdown_llm
+from kvcomm.integrations.vllm.wire.config import CONNECTOR
 
 _FINAL_STEPS = 4
 """Engine steps a finished request's capture may take to be copied (it takes one: the next)."""
@@ -41,7 +42,7 @@ class VllmExecutor:
     tokenizer: the served checkpoint's transformers tokenizer (``embedded.load_tokenizer``), for
     the chat template, encoding and decoding. No transformers model is needed: the stop tokens
     are the tokenizer's eos plus the ``eos_token_id`` of the generation config vLLM read for the
-    served model, and the rotary numbers are vLLM's own (``vllm.rotary``), read and self-checked
+    served model, and the rotary numbers are vLLM's own (``vllm.connector.rotary``), read and self-checked
     by the connector at start-up.
 
     salt: vLLM ``cache_salt`` of this executor's requests that inject nothing (None: no salt,
@@ -60,7 +61,7 @@ class VllmExecutor:
         config = llm.llm_engine.vllm_config
         transfer = config.kv_transfer_config
         if transfer is None or transfer.kv_connector != CONNECTOR:
-            raise ValueError("the vllm.LLM must load the kvcomm connector; build it with kvcomm.integrations.vllm.llm.make_llm")
+            raise ValueError("the vllm.LLM must load the kvcomm connector; build it with kvcomm.integrations.vllm.inprocess.llm.make_llm")
         import vllm.envs as envs
 
         if envs.VLLM_ENABLE_V1_MULTIPROCESSING:
@@ -74,7 +75,7 @@ class VllmExecutor:
             raise RuntimeError(
                 "this engine's kvcomm connector never registered its KV caches: its worker runs another engine's "
                 "connector (vLLM keeps one per process, and an earlier in-process engine still held it). Shut "
-                "earlier engines down before starting one (kvcomm.integrations.vllm.llm.shutdown_llm), or "
+                "earlier engines down before starting one (kvcomm.integrations.vllm.inprocess.llm.shutdown_llm), or "
                 "build engines with make_llm, which refuses a second one"
             )
         self.rotary, self.self_check = self.channel.rotary, self.channel.rope_check  # vLLM's own, checked at start-up

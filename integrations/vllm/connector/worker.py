@@ -1,11 +1,11 @@
 """The kvcomm connector's worker side: checks every attention layer and learns its cache layout
-at start-up (``register_kv_caches``: ``vllm.refusals``, ``vllm.layout``, ``vllm.rotary``), then
+at start-up (``register_kv_caches``: ``vllm.connector.refusals``, ``vllm.connector.layout``, ``vllm.connector.rotary``), then
 does each step's device work: writes the injected KV before a layer runs, stamps when a
 prompt's last token was computed, and copies the KV of requests that finished (held by vLLM
 until then) into their captures, once per request (``FinalCapture``), reporting them
 finished-sending so vLLM frees their blocks. At the end of every step it learns from finished
-annotated requests and plans new ones (``vllm.worker_plans``), answering the scheduler side
-(``vllm.scheduler``) through the worker metadata (``vllm.messages``).
+annotated requests and plans new ones (``vllm.planning.worker_plans``), answering the scheduler side
+(``vllm.connector.scheduler``) through the worker metadata (``vllm.wire.messages``).
 
 The KV to inject and the captured KV are found on the engine's ``Channel`` under each
 ``StepRequest``'s handle. Hooks receive the step's bound ``KvcommMetadata`` from the connector.
@@ -24,12 +24,12 @@ from kvcomm.core.copy import copy_tokens
 from kvcomm.core.kv_target import KVTarget, Paged
 from kvcomm.core.place import Piece, clip, place_all
 from kvcomm.core.rope import RopeError
-from kvcomm.integrations.vllm.channel import Capture, Channel
-from kvcomm.integrations.vllm.connector_config import ConnectorConfig
-from kvcomm.integrations.vllm.layout import KvIO, LayoutError
-from kvcomm.integrations.vllm.messages import FinalCapture, KvcommMetadata, KvcommWorkerMetadata, StepRequest
-from kvcomm.integrations.vllm.refusals import apply_refusal, device_memory_budget, layer_refusal, refusal_of_any_rank
-from kvcomm.integrations.vllm.worker_plans import WorkerPlans
+from kvcomm.integrations.vllm.wire.channel import Capture, Channel
+from kvcomm.integrations.vllm.wire.config import ConnectorConfig
+from kvcomm.integrations.vllm.connector.layout import KvIO, LayoutError
+from kvcomm.integrations.vllm.wire.messages import FinalCapture, KvcommMetadata, KvcommWorkerMetadata, StepRequest
+from kvcomm.integrations.vllm.connector.refusals import apply_refusal, device_memory_budget, layer_refusal, refusal_of_any_rank
+from kvcomm.integrations.vllm.planning.worker_plans import WorkerPlans
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -111,7 +111,7 @@ class KvcommConnectorWorker:
         try:
             self._register(kv_caches)
             self.refused = self._memory_refusal()
-            from kvcomm.integrations.vllm.rotary import served_rotary
+            from kvcomm.integrations.vllm.connector.rotary import served_rotary
 
             self.channel.rotary, self.channel.rope_check = served_rotary(self._vllm_config)
         except (LayoutError, RopeError) as error:

@@ -1,5 +1,5 @@
-"""What the kvcomm connector's scheduler side (``vllm.scheduler``) and worker side
-(``vllm.worker``) tell each other, as plain picklable values: vLLM carries them in the step's
+"""What the kvcomm connector's scheduler side (``vllm.connector.scheduler``) and worker side
+(``vllm.connector.worker``) tell each other, as plain picklable values: vLLM carries them in the step's
 ``KVConnectorMetadata`` (``KvcommMetadata``, scheduler to worker) and in
 ``KVConnectorWorkerMetadata`` (``KvcommWorkerMetadata``, worker to scheduler), across processes
 when the worker runs in a process of its own.
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvcomm.integrations.vllm.params import KvcommParams
+from kvcomm.integrations.vllm.wire.params import KvcommParams
 
 
 def handle_of(req_id: str) -> str:
@@ -38,7 +38,7 @@ class PlanAsk:
     token_ids: the whole prompt; params: its validated ``kv_transfer_params["kvcomm"]``;
     salted: it carries a ``cache_salt`` (without one: exact reuse only); max_tokens: its
     reply budget (the worker keeps the reply's KV for learning); adapter: the identity of the
-    LoRA adapter it runs under (``vllm.scheduler.adapter_identity``; None: the base model).
+    LoRA adapter it runs under (``vllm.connector.scheduler.adapter_identity``; None: the base model).
     """
 
     req_id: str
@@ -68,7 +68,7 @@ class PlanAnswer:
 class Finished:
     """Request ``req_id`` finished; ``reply_ids``: its output tokens without a final stop
     token. The worker learns from its captured KV (in this step, or a later one when this
-    step's learning budget is spent, ``vllm.worker_plans``) and forgets it."""
+    step's learning budget is spent, ``vllm.planning.worker_plans``) and forgets it."""
 
     req_id: str
     reply_ids: tuple[int, ...]

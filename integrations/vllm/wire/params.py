@@ -135,7 +135,7 @@ class KvcommParams:
     computes_head: bool = False
     """With ``ticket``: this request computes that plan's head, its prompt the head's end's prefix."""
     shadow: bool = False
-    """One of the quality guard's twins of a sampled request (``vllm.guard``), counted in no
+    """One of the quality guard's twins of a sampled request (``vllm.planning.guard``), counted in no
     metric: with ``ticket`` the reuse twin (served the same plan, it learns nothing), with
     ``calibrate`` the dense twin (it learns, as calibration traffic does)."""
 

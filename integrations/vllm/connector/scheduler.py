@@ -1,12 +1,12 @@
 """The kvcomm connector's scheduler side: which opted-in requests it tracks, how many prompt
 tokens it claims beyond vLLM's own prefix hit, and each step's ``KvcommMetadata`` for the
-worker side (``vllm.worker``). It never holds a tensor of KV.
+worker side (``vllm.connector.worker``). It never holds a tensor of KV.
 
-A request opts in with ``kv_transfer_params["kvcomm"]`` (``vllm.params``). An in-process order
+A request opts in with ``kv_transfer_params["kvcomm"]`` (``vllm.wire.params``). An in-process order
 (``handle``) is read from the engine's ``Channel``; an annotated request is planned by the worker:
 the first lookup answers vLLM "not yet" and queues a ``PlanAsk``, the worker's ``PlanAnswer``
 arrives through ``update_connector_output``, and the next lookup claims the tokens
-(``vllm.messages``). When the request finishes its reply goes down in a ``Finished`` and its
+(``vllm.wire.messages``). When the request finishes its reply goes down in a ``Finished`` and its
 summary (or error) goes back in its ``kv_transfer_params``.
 
 Captured KV (an annotated request's or an in-process order's positions ``capture_from`` to
@@ -23,11 +23,11 @@ Capture memory is admitted here: the worker keeps an annotated request's real KV
 keys and values (``capture_bytes_per_token`` a position), on the KV device and outside vLLM's KV
 budget, for the positions learning needs (``PlanAnswer.capture_from`` to ``capture_to``: the
 prompt's computed tail, and the reply only when the scope learns its decode KV).
-``max_capture_bytes`` (``vllm.connector_config``, default ``DEFAULT_MAX_CAPTURE_BYTES``)
+``max_capture_bytes`` (``vllm.wire.config``, default ``DEFAULT_MAX_CAPTURE_BYTES``)
 bounds the captures of all requests in flight together: a request is reserved prompt +
 ``max_tokens`` positions when asked for, cut to its plan's capture when the answer comes, and
 released when the worker reports it let the capture go (``KvcommWorkerMetadata.released``:
-learned from, which may be some steps after its ``Finished`` went down, ``vllm.worker_plans``).
+learned from, which may be some steps after its ``Finished`` went down, ``vllm.planning.worker_plans``).
 A request that would not fit is not planned: it is served as stock vLLM serves it, the reason
 in its ``kv_transfer_params``.
 
@@ -59,14 +59,14 @@ from collections import OrderedDict
 import torch
 from vllm.logger import init_logger
 
-from kvcomm.integrations.vllm.channel import Channel
-from kvcomm.integrations.vllm.connector_config import ConnectorConfig
-from kvcomm.integrations.vllm.messages import (
+from kvcomm.integrations.vllm.wire.channel import Channel
+from kvcomm.integrations.vllm.wire.config import ConnectorConfig
+from kvcomm.integrations.vllm.wire.messages import (
     FinalCapture, Finished, KvcommMetadata, KvcommWorkerMetadata, PlanAsk, StepRequest, handle_of,
 )
-from kvcomm.integrations.vllm.metrics import record_rejected, record_served
-from kvcomm.integrations.vllm.params import KvcommParamsError, parse_params, shown
-from kvcomm.integrations.vllm.refusals import apply_refusal
+from kvcomm.integrations.vllm.planning.metrics import record_rejected, record_served
+from kvcomm.integrations.vllm.wire.params import KvcommParamsError, parse_params, shown
+from kvcomm.integrations.vllm.connector.refusals import apply_refusal
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager

@@ -3,8 +3,8 @@ exact prefixes, persistence, learning) lives in the process that holds the KV ca
 
 ``WorkerPlans`` answers the scheduler's ``PlanAsk`` messages (plan, materialize, place the
 order on this process's ``Channel`` under ``handle_of(req_id)``, where the worker side's
-layer hooks (``vllm.worker``) find the KV to inject and put the captured KV) and learns on ``Finished``. The
-scheduler sees only the ``PlanAnswer`` numbers (``vllm.messages``) and which captures were let go.
+layer hooks (``vllm.connector.worker``) find the KV to inject and put the captured KV) and learns on ``Finished``. The
+scheduler sees only the ``PlanAnswer`` numbers (``vllm.wire.messages``) and which captures were let go.
 
 Learning runs in the engine step, so it is bounded per step: a finished request's capture waits
 in a queue, and each step learns from the oldest ones until ``LEARN_POSITIONS_PER_STEP``
@@ -24,11 +24,11 @@ import os
 from collections import deque
 from typing import TYPE_CHECKING
 
-from kvcomm.integrations.vllm.channel import Capture, Channel
-from kvcomm.integrations.vllm.connector_config import ConnectorConfig
-from kvcomm.integrations.vllm.host_memory import Trimmer
-from kvcomm.integrations.vllm.messages import Finished, PlanAnswer, PlanAsk, handle_of
-from kvcomm.integrations.vllm.request_plans import PlannedRequest, ServerPlanner
+from kvcomm.integrations.vllm.wire.channel import Capture, Channel
+from kvcomm.integrations.vllm.wire.config import ConnectorConfig
+from kvcomm.integrations.vllm.planning.host_memory import Trimmer
+from kvcomm.integrations.vllm.wire.messages import Finished, PlanAnswer, PlanAsk, handle_of
+from kvcomm.integrations.vllm.planning.server_planner import PlannedRequest, ServerPlanner
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -55,7 +55,7 @@ class WorkerPlans:
         self.channel = channel
         self.planner: ServerPlanner | None = None
         self.trimmer: Trimmer | None = None
-        """Returns the host memory learning and eviction free (``vllm.host_memory``); built with the planner."""
+        """Returns the host memory learning and eviction free (``vllm.planning.host_memory``); built with the planner."""
         self._planned: dict[str, PlannedRequest] = {}
         self._learning: deque[tuple[Finished, PlannedRequest, Capture]] = deque()
         self._released: list[str] = []
@@ -101,9 +101,9 @@ class WorkerPlans:
         """``ServerPlanner.plan_ahead`` for a request `kvcomm serve` is about to submit (its
         ``kv_transfer_params["kvcomm"]`` as the middleware rewrote it): ``{"head": [start, end] | None,
         "shadow": None | {"ticket": shadow ticket, "top_k": k}}`` (``shadow``: the quality guard
-        sampled the plan, ``vllm.guard``), or ``{"error": why}`` (the request is then planned in
+        sampled the plan, ``vllm.planning.guard``), or ``{"error": why}`` (the request is then planned in
         the step as usual)."""
-        from kvcomm.integrations.vllm.params import KvcommParamsError, parse_params
+        from kvcomm.integrations.vllm.wire.params import KvcommParamsError, parse_params
 
         if refused is not None:
             return {"error": f"kvcomm is off in this engine: {refused}"}
@@ -248,7 +248,7 @@ def make_planner(vllm_config: "VllmConfig", channel: Channel, config: ConnectorC
         state_dir = os.path.join(state_dir, f"tp{heads.size}-rank{heads.rank}")  # each rank saves its own heads
     if state_dir:
         from kvcomm.core.fingerprint import model_fingerprint
-        from kvcomm.integrations.vllm.state import PlannerState
+        from kvcomm.integrations.vllm.planning.planner_state import PlannerState
         from kvcomm.integrations.transformers.embedded import load_model_and_tokenizer
 
         model, tokenizer = load_model_and_tokenizer(str(vllm_config.model_config.model))

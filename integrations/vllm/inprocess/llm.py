@@ -7,8 +7,8 @@ import os
 from contextlib import contextmanager
 from typing import Any
 
-CONNECTOR = "KvcommConnector"
-CONNECTOR_MODULE = "kvcomm.integrations.vllm.connector"
+from kvcomm.integrations.vllm.wire.config import (CONNECTOR, WORKER_SHUTDOWN_ENV, WORKER_SHUTDOWN_S, ConnectorConfig,
+                                                 transfer_config)
 
 DEFAULTS: dict[str, Any] = {
     "dtype": "float32",
@@ -18,16 +18,6 @@ DEFAULTS: dict[str, Any] = {
     "enable_chunked_prefill": True,
 }
 """Engine settings for CPU machines; every key can be overridden."""
-
-
-def transfer_config(engine_id: str | None = None, extra: dict[str, Any] | None = None):
-    """The ``KVTransferConfig`` that loads kvcomm's connector (``kv_role="kv_both"``)."""
-    from vllm.config import KVTransferConfig
-
-    return KVTransferConfig(
-        kv_connector=CONNECTOR, kv_role="kv_both", kv_connector_module_path=CONNECTOR_MODULE,
-        engine_id=engine_id, kv_connector_extra_config=dict(extra or {}),
-    )
 
 
 def make_llm(model: str | None = None, in_process: bool = True, **overrides: Any):
@@ -60,8 +50,7 @@ def make_llm(model: str | None = None, in_process: bool = True, **overrides: Any
     settings.setdefault("kv_transfer_config", transfer_config())
     transfer = settings["kv_transfer_config"]
     if transfer is not None and transfer.kv_connector == CONNECTOR:
-        from kvcomm.integrations.vllm.connector_config import ConnectorConfig
-
+        
         if ConnectorConfig.from_transfer(transfer).state_dir:  # a bad setting is refused here, before vLLM starts
             os.environ.setdefault(WORKER_SHUTDOWN_ENV, str(WORKER_SHUTDOWN_S))  # inherited by the worker processes
     if in_process and settings["kv_transfer_config"] is not None:
@@ -97,21 +86,12 @@ def _multiprocessing():
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
-WORKER_SHUTDOWN_S = 60
-"""With a ``state_dir``: seconds vLLM's worker process may take to exit (its own teardown, then
-the planner's save at exit) before its engine core sends it SIGTERM, 4 s later SIGKILL. vLLM's
-default (5 s) is short for a save of a few tenants on a busy machine."""
-
-WORKER_SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
-"""vLLM's grace period for a worker process at shutdown (see ``WORKER_SHUTDOWN_S``)."""
-
-
 def shutdown_llm(llm) -> None:
     """Shut down ``llm``'s engine core and its worker now, which removes the worker's KV
     connector from this process (vLLM does so only then, or when the engine is garbage
     collected), and drop its kvcomm channel. ``llm`` serves nothing afterwards; a second call
     does nothing."""
-    from kvcomm.integrations.vllm.channel import drop_channel
+    from kvcomm.integrations.vllm.wire.channel import drop_channel
 
     llm.llm_engine.engine_core.shutdown()
     transfer = llm.llm_engine.vllm_config.kv_transfer_config
@@ -128,6 +108,6 @@ def _refuse_a_second_connector() -> None:
         raise RuntimeError(
             "an earlier in-process vLLM engine with a KV connector is still running in this process; vLLM keeps "
             "one worker-side KV connector per process and would give the new engine the old one. Shut the "
-            "earlier engine down first (kvcomm.integrations.vllm.llm.shutdown_llm(llm) or "
+            "earlier engine down first (kvcomm.integrations.vllm.inprocess.llm.shutdown_llm(llm) or "
             "VllmExecutor.close()), or pass in_process=False to run the new one in processes of its own"
         )
