@@ -3,7 +3,8 @@
 core < anchors < reuse < services < integrations < eval < cli: a module may import its own
 layer or those below it. Inside a layer that holds several packages (the integrations), the
 packages' import graph has no cycle; nor has the graph of modules (files), so each file can be
-read knowing only what it imports. Every import in the source counts, lazy ones inside
+read knowing only what it imports. The vLLM plugin's folders are layers of their own: wire <
+planning < connector < inprocess. Every import in the source counts, lazy ones inside
 functions and ``TYPE_CHECKING`` ones included: each is a dependency. Read from the source
 files with ``ast`` (nothing is imported), so the test also covers modules whose imports need
 vLLM or AutoGen.
@@ -190,9 +191,51 @@ def test_an_upward_import_is_caught(tmp_path, source, target, bad):
 def test_a_cycle_between_packages_is_caught(tmp_path):
     known = modules()
     path = tmp_path / "module.py"
-    path.write_text(known["kvcomm.integrations.vllm.inprocess.llm"].read_text() + "\nimport kvcomm.integrations.serve.command\n")
-    known["kvcomm.integrations.vllm.inprocess.llm"] = path
-    assert any({"kvcomm.integrations.vllm", "kvcomm.integrations.serve"} <= set(c) for c in package_cycles(known))
+    path.write_text(known["kvcomm.integrations.vllm.wire.config"].read_text() + "\nimport kvcomm.integrations.serve.command\n")
+    known["kvcomm.integrations.vllm.wire.config"] = path
+    assert any({"kvcomm.integrations.vllm.wire", "kvcomm.integrations.serve"} <= set(c) for c in package_cycles(known))
+
+
+VLLM_ROLES = ("wire", "planning", "connector", "inprocess")
+"""The vLLM plugin's folders, bottom to top (``integrations/vllm/__init__.py``)."""
+
+
+def role_of(module: str) -> int | None:
+    prefix = "kvcomm.integrations.vllm."
+    role = module[len(prefix):].partition(".")[0] if module.startswith(prefix) else None
+    return VLLM_ROLES.index(role) if role in VLLM_ROLES else None
+
+
+def upward_role_imports(known: dict[str, Path]) -> list[str]:
+    found = []
+    for name, path in sorted(known.items()):
+        here = role_of(name)
+        for target in sorted(imports(path, name)) if here is not None else ():
+            there = role_of(target)
+            if there is not None and there > here:
+                found.append(f"{name} ({VLLM_ROLES[here]}) imports {target} ({VLLM_ROLES[there]})")
+    return found
+
+
+def test_the_vllm_plugins_folders_import_only_downward():
+    known = modules()
+    assert all(any(role_of(m) == i for m in known) for i in range(len(VLLM_ROLES)))
+    found = upward_role_imports(known)
+    assert not found, "upward imports between the vLLM plugin's folders:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("source, target, bad", [
+    ("kvcomm.integrations.vllm.planning.worker_plans", "kvcomm.integrations.vllm.connector.refusals", True),
+    ("kvcomm.integrations.vllm.wire.params", "kvcomm.integrations.vllm.planning.guard", True),
+    ("kvcomm.integrations.vllm.connector.worker", "kvcomm.integrations.vllm.planning.worker_plans", False),
+])
+def test_an_upward_import_between_the_vllm_folders_is_caught(tmp_path, source, target, bad):
+    known = modules()
+    path = tmp_path / "module.py"
+    path.write_text(known[source].read_text() + f"\nimport {target}\n")
+    known[source] = path
+    assert any(line.startswith(f"{source} (") and f"imports {target} (" in line
+               for line in upward_role_imports(known)) == bad
 
 
 def test_files_import_each_other_in_no_cycle():
