@@ -535,7 +535,7 @@ def run(package: Path, baseline: Path | None = None) -> tuple[list[tuple[str, st
     tree = Tree(package)
     if tree.resolve("KVConnectorBase_V1", BASE_MODULE) is None:
         raise FileNotFoundError(f"{package}: no KVConnectorBase_V1 in {BASE_MODULE}")
-    modules = [KvcommModule(path, tree) for path in sorted(KVCOMM_SOURCES.glob("*.py"))]
+    modules = [KvcommModule(path, tree) for path in sorted(KVCOMM_SOURCES.rglob("*.py"))]
     findings = Findings()
     check_hooks(modules, tree, findings)
     check_fields(modules, findings)

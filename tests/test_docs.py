@@ -176,7 +176,7 @@ def test_the_architecture_file_table_names_every_source_file():
 
 
 @pytest.mark.parametrize("name, path", [
-    ("`ids.py` (client segment ids bound to their content), ", "integrations/vllm/planning/segment_ids.py"),
+    ("`segment_ids.py` (client segment ids bound to their content), ", "integrations/vllm/planning/segment_ids.py"),
     ("`strategies/context.py`, ", "kvcomm/reuse/strategies/context.py"),
     ("`local/summary.py`", "integrations/local/summary.py"),
 ])

@@ -144,7 +144,7 @@ def test_a_baseline_tree_must_be_a_kvcomm_checkout_chosen_before_kvcomm_is_impor
     script = (f"import sys; sys.path.insert(0, {str(BENCHMARKS)!r}); import bench_vllm; "
               f"bench_vllm.use_kvcomm_from({str(copy)!r}); import kvcomm.integrations.vllm.connector.worker as w; print(w.__file__)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=BENCHMARKS.parent)
-    assert done.returncode == 0 and done.stdout.strip() == str(copy / "integrations" / "vllm" / "worker.py"), done.stderr[-2000:]
+    assert done.returncode == 0 and done.stdout.strip() == str(copy / "integrations" / "vllm" / "connector" / "worker.py"), done.stderr[-2000:]
 
 
 def test_tiny_decode_run_with_a_baseline_tree():

@@ -37,10 +37,10 @@ def test_the_installed_vllm_fits_the_connector():
     assert {"SchedulerOutput.scheduled_new_reqs", "SchedulerOutput.scheduled_cached_reqs", "CachedRequestData.req_ids",
             "Request.prompt_token_ids", "Request.kv_transfer_params", "KVConnectorOutput.kv_connector_worker_meta",
             "KVCacheGroupSpec.kv_cache_spec"} <= set(summary["fields_read"])
-    assert "PASS  hooks   KvcommConnector (connector.py).wait_for_layer_load fits" in done.stdout
+    assert "PASS  hooks   KvcommConnector (facade.py).wait_for_layer_load fits" in done.stdout
     # The connector declares SupportsHMA (docs/decisions.md, 2026-12-07): its abstract hook is checked like the others.
     assert summary["layout"]["SupportsHMA"]["in_vllm"] and summary["layout"]["SupportsHMA"]["declared_by_kvcomm"]
-    assert ("PASS  hooks   KvcommConnector (connector.py).request_finished_all_groups fits "
+    assert ("PASS  hooks   KvcommConnector (facade.py).request_finished_all_groups fits "
             "SupportsHMA.request_finished_all_groups(request, block_ids)") in done.stdout
     assert not summary["layout"]["get_required_kvcache_layout"]["declared_by_kvcomm"]
 

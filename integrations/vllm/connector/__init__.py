@@ -6,6 +6,8 @@ RoPE, ``refusals`` decides at start-up what it cannot serve, ``versions`` names 
 it runs on, ``step_time`` times its hooks; ``worker_extension`` holds the workers' RPC methods
 `kvcomm serve` calls (``--worker-extension-cls``)."""
 
-from kvcomm.integrations.vllm.connector.facade import KvcommConnector
+from kvcomm.core.exports import lazy_exports, names
 
-__all__ = ["KvcommConnector"]
+_EXPORTS = {"kvcomm.integrations.vllm.connector.facade": ("KvcommConnector",)}
+__all__ = names(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)  # vLLM's loader reads the class by name; nothing heavy before
