@@ -50,7 +50,6 @@ def make_llm(model: str | None = None, in_process: bool = True, **overrides: Any
     settings.setdefault("kv_transfer_config", transfer_config())
     transfer = settings["kv_transfer_config"]
     if transfer is not None and transfer.kv_connector == CONNECTOR:
-        
         if ConnectorConfig.from_transfer(transfer).state_dir:  # a bad setting is refused here, before vLLM starts
             os.environ.setdefault(WORKER_SHUTDOWN_ENV, str(WORKER_SHUTDOWN_S))  # inherited by the worker processes
     if in_process and settings["kv_transfer_config"] is not None:
