@@ -16,7 +16,7 @@ both show the same cost, it is vLLM's process split on this machine, not the plu
 
 ``--compare guard`` runs two in-process kvcomm servers instead, the quality guard at its
 default (on) and ``--quality-budget off``, under the same load, and reports the guard's cost:
-the wall ratio on / off and the share of requests it sampled (``kvcomm_guard_shadowed`` over
+the wall ratio on / off and the share of requests it sampled (``kvcomm_guard_measured`` over
 ``kvcomm_requests``, from the server's /metrics, the warm-up row included).
 
 Server flags as the tests use them (embedded SmolLM2, fp32, 32-token blocks, 8 sequences,
@@ -150,14 +150,14 @@ def load(url: str, executor, name: str, clients: int, rows: int, max_tokens: int
 
 
 def kvcomm_counts(client: httpx.Client, url: str) -> dict:
-    """The server's opted-in requests and the guard's measured (shadowed) ones, from /metrics."""
+    """The server's opted-in requests and the guard's measured ones, from /metrics."""
     text = client.get(url + "/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"}).text
-    counts = {"opted_in": 0.0, "shadowed": 0.0}
+    counts = {"opted_in": 0.0, "measured": 0.0}
     for line in text.splitlines():
         if line.startswith("kvcomm_requests_total{"):
             counts["opted_in"] += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("kvcomm_guard_shadowed_total "):
-            counts["shadowed"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("kvcomm_guard_measured_total "):
+            counts["measured"] += float(line.rsplit(" ", 1)[1])
     return counts
 
 
@@ -170,8 +170,8 @@ def report(samples: dict[str, list[dict]]) -> dict:
                      "latency_p50_s": statistics.median(latencies),
                      "latency_p95_s": statistics.quantiles(latencies, n=20)[-1] if len(latencies) > 1 else latencies[0]}
         if "guard on" in name:
-            shadowed, opted_in = sum(r["shadowed"] for r in runs), sum(r["opted_in"] for r in runs)
-            out[name].update(shadowed=shadowed, opted_in=opted_in, sampled_share=shadowed / max(opted_in, 1))
+            measured, opted_in = sum(r["measured"] for r in runs), sum(r["opted_in"] for r in runs)
+            out[name].update(measured=measured, opted_in=opted_in, sampled_share=measured / max(opted_in, 1))
     for system in ("kvcomm", "stock"):
         if f"{system} multiprocess" in out:
             mp, inproc = out[f"{system} multiprocess"], out[f"{system} in-process"]
@@ -227,7 +227,7 @@ def main() -> None:
             print(f"{key}: {result[key]:.2f}x (medians)")
     if args.compare == "guard":
         on = result[GUARD_SERVERS[0]]
-        print(f"requests the guard measured against a dense twin: {on['shadowed']:.0f} of {on['opted_in']:.0f} opted-in "
+        print(f"requests the guard measured against a dense twin: {on['measured']:.0f} of {on['opted_in']:.0f} opted-in "
               f"requests ({100 * on['sampled_share']:.1f} per 100)")
 
 

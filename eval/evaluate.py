@@ -439,8 +439,8 @@ def _guard_state(guard: QualityGuard | None) -> dict | None:
     if guard is None:
         return None
     metrics = guard.metrics()
-    return {"budget": guard.config.budget, "fraction": guard.config.fraction, "twins": metrics["shadowed"],
-            "shadow_s": metrics["shadow_seconds"],
+    return {"budget": guard.config.budget, "fraction": guard.config.fraction, "twins": metrics["measured"],
+            "twin_s": metrics["twin_seconds"],
             "over_budget": sorted(slot for slot, m in metrics["slots"].items() if m["disabled"] or m["tightenings"]),
             "kl_mean": {slot: m["kl_mean"] for slot, m in metrics["slots"].items()}}
 

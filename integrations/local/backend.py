@@ -107,7 +107,7 @@ class ChatBackend:
     default reply budget. base_bytes: LRU bound on bases of unretained shared content.
     max_log: how many recent calls ``calls`` keeps (and ``summary`` totals). max_context:
     prompt + reply token limit (default: the model's, from its config or vLLM's). guard: a
-    ``QualityGuard`` (shadow mode) for every call with reuse; export it with
+    ``QualityGuard`` (dense twins) for every call with reuse; export it with
     ``kvcomm.integrations.local.guard_metrics.export``.
 
     anchor_bytes: cap on the bytes all anchor pools of ``engine`` hold together (default

@@ -9,8 +9,8 @@
 - ``kvcomm_guard_samples{tenant,slot}``, ``kvcomm_guard_tightenings{tenant,slot}`` (net of
   loosenings), ``kvcomm_guard_loosenings{tenant,slot}``, ``kvcomm_guard_disabled{tenant,slot}``
   (1 when the guard turned the slot's reuse off), ``kvcomm_guard_gamma{tenant,slot}`` (the slot pool's gamma now);
-- ``kvcomm_guard_shadowed_total{tenant}``, ``kvcomm_guard_shadow_seconds_total{tenant}``
-  (dense shadow prefills and the time they took), ``kvcomm_guard_budget{tenant}``.
+- ``kvcomm_guard_measured_total{tenant}``, ``kvcomm_guard_twin_seconds_total{tenant}``
+  (dense twins and the time they took), ``kvcomm_guard_budget{tenant}``.
 
 Scraping reads the guard under its lock; nothing is pushed, so an idle guard costs nothing.
 """
@@ -37,14 +37,14 @@ class GuardCollector:
     def collect(self):
         per_slot = {name: GaugeMetricFamily(f"kvcomm_guard_{name}", doc, labels=["tenant", "slot"])
                     for name, doc in SLOT_METRICS.items()}
-        shadowed = CounterMetricFamily("kvcomm_guard_shadowed", "Requests the guard also prefilled densely", labels=["tenant"])
-        seconds = CounterMetricFamily("kvcomm_guard_shadow_seconds", "Seconds spent in shadow prefills", labels=["tenant"])
+        measured = CounterMetricFamily("kvcomm_guard_measured", "Requests the guard also prefilled densely", labels=["tenant"])
+        seconds = CounterMetricFamily("kvcomm_guard_twin_seconds", "Seconds spent in dense twins", labels=["tenant"])
         budget = GaugeMetricFamily("kvcomm_guard_budget", "KL budget of a slot's rolling mean, nats", labels=["tenant"])
         for tenant, guard in list(self.guards.items()):
             label = tenant_label(tenant)
             numbers = guard.metrics()
-            shadowed.add_metric([label], numbers["shadowed"])
-            seconds.add_metric([label], numbers["shadow_seconds"])
+            measured.add_metric([label], numbers["measured"])
+            seconds.add_metric([label], numbers["twin_seconds"])
             budget.add_metric([label], numbers["budget"])
             for slot, values in numbers["slots"].items():
                 for name, family in per_slot.items():
@@ -52,7 +52,7 @@ class GuardCollector:
                     if value is not None:
                         family.add_metric([label, slot], float(value))
         yield from per_slot.values()
-        yield from (shadowed, seconds, budget)
+        yield from (measured, seconds, budget)
 
 
 def export(guard: QualityGuard, tenant: str = "default", registry: CollectorRegistry = REGISTRY,

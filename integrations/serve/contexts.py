@@ -63,6 +63,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvcomm.core.segments import content_id
 from kvcomm.integrations.serve.internal import call_app, kvcomm_error
 from kvcomm.integrations.serve.salts import salt_of
+from kvcomm.integrations.vllm.wire.params import SERVER_KEY
 from kvcomm.services.contexts import EVICTED, Context, ContextError, ContextStore, NotFound
 
 PREFIX = "/v1/kvcomm/contexts"
@@ -233,9 +234,6 @@ class ContextRoutes:
         options = params.get("kvcomm") if isinstance(params, dict) else None
         if not isinstance(options, dict):
             return []
-        if "contexts" in options:
-            raise BadRequest("kv_transfer_params.kvcomm.contexts is set by the server; name a context with "
-                             "segments[i].context instead")
         segments = options.get("segments")
         named = [s for s in segments if isinstance(s, dict) and "context" in s] if isinstance(segments, list) else []
         if not named:
@@ -343,11 +341,12 @@ class ContextRoutes:
     async def _unpin(self, context: Context) -> None:
         await self._engine(None, context, list(context.token_ids[:1]), [], {"release": [context.content_id]})
 
-    async def _engine(self, scope, context: Context, prompt: list[int], segments: list, contexts: dict):
+    async def _engine(self, scope, context: Context, prompt: list[int], segments: list, directive: dict):
+        """One engine request of the context API; ``directive``: ``{"retain": [id]}`` or ``{"release": [id]}``."""
         body = {"model": context.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
                 "cache_salt": salt_of(context.tenant, True),
                 "kv_transfer_params": {"kvcomm": {"tenant": context.tenant, "template": "kvcomm.context",
-                                                  "segments": segments, "contexts": contexts}}}
+                                                  "segments": segments}, SERVER_KEY: directive}}
         return await self._internal(scope, "POST", "/v1/completions", body, self._auth.get(context.tenant, []))
 
     async def _served(self, scope: Scope) -> dict:

@@ -9,13 +9,13 @@ with a token-id prompt and a reuse salt, the middleware (``HeadRequests.before``
    ``vllm.connector.worker_extension``; ``ServerPlanner.plan_ahead``: ``engine.plan(..., heads=True)``,
    parked under a fresh ticket), every rank the same way;
 2. when the plan computes a head ``[start, end)``: sends a request of its own for the prompt's
-   first ``end`` tokens (``computes_head``; one token generated, dropped), which injects the
+   first ``end`` tokens (purpose ``head``; one token generated, dropped), which injects the
    exact prefix, computes the head and leaves its KV with the ticket (and its blocks in vLLM's
    prefix cache, under the request's salt);
 3. sends the request with the ticket: it is served the plan made ahead.
 
-When the quality guard sampled the plan, ``before`` returns its shadow ticket and top-k for the
-twins sent after the response (``serve.shadows``).
+When the quality guard sampled the plan, ``before`` returns its twin ticket and top-k for the
+twins sent after the response (``serve.twins``).
 
 A failed step costs reuse, never the request: no answer from the workers, or ranks that
 disagree, and the request is planned in the engine step as before (no head); a head request
@@ -33,6 +33,7 @@ from typing import Any
 from starlette.types import ASGIApp, Scope
 
 from kvcomm.integrations.serve.internal import call_app, kvcomm_error, kvcomm_of, say
+from kvcomm.integrations.vllm.wire.params import SERVER_KEY
 
 RPC = "kvcomm_plan_ahead"
 PLAN_AHEAD_ENV = "KVCOMM_PLAN_AHEAD"
@@ -48,8 +49,9 @@ class HeadRequests:
         self.failures = 0
 
     async def before(self, scope: Scope, body: dict) -> tuple[str, int] | None:
-        """Run steps 1-2 for ``body`` (rewritten by the middleware) and add the ticket to it;
-        returns (shadow ticket, top-k) when the quality guard sampled the plan, else None."""
+        """Run steps 1-2 for ``body`` (rewritten by the middleware) and add the ticket to it
+        (``kvcomm_server.ticket``); returns (twin ticket, top-k) when the quality guard sampled
+        the plan, else None."""
         options = kvcomm_of(body)
         prompt = body.get("prompt")
         if not (self.enabled and isinstance(options, dict) and isinstance(body.get("cache_salt"), str)
@@ -76,22 +78,22 @@ class HeadRequests:
         if len(outcomes) != 1 or "error" in outcomes:
             self._failed(f"planning ahead answered {sorted(map(str, outcomes))[:2]}")
             return None
-        options["ticket"] = ticket
-        head, shadow = outcomes.pop()
+        body["kv_transfer_params"][SERVER_KEY] = {"ticket": ticket}
+        head, twin = outcomes.pop()
         if head is None:
-            return shadow
+            return twin
         start, end = head
         request = {"model": body.get("model"), "prompt": prompt[:end], "max_tokens": 1, "temperature": 0.0,
                    "cache_salt": body["cache_salt"],
                    "kv_transfer_params": {"kvcomm": {"tenant": options.get("tenant", "default"),
-                                                     "template": options.get("template", "default"),
-                                                     "ticket": ticket, "computes_head": True}}}
+                                                     "template": options.get("template", "default")},
+                                          SERVER_KEY: {"ticket": ticket, "purpose": "head"}}}
         status, answer = await call_app(self.app, scope, "POST", "/v1/completions", request)
         error = kvcomm_error(answer)
         if status != 200 or error:
             self._failed(f"the head request of tokens [{start}, {end}) failed (HTTP {status}): {str(error or answer)[:200]}")
             return None  # its request reuses the exact prefix only: nothing for the guard to measure
-        return shadow
+        return twin
 
     def _failed(self, why: str) -> None:
         self.failures += 1
@@ -100,9 +102,9 @@ class HeadRequests:
 
 
 def _outcome(answer: Any) -> tuple[tuple[int, int] | None, tuple[str, int] | None] | str:
-    """A rank's plan-ahead answer as (head, (shadow ticket, top-k) or None), or "error"."""
+    """A rank's plan-ahead answer as (head, (twin ticket, top-k) or None), or "error"."""
     if not isinstance(answer, dict) or "error" in answer or "head" not in answer:
         return "error"
-    head, shadow = answer["head"], answer.get("shadow")
+    head, twin = answer["head"], answer.get("twin")
     return (None if head is None else (int(head[0]), int(head[1])),
-            None if shadow is None else (str(shadow["ticket"]), int(shadow["top_k"])))
+            None if twin is None else (str(twin["ticket"]), int(twin["top_k"])))

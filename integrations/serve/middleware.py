@@ -34,8 +34,9 @@ Salted routes (a body with ``cache_salt`` but no kvcomm opt-in, e.g. ``/v1/chat/
 get the tenant's plain salt on every request; on every other route a client's
 ``kv_transfer_params.kvcomm`` is removed and a client ``cache_salt`` replaced as on plain requests.
 Either way blocks holding approximate KV (written only for opted-in, server-salted requests)
-are never an exact prefix hit for a plain request. A ``kvcomm.handle`` (in-process orders
-only) is refused over HTTP with status 400.
+are never an exact prefix hit for a plain request. ``kv_transfer_params.kvcomm_server`` (what
+only kvcomm itself sets: the roles, tickets and context directives of its own requests, an
+in-process order's handle; ``vllm.wire.params``) is removed whole from every body on every route.
 
 TTFT (``serve.ttft``): completion responses are timed from the request's arrival here to their
 first token, planning and computed heads included (``kvcomm_time_to_first_token_seconds``).
@@ -66,9 +67,9 @@ from kvcomm.integrations.serve.heads import HeadRequests
 from kvcomm.integrations.serve.internal import kvcomm_of
 from kvcomm.integrations.serve.routes import RouteTable
 from kvcomm.integrations.serve.vllm_args import accepted_keys
-from kvcomm.integrations.serve.shadows import ShadowRequests
+from kvcomm.integrations.serve.twins import TwinRequests
 from kvcomm.integrations.serve import ttft
-from kvcomm.integrations.vllm.wire.params import KvcommParamsError, parse_params, shown  # noqa: F401 (shown: re-exported)
+from kvcomm.integrations.vllm.wire.params import SERVER_KEY, KvcommParamsError, parse_params, shown  # noqa: F401 (shown: re-exported)
 
 KEY_DIGESTS_ENV = "KVCOMM_TENANT_KEY_DIGESTS"
 """Comma-separated SHA-256 hex digests of the API keys that are tenants (set by ``kvcomm serve``)."""
@@ -93,12 +94,13 @@ def rewrite(body: Any, key: str | None, digests: frozenset[str], kind: str = "ge
     """The request body as vLLM should see it (see the module docstring). ``key``: the
     request's bearer key; ``digests``: the tenant keys' digests (empty: one tenant for all);
     ``kind``: the route's kind (``serve.routes``: ``generation``, ``salted``, or any other for a
-    body with neither). Raises ValueError for a ``kvcomm.handle``, ``ticket``, ``computes_head``
-    or ``shadow`` sent over HTTP (the options themselves: ``check_options``). Bodies that are
-    not JSON objects pass unchanged (vLLM reports them)."""
+    body with neither). ``kvcomm_server`` is dropped whatever the kind (the options themselves:
+    ``check_options``). Bodies that are not JSON objects pass unchanged (vLLM reports them)."""
     if not isinstance(body, dict):
         return body
     params, options = _options(body)
+    if params is not None:
+        params.pop(SERVER_KEY, None)
     tenant = tenant_of(key) if digests and key is not None and key_digest(key) in digests else None
     if kind != "generation":
         if params is not None:
@@ -109,11 +111,6 @@ def rewrite(body: Any, key: str | None, digests: frozenset[str], kind: str = "ge
             body["cache_salt"] = client_salt(body["cache_salt"])
         return body
     opted_in = params is not None and "kvcomm" in params
-    if isinstance(options, dict) and "handle" in options:
-        raise ValueError("kv_transfer_params.kvcomm.handle is for in-process callers only; remove it over HTTP")
-    if isinstance(options, dict) and {"ticket", "computes_head", "shadow"} & set(options):
-        raise ValueError("kv_transfer_params.kvcomm.ticket, computes_head and shadow are set by the server (computed "
-                         "heads, the quality guard); remove them")
     if tenant is not None:
         if isinstance(options, dict):
             options["tenant"] = tenant
@@ -177,7 +174,7 @@ class KvcommTenantMiddleware:
         self.routes: RouteTable | None = None
         self.contexts = ContextRoutes(app)
         self.heads = HeadRequests(app)
-        self.shadows = ShadowRequests(app)
+        self.twins = TwinRequests(app)
 
     def _table(self, scope: Scope) -> RouteTable | None:
         """The served app's route table, read at its start-up (the lifespan) or first request;
@@ -230,7 +227,7 @@ class KvcommTenantMiddleware:
                 await _error(413, f"the request body has more than {MAX_BODY_BYTES} bytes")(scope, receive, send)
                 return
         raw = b"".join(chunks)
-        shadow = None
+        sampled = None
         try:
             body = read_body(raw)
         except BodyError as error:
@@ -258,7 +255,7 @@ class KvcommTenantMiddleware:
             if route.kind == "generation" and ttft.observed(route.path):
                 send = ttft.FirstToken(send, arrived, route.path, isinstance(kvcomm_of(body), dict))
             if route.kind == "generation" and route.path == "/v1/completions":
-                shadow = await self.heads.before(scope, body)
+                sampled = await self.heads.before(scope, body)
             raw = json.dumps(body).encode("utf-8")
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(raw)).encode()))
@@ -271,9 +268,9 @@ class KvcommTenantMiddleware:
             await send(message)
 
         await self.app(scope, _replay([{"type": "http.request", "body": raw, "more_body": False}], receive),
-                       send if shadow is None else sent)
-        if shadow is not None and status == [200]:  # the quality guard sampled its plan: measure it, the response gone
-            self.shadows.after(scope, body, shadow, salt_of(kvcomm_of(body).get("tenant", "default"), False))
+                       send if sampled is None else sent)
+        if sampled is not None and status == [200]:  # the quality guard sampled its plan: measure it, the response gone
+            self.twins.after(scope, body, sampled, salt_of(kvcomm_of(body).get("tenant", "default"), False))
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:

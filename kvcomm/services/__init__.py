@@ -1,5 +1,5 @@
 """What a server adds around engines: one per tenant with byte caps (``tenants``), anchor pools
-saved across restarts (``persist``), and the shadow-mode quality guard (``quality_guard``)."""
+saved across restarts (``persist``), and the quality guard (dense twins of sampled calls) (``quality_guard``)."""
 
 from kvcomm.core.exports import lazy_exports, names
 

@@ -52,7 +52,7 @@ log = logging.getLogger("kvcomm.services.quality_guard")
 ACTIONS = ("tighten", "disable")
 SLOT_METRICS = {
     "kl_mean": "Rolling mean KL(dense || reuse) of the first reply token, nats (top-k + other: a lower bound)",
-    "kl_last": "Latest shadowed KL(dense || reuse) of the first reply token, nats",
+    "kl_last": "Latest measured KL(dense || reuse) of the first reply token, nats",
     "samples": "Shadowed requests recorded for the slot",
     "tightenings": "Tightenings of the slot's gamma in force (lowered minus raised back)",
     "loosenings": "Times the guard raised the slot's gamma back after a full window well within budget",
@@ -77,7 +77,7 @@ dense prefill of the request's prompt, after its reply)."""
 class GuardConfig:
     """budget: the most KL (nats, first-token distribution) a slot's rolling mean may reach;
     ``for_floor`` sets it as ``QUALITY_BUDGET`` times the model's floor (the one setting a user
-    chooses). fraction: share of requests with reused KV that are shadowed, in [0, 1] (the
+    chooses). fraction: share of requests with reused KV that are measured against a dense twin, in [0, 1] (the
     cost: ``100 * fraction`` dense twins per 100 such requests at most). window: samples in the
     rolling mean. min_samples: samples before the guard acts. action, tighten_factor,
     max_tightenings: see the module docs. loosen_below: share of the budget a full window's
@@ -156,8 +156,8 @@ class QualityGuard:
     def __init__(self, config: GuardConfig):
         self.config = config
         self.slots: dict[str, SlotQuality] = {}
-        self.shadowed = 0
-        self.shadow_seconds = 0.0
+        self.measured = 0
+        self.twin_seconds = 0.0
         self._engine: ReuseEngine | None = None
         self._rng = random.Random(self.config.seed)
         self._lock = threading.Lock()
@@ -188,7 +188,7 @@ class QualityGuard:
     ):
         """``kvcomm.run_agent`` under this guard: the plan is cut at slots it disabled
         (``restrict``), and a sampled request that estimated KV is also prefilled densely to
-        record its first-token KL (``shadow``). Dense and calibration calls pass unguarded."""
+        record its first-token KL (``measure``). Dense and calibration calls pass unguarded."""
         if engine is None or calibrate:
             return run_agent(executor, engine, prompt, max_new_tokens, keep_logprobs, on_token, calibrate)
         started = time.perf_counter()
@@ -198,7 +198,7 @@ class QualityGuard:
         generation = execute(executor, engine, plan, max_new_tokens, started, keep_logprobs or bool(slots), on_token)
         engine.learn(plan, generation.computed, generation.reply_ids, generation.reply_kv, generation.head)
         if slots:
-            self.shadow(executor, engine, prompt, generation.prompt_logprobs[-1], slots)
+            self.measure(executor, engine, prompt, generation.prompt_logprobs[-1], slots)
         return generation, plan.provenance(generation.ttft_s, generation.cached_tokens)
 
     def restrict(self, engine: ReuseEngine, plan: ReusePlan) -> None:
@@ -212,7 +212,7 @@ class QualityGuard:
                 return
 
     def sample(self, plan: ReusePlan) -> tuple[str, ...]:
-        """The slots to attribute a shadow sample of this request to, or () to not shadow it."""
+        """The slots to attribute a twin sample of this request to, or () to not measure it."""
         slots = tuple(dict.fromkeys(
             plan.prompt.segments[p.segment_index].slot for p in plan.pieces
             if plan.prompt.segments[p.segment_index].is_shared
@@ -222,7 +222,7 @@ class QualityGuard:
         with self._lock:
             return slots if self._rng.random() < self.config.fraction else ()
 
-    def shadow(self, executor, engine: ReuseEngine, prompt: Prompt, reuse_logprobs: torch.Tensor, slots: tuple[str, ...]) -> float:
+    def measure(self, executor, engine: ReuseEngine, prompt: Prompt, reuse_logprobs: torch.Tensor, slots: tuple[str, ...]) -> float:
         """Run the dense prefill of ``prompt``, record KL(dense || reuse) of the first-token
         distribution (``reuse_logprobs``: ``[vocab]`` log-softmax) for ``slots`` and act on it;
         with ``config.learn`` the engine learns from the prefill."""
@@ -236,13 +236,13 @@ class QualityGuard:
         return kl
 
     def record(self, engine: ReuseEngine, slots: tuple[str, ...], kl: float, seconds: float = 0.0) -> None:
-        """Record one shadow sample measured elsewhere (e.g. by `kvcomm serve`'s twin requests):
+        """Record one twin sample measured elsewhere (e.g. by `kvcomm serve`'s twin requests):
         ``kl`` nats of KL(dense || reuse) of the first reply token for ``slots`` of ``engine``,
-        ``seconds`` spent measuring it; act on it as ``shadow`` does."""
+        ``seconds`` spent measuring it; act on it as ``measure`` does."""
         self.bind(engine)
         with self._lock:
-            self.shadowed += 1
-            self.shadow_seconds += seconds
+            self.measured += 1
+            self.twin_seconds += seconds
             for slot in slots:
                 self._record(engine, slot, kl)
 
@@ -259,7 +259,7 @@ class QualityGuard:
             if state.tightenings and len(state.recent) == self.config.window and mean <= self.config.loosen_below * self.config.budget:
                 self._loosen(state, pool, slot, mean)
             return
-        why = f"mean KL {mean:.4g} over the last {len(state.recent)} shadowed requests exceeds budget {self.config.budget:g}"
+        why = f"mean KL {mean:.4g} over the last {len(state.recent)} measured requests exceeds budget {self.config.budget:g}"
         if self.config.action == "tighten" and state.tightenings < self.config.max_tightenings:
             if state.gamma_before is None:
                 state.gamma_before = pool.config.gamma
@@ -279,7 +279,7 @@ class QualityGuard:
         pool.set_gamma(gamma)
         state.tightenings -= 1
         state.loosenings += 1
-        state.reason = (f"mean KL {mean:.4g} over the last {len(state.recent)} shadowed requests is at most "
+        state.reason = (f"mean KL {mean:.4g} over the last {len(state.recent)} measured requests is at most "
                         f"{self.config.loosen_below:g} x budget {self.config.budget:g}: gamma raised to {gamma:.4g}")
         state.recent.clear()  # judge the new gamma on its own samples
         log.info("quality guard, slot %r: %s", slot, state.reason)
@@ -287,13 +287,13 @@ class QualityGuard:
     # -- export --------------------------------------------------------------------------------
 
     def metrics(self) -> dict:
-        """Numbers for a metrics exporter: shadowed requests, seconds spent shadowing, and per
+        """Numbers for a metrics exporter: measured requests, seconds spent on twins, and per
         slot the rolling mean / last KL, samples, current gamma, tightenings (net of loosenings),
         loosenings, disabled."""
         with self._lock:
             pools = self._engine.pools if self._engine is not None else {}
             return {
-                "shadowed": self.shadowed, "shadow_seconds": self.shadow_seconds, "budget": self.config.budget,
+                "measured": self.measured, "twin_seconds": self.twin_seconds, "budget": self.config.budget,
                 "slots": {
                     slot: {
                         "kl_mean": s.mean, "kl_last": s.last_kl, "samples": s.samples, "tightenings": s.tightenings,

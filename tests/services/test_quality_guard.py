@@ -1,4 +1,4 @@
-"""The quality guard (shadow mode) against dense prefill of real models."""
+"""The quality guard (dense twins) against dense prefill of real models."""
 
 from __future__ import annotations
 
@@ -40,14 +40,14 @@ def test_tiny_budget_disables_the_slot_and_huge_budget_never_acts(smol_executor,
         (c.provenance.estimated_tokens, c.reply_ids) for c in baseline]
     estimated = [c for c in calls if c.provenance.estimated_tokens > 0]
     metrics = relaxed.metrics()
-    assert estimated and metrics["shadowed"] == len(estimated)
+    assert estimated and metrics["measured"] == len(estimated)
     assert not any(s["disabled"] or s["tightenings"] for s in metrics["slots"].values())
     assert all(s["kl_mean"] > 0 for s in metrics["slots"].values())  # estimates are not exact here
     assert relaxed_engine.pool("doc").config.gamma == 1.0
     overhead = guarded_s / dense_free_s - 1
-    print(f"shadow mode at fraction 1.0: {guarded_s:.1f} s vs {dense_free_s:.1f} s without guard "
-          f"(+{100 * overhead:.0f}%, {metrics['shadowed']} of {len(calls)} calls shadowed, "
-          f"{metrics['shadow_seconds']:.1f} s in shadow prefills); KL per slot "
+    print(f"the guard at fraction 1.0: {guarded_s:.1f} s vs {dense_free_s:.1f} s without guard "
+          f"(+{100 * overhead:.0f}%, {metrics['measured']} of {len(calls)} calls measured, "
+          f"{metrics['twin_seconds']:.1f} s in dense twins); KL per slot "
           f"{ {k: round(v['kl_mean'], 4) for k, v in metrics['slots'].items()} }")
 
     strict = QualityGuard(GuardConfig(fraction=1.0, learn=False, budget=1e-9, min_samples=1, action="disable"))
@@ -69,7 +69,7 @@ def test_tiny_budget_disables_the_slot_and_huge_budget_never_acts(smol_executor,
 @pytest.mark.slow
 def test_exact_reuse_measures_zero_kl(smol_executor):
     """Behind the context it was recorded in, a reused segment reproduces dense KV, so the
-    shadow KL must be ~0: the guard compares the right two distributions. (first_use: the first
+    twin KL must be ~0: the guard compares the right two distributions. (first_use: the first
     run takes the bases, the second and third reuse them realigned, which is exact behind this
     context; a prefix store with no room, so they serve no exact prefix. Both are sampled.)"""
     engine = ReuseEngine(smol_executor.rotary, ReuseConfig(prefix_store_bytes=0))
@@ -80,14 +80,14 @@ def test_exact_reuse_measures_zero_kl(smol_executor):
     _, provenance = guard.run_agent(smol_executor, engine, prompt, 2)
     assert provenance.estimated_tokens > 0
     metrics = guard.metrics()
-    assert metrics["shadowed"] == 2
+    assert metrics["measured"] == 2
     assert all(s["kl_last"] < 1e-6 and not s["disabled"] for s in metrics["slots"].values())
 
 
 @pytest.mark.slow
 def test_tighten_lowers_gamma_then_disables(tiny_executor):
     guard = QualityGuard(GuardConfig(fraction=1.0, learn=False, budget=1e-12, min_samples=1, max_tightenings=2))
-    # standalone bases estimate from the second row on: enough shadowed samples in four rows to
+    # standalone bases estimate from the second row on: enough measured samples in four rows to
     # tighten twice and disable (first_use estimates only the asker's last two rows)
     engine, calls, _ = _run(tiny_executor, guard, base_source="standalone")
     engine2, calls2, _ = _run(tiny_executor, None, base_source="standalone")
@@ -131,11 +131,11 @@ def _estimated_plan(executor):
     return engine, prompt, plan
 
 
-def test_sampling_shadows_the_configured_fraction_of_estimated_requests(tiny_executor):
-    """``fraction`` is the share of requests with estimated KV that are shadowed: over n draws
+def test_sampling_measures_the_configured_fraction_of_estimated_requests(tiny_executor):
+    """``fraction`` is the share of requests with estimated KV that are measured: over n draws
     the count is Binomial(n, fraction), drawn from the guard's own seeded RNG, so the check
     below is deterministic (it sits 4 standard deviations wide). Requests that estimated
-    nothing are never shadowed, even at fraction 1."""
+    nothing are never measured, even at fraction 1."""
     _, prompt, plan = _estimated_plan(tiny_executor)
     slots = tuple(dict.fromkeys(prompt.segments[p.segment_index].slot for p in plan.pieces
                                 if prompt.segments[p.segment_index].is_shared))
@@ -156,18 +156,18 @@ def test_sampling_shadows_the_configured_fraction_of_estimated_requests(tiny_exe
     assert QualityGuard(GuardConfig(budget=0.1, fraction=1.0)).sample(computed_only) == ()
 
 
-def test_fraction_zero_never_shadows_a_pipeline(tiny_executor):
-    """The runner shadows only what ``sample`` picked: at fraction 0 no dense prefill runs,
+def test_fraction_zero_never_measures_a_pipeline(tiny_executor):
+    """The runner measures only what ``sample`` picked: at fraction 0 no dense prefill runs,
     though calls estimated KV."""
     guard = QualityGuard(GuardConfig(fraction=0.0, budget=0.0, min_samples=1, action="disable"))
     _, calls, _ = _run(tiny_executor, guard)
     assert any(c.provenance.estimated_tokens > 0 for c in calls)
     metrics = guard.metrics()
-    assert metrics["shadowed"] == 0 and metrics["slots"] == {}
+    assert metrics["measured"] == 0 and metrics["slots"] == {}
     assert not any("quality guard" in c.provenance.note for c in calls)
 
 
-def _shadow_kls(executor):
+def _twin_kls(executor):
     """(engine, prompt, reuse log-probs giving KL ~0, reuse log-probs giving KL > 1): the
     first is the dense distribution itself, the second one that puts nearly all its mass on
     dense's top token, leaving almost none for the rest (which holds most of the dense mass
@@ -181,12 +181,12 @@ def _shadow_kls(executor):
 
 def test_the_guard_acts_on_the_rolling_window_after_min_samples(tiny_executor):
     """The rolling mean covers the last ``window`` samples only, and the guard does not act
-    before ``min_samples`` samples; samples are fed through ``shadow`` (a real dense prefill)
+    before ``min_samples`` samples; samples are fed through ``measure`` (a real dense prefill)
     with reuse distributions of known KL: ~0 (the dense one) or K > 1 (a wrong one)."""
-    engine, ids, dense, wrong = _shadow_kls(tiny_executor)
+    engine, ids, dense, wrong = _twin_kls(tiny_executor)
     probe = QualityGuard(GuardConfig(fraction=1.0, budget=1e9, min_samples=1))
-    high = probe.shadow(tiny_executor, engine, ids, wrong, ("doc",))
-    low = probe.shadow(tiny_executor, engine, ids, dense, ("doc",))
+    high = probe.measure(tiny_executor, engine, ids, wrong, ("doc",))
+    low = probe.measure(tiny_executor, engine, ids, dense, ("doc",))
     assert high > 1.0 and 0 <= low < 1e-6
 
     guard = QualityGuard(GuardConfig(fraction=1.0, budget=0.4 * high, window=3, min_samples=3, action="disable"))
@@ -194,21 +194,21 @@ def test_the_guard_acts_on_the_rolling_window_after_min_samples(tiny_executor):
     # K alone exceeds the budget, but 1 < min_samples; [K, 0, 0] and [0, 0, K] average K/3
     # (the whole history's 2K/4 would exceed the budget); [0, K, K] averages 2K/3: disable.
     for reuse, disabled in ((wrong, False), (dense, False), (dense, False), (wrong, False), (wrong, True)):
-        guard.shadow(tiny_executor, engine, ids, reuse, ("doc",))
+        guard.measure(tiny_executor, engine, ids, reuse, ("doc",))
         expected_disabled.append(disabled)
         assert guard.disabled("doc") == disabled, (len(expected_disabled), guard.metrics())
     state = guard.metrics()["slots"]["doc"]
     assert state["samples"] == 5 and state["kl_mean"] == pytest.approx((low + 2 * high) / 3, rel=1e-3)
-    assert "over the last 3 shadowed requests" in state["reason"]
+    assert "over the last 3 measured requests" in state["reason"]
 
 
 def test_tightening_restarts_the_window_so_min_samples_applies_again(tiny_executor):
-    engine, ids, _, wrong = _shadow_kls(tiny_executor)
+    engine, ids, _, wrong = _twin_kls(tiny_executor)
     guard = QualityGuard(GuardConfig(fraction=1.0, budget=1e-3, window=4, min_samples=2, max_tightenings=5))
     gamma = engine.pool("doc").config.gamma
     tightenings = []
     for _ in range(6):
-        guard.shadow(tiny_executor, engine, ids, wrong, ("doc",))
+        guard.measure(tiny_executor, engine, ids, wrong, ("doc",))
         tightenings.append(guard.metrics()["slots"]["doc"]["tightenings"])
     # every second sample completes a fresh window of min_samples = 2 and tightens once more
     assert tightenings == [0, 1, 1, 2, 2, 3]
@@ -219,8 +219,8 @@ def test_a_tightened_slot_loosens_back_after_a_full_window_well_within_budget(ti
     """Admission adapts both ways: breaches tighten gamma; a full window whose mean is at or
     below ``loosen_below * budget`` gives one tightening back, never past the gamma the slot
     had before; a window between the two thresholds changes nothing."""
-    engine, ids, dense, wrong = _shadow_kls(tiny_executor)
-    high = QualityGuard(GuardConfig(fraction=1.0, budget=1e9)).shadow(tiny_executor, engine, ids, wrong, ("doc",))
+    engine, ids, dense, wrong = _twin_kls(tiny_executor)
+    high = QualityGuard(GuardConfig(fraction=1.0, budget=1e9)).measure(tiny_executor, engine, ids, wrong, ("doc",))
     gamma = engine.pool("doc").config.gamma
     guard = QualityGuard(GuardConfig(fraction=1.0, budget=0.6 * high, window=2, min_samples=1, loosen_below=0.25))
     steps = []
@@ -228,7 +228,7 @@ def test_a_tightened_slot_loosens_back_after_a_full_window_well_within_budget(ti
     # is within budget but above loosen_below * budget: nothing; [K, 0] likewise; [0, 0]: loosen
     # back to the start, and no further
     for reuse in (wrong, wrong, dense, dense, dense, wrong, dense, dense, dense, dense):
-        guard.shadow(tiny_executor, engine, ids, reuse, ("doc",))
+        guard.measure(tiny_executor, engine, ids, reuse, ("doc",))
         state = guard.metrics()["slots"]["doc"]
         steps.append((state["tightenings"], state["loosenings"]))
     assert steps == [(1, 0), (2, 0), (2, 0), (1, 1), (1, 1), (1, 1), (1, 1), (0, 2), (0, 2), (0, 2)]
@@ -237,15 +237,15 @@ def test_a_tightened_slot_loosens_back_after_a_full_window_well_within_budget(ti
 
 
 @pytest.mark.parametrize("base_source", ["first_use", "standalone"])
-def test_shadow_prefills_teach_the_pools_only_when_asked(tiny_executor, base_source):
-    """``learn``: each shadowed request's dense prefill records its shared segments as anchors,
+def test_dense_twins_teach_the_pools_only_when_asked(tiny_executor, base_source):
+    """``learn``: each measured request's dense prefill records its shared segments as anchors,
     which the estimating request itself never does, so pools grow past the two anchors a slot
-    needs to estimate; without it a shadow leaves the engine as it was."""
+    needs to estimate; without it a twin leaves the engine as it was."""
     sizes = {}
     for learn in (False, True):
         guard = QualityGuard(GuardConfig(fraction=1.0, budget=1e9, learn=learn))
         engine, calls, _ = _run(tiny_executor, guard, base_source=base_source)
-        assert guard.metrics()["shadowed"] > 0
+        assert guard.metrics()["measured"] > 0
         assert all(pool.problems() == [] for pool in engine.pools.values())
         sizes[learn] = sum(len(pool) for pool in engine.pools.values())
     baseline, _, _ = _run(tiny_executor, None, base_source=base_source)

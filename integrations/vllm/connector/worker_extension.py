@@ -4,8 +4,8 @@ worker's planner outside the engine step.
 
 - ``kvcomm_plan_ahead(ticket, token_ids, kvcomm)``: plan a request before it is submitted and
   park the plan under ``ticket`` (``vllm.planning.server_planner``, computed heads); returns this rank's
-  ``{"head": [start, end] | None, "shadow": ...}`` or ``{"error": why}``.
-- ``kvcomm_guard_record(shadow, kl, seconds)``: record the KL the middleware measured for a
+  ``{"head": [start, end] | None, "twin": ...}`` or ``{"error": why}``.
+- ``kvcomm_guard_record(twin, kl, seconds)``: record the KL the middleware measured for a
   plan the quality guard sampled (``vllm.planning.guard``); returns ``{"recorded": bool}`` or ``{"error": why}``.
 """
 
@@ -25,11 +25,11 @@ class KvcommWorkerExtension:
         return worker._plans.plan_ahead(ticket, token_ids, kvcomm, worker.refused)
 
     @CLOCKS["rpc"].timed(ends_step=True)
-    def kvcomm_guard_record(self, shadow: str, kl: float, seconds: float) -> dict:
+    def kvcomm_guard_record(self, twin: str, kl: float, seconds: float) -> dict:
         worker = _connector_worker()
         if worker is None:
             return {"error": "this engine's workers run no kvcomm connector"}
-        return worker._plans.guard_record(shadow, kl, seconds)
+        return worker._plans.guard_record(twin, kl, seconds)
 
 
 def _connector_worker():

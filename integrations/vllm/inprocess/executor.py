@@ -29,6 +29,7 @@ from kvcomm.reuse.plan import BlendRequest
 from kvcomm.core.segments import Segment
 from kvcomm.integrations.transformers.executor import TransformersExecutor, _as_list
 from kvcomm.integrations.vllm.wire.channel import Channel, Injection, Order, channel
+from kvcomm.integrations.vllm.wire.params import SERVER_KEY
 from kvcomm.integrations.vllm.inprocess.llm import shutdown_llm
 from kvcomm.integrations.vllm.wire.config import CONNECTOR
 
@@ -132,7 +133,7 @@ class VllmExecutor:
             prompt["cache_salt"] = self.salt
         params = SamplingParams(
             temperature=0.0, max_tokens=max_tokens, stop_token_ids=sorted(self.stop_ids), detokenize=False,
-            output_kind=RequestOutputKind.CUMULATIVE, extra_args={"kv_transfer_params": {"kvcomm": {"handle": handle}}},
+            output_kind=RequestOutputKind.CUMULATIVE, extra_args={"kv_transfer_params": {"kvcomm": {}, SERVER_KEY: {"handle": handle}}},
         )
         request_id = f"kvcomm-{handle}"
         tokens: list[int] = []

@@ -7,9 +7,9 @@ engine of the server's planner (a tenant, or a tenant's adapter), set by
   the guard disabled (``ServerGuards.restrict``).
 - A plan made ahead (``ServerPlanner.plan_ahead``) that estimates KV is sampled with the
   guard's fraction (``ServerGuards.sample``); `kvcomm serve` then measures it after the
-  response (``serve.shadows``): a dense twin (the prompt with no kvcomm, under the tenant's
+  response (``serve.twins``): a dense twin (the prompt with no kvcomm, under the tenant's
   plain salt; the first token's top-k log-probabilities) and a reuse twin (the same plan served
-  again through its shadow ticket, learning nothing; the log-probabilities of the dense twin's
+  again through its twin ticket, learning nothing; the log-probabilities of the dense twin's
   top-k tokens) give KL(dense || reuse) over the top-k tokens and an "other" bucket (a lower
   bound of the full KL), recorded on every rank (``ServerGuards.record``, through
   ``vllm.connector.worker_extension``). The guard tightens or disables the slots as in process.

@@ -11,7 +11,7 @@ vLLM starts, so the API server's ``/metrics`` aggregates both with vLLM's own.
   planned (annotated) requests whose prefill completed, by where their KV came from.
 - ``kvcomm_requests_total{outcome="planned"|"rejected"}``; ``kvcomm_fallbacks_total``: planned
   requests whose shared content was all recomputed.
-- ``kvcomm_guard_shadowed_total``: requests the quality guard measured against their dense
+- ``kvcomm_guard_measured_total``: requests the quality guard measured against their dense
   twin (``vllm.planning.guard``); per guarded slot ``kvcomm_guard_kl_mean{tenant,slot}`` (rolling mean
   KL(dense || reuse) of the first reply token, nats, top-k + other: a lower bound),
   ``kvcomm_guard_kl_last{tenant,slot}``, ``kvcomm_guard_samples{tenant,slot}``, ``kvcomm_guard_gamma{tenant,slot}`` (the slot's gamma
@@ -66,7 +66,7 @@ POOL_BYTES = Gauge("kvcomm_pool_bytes", "Bytes held by all anchor pools (all ten
 TENANT_BYTES = Gauge("kvcomm_tenant_bytes", "Bytes held per tenant (pools, bases, exact prefixes)", ["tenant"],
                      multiprocess_mode="livesum")
 EVICTIONS = Gauge("kvcomm_evictions", "Anchors evicted so far (V cap and byte caps)", multiprocess_mode="livesum")
-GUARD_SHADOWED = Counter("kvcomm_guard_shadowed", "Requests the quality guard measured against their dense twin")
+GUARD_MEASURED = Counter("kvcomm_guard_measured", "Requests the quality guard measured against their dense twin")
 GUARD = {name: Gauge(f"kvcomm_guard_{name}", SLOT_METRICS[name], ["tenant", "slot"], multiprocess_mode="mostrecent")
          for name in ("kl_mean", "kl_last", "samples", "gamma", "tightenings", "disabled")}
 PROBLEMS = Gauge("kvcomm_pool_problems", "Broken pool invariants found by TenantRegistry.problems() (0 when consistent)",
@@ -77,7 +77,7 @@ def record_served(summary: dict) -> None:
     """Count one finished planned request from its summary (``PlannedRequest.summary``); a head
     request counts nothing (its tokens are the computed head of the request it serves), nor does
     a quality guard's reuse twin."""
-    if summary.get("computes_head") or summary.get("shadow"):
+    if summary.get("purpose", "client") != "client":
         return
     for source in ("exact", "estimated", "computed"):
         PROMPT_TOKENS.labels(source).inc(summary[f"{source}_tokens"])
@@ -119,7 +119,7 @@ def record_pools(registry) -> None:
 def record_guard(tenant: str, numbers: dict) -> None:
     """Count one guard sample and refresh its gauges from ``QualityGuard.metrics()`` of
     ``tenant``'s guard (tenant under its hash label; bounded labels)."""
-    GUARD_SHADOWED.inc()
+    GUARD_MEASURED.inc()
     label = bounded("tenant", tenant_label(tenant))
     for slot, values in numbers["slots"].items():
         for name, gauge in GUARD.items():

@@ -28,7 +28,7 @@ served by one request. `kvcomm serve` plans such requests ahead, outside the eng
 (``plan_ahead``, called through vLLM's ``collective_rpc`` by ``vllm.connector.worker_extension``), with
 ``heads=True``, as the in-process runner does, and parks the plan under a ticket; when the plan
 has a head it first sends a request of its own for the prompt's first ``head_end`` tokens
-(``computes_head``: the exact prefix injected, the head computed and kept under the ticket), then
+(purpose ``head``: the exact prefix injected, the head computed and kept under the ticket), then
 the request itself with the ticket: it is served the plan made ahead, the head's KV (through
 vLLM's prefix cache under the same salt, the rest injected) and the pieces after it, and learns
 the head as the in-process engine does. A ticket is used once; at most ``MAX_AHEAD`` plans are
@@ -36,8 +36,8 @@ parked (oldest dropped), none older than ``AHEAD_TTL_S``.
 
 Quality guard (``vllm.planning.guard``, with ``guard`` settings): every plan is cut at slots the
 tenant's guard disabled; a plan made ahead that the guard samples is also parked under its
-shadow ticket (``SHADOW_SUFFIX``, at most ``MAX_AHEAD``, none older than ``SHADOW_TTL_S``) for
-the reuse twin `kvcomm serve` sends after the response (``params.shadow``: served the same plan,
+twin ticket (``TWIN_SUFFIX``, at most ``MAX_AHEAD``, none older than ``TWIN_TTL_S``) for
+the reuse twin `kvcomm serve` sends after the response (purpose ``reuse_twin``: served the same plan,
 it learns nothing), and ``guard_record`` takes the KL measured from the twins.
 """
 
@@ -73,9 +73,9 @@ MAX_AHEAD = 64
 """Plans made ahead and not yet used, per process, at most (the oldest is dropped)."""
 AHEAD_TTL_S = 120.0
 """Seconds a plan made ahead waits for its request before it is dropped."""
-SHADOW_SUFFIX = ".shadow"
-"""A sampled plan's shadow ticket: its ticket with this suffix."""
-SHADOW_TTL_S = 600.0
+TWIN_SUFFIX = ".twin"
+"""A sampled plan's twin ticket: its ticket with this suffix."""
+TWIN_TTL_S = 600.0
 """Seconds a sampled plan waits for its twins (sent after the response, which may stream long)."""
 
 
@@ -104,8 +104,9 @@ class PlannedRequest:
     """The plan's computed head's KV (computed by the head request), learned with the prompt."""
     head_of: Ahead | None = None
     """Set on a head request: the plan made ahead whose head it computes."""
-    shadow: bool = False
-    """One of the quality guard's twins of a sampled plan (``params.shadow``), counted nowhere."""
+    purpose: str = "client"
+    """``params.purpose``: a client's request, a head request (``head_of`` set) or one of the
+    quality guard's twins of a sampled plan; all but a client's are counted nowhere."""
     learns: bool = True
     """Whether ``finish`` learns from it: all but the reuse twin (served a plan already learned from)."""
 
@@ -118,7 +119,7 @@ class PlannedRequest:
         if self.head_of is not None:
             start, end = self.plan.exact_length, self.plan.pieces_start
             return {"prompt_tokens": end, "exact_tokens": start, "estimated_tokens": 0, "computed_tokens": end - start,
-                    "head_tokens": 0, "fallback": False, "computes_head": True,
+                    "head_tokens": 0, "fallback": False, "purpose": "head",
                     "note": "computes the head of a request planned ahead"}
         p = self.plan.provenance()
         summary = {"prompt_tokens": p.prompt_tokens, "exact_tokens": p.exact_tokens,
@@ -126,7 +127,7 @@ class PlannedRequest:
                    "computed_tokens": p.computed_tokens, "head_tokens": p.head_tokens, "fallback": p.fallback,
                    "reply_base": self.engine.uses_bases and self.engine.learns_reply_from(self.plan),
                    "note": self.plan.note, "reason": explain(p)}
-        return summary | {"shadow": True} if self.shadow else summary
+        return summary if self.purpose == "client" else summary | {"purpose": self.purpose}
 
 
 def annotated_prompt(token_ids: list[int], params: KvcommParams) -> Prompt:
@@ -164,7 +165,7 @@ class ServerPlanner:
         self._lock = threading.Lock()
         self._ahead: OrderedDict[str, Ahead] = OrderedDict()
         self.guards = ServerGuards(guard, heads.rank, lambda: self.registry.tenants)
-        self._shadows: OrderedDict[str, tuple[Ahead, tuple[str, ...]]] = OrderedDict()
+        self._twins: OrderedDict[str, tuple[Ahead, tuple[str, ...]]] = OrderedDict()
 
     @property
     def engines(self) -> dict[str, ReuseEngine]:
@@ -198,7 +199,7 @@ class ServerPlanner:
         engine, prompt, tenant = self._prompt(token_ids, params, tenant, adapter)
         if params.calibrate:
             request = _request(engine, engine.calibration_plan(prompt), tenant, max_tokens)
-            request.shadow = params.shadow
+            request.purpose = params.purpose
             return request
         if not salted:
             plan = ReusePlan(prompt)
@@ -232,7 +233,7 @@ class ServerPlanner:
         runner plans (``heads=True``), and park the plan under ``ticket`` (module docstring).
         Returns the computed head ``(start, end)`` the request's head request must compute
         (its prompt: the first ``end`` tokens), or None when the plan has no head; and the
-        shadow ticket when the quality guard sampled the plan (else None)."""
+        twin ticket when the quality guard sampled the plan (else None)."""
         if params.handle is not None or params.calibrate or params.ticket is not None:
             raise KvcommParamsError("a plan made ahead is for an annotated request without handle, calibrate or ticket")
         engine, prompt, tenant = self._prompt(token_ids, params, None, None)
@@ -241,21 +242,21 @@ class ServerPlanner:
         slots = self.guards.sample(tenant, engine, plan)
         now = time.monotonic()
         ahead = Ahead(engine, plan, tenant, tuple(token_ids), now)
-        shadow = ticket + SHADOW_SUFFIX if slots else None
+        twin = ticket + TWIN_SUFFIX if slots else None
         with self._lock:
             self._ahead[ticket] = ahead
             _expire(self._ahead, now - AHEAD_TTL_S, lambda a: a.made_at)
-            if shadow is not None:
-                self._shadows[shadow] = (ahead, slots)
-                _expire(self._shadows, now - SHADOW_TTL_S, lambda entry: entry[0].made_at)
-        return ((plan.exact_length, plan.pieces_start) if plan.computed_head else None), shadow
+            if twin is not None:
+                self._twins[twin] = (ahead, slots)
+                _expire(self._twins, now - TWIN_TTL_S, lambda entry: entry[0].made_at)
+        return ((plan.exact_length, plan.pieces_start) if plan.computed_head else None), twin
 
-    def guard_record(self, shadow: str, kl: float, seconds: float) -> bool:
-        """Record ``kl`` (nats, measured from the twins of the plan sampled under the shadow
-        ticket ``shadow``; ``seconds`` they took) in its tenant's guard; False when no such
+    def guard_record(self, twin: str, kl: float, seconds: float) -> bool:
+        """Record ``kl`` (nats, measured from the twins of the plan sampled under the twin
+        ticket ``twin``; ``seconds`` they took) in its tenant's guard; False when no such
         sample is parked (expired or recorded)."""
         with self._lock:
-            entry = self._shadows.pop(shadow, None)
+            entry = self._twins.pop(twin, None)
         if entry is None:
             return False
         ahead, slots = entry
@@ -264,10 +265,10 @@ class ServerPlanner:
 
     def _planned_ahead(self, token_ids: list[int], params: KvcommParams, salted: bool, max_tokens: int,
                        adapter: str | None) -> PlannedRequest:
-        """The request of a plan made ahead, its head request (``params.computes_head``) or its
-        reuse twin (``params.shadow``)."""
-        if params.shadow:
-            return self._shadow(token_ids, params, salted, adapter)
+        """The request of a plan made ahead, its head request (purpose ``head``) or its
+        reuse twin (purpose ``reuse_twin``)."""
+        if params.purpose == "reuse_twin":
+            return self._reuse_twin(token_ids, params, salted, adapter)
         with self._lock:
             ahead = self._ahead.get(params.ticket) if params.computes_head else self._ahead.pop(params.ticket, None)
         if ahead is None or adapter is not None or not salted:
@@ -280,27 +281,27 @@ class ServerPlanner:
                 raise KvcommParamsError(f"ticket {shown(params.ticket)}: this prompt is not the first {end} tokens of the "
                                         "planned request, or its plan computes no head")
             inject = Injection((exact_piece(plan),), start) if start else None
-            return PlannedRequest(ahead.engine, plan, Order(inject, start, end), ahead.tenant, head_of=ahead)
+            return PlannedRequest(ahead.engine, plan, Order(inject, start, end), ahead.tenant, head_of=ahead, purpose="head")
         if tuple(token_ids) != ahead.token_ids:
             raise KvcommParamsError(f"ticket {shown(params.ticket)} was planned for another prompt")
         if plan.computed_head and ahead.head is None:
             plan = _exact_only(plan, "the head request did not complete: reuse only of the exact prefix")
         return _request(ahead.engine, plan, ahead.tenant, max_tokens, ahead.head if plan.computed_head else None)
 
-    def _shadow(self, token_ids: list[int], params: KvcommParams, salted: bool, adapter: str | None) -> PlannedRequest:
+    def _reuse_twin(self, token_ids: list[int], params: KvcommParams, salted: bool, adapter: str | None) -> PlannedRequest:
         """The reuse twin of a sampled plan: the plan served again as its request was, no
         capture, nothing learned."""
         with self._lock:
-            entry = self._shadows.get(params.ticket)
+            entry = self._twins.get(params.ticket)
         if entry is None or adapter is not None or not salted or tuple(token_ids) != entry[0].token_ids:
-            raise KvcommParamsError(f"shadow ticket {shown(params.ticket)} names no sampled plan of this prompt in this "
+            raise KvcommParamsError(f"twin ticket {shown(params.ticket)} names no sampled plan of this prompt in this "
                                     "engine (expired or recorded)")
         ahead = entry[0]
         if ahead.plan.computed_head and ahead.head is None:
             raise KvcommParamsError("the sampled plan's head request did not complete: its request reused the exact "
                                     "prefix only, nothing to measure")
         twin = _request(ahead.engine, ahead.plan, ahead.tenant, 0, ahead.head if ahead.plan.computed_head else None)
-        return dataclasses.replace(twin, order=Order(twin.order.inject, 0, 0), shadow=True, learns=False)
+        return dataclasses.replace(twin, order=Order(twin.order.inject, 0, 0), purpose="reuse_twin", learns=False)
 
     def finish(self, planned: PlannedRequest, capture: Capture | None, reply_ids: list[int]) -> None:
         """Learn from the captured real KV of prompt positions ``[reuse_end, len(prompt))``;
@@ -328,7 +329,7 @@ class ServerPlanner:
             if capture.has(n, n + r) and not planned.engine.has_base(reply.shared_id) and planned.engine.learns_reply_from(plan):
                 planned.engine.register_base(reply, to_position_free(capture.span(n, n + r), self.rotary, n))
             runs.add(reply_ids, f"{prompt.template_id}.reply")  # a pool per producing template
-        if planned.shadow:  # the dense twin: learned from, counted nowhere
+        if planned.purpose == "dense_twin":  # the dense twin: learned from, counted nowhere
             record_pools(self.registry)
             return
         provenance = plan.provenance()

@@ -100,7 +100,7 @@ class WorkerPlans:
     def plan_ahead(self, ticket: str, token_ids: list[int], kvcomm: dict, refused: str | None) -> dict:
         """``ServerPlanner.plan_ahead`` for a request `kvcomm serve` is about to submit (its
         ``kv_transfer_params["kvcomm"]`` as the middleware rewrote it): ``{"head": [start, end] | None,
-        "shadow": None | {"ticket": shadow ticket, "top_k": k}}`` (``shadow``: the quality guard
+        "twin": None | {"ticket": twin ticket, "top_k": k}}`` (``twin``: the quality guard
         sampled the plan, ``vllm.planning.guard``), or ``{"error": why}`` (the request is then planned in
         the step as usual)."""
         from kvcomm.integrations.vllm.wire.params import KvcommParamsError, parse_params
@@ -110,24 +110,24 @@ class WorkerPlans:
         try:
             self._ensure_planner()
             params = parse_params({"kvcomm": kvcomm}, len(token_ids), self._known_slots)
-            head, shadow = self.planner.plan_ahead(ticket, list(token_ids), params)
+            head, twin = self.planner.plan_ahead(ticket, list(token_ids), params)
         except KvcommParamsError as error:  # the client's mistake: the engine step reports it to the request
             return {"error": str(error)[:300]}
         except Exception as error:  # a planning failure must not take the engine down
             log.warning("kvcomm: planning ahead failed (%s: %s); the request is planned in the engine step",
                         type(error).__name__, str(error)[:300])
             return {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-        if shadow is not None:
-            shadow = {"ticket": shadow, "top_k": self.planner.guards.config.top_k}
-        return {"head": None if head is None else list(head), "shadow": shadow}
+        if twin is not None:
+            twin = {"ticket": twin, "top_k": self.planner.guards.config.top_k}
+        return {"head": None if head is None else list(head), "twin": twin}
 
-    def guard_record(self, shadow: str, kl: float, seconds: float) -> dict:
+    def guard_record(self, twin: str, kl: float, seconds: float) -> dict:
         """``ServerPlanner.guard_record``: ``{"recorded": bool}``, or ``{"error": why}``."""
-        if self.planner is None or not isinstance(shadow, str) or not isinstance(kl, (int, float)) or not kl >= 0:
+        if self.planner is None or not isinstance(twin, str) or not isinstance(kl, (int, float)) or not kl >= 0:
             return {"error": f"nothing to record (planner {'not built' if self.planner is None else 'built'}, "
                              f"KL {str(kl)[:40]})"}
         try:
-            return {"recorded": self.planner.guard_record(shadow, float(kl), float(seconds))}
+            return {"recorded": self.planner.guard_record(twin, float(kl), float(seconds))}
         except Exception as error:  # a guard failure must not take the engine down
             log.warning("kvcomm: recording a quality guard sample failed (%s: %s)", type(error).__name__, str(error)[:300])
             return {"error": f"{type(error).__name__}: {str(error)[:300]}"}
@@ -138,7 +138,7 @@ class WorkerPlans:
         captured are handled at once."""
         capture, _ = self.channel.take(handle_of(done.req_id))
         planned = self._planned.pop(done.req_id, None)
-        if planned is not None and capture is not None and planned.head_of is None and not planned.shadow:
+        if planned is not None and capture is not None and planned.purpose == "client":
             self._learning.append((done, planned, capture))
             return
         if planned is not None:

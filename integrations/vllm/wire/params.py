@@ -1,42 +1,46 @@
-"""The per-request options of the kvcomm vLLM plugin: ``kv_transfer_params["kvcomm"]``.
+"""The per-request options of the kvcomm vLLM plugin, in two objects of ``kv_transfer_params``:
+``"kvcomm"``, what a client may send, and ``"kvcomm_server"`` (``SERVER_KEY``), what only kvcomm's
+own callers set (`kvcomm serve` on the requests it sends its own app, ``VllmExecutor`` in
+process). `kvcomm serve`'s middleware removes ``"kvcomm_server"`` whole from every client body.
 
-Schema (JSON object; every key optional, unknown keys rejected)::
+Schema (JSON objects; every key optional, unknown keys rejected)::
 
     {"kvcomm": {
-        "handle":   "<str>",                 # in-process callers (VllmExecutor) only: the
-                                             # channel order carrying KV to inject / capture
         "template": "<str>",                 # agent template id (default: "default")
         "tenant":   "<str>",                 # tenant key (default: "default"); `kvcomm serve`
                                              # with API keys overwrites it with the key's tenant
-        "contexts": {"retain": ["<content id>"], "release": ["<content id>"]},
-                                             # set by `kvcomm serve`'s context API only (it
-                                             # refuses it from clients): pin / unpin and drop
-                                             # the base KV of retained contexts (serve.contexts)
-        "ticket":   "<str>",                 # set by `kvcomm serve` only (it refuses it from
-                                             # clients): the request was planned ahead under this
-                                             # ticket (``ServerPlanner.plan_ahead``) and uses that plan
-        "computes_head": false,              # with "ticket", set by `kvcomm serve` only: this request
-                                             # computes the planned request's head (its prompt is that
-                                             # request's first ``head_end`` tokens)
-        "shadow": false,                     # set by `kvcomm serve` only: one of the quality guard's
-                                             # twins of a sampled request, counted in no metric; with
-                                             # "ticket" the reuse twin (served the plan again, learns
-                                             # nothing), with "calibrate" the dense twin (learns)
         "calibrate": false,                  # true: reuse nothing, prefill densely and learn
                                              # everything (each shared segment whose content
                                              # has a base becomes an anchor of its slot, up to
                                              # V): calibration traffic that fills the pools
                                              # (server-side planning only, not with "handle")
         "segments": [                        # shared segments, sorted, non-overlapping;
-                                             # absent: detected automatically (vllm.detect)
+                                             # absent: detected automatically (vllm.planning.run_index)
             {"start": 12, "end": 40,         # prompt token span [start, end), end <= prompt length
              "slot": "task",                 # slot name (anchor pool); a known slot when the
                                              # server was started with a slot list
              "id": "<str>"}                  # optional shared content id (default: token hash)
         ]
+     },
+     "kvcomm_server": {
+        "handle":  "<str>",                  # VllmExecutor: the channel order carrying KV to
+                                             # inject / capture (the caller planned)
+        "purpose": "client",                 # what the request is for (PURPOSES): "client" (a
+                                             # client's request), "head" (computes the head of
+                                             # the request planned ahead under "ticket"; its
+                                             # prompt is that request's first ``head_end``
+                                             # tokens), "dense_twin" / "reuse_twin" (the quality
+                                             # guard's twins of a sampled request: the dense one
+                                             # with "calibrate", it learns; the reuse one with the
+                                             # twin ticket, served the sampled plan again, it
+                                             # learns nothing); only "client" is counted in metrics
+        "ticket":  "<str>",                  # the plan made ahead for this request
+                                             # (``ServerPlanner.plan_ahead``), used once
+        "retain":  ["<content id>"],         # the context API: pin these contents' base KV
+        "release": ["<content id>"]          # ... unpin and drop them (serve.contexts)
     }}
 
-Sizes are bounded (``check_sizes``): ``template``, ``tenant``, ``handle`` and every ``id`` at most
+Sizes are bounded (``check_sizes``): ``template``, ``tenant``, ``handle``, ``ticket`` and every ``id`` at most
 ``MAX_NAME_LENGTH`` characters, at most ``MAX_SEGMENTS`` segments; `kvcomm serve` answers a
 request over these bounds with HTTP 400 before it reaches the engine.
 
@@ -57,7 +61,13 @@ from typing import Any, Collection
 
 SLOT_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
 """A well-formed slot name (an annotation's ``slot``, a name in the connector's ``slots``)."""
-_KEYS = {"handle", "template", "tenant", "segments", "calibrate", "contexts", "ticket", "computes_head", "shadow"}
+_KEYS = {"template", "tenant", "segments", "calibrate"}
+SERVER_KEY = "kvcomm_server"
+"""The ``kv_transfer_params`` key of what only kvcomm's own callers set (module docstring)."""
+_SERVER_KEYS = {"handle", "purpose", "ticket", "retain", "release"}
+PURPOSES = ("client", "head", "dense_twin", "reuse_twin")
+"""What a request is (``kvcomm_server.purpose``): a client's, a head request, a quality guard's twin."""
+TWINS = ("dense_twin", "reuse_twin")
 MAX_TENANT_LENGTH = 256
 MAX_NAME_LENGTH = 256
 """Characters of a template, handle or segment id at most."""
@@ -86,8 +96,7 @@ def check_sizes(body: Any) -> None:
     for ``parse_params``, which needs the prompt."""
     if not isinstance(body, dict):
         return
-    for key, bound in (("template", MAX_NAME_LENGTH), ("handle", MAX_NAME_LENGTH), ("tenant", MAX_TENANT_LENGTH),
-                       ("ticket", MAX_NAME_LENGTH)):
+    for key, bound in (("template", MAX_NAME_LENGTH), ("tenant", MAX_TENANT_LENGTH)):
         value = body.get(key)
         if isinstance(value, str) and len(value) > bound:
             raise KvcommParamsError(f"kv_transfer_params.kvcomm.{key} has {len(value)} characters; at most {bound} characters")
@@ -132,12 +141,21 @@ class KvcommParams:
     """Content ids no longer kept: their bases are dropped (an anchor of the content keeps its own)."""
     ticket: str | None = None
     """The plan made ahead for this request (``ServerPlanner.plan_ahead``; set by `kvcomm serve`)."""
-    computes_head: bool = False
-    """With ``ticket``: this request computes that plan's head, its prompt the head's end's prefix."""
-    shadow: bool = False
-    """One of the quality guard's twins of a sampled request (``vllm.planning.guard``), counted in no
-    metric: with ``ticket`` the reuse twin (served the same plan, it learns nothing), with
-    ``calibrate`` the dense twin (it learns, as calibration traffic does)."""
+    purpose: str = "client"
+    """What the request is (``PURPOSES``; set by `kvcomm serve`): a client's, a head request (with
+    ``ticket``: it computes that plan's head, its prompt the head's end's prefix), or one of the
+    quality guard's twins of a sampled request (``vllm.planning.guard``): with ``ticket`` the
+    reuse twin (served the same plan, it learns nothing), with ``calibrate`` the dense twin (it
+    learns, as calibration traffic does)."""
+
+    @property
+    def computes_head(self) -> bool:
+        return self.purpose == "head"
+
+    @property
+    def twin(self) -> bool:
+        """One of the quality guard's twins: counted in no metric."""
+        return self.purpose in TWINS
 
 
 def _int(value: Any, where: str) -> int:
@@ -164,11 +182,11 @@ def parse_params(params: Any, prompt_len: int | None, known_slots: Collection[st
         raise KvcommParamsError(f"kv_transfer_params.kvcomm must be a JSON object, got {type(body).__name__}")
     unknown = set(body) - _KEYS
     if unknown:
-        raise KvcommParamsError(f"kv_transfer_params.kvcomm has unknown keys {shown(sorted(unknown))}; allowed: {sorted(_KEYS)}")
+        moved = f" ({sorted(unknown & _SERVER_KEYS | unknown & _OLD_SERVER_KEYS)} are kvcomm's own, set by `kvcomm serve` " \
+                "and VllmExecutor, never by a client)" if unknown & (_SERVER_KEYS | _OLD_SERVER_KEYS) else ""
+        raise KvcommParamsError(f"kv_transfer_params.kvcomm has unknown keys {shown(sorted(unknown))}; allowed: "
+                                f"{sorted(_KEYS)}{moved}")
     check_sizes(body)
-    handle = body.get("handle")
-    if handle is not None and (not isinstance(handle, str) or not handle):
-        raise KvcommParamsError(f"kv_transfer_params.kvcomm.handle must be a non-empty string, got {shown(handle)}")
     template = body.get("template", "default")
     if not isinstance(template, str) or not template:
         raise KvcommParamsError(f"kv_transfer_params.kvcomm.template must be a non-empty string, got {shown(template)}")
@@ -180,24 +198,10 @@ def parse_params(params: Any, prompt_len: int | None, known_slots: Collection[st
     calibrate = body.get("calibrate", False)
     if not isinstance(calibrate, bool):
         raise KvcommParamsError(f"kv_transfer_params.kvcomm.calibrate must be true or false, got {shown(calibrate)}")
-    if calibrate and handle is not None:
-        raise KvcommParamsError("kv_transfer_params.kvcomm.calibrate applies to server-side planning; with a handle the "
-                                "caller plans (calibrate there with kvcomm.run_agent(..., calibrate=True))")
-    retain, release = _contexts(body.get("contexts", {}))
-    ticket, computes_head = body.get("ticket"), body.get("computes_head", False)
-    if ticket is not None and (not isinstance(ticket, str) or not ticket or handle is not None or calibrate):
-        raise KvcommParamsError(f"kv_transfer_params.kvcomm.ticket must be a non-empty string, without handle or "
-                                f"calibrate, got {shown(ticket)}")
-    if not isinstance(computes_head, bool) or (computes_head and ticket is None):
-        raise KvcommParamsError(f"kv_transfer_params.kvcomm.computes_head must be true or false, and true only with "
-                                f"a ticket, got {shown(computes_head)}")
-    shadow = body.get("shadow", False)
-    if not isinstance(shadow, bool) or (shadow and ((ticket is None and not calibrate) or computes_head)):
-        raise KvcommParamsError(f"kv_transfer_params.kvcomm.shadow must be true or false, and true only with a ticket "
-                                f"or calibrate and without computes_head, got {shown(shadow)}")
-    ahead = {"ticket": ticket, "computes_head": computes_head, "shadow": shadow}
+    server = _server(params.get(SERVER_KEY, {}), calibrate)
+    handle = server.pop("handle")
     if "segments" not in body:
-        return KvcommParams(handle, template, None, tenant, calibrate, retain, release, **ahead)
+        return KvcommParams(handle, template, None, tenant, calibrate, **server)
     raw = body["segments"]
     if not isinstance(raw, list):
         raise KvcommParamsError(f"kv_transfer_params.kvcomm.segments must be a list, got {type(raw).__name__}")
@@ -227,19 +231,48 @@ def parse_params(params: Any, prompt_len: int | None, known_slots: Collection[st
                 f"[{segments[-1].start}, {segments[-1].end}); give segments sorted and non-overlapping"
             )
         segments.append(SpanAnnotation(start, end, slot, shared_id))
-    return KvcommParams(handle, template, tuple(segments), tenant, calibrate, retain, release, **ahead)
+    return KvcommParams(handle, template, tuple(segments), tenant, calibrate, **server)
 
 
-def _contexts(value: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``kvcomm.contexts``: (content ids to retain, content ids to release)."""
-    where = "kv_transfer_params.kvcomm.contexts"
-    if not isinstance(value, dict) or set(value) - {"retain", "release"}:
-        raise KvcommParamsError(f"{where} must be an object with lists 'retain' and/or 'release', got {shown(value)}")
-    lists = []
-    for key in ("retain", "release"):
-        ids = value.get(key, [])
-        if not isinstance(ids, list) or len(ids) > MAX_SEGMENTS or not all(
-                isinstance(i, str) and 0 < len(i) <= MAX_NAME_LENGTH for i in ids):
-            raise KvcommParamsError(f"{where}.{key} must be a list of at most {MAX_SEGMENTS} content ids, got {shown(ids)}")
-        lists.append(tuple(ids))
-    return lists[0], lists[1]
+_OLD_SERVER_KEYS = {"contexts", "computes_head", "shadow"}
+"""Keys of ``kvcomm`` that were kvcomm's own before ``kvcomm_server`` held them (named in the error)."""
+
+
+def _name(value: Any, where: str) -> str | None:
+    if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_NAME_LENGTH):
+        raise KvcommParamsError(f"{where} must be a non-empty string of at most {MAX_NAME_LENGTH} characters, "
+                                f"got {shown(value)}")
+    return value
+
+
+def _server(value: Any, calibrate: bool) -> dict:
+    """``kv_transfer_params.kvcomm_server`` as ``KvcommParams`` fields (all but handle: ``handle`` too)."""
+    where = f"kv_transfer_params.{SERVER_KEY}"
+    if not isinstance(value, dict):
+        raise KvcommParamsError(f"{where} must be a JSON object, got {type(value).__name__}")
+    unknown = set(value) - _SERVER_KEYS
+    if unknown:
+        raise KvcommParamsError(f"{where} has unknown keys {shown(sorted(unknown))}; allowed: {sorted(_SERVER_KEYS)}")
+    handle = _name(value.get("handle"), f"{where}.handle")
+    ticket = _name(value.get("ticket"), f"{where}.ticket")
+    purpose = value.get("purpose", "client")
+    if purpose not in PURPOSES:
+        raise KvcommParamsError(f"{where}.purpose must be one of {list(PURPOSES)}, got {shown(purpose)}")
+    if handle is not None and (calibrate or ticket is not None or purpose != "client"):
+        raise KvcommParamsError(f"{where}.handle: the caller plans; no calibrate (calibrate there with "
+                                "kvcomm.run_agent(..., calibrate=True)), ticket or purpose with it")
+    if ticket is not None and calibrate:
+        raise KvcommParamsError(f"{where}.ticket names a plan made ahead; a calibrating request has none")
+    needs = {"head": ticket is not None, "reuse_twin": ticket is not None, "dense_twin": calibrate and ticket is None}
+    if purpose in needs and not needs[purpose]:
+        raise KvcommParamsError(f"{where}.purpose {purpose!r} needs {'calibrate and no ticket' if purpose == 'dense_twin' else 'a ticket'}")
+    retain, release = (_ids(value.get(key, []), f"{where}.{key}") for key in ("retain", "release"))
+    return {"handle": handle, "retain": retain, "release": release, "ticket": ticket, "purpose": purpose}
+
+
+def _ids(ids: Any, where: str) -> tuple[str, ...]:
+    """A list of content ids (``kvcomm_server.retain`` / ``release``)."""
+    if not isinstance(ids, list) or len(ids) > MAX_SEGMENTS or not all(
+            isinstance(i, str) and 0 < len(i) <= MAX_NAME_LENGTH for i in ids):
+        raise KvcommParamsError(f"{where} must be a list of at most {MAX_SEGMENTS} content ids, got {shown(ids)}")
+    return tuple(ids)

@@ -210,8 +210,8 @@ def test_concurrent_calls_are_serialized_and_equal_sequential_ones(tiny_executor
     assert_concurrent_calls_equal_sequential(client, conversations)
 
 
-def test_a_guarded_team_is_shadowed_and_exported(tiny_executor):
-    """A quality guard on the shared backend shadows every call that estimated KV (fraction 1),
+def test_a_guarded_team_is_measured_and_exported(tiny_executor):
+    """A quality guard on the shared backend measures every call that estimated KV (fraction 1),
     never acts at a huge budget (same replies as unguarded), and its numbers reach Prometheus."""
     from prometheus_client import CollectorRegistry, generate_latest
 
@@ -228,7 +228,7 @@ def test_a_guarded_team_is_shadowed_and_exported(tiny_executor):
         calls = client.call_log
     assert runs["guarded"] == runs["plain"]
     estimated = [c for c in calls if c.provenance.estimated_tokens > 0]
-    assert estimated and guard.metrics()["shadowed"] == len(estimated)
+    assert estimated and guard.metrics()["measured"] == len(estimated)
     registry = CollectorRegistry()
     export(guard, "team", registry)
-    assert "kvcomm_guard_shadowed_total{tenant=" in generate_latest(registry).decode()
+    assert "kvcomm_guard_measured_total{tenant=" in generate_latest(registry).decode()

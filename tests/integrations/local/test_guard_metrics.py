@@ -1,4 +1,4 @@
-"""The quality guard's Prometheus export equals what the guards measured (tiny model, real shadow prefills)."""
+"""The quality guard's Prometheus export equals what the guards measured (tiny model, real dense twins)."""
 
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ def test_exported_series_equal_the_guards_numbers_per_tenant(tiny_executor):
     assert "secret" not in generate_latest(registry).decode()  # tenant keys may be API keys: labels only
     for tenant, guard in (("alice-secret-key", relaxed), ("bob-secret-key", strict)):
         label, numbers = tenant_label(tenant), guard.metrics()
-        assert numbers["shadowed"] > 0 and numbers["slots"]
-        assert got[("kvcomm_guard_shadowed_total", (("tenant", label),))] == numbers["shadowed"]
+        assert numbers["measured"] > 0 and numbers["slots"]
+        assert got[("kvcomm_guard_measured_total", (("tenant", label),))] == numbers["measured"]
         assert got[("kvcomm_guard_budget", (("tenant", label),))] == numbers["budget"]
         for slot, values in numbers["slots"].items():
             key = (("slot", slot), ("tenant", label))

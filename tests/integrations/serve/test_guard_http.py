@@ -67,7 +67,7 @@ def guard_series(server, name: str) -> dict[str, float]:
 def wait_for_sample(server, count: float) -> float:
     """Wait until the guard recorded ``count`` samples in all (they are measured after the response)."""
     deadline = time.monotonic() + RECORD_TIMEOUT_S
-    while (recorded := metrics(server).get("kvcomm_guard_shadowed_total", 0.0)) < count:
+    while (recorded := metrics(server).get("kvcomm_guard_measured_total", 0.0)) < count:
         assert time.monotonic() < deadline, f"the guard recorded {recorded} of {count} samples in {RECORD_TIMEOUT_S} s:\n" + \
             server.log.read_text()[-3000:]
         time.sleep(0.5)

@@ -155,10 +155,25 @@ def test_shown_values_are_cut_to_a_few_hundred_characters():
     assert shown("ok") == "'ok'"
 
 
-def test_a_handle_over_http_is_refused_with_400(monkeypatch):
+def test_server_directives_never_reach_vllm_from_a_client(monkeypatch):
+    """A client's ``kvcomm_server`` (a handle, a forged ticket or purpose, context directives) is
+    removed whole on every kind of route before vLLM sees the body; the same keys inside
+    ``kvcomm`` are a 400 naming them as kvcomm's own."""
     http = client(monkeypatch, KEYS)
-    reply = http.post("/v1/completions", json=opted_in(handle="request-1"), headers={"Authorization": f"Bearer {KEYS[0]}"})
-    assert reply.status_code == 400 and "in-process callers only" in reply.json()["error"]["message"]
+    auth = {"Authorization": f"Bearer {KEYS[0]}"}
+    reply = http.post("/v1/completions", json=opted_in(handle="request-1"), headers=auth)
+    assert reply.status_code == 400 and "kvcomm's own" in reply.json()["error"]["message"]
+    forged = {"handle": "h", "ticket": "t", "purpose": "head", "retain": ["x"], "release": ["y"]}
+    for path, body in (("/v1/completions", {"prompt": [1, 2], "kv_transfer_params": {"kvcomm": {}}}),
+                       ("/v1/completions", {"prompt": [1, 2], "kv_transfer_params": {}}),
+                       ("/v1/chat/completions/batch", {"messages": [[{"role": "user", "content": "d"}]],
+                                                       "kv_transfer_params": {}}),
+                       ("/invocations", {"prompt": [1, 2], "kv_transfer_params": {"kvcomm": {}}})):
+        body["kv_transfer_params"]["kvcomm_server"] = dict(forged)
+        reply = http.post(path, json=body, headers=auth)
+        assert reply.status_code == 200, (path, reply.text)
+        seen = reply.json()["body"]
+        assert "kvcomm_server" not in seen["kv_transfer_params"], (path, seen)
 
 
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
@@ -170,14 +185,14 @@ json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(m
 @given(body=st.dictionaries(st.sampled_from(["kv_transfer_params", "cache_salt", "prompt"]), json_values, max_size=3)
        | json_values, key=st.sampled_from([None, "key-one", "bad"]))
 def test_rewrite_never_crashes_and_keyed_requests_always_get_the_key_salt(body, key):
-    """Any JSON body: either a clear ValueError (a handle, or kvcomm options the engine would
-    refuse), or a body whose salt is the key's when the key is valid; other fields are left as
-    they were."""
+    """Any JSON body: either a clear ValueError (kvcomm options the engine would refuse), or a
+    body whose salt is the key's when the key is valid and without ``kvcomm_server``; other
+    fields are left as they were."""
     original = json.loads(json.dumps(body))
     try:
         out = rewrite(json.loads(json.dumps(body)), key, DIGESTS)
     except ValueError as error:
-        assert "handle" in str(error) or str(error).startswith("kv_transfer_params"), error
+        assert str(error).startswith("kv_transfer_params"), error
         return
     if not isinstance(body, dict):
         assert out == original
@@ -188,6 +203,7 @@ def test_rewrite_never_crashes_and_keyed_requests_always_get_the_key_salt(body, 
         assert out == original
     assert {k: v for k, v in out.items() if k not in ("cache_salt", "kv_transfer_params")} == \
            {k: v for k, v in original.items() if k not in ("cache_salt", "kv_transfer_params")}
+    assert not isinstance(out.get("kv_transfer_params"), dict) or "kvcomm_server" not in out["kv_transfer_params"]
 
 
 def test_kvcomm_options_of_the_wrong_type_are_a_400_and_a_span_past_the_prompt_goes_to_the_engine(monkeypatch):

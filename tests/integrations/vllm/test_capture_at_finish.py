@@ -5,7 +5,7 @@ step's metadata names them (``FinalCapture``), the worker copies them in one go 
 request finished-sending, and vLLM frees them. The child process below runs one in-process
 engine (``python test_capture_at_finish.py --child v1|v2``; V2 as in ``test_model_runner_v2``)
 with a small KV cache (8 blocks of 32 tokens, prefix caching off) and records, per engine step,
-the connector's copies and final captures, the block pool's free blocks, and a shadow capture:
+the connector's copies and final captures, the block pool's free blocks, and an expected capture:
 what the worker used to copy, each step's computed tokens copied out of their slots right after
 that step's forward (the copy kernel on the same slots), kept per request. Scenarios:
 
@@ -73,7 +73,7 @@ def _child(runner: str) -> None:
         report = {"runner_is_v2": bool(engine.vllm_config.use_v2_model_runner), "free_at_start": pool.get_num_free_blocks(),
                   "scenarios": {}}
         layers, (_, heads, dim) = len(paged.caches), paged.key_offsets.shape
-        shadows: dict[str, KV] = {}
+        expected: dict[str, KV] = {}
         scheduled: dict[int, list] = {}
         steps: list[dict] = []
 
@@ -101,7 +101,7 @@ def _child(runner: str) -> None:
                 if high > low:
                     positions = torch.arange(low, high)
                     slots = torch.tensor(blocks)[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
-                    copy_tokens(KVTarget.at_slots(paged, slots), KVTarget.contiguous(shadows[handle], low, high - low))
+                    copy_tokens(KVTarget.at_slots(paged, slots), KVTarget.contiguous(expected[handle], low, high - low))
             return real_wait_for_save(*args, **kwargs)
 
         real_wait_for_save, worker.wait_for_save = worker.wait_for_save, wait_for_save
@@ -121,10 +121,10 @@ def _child(runner: str) -> None:
         def run(name: str, jobs: list[dict], abort_after: int | None = None, abort_preempted: bool = False) -> dict:
             first = len(steps)
             for job in jobs:
-                shadows[job["name"]] = KV(torch.zeros(layers, heads, 5 * BLOCK_SIZE, dim), torch.zeros(layers, heads, 5 * BLOCK_SIZE, dim))
+                expected[job["name"]] = KV(torch.zeros(layers, heads, 5 * BLOCK_SIZE, dim), torch.zeros(layers, heads, 5 * BLOCK_SIZE, dim))
                 chan.place(job["name"], Order(None, 0, len(job["ids"]) + job["max_tokens"]))
                 params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False,
-                                        extra_args={"kv_transfer_params": {"kvcomm": {"handle": job["name"]}}})
+                                        extra_args={"kv_transfer_params": {"kvcomm": {}, "kvcomm_server": {"handle": job["name"]}}})
                 engine.add_request(job["name"], TokensPrompt(prompt_token_ids=list(job["ids"])), params)
             tokens: dict[str, list[int]] = {}
             aborted: list[str] = []
@@ -151,16 +151,16 @@ def _child(runner: str) -> None:
                 got = tokens.get(job["name"], [])
                 n = len(job["ids"])
                 end = n + len(got) - 1  # the last sampled token is never fed back: no KV
-                results[job["name"]] = {"tokens": got, "capture": capture, "end": end, "shadow": shadows.pop(job["name"])}
+                results[job["name"]] = {"tokens": got, "capture": capture, "end": end, "expected": expected.pop(job["name"])}
             report["scenarios"][name] = {
                 "steps": steps[first:], "aborted": aborted, "free_after": pool.get_num_free_blocks(),
                 "requests_left": len(scheduler.requests), "tracked_left": len(tracked),
                 "captures": {name: None if r["capture"] is None else [r["capture"].start, r["capture"].end] for name, r in results.items()},
                 "ends": {name: r["end"] for name, r in results.items()},
-                "shadow_equal": {name: bool(torch.equal(r["capture"].span(r["capture"].start, r["capture"].end).keys,
-                                                        r["shadow"].span(r["capture"].start, r["capture"].end).keys)
+                "expected_equal": {name: bool(torch.equal(r["capture"].span(r["capture"].start, r["capture"].end).keys,
+                                                        r["expected"].span(r["capture"].start, r["capture"].end).keys)
                                             and torch.equal(r["capture"].span(r["capture"].start, r["capture"].end).values,
-                                                            r["shadow"].span(r["capture"].start, r["capture"].end).values))
+                                                            r["expected"].span(r["capture"].start, r["capture"].end).values))
                                  for name, r in results.items() if r["capture"] is not None},
             }
             return results
@@ -254,7 +254,7 @@ def test_the_capture_is_byte_identical_to_copying_each_step_and_matches_a_dense_
     for name, scenario in report["scenarios"].items():
         for request, (start, end) in ((r, c) for r, c in scenario["captures"].items() if c is not None):
             assert start == 0 and end == scenario["ends"][request], (name, request, start, end)
-        assert scenario["shadow_equal"] and all(scenario["shadow_equal"].values()), (name, scenario["shadow_equal"])
+        assert scenario["expected_equal"] and all(scenario["expected_equal"].values()), (name, scenario["expected_equal"])
     assert report["scenarios"]["prefill"]["decoded_vs_prefill_max_diff"] < 1e-3
     cut = report["scenarios"]["abort"]["cut"]
     assert cut["captured"] == [0, cut["prompt"] + cut["generated"] - 1] and 0 < cut["generated"] < REPLY

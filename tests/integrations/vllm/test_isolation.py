@@ -78,7 +78,7 @@ BAD = [
     ({"kvcomm": {"segments": [{"start": 0, "end": 5, "slot": "task"}, {"start": 3, "end": 8, "slot": "task"}]}}, "overlaps"),
     ({"kvcomm": {"segments": [{"start": 0, "end": 9999, "slot": "task"}]}}, "need 0 <= start < end"),
     ({"kvcomm": {"segments": [{"start": "0", "end": 5, "slot": "task"}]}}, "must be an integer"),
-    ({"kvcomm": {"handle": "not-a-real-handle"}}, "names no pending order"),
+    ({"kvcomm": {}, "kvcomm_server": {"handle": "not-a-real-handle"}}, "names no pending order"),
 ]
 
 

@@ -227,7 +227,7 @@ def _run(llm, channel, jobs: list[dict]) -> dict:
     engine = llm.llm_engine
     results: dict[str, dict] = {}
     for job in jobs:
-        params = {"kvcomm": job.get("kvcomm") or {"handle": job["name"]}}
+        params = {"kvcomm": job["kvcomm"]} if job.get("kvcomm") else {"kvcomm": {}, "kvcomm_server": {"handle": job["name"]}}
         if "order" in job:
             channel.place(job["name"], job["order"])
         prompt = TokensPrompt(prompt_token_ids=list(job["ids"]), cache_salt=job["salt"])

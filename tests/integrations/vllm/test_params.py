@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcomm.integrations.vllm.wire.params import KvcommParamsError, SpanAnnotation, parse_params
+from kvcomm.integrations.vllm.wire.params import SERVER_KEY, KvcommParamsError, SpanAnnotation, parse_params
 
 
 def test_requests_without_kvcomm_key_are_not_opted_in():
@@ -27,7 +27,7 @@ def test_valid_annotations_parse_in_order():
     ({"segmnts": []}, "unknown keys ['segmnts']"),
     ({"calibrate": "yes"}, "calibrate must be true or false, got 'yes'"),
     ({"calibrate": 1}, "calibrate must be true or false, got 1"),
-    ({"calibrate": True, "handle": "h"}, "calibrate applies to server-side planning"),
+    ({"handle": "h"}, "['handle'] are kvcomm's own"),
     ({"segments": "0-4"}, "segments must be a list"),
     ({"segments": [{"start": "0", "end": 4, "slot": "task"}]}, "segments[0].start must be an integer"),
     ({"segments": [{"start": True, "end": 4, "slot": "task"}]}, "segments[0].start must be an integer"),
@@ -38,7 +38,6 @@ def test_valid_annotations_parse_in_order():
     ({"segments": [{"start": 0, "end": 4}]}, "missing keys ['slot']"),
     ({"segments": [{"start": 0, "end": 4, "slot": "no spaces"}]}, "slot must be a name"),
     ({"segments": [{"start": 0, "end": 4, "slot": "critic"}]}, "not a known slot"),
-    ({"handle": 7}, "handle must be a non-empty string"),
     ({"tenant": ""}, "tenant must be a non-empty string"),
     ({"tenant": "t" * 257}, "at most 256 characters"),
     ({"template": "t" * 257}, "template has 257 characters; at most 256"),
@@ -64,11 +63,22 @@ def test_errors_show_client_values_cut_short(body):
     assert len(str(error.value)) < 600, len(str(error.value))
 
 
-def test_contexts_name_content_ids_to_retain_and_release():
-    """``kvcomm.contexts``: what `kvcomm serve`'s context API tells the tenant's engine to pin and drop."""
-    params = parse_params({"kvcomm": {"segments": [], "contexts": {"retain": ["c1"], "release": ["c2", "c3"]}}}, 4)
+def test_context_directives_name_content_ids_to_retain_and_release():
+    """``kvcomm_server.retain`` / ``release``: what `kvcomm serve`'s context API tells the tenant's
+    engine to pin and drop."""
+    params = parse_params({"kvcomm": {"segments": []}, SERVER_KEY: {"retain": ["c1"], "release": ["c2", "c3"]}}, 4)
     assert (params.retain, params.release) == (("c1",), ("c2", "c3"))
     assert (parse_params({"kvcomm": {}}, 4).retain, parse_params({"kvcomm": {}}, 4).release) == ((), ())
-    for bad in ({"keep": ["c"]}, {"retain": "c"}, {"release": [""]}, {"retain": [1]}, ["c"]):
-        with pytest.raises(KvcommParamsError, match="kvcomm.contexts"):
-            parse_params({"kvcomm": {"contexts": bad}}, 4)
+    for bad in ({"keep": ["c"]}, {"retain": "c"}, {"release": [""]}, {"retain": [1]}, {"retain": ["c"] * 513}):
+        with pytest.raises(KvcommParamsError, match="kvcomm_server"):
+            parse_params({"kvcomm": {}, SERVER_KEY: bad}, 4)
+
+
+@pytest.mark.parametrize("server, message", [
+    ({"handle": 7}, "handle must be a non-empty string"),
+    ({"handle": "h" * 257}, "at most 256 characters"),
+])
+def test_bad_server_directives_name_the_problem(server, message):
+    with pytest.raises(KvcommParamsError, match=message):
+        parse_params({"kvcomm": {}, SERVER_KEY: server}, 10)
+    assert parse_params({"kvcomm": {}, SERVER_KEY: {"handle": "h"}}, 10).handle == "h"

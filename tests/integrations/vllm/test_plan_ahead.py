@@ -16,7 +16,7 @@ from kvcomm.reuse.config import ReuseConfig
 from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.reuse.runner import run_agent
 from kvcomm.integrations.vllm.wire.channel import Capture
-from kvcomm.integrations.vllm.wire.params import KvcommParamsError, parse_params
+from kvcomm.integrations.vllm.wire.params import SERVER_KEY, KvcommParamsError, parse_params
 from kvcomm.integrations.vllm.planning.server_planner import ServerPlanner, annotated_prompt
 
 CONFIG = ReuseConfig(pool=PoolConfig(gamma=1.0))
@@ -31,8 +31,14 @@ def agent_request(agent: int, shared_seed: int = 0, lead: int = 12, length: int 
     return own[:lead] + shared + own[lead:], [{"start": lead, "end": lead + length, "slot": "task"}]
 
 
+SERVER_KEYS = ("handle", "purpose", "ticket", "retain", "release")
+
+
 def _params(ids: list[int], body: dict):
-    return parse_params({"kvcomm": body}, len(ids))
+    """``parse_params`` of a flat body: ``kvcomm_server``'s keys (ticket, purpose) sent apart from the client's."""
+    server = {key: value for key, value in body.items() if key in SERVER_KEYS}
+    client = {key: value for key, value in body.items() if key not in SERVER_KEYS}
+    return parse_params({"kvcomm": client, SERVER_KEY: server}, len(ids))
 
 
 def _run(planner: ServerPlanner, executor, ids: list[int], body: dict, max_tokens: int) -> tuple[dict, list[int]]:
@@ -70,8 +76,8 @@ def serve_ahead(planner: ServerPlanner, executor, ids: list[int], spans: list[di
     if head is not None and head_request:
         start, end = head
         summary, _ = _run(planner, executor, ids[:end], {"template": template, "tenant": "t", "ticket": ticket,
-                                                          "computes_head": True}, 1)
-        assert summary["computes_head"] and (summary["exact_tokens"], summary["computed_tokens"]) == (start, end - start)
+                                                          "purpose": "head"}, 1)
+        assert summary["purpose"] == "head" and (summary["exact_tokens"], summary["computed_tokens"]) == (start, end - start)
     summary, reply = _run(planner, executor, ids, {**body, "ticket": ticket}, MAX_TOKENS)
     return summary, reply, head
 
@@ -113,19 +119,49 @@ def test_a_failed_head_request_leaves_the_exact_prefix_and_tickets_are_used_once
         planner.prepare(ids, _params(ids, {**body, "ticket": "other"}), salted=False, max_tokens=1)
 
 
-def test_tickets_and_head_flags_come_from_the_server_only():
+def test_server_directives_come_from_the_server_only():
+    """``kvcomm_server`` (handle, purpose, ticket, retain, release) is dropped whole from a client's
+    body on every kind of route; the same keys inside ``kvcomm`` are refused, named as kvcomm's own."""
     from kvcomm.integrations.serve.middleware import rewrite
 
-    for options in ({"ticket": "t"}, {"computes_head": True}, {"shadow": True}):
-        with pytest.raises(ValueError, match="set by the server"):
-            rewrite({"prompt": [1, 2], "kv_transfer_params": {"kvcomm": options}}, None, frozenset())
-    with pytest.raises(KvcommParamsError, match="only with a ticket"):
-        parse_params({"kvcomm": {"computes_head": True}}, 4)
-    with pytest.raises(KvcommParamsError, match="without handle or calibrate"):
-        parse_params({"kvcomm": {"ticket": "t", "calibrate": True}}, 4)
-    for options in ({"shadow": True}, {"shadow": True, "ticket": "t", "computes_head": True}, {"shadow": 1, "ticket": "t"}):
-        with pytest.raises(KvcommParamsError, match="shadow must be"):
+    forged = {"handle": "h", "ticket": "t", "purpose": "head", "retain": ["x"], "release": ["y"]}
+    for kind, key in (("generation", None), ("generation", "key-a"), ("salted", None), ("read", None)):
+        body = rewrite({"prompt": [1, 2], "kv_transfer_params": {"kvcomm": {}, SERVER_KEY: dict(forged)}}, key,
+                       frozenset(), kind)
+        assert SERVER_KEY not in body["kv_transfer_params"], kind
+    for options in ({"ticket": "t"}, {"computes_head": True}, {"shadow": True}, {"handle": "h"},
+                    {"contexts": {"retain": ["x"]}}, {"purpose": "head"}):
+        with pytest.raises(KvcommParamsError, match="kvcomm's own"):
             parse_params({"kvcomm": options}, 4)
+
+
+@pytest.mark.parametrize("client, server, error", [
+    ({}, {"purpose": "head"}, "'head' needs a ticket"),
+    ({}, {"purpose": "reuse_twin"}, "'reuse_twin' needs a ticket"),
+    ({}, {"purpose": "dense_twin"}, "needs calibrate and no ticket"),
+    ({"calibrate": True}, {"purpose": "dense_twin", "ticket": "t"}, "a calibrating request has none"),
+    ({"calibrate": True}, {"ticket": "t"}, "a calibrating request has none"),
+    ({}, {"purpose": "spy"}, "must be one of"),
+    ({}, {"handle": "h", "ticket": "t"}, "the caller plans"),
+    ({"calibrate": True}, {"handle": "h"}, "the caller plans"),
+    ({}, {"ticket": ""}, "non-empty string"),
+    ({}, {"ticket": "t" * 300}, "at most 256 characters"),
+    ({}, {"retain": "x"}, "list of at most"),
+    ({}, {"who": 1}, "unknown keys"),
+    ({}, [], "must be a JSON object"),
+])
+def test_server_directives_are_checked(client, server, error):
+    with pytest.raises(KvcommParamsError, match=error):
+        parse_params({"kvcomm": client, SERVER_KEY: server}, 4)
+
+
+def test_server_directives_parse_into_the_params():
+    params = parse_params({"kvcomm": {"tenant": "a"}, SERVER_KEY: {"ticket": "t", "purpose": "reuse_twin"}}, 4)
+    assert (params.tenant, params.ticket, params.purpose, params.computes_head) == ("a", "t", "reuse_twin", False)
+    params = parse_params({"kvcomm": {"calibrate": True}, SERVER_KEY: {"purpose": "dense_twin", "retain": ["c"]}}, 4)
+    assert (params.calibrate, params.purpose, params.retain, params.release) == (True, "dense_twin", ("c",), ())
+    assert parse_params({"kvcomm": {}}, 4).purpose == "client"
+    assert parse_params({SERVER_KEY: {"ticket": "t"}}, 4) is None  # no "kvcomm": not opted in
 
 
 def test_bodies_that_cannot_be_planned_ahead_pass_untouched():

@@ -31,10 +31,12 @@ def _scheduler_connector(**extra):
 
 
 def _request(req_id: str, n: int = 40, options: dict | None = None):
-    """What the connector reads of a vLLM ``Request``."""
-    kvcomm = {"segments": [{"start": 4, "end": 20, "slot": "task"}]} if options is None else options
+    """What the connector reads of a vLLM ``Request``; a ``handle`` in ``options`` goes to
+    ``kvcomm_server``, as ``VllmExecutor`` sends it."""
+    kvcomm = {"segments": [{"start": 4, "end": 20, "slot": "task"}]} if options is None else dict(options)
+    params = {"kvcomm": kvcomm} if "handle" not in kvcomm else {"kvcomm": {}, "kvcomm_server": {"handle": kvcomm.pop("handle")}}
     return SimpleNamespace(
-        request_id=req_id, kv_transfer_params={"kvcomm": kvcomm}, num_prompt_tokens=n, prompt_token_ids=list(range(n)),
+        request_id=req_id, kv_transfer_params=params, num_prompt_tokens=n, prompt_token_ids=list(range(n)),
         cache_salt="salt", max_tokens=5, output_token_ids=[7, 8, 2], num_computed_tokens=n + 2,
         sampling_params=SimpleNamespace(all_stop_token_ids={2}),
     )

@@ -39,28 +39,28 @@ def _first_token(executor, ids: list[int], prefix: KV | None) -> torch.Tensor:
 
 def _sampled_request(planner: ServerPlanner, executor, agent: int, ticket: str):
     """Plan agent ``agent``'s request ahead and serve it (head request first) as `kvcomm serve`
-    does; returns (ids, body, summary, shadow ticket)."""
+    does; returns (ids, body, summary, twin ticket)."""
     ids, spans = agent_request(agent)
     body = {"template": f"agent{agent}", "tenant": "t", "segments": spans}
-    head, shadow = planner.plan_ahead(ticket, ids, _params(ids, body))
+    head, twin = planner.plan_ahead(ticket, ids, _params(ids, body))
     if head is not None:
         _run(planner, executor, ids[: head[1]], {"template": body["template"], "tenant": "t", "ticket": ticket,
-                                                  "computes_head": True}, 1)
+                                                  "purpose": "head"}, 1)
     summary, _ = _run(planner, executor, ids, {**body, "ticket": ticket}, MAX_TOKENS)
-    return ids, body, summary, shadow
+    return ids, body, summary, twin
 
 
 def test_the_reuse_twin_is_served_its_requests_plan_and_the_measured_kl_drives_the_guard(tiny_executor):
     probe = ServerPlanner(tiny_executor.rotary, CONFIG, guard=GuardConfig(fraction=1.0, budget=1e9, min_samples=1))
-    _, _, first, shadow = _sampled_request(probe, tiny_executor, 0, "a0")
-    assert first["estimated_tokens"] == 0 and shadow is None  # nothing estimated: nothing to measure
-    ids, body, summary, shadow = _sampled_request(probe, tiny_executor, 1, "a1")
-    assert summary["estimated_tokens"] > 0 and shadow == "a1.shadow"
+    _, _, first, sampled = _sampled_request(probe, tiny_executor, 0, "a0")
+    assert first["estimated_tokens"] == 0 and sampled is None  # nothing estimated: nothing to measure
+    ids, body, summary, sampled = _sampled_request(probe, tiny_executor, 1, "a1")
+    assert summary["estimated_tokens"] > 0 and sampled == "a1.twin"
 
     engine = probe.engine("t")
     held = (engine.nbytes, {slot: len(pool.anchors) for slot, pool in engine.pools.items()}, sorted(engine.base_ids()))
-    twin = probe.prepare(ids, _params(ids, {**body, "ticket": shadow, "shadow": True}), salted=True, max_tokens=1)
-    assert twin.shadow and twin.summary()["shadow"] and twin.summary()["estimated_tokens"] == summary["estimated_tokens"]
+    twin = probe.prepare(ids, _params(ids, {**body, "ticket": sampled, "purpose": "reuse_twin"}), salted=True, max_tokens=1)
+    assert twin.purpose == twin.summary()["purpose"] == "reuse_twin" and twin.summary()["estimated_tokens"] == summary["estimated_tokens"]
     assert (twin.order.capture_from, twin.order.capture_to) == (0, 0)  # captures nothing
     probe.finish(twin, None, [1, 2])
     assert (engine.nbytes, {slot: len(pool.anchors) for slot, pool in engine.pools.items()},
@@ -75,22 +75,22 @@ def test_the_reuse_twin_is_served_its_requests_plan_and_the_measured_kl_drives_t
     assert kl == pytest.approx(float(kl_topk_other(reference, reuse[None])[0]), rel=1e-6, abs=1e-9) and kl > 0
     print(f"first-token KL of agent 1's reuse: {kl:.4g} nats")
 
-    assert probe.guard_record(shadow, kl, 0.5) and not probe.guard_record(shadow, kl, 0.5)  # recorded once
+    assert probe.guard_record(sampled, kl, 0.5) and not probe.guard_record(sampled, kl, 0.5)  # recorded once
     with pytest.raises(KvcommParamsError, match="names no sampled plan"):  # recorded: the twin's plan is gone
-        probe.prepare(ids, _params(ids, {**body, "ticket": shadow, "shadow": True}), salted=True, max_tokens=1)
+        probe.prepare(ids, _params(ids, {**body, "ticket": sampled, "purpose": "reuse_twin"}), salted=True, max_tokens=1)
     numbers = probe.guards.guard("t", engine).metrics()
-    assert numbers["shadowed"] == 1 and numbers["slots"]["task"]["kl_last"] == pytest.approx(kl)
+    assert numbers["measured"] == 1 and numbers["slots"]["task"]["kl_last"] == pytest.approx(kl)
     assert not numbers["slots"]["task"]["disabled"] and numbers["slots"]["task"]["gamma"] == 1.0  # within budget
 
     # the same traffic under a budget below that KL: the slot is disabled, later plans reuse nothing of it
     strict = ServerPlanner(tiny_executor.rotary, CONFIG, guard=GuardConfig(
         fraction=1.0, budget=kl / 2, min_samples=1, action="disable"))
     _sampled_request(strict, tiny_executor, 0, "b0")
-    _, _, summary, shadow = _sampled_request(strict, tiny_executor, 1, "b1")
-    assert summary["estimated_tokens"] > 0 and strict.guard_record(shadow, kl, 0.5)
+    _, _, summary, sampled = _sampled_request(strict, tiny_executor, 1, "b1")
+    assert summary["estimated_tokens"] > 0 and strict.guard_record(sampled, kl, 0.5)
     assert strict.guards.guard("t", strict.engine("t")).disabled("task")
-    _, _, summary, shadow = _sampled_request(strict, tiny_executor, 2, "b2")
-    assert summary["estimated_tokens"] == 0 and shadow is None and "quality guard" in summary["note"]
+    _, _, summary, sampled = _sampled_request(strict, tiny_executor, 2, "b2")
+    assert summary["estimated_tokens"] == 0 and sampled is None and "quality guard" in summary["note"]
     ids, spans = agent_request(5, lead=0)  # the note first: the engine step's plans (no head) estimate it
     body = {"template": "agent5", "tenant": "t", "segments": spans}
     assert probe.prepare(ids, _params(ids, body), salted=True, max_tokens=1).plan.estimated_tokens > 0
@@ -99,25 +99,25 @@ def test_the_reuse_twin_is_served_its_requests_plan_and_the_measured_kl_drives_t
 
 
 def test_the_dense_twin_teaches_the_slot_it_measures_and_counts_nowhere(tiny_executor):
-    """The dense twin `kvcomm serve` sends for a sampled request (``calibrate`` and ``shadow``):
-    planned as calibration (nothing reused, the whole prompt captured) and learned from, so the
-    slot it measures gets the anchor its estimate must earn evidence with; its summary says
-    ``shadow``, so no metric counts it. ``shadow`` alone (neither ticket nor calibrate) is refused."""
+    """The dense twin `kvcomm serve` sends for a sampled request (``calibrate``, purpose
+    ``dense_twin``): planned as calibration (nothing reused, the whole prompt captured) and learned
+    from, so the slot it measures gets the anchor its estimate must earn evidence with; its summary
+    says its purpose, so no metric counts it. Purpose ``dense_twin`` without calibrate is refused."""
     probe = ServerPlanner(tiny_executor.rotary, CONFIG, guard=GuardConfig(fraction=1.0, budget=1e9, min_samples=1))
     _sampled_request(probe, tiny_executor, 0, "c0")
-    ids, body, summary, shadow = _sampled_request(probe, tiny_executor, 1, "c1")
-    assert summary["realigned_tokens"] > 0 and shadow == "c1.shadow"  # a cold slot: realigned, sampled
+    ids, body, summary, sampled = _sampled_request(probe, tiny_executor, 1, "c1")
+    assert summary["realigned_tokens"] > 0 and sampled == "c1.twin"  # a cold slot: realigned, sampled
     pool = probe.engine("t").pool("task")
     assert not any(("agent1", "task") in anchor.deviations for anchor in pool.anchors)
 
-    twin = probe.prepare(ids, _params(ids, {**body, "calibrate": True, "shadow": True}), salted=False, max_tokens=1)
+    twin = probe.prepare(ids, _params(ids, {**body, "calibrate": True, "purpose": "dense_twin"}), salted=False, max_tokens=1)
     assert twin.plan.reuse_end == 0 and (twin.order.capture_from, twin.order.capture_to) == (0, len(ids))
-    dense, _ = _run(probe, tiny_executor, ids, {**body, "calibrate": True, "shadow": True}, 1)
-    assert dense["shadow"] and dense["computed_tokens"] == len(ids)
+    dense, _ = _run(probe, tiny_executor, ids, {**body, "calibrate": True, "purpose": "dense_twin"}, 1)
+    assert dense["purpose"] == "dense_twin" and dense["computed_tokens"] == len(ids)
     assert any(("agent1", "task") in anchor.deviations for anchor in pool.anchors)  # learned
 
-    with pytest.raises(KvcommParamsError, match="shadow must be true or false, and true only with a ticket or calibrate"):
-        _params(ids, {**body, "shadow": True})
+    with pytest.raises(KvcommParamsError, match="'dense_twin' needs calibrate"):
+        _params(ids, {**body, "purpose": "dense_twin"})
 
 
 def test_guard_settings_are_checked_when_the_connector_starts():

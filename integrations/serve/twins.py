@@ -1,15 +1,15 @@
 """The quality guard's twins in `kvcomm serve` (``vllm.planning.guard``): how a request the guard sampled
 is measured, after its response has gone out, so the client waits for nothing.
 
-1. The dense twin: the same prompt as a kvcomm calibration request (``calibrate``: nothing
+1. The dense twin: the same prompt as a kvcomm calibration request (``calibrate``, purpose ``dense_twin``: nothing
    reused, everything its prefill reveals learned, as the in-process guard's twin teaches its
    engine) of the request's tenant, template and segments, under the tenant's plain salt
    (exact KV only; vLLM's prefix cache may serve it from the tenant's plain requests), one
    token, the first token's top-k log-probabilities (``top_k``, the guard's; at most vLLM's
    ``--max-logprobs``). It is how a slot served realigned KV gets the dense sightings its
    estimate must earn (``kvcomm.anchors.evidence``).
-2. The reuse twin: the same prompt under the request's reuse salt with the plan's shadow
-   ticket (``kvcomm.shadow``): served the plan its request was served (vLLM's prefix cache
+2. The reuse twin: the same prompt under the request's reuse salt with the plan's twin
+   ticket (purpose ``reuse_twin``): served the plan its request was served (vLLM's prefix cache
    may serve the request's own blocks, which hold the same KV), learning nothing; the
    log-probabilities of the dense twin's top-k tokens (``logprob_token_ids``).
 3. KL(dense || reuse) over those tokens and an "other" bucket (``kl_topk_other_of``: a lower
@@ -19,7 +19,7 @@ is measured, after its response has gone out, so the client waits for nothing.
 A failed twin or record costs the sample, never a request: it is counted and the first few
 are logged. At most ``MAX_IN_FLIGHT`` measurements run at once; a sample beyond that is
 skipped (its parked plan expires). The twins are requests like any other in vLLM's own
-metrics and usage; kvcomm's counters skip both (``shadow``).
+metrics and usage; kvcomm's counters skip both (their purposes).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Scope
 
 from kvcomm.core.divergence import kl_topk_other_of
 from kvcomm.integrations.serve.internal import call_app, kvcomm_error, kvcomm_of, say
+from kvcomm.integrations.vllm.wire.params import SERVER_KEY
 
 RPC = "kvcomm_guard_record"
 MAX_IN_FLIGHT = 8
@@ -39,7 +40,7 @@ MAX_IN_FLIGHT = 8
 _TOKEN_ID = "token_id:"
 
 
-class ShadowRequests:
+class TwinRequests:
     """The twins of sampled requests (module docstring). ``measured``: samples recorded;
     ``skipped``: samples not measured because ``MAX_IN_FLIGHT`` were running; ``failures``:
     twins or records that failed."""
@@ -49,14 +50,14 @@ class ShadowRequests:
         self.measured = self.skipped = self.failures = 0
         self._tasks: set[asyncio.Task] = set()
 
-    def after(self, scope: Scope, body: dict, shadow: tuple[str, int], dense_salt: str) -> None:
-        """Measure the sampled request ``body`` (as vLLM got it) in the background: ``shadow``
-        is (shadow ticket, top-k) from the plan made ahead, ``dense_salt`` the ``cache_salt``
-        of the tenant's plain requests."""
+    def after(self, scope: Scope, body: dict, sampled: tuple[str, int], dense_salt: str) -> None:
+        """Measure the sampled request ``body`` (as vLLM got it) in the background: ``sampled``
+        is (twin ticket, top-k) from the plan made ahead, ``dense_salt`` the ``cache_salt`` of
+        the tenant's plain requests."""
         if len(self._tasks) >= MAX_IN_FLIGHT:
             self.skipped += 1
             return
-        task = asyncio.get_running_loop().create_task(self._measure(scope, body, *shadow, dense_salt))
+        task = asyncio.get_running_loop().create_task(self._measure(scope, body, *sampled, dense_salt))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -81,7 +82,7 @@ class ShadowRequests:
                   "logprobs": top_k, "return_tokens_as_token_ids": True}
         segments = {"segments": options["segments"]} if "segments" in options else {}  # else detected, as for the request
         teach = {"kvcomm": {"tenant": options.get("tenant", "default"), "template": options.get("template", "default"),
-                            **segments, "calibrate": True, "shadow": True}}
+                            **segments, "calibrate": True}, SERVER_KEY: {"purpose": "dense_twin"}}
         status, dense = await call_app(self.app, scope, "POST", "/v1/completions",
                                        {**common, "cache_salt": dense_salt, "kv_transfer_params": teach})
         error = kvcomm_error(dense)
@@ -90,8 +91,8 @@ class ShadowRequests:
         reference = dict(sorted(_first_token_logprobs(status, dense).items(), key=lambda kv: -kv[1])[:top_k])
         twin = {**common, "logprob_token_ids": list(reference), "cache_salt": body["cache_salt"],
                 "kv_transfer_params": {"kvcomm": {"tenant": options.get("tenant", "default"),
-                                                  "template": options.get("template", "default"),
-                                                  "ticket": ticket, "shadow": True}}}
+                                                  "template": options.get("template", "default")},
+                                       SERVER_KEY: {"ticket": ticket, "purpose": "reuse_twin"}}}
         status, reuse = await call_app(self.app, scope, "POST", "/v1/completions", twin)
         error = kvcomm_error(reuse)
         if error:
