@@ -221,9 +221,13 @@ def test_bad_input_is_a_clear_4xx_and_the_server_keeps_serving(ctx_server):
     body = wire.completion_body(backend.model_name, chat, 2, reuse=True, contexts={content: handle.context_id})
     got, answer = ctx_server.request("POST", "/v1/completions", body, key=BAD)
     assert got == 400 and "does not hold its" in answer["error"]["message"], answer
-    body["kv_transfer_params"]["kvcomm"]["contexts"] = {"retain": ["x"]}
-    got, answer = ctx_server.request("POST", "/v1/completions", body, key=BAD)
-    assert got == 400 and "set by the server" in answer["error"]["message"], answer
+    plain = {"model": backend.model_name, "prompt": list(range(5, 12)), "max_tokens": 1}
+    got, answer = ctx_server.request("POST", "/v1/completions", {
+        **plain, "kv_transfer_params": {"kvcomm": {"contexts": {"release": [content]}}}}, key=BAD)
+    assert got == 400 and "kvcomm's own" in answer["error"]["message"], answer
+    got, answer = ctx_server.request("POST", "/v1/completions", {  # a forged directive is removed, not obeyed
+        **plain, "kv_transfer_params": {"kvcomm": {}, "kvcomm_server": {"release": [content], "purpose": "head"}}}, key=BAD)
+    assert got == 200 and "error" not in (answer["kv_transfer_params"] or {}).get("kvcomm", {}), answer
     assert backend.context(handle)["state"] == "retained"
     assert backend.complete([ChatTurn("user", "Still there?", "user")]).text is not None
     # The context counters and vLLM's request counters share this process's counter file: both
