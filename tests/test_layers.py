@@ -156,6 +156,15 @@ def file_cycles(known: dict[str, Path]) -> list[list[str]]:
     return groups
 
 
+def with_import(tmp_path: Path, source: str, target: str) -> dict[str, Path]:
+    """``modules()`` with ``source`` read from a copy given one more import, of ``target``."""
+    known = modules()
+    path = tmp_path / "module.py"
+    path.write_text(known[source].read_text() + f"\nimport {target}\n")
+    known[source] = path
+    return known
+
+
 def test_the_scan_sees_every_layer():
     known = modules()
     for layer in LAYERS:
@@ -181,18 +190,12 @@ def test_packages_import_each_other_in_no_cycle():
 ])
 def test_an_upward_import_is_caught(tmp_path, source, target, bad):
     """The checks themselves: a module given one more import is flagged exactly when it goes up."""
-    known = modules()
-    path = tmp_path / "module.py"
-    path.write_text(known[source].read_text() + f"\nimport {target}\n")
-    known[source] = path
+    known = with_import(tmp_path, source, target)
     assert any(f"{source} (" in line and f"imports {target} (" in line for line in upward_imports(known)) == bad
 
 
 def test_a_cycle_between_packages_is_caught(tmp_path):
-    known = modules()
-    path = tmp_path / "module.py"
-    path.write_text(known["kvcomm.integrations.vllm.wire.config"].read_text() + "\nimport kvcomm.integrations.serve.command\n")
-    known["kvcomm.integrations.vllm.wire.config"] = path
+    known = with_import(tmp_path, "kvcomm.integrations.vllm.wire.config", "kvcomm.integrations.serve.command")
     assert any({"kvcomm.integrations.vllm.wire", "kvcomm.integrations.serve"} <= set(c) for c in package_cycles(known))
 
 
@@ -230,10 +233,7 @@ def test_the_vllm_plugins_folders_import_only_downward():
     ("kvcomm.integrations.vllm.connector.worker", "kvcomm.integrations.vllm.planning.worker_plans", False),
 ])
 def test_an_upward_import_between_the_vllm_folders_is_caught(tmp_path, source, target, bad):
-    known = modules()
-    path = tmp_path / "module.py"
-    path.write_text(known[source].read_text() + f"\nimport {target}\n")
-    known[source] = path
+    known = with_import(tmp_path, source, target)
     assert any(line.startswith(f"{source} (") and f"imports {target} (" in line
                for line in upward_role_imports(known)) == bad
 

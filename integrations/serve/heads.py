@@ -3,7 +3,7 @@ system prompt) and then serves shared content after it, as the in-process runner
 
 vLLM's connector supplies KV for one range right after vLLM's own prefix hit, so such a plan
 needs its head computed first. For every opted-in ``/v1/completions`` request of the base model
-with a token-id prompt and a reuse salt, the middleware (``HeadRequests.before``):
+with a token-id prompt and a reuse salt, the request's state machine (``serve.served_request``):
 
 1. plans it ahead on the workers, outside the engine step (``collective_rpc`` of
    ``vllm.connector.worker_extension``; ``ServerPlanner.plan_ahead``: ``engine.plan(..., heads=True)``,
@@ -14,8 +14,8 @@ with a token-id prompt and a reuse salt, the middleware (``HeadRequests.before``
    prefix cache, under the request's salt);
 3. sends the request with the ticket: it is served the plan made ahead.
 
-When the quality guard sampled the plan, ``before`` returns its twin ticket and top-k for the
-twins sent after the response (``serve.twins``).
+When the quality guard sampled the plan, the plan made ahead carries its twin ticket and top-k
+for the twins sent after the response (``serve.twins``).
 
 A failed step costs reuse, never the request: no answer from the workers, or ranks that
 disagree, and the request is planned in the engine step as before (no head); a head request
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.types import ASGIApp, Scope
@@ -40,6 +41,17 @@ PLAN_AHEAD_ENV = "KVCOMM_PLAN_AHEAD"
 """"0": requests are not planned ahead (`kvcomm serve --no-plan`, set by the command)."""
 
 
+@dataclass(frozen=True)
+class PlannedAhead:
+    """A request planned ahead on every worker: its ``ticket``, the computed head ``(start, end)``
+    its head request must compute (None: no head), and (twin ticket, top-k) when the quality
+    guard sampled the plan (else None)."""
+
+    ticket: str
+    head: tuple[int, int] | None
+    sampled: tuple[str, int] | None
+
+
 class HeadRequests:
     """The plan-ahead and head-request steps of opted-in requests (module docstring)."""
 
@@ -48,10 +60,10 @@ class HeadRequests:
         self.enabled = os.environ.get(PLAN_AHEAD_ENV, "1") != "0"
         self.failures = 0
 
-    async def before(self, scope: Scope, body: dict) -> tuple[str, int] | None:
-        """Run steps 1-2 for ``body`` (rewritten by the middleware) and add the ticket to it
-        (``kvcomm_server.ticket``); returns (twin ticket, top-k) when the quality guard sampled
-        the plan, else None."""
+    async def plan_ahead(self, scope: Scope, body: dict) -> PlannedAhead | None:
+        """Step 1 for ``body`` (rewritten by the middleware): plan it on every worker and add
+        the ticket to it (``kvcomm_server.ticket``); None where it is not planned ahead (it is
+        planned in the engine step)."""
         options = kvcomm_of(body)
         prompt = body.get("prompt")
         if not (self.enabled and isinstance(options, dict) and isinstance(body.get("cache_salt"), str)
@@ -79,10 +91,14 @@ class HeadRequests:
             self._failed(f"planning ahead answered {sorted(map(str, outcomes))[:2]}")
             return None
         body["kv_transfer_params"][SERVER_KEY] = {"ticket": ticket}
-        head, twin = outcomes.pop()
-        if head is None:
-            return twin
-        start, end = head
+        head, sampled = outcomes.pop()
+        return PlannedAhead(ticket, head, sampled)
+
+    async def compute_head(self, scope: Scope, body: dict, ahead: PlannedAhead) -> bool:
+        """Step 2: the head request of ``ahead.head``; False when it failed (the request then
+        reuses its exact prefix only)."""
+        options, prompt, ticket = kvcomm_of(body), body["prompt"], ahead.ticket
+        start, end = ahead.head
         request = {"model": body.get("model"), "prompt": prompt[:end], "max_tokens": 1, "temperature": 0.0,
                    "cache_salt": body["cache_salt"],
                    "kv_transfer_params": {"kvcomm": {"tenant": options.get("tenant", "default"),
@@ -92,8 +108,8 @@ class HeadRequests:
         error = kvcomm_error(answer)
         if status != 200 or error:
             self._failed(f"the head request of tokens [{start}, {end}) failed (HTTP {status}): {str(error or answer)[:200]}")
-            return None  # its request reuses the exact prefix only: nothing for the guard to measure
-        return twin
+            return False
+        return True
 
     def _failed(self, why: str) -> None:
         self.failures += 1

@@ -64,6 +64,7 @@ from kvcomm.integrations.serve.bodies import MAX_BODY_BYTES, NOT_JSON, BodyError
 from kvcomm.integrations.serve.contexts import ContextError, ContextRoutes
 from kvcomm.integrations.serve.salts import client_salt, salt_of
 from kvcomm.integrations.serve.heads import HeadRequests
+from kvcomm.integrations.serve.served_request import ServedRequest
 from kvcomm.integrations.serve.internal import kvcomm_of
 from kvcomm.integrations.serve.routes import RouteTable
 from kvcomm.integrations.serve.vllm_args import accepted_keys
@@ -227,7 +228,7 @@ class KvcommTenantMiddleware:
                 await _error(413, f"the request body has more than {MAX_BODY_BYTES} bytes")(scope, receive, send)
                 return
         raw = b"".join(chunks)
-        sampled = None
+        served: ServedRequest | None = None
         try:
             body = read_body(raw)
         except BodyError as error:
@@ -255,22 +256,18 @@ class KvcommTenantMiddleware:
             if route.kind == "generation" and ttft.observed(route.path):
                 send = ttft.FirstToken(send, arrived, route.path, isinstance(kvcomm_of(body), dict))
             if route.kind == "generation" and route.path == "/v1/completions":
-                sampled = await self.heads.before(scope, body)
+                served = ServedRequest(scope, body, self.heads, self.twins)
+                await served.prepare()
             raw = json.dumps(body).encode("utf-8")
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(raw)).encode()))
         scope = {**scope, "headers": headers}
-        status = []
-
-        async def sent(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status.append(message["status"])
-            await send(message)
-
-        await self.app(scope, _replay([{"type": "http.request", "body": raw, "more_body": False}], receive),
-                       send if sampled is None else sent)
-        if sampled is not None and status == [200]:  # the quality guard sampled its plan: measure it, the response gone
-            self.twins.after(scope, body, sampled, salt_of(kvcomm_of(body).get("tenant", "default"), False))
+        receive = _replay([{"type": "http.request", "body": raw, "more_body": False}], receive)
+        if served is None:
+            await self.app(scope, receive, send)
+            return
+        await served.serve(self.app, scope, receive, send)
+        served.measure(salt_of(kvcomm_of(body).get("tenant", "default"), False))
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Callable
 
 from starlette.types import ASGIApp, Scope
 
@@ -50,18 +50,20 @@ class TwinRequests:
         self.measured = self.skipped = self.failures = 0
         self._tasks: set[asyncio.Task] = set()
 
-    def after(self, scope: Scope, body: dict, sampled: tuple[str, int], dense_salt: str) -> None:
+    def after(self, scope: Scope, body: dict, sampled: tuple[str, int], dense_salt: str,
+              measured: Callable[[], None] = lambda: None) -> None:
         """Measure the sampled request ``body`` (as vLLM got it) in the background: ``sampled``
         is (twin ticket, top-k) from the plan made ahead, ``dense_salt`` the ``cache_salt`` of
-        the tenant's plain requests."""
+        the tenant's plain requests; ``measured`` is called once every rank recorded the KL."""
         if len(self._tasks) >= MAX_IN_FLIGHT:
             self.skipped += 1
             return
-        task = asyncio.get_running_loop().create_task(self._measure(scope, body, *sampled, dense_salt))
+        task = asyncio.get_running_loop().create_task(self._measure(scope, body, *sampled, dense_salt, measured))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _measure(self, scope: Scope, body: dict, ticket: str, top_k: int, dense_salt: str) -> None:
+    async def _measure(self, scope: Scope, body: dict, ticket: str, top_k: int, dense_salt: str,
+                       measured: Callable[[], None]) -> None:
         started = time.perf_counter()
         try:
             kl = await self._kl(scope, body, ticket, top_k, dense_salt)
@@ -70,6 +72,7 @@ class TwinRequests:
             if not all(isinstance(a, dict) and a.get("recorded") for a in answers):
                 raise RuntimeError(f"the workers answered {str(answers)[:200]}")
             self.measured += 1
+            measured()
         except Exception as error:  # a sample lost, never a request
             self.failures += 1
             if self.failures <= 3:

@@ -165,8 +165,8 @@ def test_server_directives_parse_into_the_params():
 
 
 def test_bodies_that_cannot_be_planned_ahead_pass_untouched():
-    """The middleware's head step on hostile or unplannable bodies: nothing raised (a 500 to the
-    client), nothing added; such requests are planned, or refused, in the engine step."""
+    """Planning ahead on hostile or unplannable bodies: nothing raised (a 500 to the client),
+    nothing added; such requests are planned, or refused, in the engine step."""
     import asyncio
     import copy
 
@@ -178,6 +178,6 @@ def test_bodies_that_cannot_be_planned_ahead_pass_untouched():
                  {**ok, "prompt": [1, "2"]}, {**ok, "cache_salt": None},
                  {**ok, "kv_transfer_params": {"kvcomm": {"calibrate": True}}}, ok):  # ok: no served app in the scope
         before = copy.deepcopy(body)
-        asyncio.run(HeadRequests(None).before({}, body))
+        assert asyncio.run(HeadRequests(None).plan_ahead({}, body)) is None
         assert body == before
 
