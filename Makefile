@@ -1,9 +1,10 @@
-# Two entry points: `make demo` (set up + run the main job) and `make test` (set up + run the tests).
+# Two entry points: `make demo` (set up + run the main job) and `make test` (set up + run the tests);
+# `make check` is the edit loop: the fast tests of the layers a change usually touches.
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.kvcomm-installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test check lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +26,13 @@ lint: $(STAMP)
 
 test: lint
 	$(VENV)/bin/python -m pytest -q
+
+# Everything under these paths but the tests that load SmolLM2 (`slow`, tests/conftest.py): the
+# core, reuse, anchors, services, the vLLM connector's unit tests, the docs and layer checks.
+CHECK_PATHS := tests/core tests/reuse tests/anchors tests/services tests/integrations/vllm \
+	tests/test_layers.py tests/test_docs.py tests/test_core_imports.py
+check: lint
+	$(VENV)/bin/python -m pytest -q -m "not slow" $(CHECK_PATHS)
 
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_reuse.py

@@ -147,6 +147,7 @@ def test_a_baseline_tree_must_be_a_kvcomm_checkout_chosen_before_kvcomm_is_impor
     assert done.returncode == 0 and done.stdout.strip() == str(copy / "integrations" / "vllm" / "connector" / "worker.py"), done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_tiny_decode_run_with_a_baseline_tree():
     """``--decode`` with ``--baseline-tree`` (this checkout again): four engines take turns, each
     sample counted, every ratio within each turn."""

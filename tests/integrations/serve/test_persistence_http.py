@@ -9,6 +9,10 @@ exit writes both (the corrupt one's new state in a fresh folder).
 
 Both starts use ``--no-tenant-per-key``: two API keys share tenants, which the request body
 names (``kv_transfer_params.kvcomm.tenant``).
+
+The same two starts check retained contexts across the restart: by design they come back
+``evicted`` (reason ``restart``), requests naming them fall back to their text, and a retain
+pins them again (docs/serving.md, "Retained contexts"); the body names their tenant.
 """
 
 from __future__ import annotations
@@ -65,6 +69,44 @@ def _anchors(manifest: dict) -> int:
     return sum(len(pool["anchors"]) for pool in manifest["pools"])
 
 
+CONTEXTS = "/v1/kvcomm/contexts"
+CONTEXT_TENANT = "team-1"
+CONTEXT_TEXT = "The meeting moved to Thursday at ten."
+
+
+def _named(server, record: dict, key: str) -> dict:
+    """A completion whose prompt is the context's tokens and a question, naming the context."""
+    status, tokens = server.request("POST", "/tokenize", {"model": server.model, "prompt": CONTEXT_TEXT, "add_special_tokens": False},
+                                    key)
+    assert status == 200
+    ids = tokens["tokens"]
+    _, question = server.request("POST", "/tokenize", {"model": server.model, "prompt": " When?", "add_special_tokens": False}, key)
+    kvcomm = {"tenant": CONTEXT_TENANT, "segments": [{"start": 0, "end": len(ids), "slot": "note", "context": record["id"]}]}
+    return server.complete(ids + question["tokens"], key, 2, kvcomm)["kv_transfer_params"]["kvcomm"]["contexts"][record["id"]]
+
+
+def _retain_context(server, key: str) -> dict:
+    """Before the restart: a retained context that a request naming it reads."""
+    status, record = server.request("POST", CONTEXTS, {"text": CONTEXT_TEXT, "tenant": CONTEXT_TENANT}, key)
+    assert status == 200 and record["state"] == "retained", record
+    assert _named(server, record, key)["outcome"] != "fallback"
+    return record
+
+
+def _check_context_after_restart(server, record: dict, key: str) -> None:
+    """After the restart: the context is evicted (reason ``restart``), a request naming it falls
+    back to its text, and a retain pins it again."""
+    status, again = server.request("GET", f"{CONTEXTS}/{record['id']}?tenant={CONTEXT_TENANT}", key=key)
+    assert status == 200 and (again["state"], again["evicted_reason"]) == ("evicted", "restart"), again
+    assert again["tokens"] == record["tokens"] and again["bytes"] == record["bytes"]
+    assert server.request("GET", f"{CONTEXTS}/{record['id']}", key=key)[0] == 404  # tenant "default" has no such id
+    named = _named(server, record, key)
+    assert (named["outcome"], named["state"], named["reason"]) == ("fallback", "evicted", "restart"), named
+    status, pinned = server.request("POST", f"{CONTEXTS}/{record['id']}/retain", {"tenant": CONTEXT_TENANT}, key)
+    assert status == 200 and (pinned["state"], pinned["evicted_reason"]) == ("retained", None), pinned
+    assert _named(server, record, key)["outcome"] != "fallback"
+
+
 def _wait_for(condition, timeout_s: float, what: str):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -111,10 +153,11 @@ def test_state_is_saved_restored_and_a_corrupt_save_starts_cold(executor, tmp_pa
         served = time.time()
         _wait_for(lambda: len((_manifest(state, "team-a", served) or {"bases": []})["bases"]) > bases_before, 30,
                   "team-a's later save")
+        context = _retain_context(first, KEYS[1])
         time.sleep(3)  # one more interval: nothing in flight any more
     finally:
-        first.stop()
-    assert "starts cold" not in first.log.read_text()
+        first_status = first.stop()
+    assert first_status == 0 and "starts cold" not in first.log.read_text()
 
     before = {t: _manifest(state, t) for t in TENANTS}
     corrupt = state / tenant_label("team-b") / _object_files(before["team-b"])[0][0]
@@ -139,6 +182,7 @@ def test_state_is_saved_restored_and_a_corrupt_save_starts_cold(executor, tmp_pa
         assert f"kvcomm: tenant {tenant_label('team-a')} starts cold" not in log
         print("\n" + next(line for line in log.splitlines() if "starts cold" in line))
         print(f"restored: {warm}\ncold: {cold}")
+        _check_context_after_restart(second, context, KEYS[0])
     finally:
         status = second.stop()
     # saved at exit (the 3600 s interval never came): team-b has a readable save again; the
