@@ -148,5 +148,8 @@ def gather_both_ways(rank: int, size: int, init_file: str, out_dir: str) -> None
             through[name] = heads.gather(partials(rank), PARTIAL_DIMS)
         groups = ["device" if g is device_group else "host" if g is dist.group.WORLD else repr(g) for g in used]
         torch.save({"gathered": through, "groups": groups}, os.path.join(out_dir, f"gather{rank}.pt"))
+        dist.all_gather = all_gather
+        dist.barrier()  # neither rank tears its groups down while the other still uses them
+        dist.destroy_process_group(device_group)
     finally:
         dist.destroy_process_group()
