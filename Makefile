@@ -28,9 +28,10 @@ test: lint
 	$(VENV)/bin/python -m pytest -q
 
 # Everything under these paths but the tests that load SmolLM2 (`slow`, tests/conftest.py): the
-# core, reuse, anchors, services, the vLLM connector's unit tests, the docs and layer checks.
+# core, reuse, anchors, services, the vLLM plugin's and `kvcomm serve`'s unit tests, the docs,
+# layer and packaging checks.
 CHECK_PATHS := tests/core tests/reuse tests/anchors tests/services tests/integrations/vllm \
-	tests/test_layers.py tests/test_docs.py tests/test_core_imports.py
+	tests/integrations/serve tests/test_layers.py tests/test_docs.py tests/test_core_imports.py tests/test_packaging.py
 check: lint
 	$(VENV)/bin/python -m pytest -q -m "not slow" $(CHECK_PATHS)
 

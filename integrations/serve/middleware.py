@@ -267,7 +267,7 @@ class KvcommTenantMiddleware:
             await self.app(scope, receive, send)
             return
         await served.serve(self.app, scope, receive, send)
-        served.measure(salt_of(kvcomm_of(body).get("tenant", "default"), False))
+        served.measure()
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:

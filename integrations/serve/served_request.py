@@ -31,6 +31,8 @@ from enum import Enum
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvcomm.integrations.serve.heads import HeadRequests, PlannedAhead
+from kvcomm.integrations.serve.internal import kvcomm_of
+from kvcomm.integrations.serve.salts import salt_of
 from kvcomm.integrations.serve.twins import TwinRequests
 
 
@@ -92,12 +94,13 @@ class ServedRequest:
         if status == [200]:
             self.reach(Stage.SERVED)
 
-    def measure(self, dense_salt: str) -> None:
-        """Start the twins of a served request the guard sampled, in the background; measured
-        when they recorded its KL (``dense_salt``: the tenant's plain ``cache_salt``). A request
-        whose head request failed reused its exact prefix only: nothing to measure."""
+    def measure(self) -> None:
+        """Start the twins of a served request the guard sampled, in the background (the dense
+        twin under its tenant's plain ``cache_salt``); measured when they recorded its KL. A
+        request whose head request failed reused its exact prefix only: nothing to measure."""
         sampled = self.ahead.sampled if self.ahead is not None else None
         if self.stage is not Stage.SERVED or sampled is None or (self.ahead.head is not None
                                                                  and Stage.HEAD_COMPUTED not in self.stages):
             return
+        dense_salt = salt_of(kvcomm_of(self.body).get("tenant", "default"), False)
         self._twins.after(self.scope, self.body, sampled, dense_salt, lambda: self.reach(Stage.MEASURED))

@@ -54,7 +54,7 @@ def _drive(request: ServedRequest, status: int) -> list[dict]:
     async def run():
         await request.prepare()
         await request.serve(lambda s, r, w: _app(s, r, w, status), request.scope, _receive(), send)
-        request.measure("plain-salt")
+        request.measure()
 
     asyncio.run(run())
     return sent
@@ -77,5 +77,5 @@ def test_an_error_response_is_not_served_and_a_failed_head_is_not_measured():
     request.stages.append(Stage.PLANNED)
     request.ahead = PlannedAhead("t", (0, 2), ("t.twin", 20))  # sampled, its head request failed
     request.stages.append(Stage.SERVED)
-    request.measure("plain-salt")  # would start the twins (and need a running loop) if it measured
+    request.measure()  # would start the twins (and need a running loop) if it measured
     assert request.stage is Stage.SERVED and request._twins.measured == request._twins.skipped == 0
