@@ -15,7 +15,7 @@ from kvcomm.integrations.vllm.planning.planner_state import TENANT_FILE, Planner
 from kvcomm.integrations.vllm.planning.server_planner import ServerPlanner
 from kvcomm.services.tenants import adapter_key, tenant_label
 from support.one_thread import one_thread  # noqa: F401 (autouse fixture)
-from ..vllm.test_request_plans import request, serve
+from ..vllm.test_server_planner import request, serve
 
 
 def _planner(executor) -> ServerPlanner:
