@@ -25,7 +25,7 @@ from typing import Any
 from kvcomm.reuse.plan import Provenance
 from kvcomm.integrations.local.segments import ChatPrompt
 
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*\Z")  # \Z: "$" also matches before a final newline
 _BAD = re.compile(r"[^A-Za-z0-9_.-]")
 MAX_SLOT = 64
 

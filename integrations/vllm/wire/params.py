@@ -59,7 +59,7 @@ import reprlib
 from dataclasses import dataclass
 from typing import Any, Collection
 
-SLOT_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
+SLOT_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}\Z")  # \Z: "$" also matches before a final newline
 """A well-formed slot name (an annotation's ``slot``, a name in the connector's ``slots``)."""
 _KEYS = {"template", "tenant", "segments", "calibrate"}
 SERVER_KEY = "kvcomm_server"

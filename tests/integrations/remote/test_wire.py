@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvcomm.integrations.local.segments import ChatTurn, render_chat
@@ -20,6 +20,7 @@ _index = st.integers(0, 10_000)
 
 @settings(max_examples=300, deadline=None)
 @given(author=_author, k=_index, other=_author)
+@example(author="A\n", k=0, other="A")  # "$" matched before a final newline: 'A\n.0' went out
 def test_wire_slots_pass_the_servers_rule_and_keep_authors_apart(author, k, other):
     slot = wire_slot(f"{author}#{k}")
     assert SLOT_NAME.match(slot), slot

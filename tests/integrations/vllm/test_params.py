@@ -37,6 +37,7 @@ def test_valid_annotations_parse_in_order():
     ({"segments": [{"start": 0, "end": 4, "slot": "task"}, {"start": 3, "end": 6, "slot": "x"}]}, "overlaps"),
     ({"segments": [{"start": 0, "end": 4}]}, "missing keys ['slot']"),
     ({"segments": [{"start": 0, "end": 4, "slot": "no spaces"}]}, "slot must be a name"),
+    ({"segments": [{"start": 0, "end": 4, "slot": "task\n"}]}, "slot must be a name"),
     ({"segments": [{"start": 0, "end": 4, "slot": "critic"}]}, "not a known slot"),
     ({"tenant": ""}, "tenant must be a non-empty string"),
     ({"tenant": "t" * 257}, "at most 256 characters"),
