@@ -51,7 +51,7 @@ class TwinRequests:
         self._tasks: set[asyncio.Task] = set()
 
     def after(self, scope: Scope, body: dict, sampled: tuple[str, int], dense_salt: str,
-              measured: Callable[[], None] = lambda: None) -> None:
+              measured: Callable[[], None]) -> None:
         """Measure the sampled request ``body`` (as vLLM got it) in the background: ``sampled``
         is (twin ticket, top-k) from the plan made ahead, ``dense_salt`` the ``cache_salt`` of
         the tenant's plain requests; ``measured`` is called once every rank recorded the KL."""

@@ -67,7 +67,6 @@ SERVER_KEY = "kvcomm_server"
 _SERVER_KEYS = {"handle", "purpose", "ticket", "retain", "release"}
 PURPOSES = ("client", "head", "dense_twin", "reuse_twin")
 """What a request is (``kvcomm_server.purpose``): a client's, a head request, a quality guard's twin."""
-TWINS = ("dense_twin", "reuse_twin")
 MAX_TENANT_LENGTH = 256
 MAX_NAME_LENGTH = 256
 """Characters of a template, handle or segment id at most."""
@@ -152,11 +151,6 @@ class KvcommParams:
     def computes_head(self) -> bool:
         return self.purpose == "head"
 
-    @property
-    def twin(self) -> bool:
-        """One of the quality guard's twins: counted in no metric."""
-        return self.purpose in TWINS
-
 
 def _int(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -182,8 +176,8 @@ def parse_params(params: Any, prompt_len: int | None, known_slots: Collection[st
         raise KvcommParamsError(f"kv_transfer_params.kvcomm must be a JSON object, got {type(body).__name__}")
     unknown = set(body) - _KEYS
     if unknown:
-        moved = f" ({sorted(unknown & _SERVER_KEYS | unknown & _OLD_SERVER_KEYS)} are kvcomm's own, set by `kvcomm serve` " \
-                "and VllmExecutor, never by a client)" if unknown & (_SERVER_KEYS | _OLD_SERVER_KEYS) else ""
+        own = unknown & (_SERVER_KEYS | _OLD_SERVER_KEYS)
+        moved = f" ({sorted(own)} are kvcomm's own, set by `kvcomm serve` and VllmExecutor, never by a client)" if own else ""
         raise KvcommParamsError(f"kv_transfer_params.kvcomm has unknown keys {shown(sorted(unknown))}; allowed: "
                                 f"{sorted(_KEYS)}{moved}")
     check_sizes(body)
