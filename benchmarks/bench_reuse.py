@@ -3,7 +3,7 @@
 The machine may be shared and noisy: the things compared are interleaved (in alternating order),
 repeated, and reported as medians, on one OpenMP thread by default (see --threads). Sections:
 1 demo pipeline, 2 cost on a miss, 3 reuse-path work for a ~1K-token shared segment, 4 anchor
-matching vs pool size, 5 embedders, 6 an agent's first call (a computed head, then reuse).
+matching vs pool size, 5 embedders, 6 an agent's first call (a preamble, then reuse).
 
     python benchmarks/bench_reuse.py [--quick] [--json PATH] [--sections 123456] [--threads N]
                                      [--anchors 2,4,8] [--baseline] [--max-candidates K]
@@ -40,7 +40,7 @@ from kvcomm.core.kv import KV
 from kvcomm.reuse.pipeline import load_demo_pipeline, parse_pipeline
 from kvcomm.reuse.plan import ReusePlan
 from kvcomm.reuse.runner import build_prompt, run_agent
-from kvcomm.reuse.strategies.realign import HEAD_MIN_REUSE
+from kvcomm.reuse.strategies.realign import PREAMBLE_MIN_REUSE
 from kvcomm.core.segments import Segment
 
 med = statistics.median
@@ -420,13 +420,13 @@ CRITIC = parse_pipeline({"agents": [{"name": "critic",
 """Section 6's second agent: a system prompt of its own, the same shared segment as READER's."""
 
 
-def bench_head(executor, args):
+def bench_preamble(executor, args):
     """TTFT of CRITIC's first call after READER computed the shared text (so it has a base):
-    with reuse (a computed head, the text served realigned: a cold slot) against dense, per
-    shared-text length (``HEAD_MIN_REUSE`` and up)."""
-    out = {"min_reuse": HEAD_MIN_REUSE}
+    with reuse (a preamble, the text served realigned: a cold slot) against dense, per
+    shared-text length (``PREAMBLE_MIN_REUSE`` and up)."""
+    out = {"min_reuse": PREAMBLE_MIN_REUSE}
     rows = []
-    for tokens in args.head_tokens:
+    for tokens in args.preamble_tokens:
         ids = synthetic_ids(executor, 7, tokens)
         reader, critic = reader_prompt(executor, ids), build_prompt(executor, CRITIC, {"task": Segment(ids, slot="task")})
         seen = {}
@@ -441,17 +441,17 @@ def bench_head(executor, args):
             seen[reuse] = provenance
             return provenance.ttft_s
 
-        times = interleave(args.miss_reps, {"dense": lambda: call(False), "head": lambda: call(True)}, f"head {tokens}")
+        times = interleave(args.miss_reps, {"dense": lambda: call(False), "preamble": lambda: call(True)}, f"preamble {tokens}")
         p = seen[True]
-        assert p.head_tokens > 0 and p.estimated_tokens >= tokens, p
-        dense, head = med(times["dense"]), med(times["head"])
-        out[str(tokens)] = {"prompt_tokens": p.prompt_tokens, "head_tokens": p.head_tokens, "served_tokens": p.estimated_tokens,
-                            "ttft_dense_s": dense, "ttft_head_s": head, "ratio": dense / head}
-        rows.append([tokens, p.prompt_tokens, p.head_tokens, p.estimated_tokens, ms(dense), ms(head), ratio(dense / head)])
-    print(f"\n== 6. An agent's first call: its system prompt computed (the head), the shared text after it served "
+        assert p.preamble_tokens > 0 and p.estimated_tokens >= tokens, p
+        dense, preamble = med(times["dense"]), med(times["preamble"])
+        out[str(tokens)] = {"prompt_tokens": p.prompt_tokens, "preamble_tokens": p.preamble_tokens, "served_tokens": p.estimated_tokens,
+                            "ttft_dense_s": dense, "ttft_preamble_s": preamble, "ratio": dense / preamble}
+        rows.append([tokens, p.prompt_tokens, p.preamble_tokens, p.estimated_tokens, ms(dense), ms(preamble), ratio(dense / preamble)])
+    print(f"\n== 6. An agent's first call: its system prompt computed (the preamble), the shared text after it served "
           f"realigned (a cold slot); fresh engine each time, median of {args.miss_reps}")
-    print(table(["shared tokens", "prompt", "head", "served", "TTFT dense", "TTFT head+reuse", "dense / reuse"], rows))
-    print("on vLLM the head is a request of its own before the call's request (one more engine step)")
+    print(table(["shared tokens", "prompt", "preamble", "served", "TTFT dense", "TTFT preamble+reuse", "dense / reuse"], rows))
+    print("on vLLM the preamble is a request of its own before the call's request (one more engine step)")
     return out
 
 
@@ -480,7 +480,7 @@ def main(argv=None):
     args.demo_rows, args.demo_new_tokens, args.demo_reps = (3, 4, 1) if quick else (4, 48, 1)
     args.miss_reps = 3 if quick else 7
     args.seg_tokens, args.seg_reps = (128, 3) if quick else (1000, 5)
-    args.head_tokens = (HEAD_MIN_REUSE, 256) if quick else (HEAD_MIN_REUSE, 256, 1000)
+    args.preamble_tokens = (PREAMBLE_MIN_REUSE, 256) if quick else (PREAMBLE_MIN_REUSE, 256, 1000)
     try:
         args.seg_anchors = sorted({int(x) for x in args.anchors.split(",")})
     except ValueError:
@@ -515,7 +515,7 @@ def main(argv=None):
         print("warning: the machine is loaded; multi-threaded timings may stall (try --threads 1)")
     results = {"quick": quick, "backend": args.backend, "torch_threads": torch.get_num_threads(), "load_average_start": os.getloadavg()[0]}
     sections = {"1": ("demo", bench_demo), "2": ("miss", bench_miss), "3": ("segment", bench_segment),
-                "4": ("decide", lambda _, a: bench_decide(a)), "5": ("embedders", bench_embedders), "6": ("head", bench_head)}
+                "4": ("decide", lambda _, a: bench_decide(a)), "5": ("embedders", bench_embedders), "6": ("preamble", bench_preamble)}
     for key in args.sections:
         name, bench = sections[key]
         results[name], seconds = timed(bench, executor, args)

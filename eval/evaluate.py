@@ -284,7 +284,7 @@ class CallRecord:
     computed_tokens: int
     recomputed_tokens: int
     cached_tokens: int  # of computed_tokens, those the runtime's own prefix cache served (vLLM's; 0 on transformers)
-    head_tokens: int  # of computed_tokens, those computed before the reused ones (an agent's new system prompt)
+    preamble_tokens: int  # of computed_tokens, those computed before the reused ones (an agent's new system prompt)
     shared_tokens: int
     reused_shared_tokens: int
     reused: bool
@@ -390,7 +390,7 @@ def _record(
         input_index=call.input_index, agent=call.agent, agent_position=position,
         prompt_tokens=p.prompt_tokens, exact_tokens=p.exact_tokens, estimated_tokens=p.estimated_tokens,
         computed_tokens=p.computed_tokens, recomputed_tokens=getattr(p, "recomputed_tokens", 0),
-        cached_tokens=getattr(p, "cached_tokens", 0), head_tokens=getattr(p, "head_tokens", 0), shared_tokens=p.shared_tokens,
+        cached_tokens=getattr(p, "cached_tokens", 0), preamble_tokens=getattr(p, "preamble_tokens", 0), shared_tokens=p.shared_tokens,
         reused_shared_tokens=p.reused_shared_tokens, reused=p.reused,
         fallback=p.fallback, note=p.note, ttft_s=float(p.ttft_s), reply_tokens=len(call.reply_ids),
         reply_equal=tuple(call.reply_ids) == tuple(dense_reply), score=score,

@@ -4,7 +4,7 @@ What kvcomm is for: agents that read the same long text, each behind its own sys
 Three agents (summarizer, critic, editor) with system messages of their own take turns in a
 ``RoundRobinGroupChat`` on tasks that each carry ``design_note.md`` (766 words, about 1,000
 tokens) as a message of its own, then a question. Every agent of a run shares one ``KvcommChatCompletionClient``: with reuse, each agent
-from its first call on computes its own new system message (the *computed head*) and takes the
+from its first call on computes its own new system message (the *preamble*) and takes the
 note, and the others' replies, from stored KV; dense prefills every prompt in full. The two
 runs alternate task by task on one machine, so both see the same load.
 
@@ -26,7 +26,7 @@ token. ``--stream`` streams the remote calls too: TTFT is then the first token a
 measured by the client and by the stopwatch alike, and the reason column says the split is
 unknown. Remotely the script also prints the server's own summed TTFT per mode
 (``kvcomm_time_to_first_token_seconds`` on ``/metrics``: from each request's arrival at the
-server to its first token, planning and computed heads included; docs/serving.md).
+server to its first token, planning and preambles included; docs/serving.md).
 Reuse pays on long shared text; on prompts of a few dozen tokens planning costs more than
 it saves.
 """

@@ -8,7 +8,7 @@ editor), each a separate AutoGen client with a system message of its own, that r
 and a reply naming both contexts (``extra_create_args={"context_ids": [...]}``): the server
 serves their tokens from the KV it keeps, by the rules any shared content is reused by. From
 each reader's first call on, the server computes the reader's new system message (a computed
-head) and serves the note after it; a reply's slot is served cold in the first round, then
+preamble) and serves the note after it; a reply's slot is served cold in the first round, then
 computed and learned from until it holds two anchors, and estimated after that. Then process 1
 releases the contexts and process 2 asks the last round's questions again: the requests fall
 back to the text, succeed, and say so. Process 2 prints, per round and agent, each context's

@@ -36,7 +36,7 @@ class ChatCall:
 
     provenance: exact / estimated / computed prompt tokens (they add up to ``prompt_tokens``),
         fallback, note, TTFT (seconds from the call's start to its first reply token: rendering,
-        planning and any computed head included). ``reason``: the same in plain words.
+        planning and any preamble included). ``reason``: the same in plain words.
     template_id: the agent (hash of its system message). agent: the calling agent's name: what
         its client was told (AutoGen: the team participant that is calling, or ``agent_name=``;
         AG2: ``agent_name=`` at ``register_model_client``), else the name on the agent's own earlier

@@ -1,7 +1,7 @@
 """What the chat clients' ``summary()`` reports: totals over logged calls, per agent and in all.
 
 Times are the calls' own, summed: ``ttft_s`` (each call from its start, rendering, planning
-and any computed head included, to its first reply token) and ``wall_s`` (each call from its
+and any preamble included, to its first reply token) and ``wall_s`` (each call from its
 start to its return, ``ChatCall.latency_s``). Summed TTFT is the time the calls kept their
 callers waiting for a first token; summed wall time is what a team that makes its calls one
 after the other spends in them. Give ``baseline`` (the summary of the same team run by
@@ -33,7 +33,7 @@ def _tokens(calls: Sequence) -> dict[str, Any]:
     return {
         "calls": len(calls), "prompt_tokens": prompt, "exact_tokens": exact, "estimated_tokens": estimated,
         "computed_tokens": prompt - exact - estimated,
-        "head_tokens": sum(c.provenance.head_tokens for c in calls),
+        "preamble_tokens": sum(c.provenance.preamble_tokens for c in calls),
         "realigned_tokens": sum(c.provenance.realigned_tokens for c in calls),
         "token_reuse_rate": (exact + estimated) / prompt if prompt else 0.0,
     }
@@ -41,7 +41,7 @@ def _tokens(calls: Sequence) -> dict[str, Any]:
 
 def summarize(calls: Sequence, baseline: Any = None) -> dict[str, Any]:
     """Totals over ``calls`` (``ChatCall``s): the token counts by source (they add up to
-    ``prompt_tokens``; ``head_tokens``: of the computed ones, those computed before reused
+    ``prompt_tokens``; ``preamble_tokens``: of the computed ones, those computed before reused
     content; ``realigned_tokens``: of the estimated ones, those served as their realigned base
     without an anchor's deviation, ``Provenance.realigned_tokens``), ``token_reuse_rate``, ``agent_reuse_rate`` (calls that reused some shared
     message / calls), ``calls_reusing_nothing`` (no token exact or estimated),

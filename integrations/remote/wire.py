@@ -4,7 +4,7 @@ The client renders the conversation locally (``local.segments``), so the request
 token ids and each shared message is a span ``[start, end)`` of them, annotated in
 ``kv_transfer_params["kvcomm"]`` (schema: ``vllm.wire.params``). The server plans those spans with
 its own reuse engine and answers with ``{"kvcomm": {"prompt_tokens", "exact_tokens",
-"estimated_tokens", "realigned_tokens", "computed_tokens", "head_tokens", "fallback",
+"estimated_tokens", "realigned_tokens", "computed_tokens", "preamble_tokens", "fallback",
 "reply_base", "note", "reason"}}`` (or ``{"error": ...}``; ``realigned_tokens``, the part of
 ``estimated_tokens`` served without an anchor's deviation, and ``reply_base``, whether the server
 keeps the reply's decode KV as its base, are absent from older servers: 0 and False).
@@ -100,7 +100,7 @@ def provenance(
     reused = None if summary is None or "error" in summary else (
         int(summary.get("exact_tokens", 0)) + int(summary.get("estimated_tokens", 0)))
     extra = cached_note(cached_tokens, reused if summary is not None and "exact_tokens" in summary else None,
-                        int((summary or {}).get("head_tokens", 0) or 0), annotated=reuse)
+                        int((summary or {}).get("preamble_tokens", 0) or 0), annotated=reuse)
     if summary is not None and "error" in summary:
         why_unknown = f"server rejected the kvcomm options (served without reuse): {summary['error']}"
         summary = None
@@ -115,17 +115,17 @@ def provenance(
         return Provenance(prompt_tokens, 0, 0, prompt_tokens, shared, 0, False, _join(why_unknown, extra), ttft_s,
                           cached_tokens=0 if reuse else cached_tokens or 0)
     exact, estimated = int(summary["exact_tokens"]), int(summary["estimated_tokens"])
-    head = int(summary.get("head_tokens", 0))  # computed before the served pieces, in a request of its own
-    end = exact + head + estimated
+    preamble = int(summary.get("preamble_tokens", 0))  # computed before the served pieces, in a request of its own
+    end = exact + preamble + estimated
     reused_shared = 0
     for index in chat.turn_segments.values():
         start, stop = chat.prompt.starts[index], chat.prompt.starts[index] + len(chat.prompt.segments[index])
-        reused_shared += _overlap(start, stop, 0, exact) + _overlap(start, stop, exact + head, end)
+        reused_shared += _overlap(start, stop, 0, exact) + _overlap(start, stop, exact + preamble, end)
     note = _join(str(summary.get("note") or ""), extra)
     return Provenance(
         int(summary["prompt_tokens"]), exact, estimated, int(summary["computed_tokens"]), shared, reused_shared,
         bool(summary.get("fallback", False)), note, ttft_s,
-        cached_tokens=max(0, cached_tokens - end) if cached_tokens is not None else 0, head_tokens=head,
+        cached_tokens=max(0, cached_tokens - end) if cached_tokens is not None else 0, preamble_tokens=preamble,
         realigned_tokens=min(estimated, int(summary.get("realigned_tokens", 0) or 0)),
     )
 
@@ -135,14 +135,14 @@ def _overlap(a: int, b: int, c: int, d: int) -> int:
     return max(0, min(b, d) - max(a, c))
 
 
-def cached_note(cached: int | None, reused: int | None, head: int = 0, annotated: bool = False) -> str:
+def cached_note(cached: int | None, reused: int | None, preamble: int = 0, annotated: bool = False) -> str:
     """vLLM's cached count next to kvcomm's, saying which is which. vLLM's ``cached_tokens`` are
     the prompt tokens vLLM did not compute in this request: its own prefix-cache hit (under
     kvcomm's salt its blocks may hold KV kvcomm wrote earlier, estimated included), which
-    covers a computed head (``head``: computed by the head request the server ran first), plus
+    covers a preamble (``preamble``: computed by the preamble request the server ran first), plus
     the KV kvcomm's connector loaded past that hit. kvcomm's exact + estimated (``reused``) are
     what its plan served; the plan does not see vLLM's hit, so where the hit reaches further
-    than the plan and its head, vLLM computed fewer tokens than kvcomm's computed count says:
+    than the plan and its preamble, vLLM computed fewer tokens than kvcomm's computed count says:
     that excess is ``Provenance.cached_tokens``, and the note names the same number. Without
     kvcomm's split (``reused`` None) of an ``annotated`` request (e.g. a streamed one) the count
     cannot be told apart, and the note says so in words the reason keeps."""
@@ -153,9 +153,9 @@ def cached_note(cached: int | None, reused: int | None, head: int = 0, annotated
                 "served them; this response has no split)")
     if reused is None:
         return f"vLLM cached_tokens {cached}: vLLM's prefix-cache hit (kvcomm reported no split)"
-    planned = reused + head
+    planned = reused + preamble
     note = (f"vLLM cached_tokens {cached} (vLLM's prefix-cache hit plus KV kvcomm loaded past it) vs kvcomm's plan "
-            f"{reused} exact+estimated" + (f" + {head} computed head (computed by the head request)" if head else ""))
+            f"{reused} exact+estimated" + (f" + {preamble} preamble (computed by the preamble request)" if preamble else ""))
     if cached > planned:
         note += f": {cached - planned} of kvcomm's computed tokens were a vLLM prefix-cache hit"
     elif cached < planned:
@@ -182,7 +182,7 @@ def cached_tokens(usage: dict[str, Any] | None) -> int | None:
 def ttft_seconds(response: dict[str, Any]) -> float | None:
     """Server-measured TTFT (``--enable-per-request-metrics``), seconds: vLLM's, from when the
     engine scheduled the request to its first token, so it leaves out what came before (the
-    queue, kvcomm's planning and the head request it ran first). ``end_to_end_ttft`` is the caller's."""
+    queue, kvcomm's planning and the preamble request it ran first). ``end_to_end_ttft`` is the caller's."""
     metrics = response.get("metrics")
     value = metrics.get("time_to_first_token_ms") if isinstance(metrics, dict) else None
     return float(value) / 1e3 if value is not None else None
@@ -193,7 +193,7 @@ def end_to_end_ttft(response: dict[str, Any], elapsed_s: float) -> float | None:
     that arrived whole ``elapsed_s`` after the call started: ``elapsed_s`` less the server's
     decode interval (vLLM's ``generation_time_ms``, first to last output token). What is left
     is everything before the first token, whatever the server did (queue, planning, a computed
-    head's request), plus sending the finished response back. None without the server's
+    preamble's request), plus sending the finished response back. None without the server's
     per-request metrics (``kvcomm serve --disable-log-stats``). A streamed call measures its
     first token directly (``StreamedCompletion.first_token_at``)."""
     metrics = response.get("metrics")

@@ -120,7 +120,7 @@ def serve_argv(
         # STATE_SHUTDOWN_TIMEOUT_S for why it exceeds the worker's grace.
         argv += ["--shutdown-timeout", str(STATE_SHUTDOWN_TIMEOUT_S)]
     argv += ["--middleware", MIDDLEWARE]  # keys on every route and tenants' salts, planning or not
-    if plan and "--worker-extension-cls" not in given:  # computed heads: the middleware plans ahead through it
+    if plan and "--worker-extension-cls" not in given:  # preambles: the middleware plans ahead through it
         argv += ["--worker-extension-cls", WORKER_EXTENSION]
     return argv + vllm_args
 
@@ -198,7 +198,7 @@ def serve_command(args, vllm_args: list[str]) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number of bytes, got {getattr(args, name)}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from kvcomm.integrations.serve.contexts import CONFIG_ENV as CONTEXTS_CONFIG_ENV
-    from kvcomm.integrations.serve.heads import PLAN_AHEAD_ENV
+    from kvcomm.integrations.serve.preambles import PLAN_AHEAD_ENV
     from kvcomm.integrations.serve.middleware import API_KEY_DIGESTS_ENV, KEY_DIGESTS_ENV, key_digest
     from kvcomm.integrations.serve.vllm_args import accepted_keys, read_vllm_args
 

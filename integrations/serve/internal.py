@@ -1,5 +1,5 @@
 """Requests `kvcomm serve` sends to its own served app (below the middleware): the context
-API's engine requests, the head requests of computed heads and the quality guard's twins; and
+API's engine requests, the preamble requests and the quality guard's twins; and
 its lines in the API server's log."""
 
 from __future__ import annotations

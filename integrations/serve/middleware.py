@@ -39,7 +39,7 @@ only kvcomm itself sets: the roles, tickets and context directives of its own re
 in-process order's handle; ``vllm.wire.params``) is removed whole from every body on every route.
 
 TTFT (``serve.ttft``): completion responses are timed from the request's arrival here to their
-first token, planning and computed heads included (``kvcomm_time_to_first_token_seconds``).
+first token, planning and preambles included (``kvcomm_time_to_first_token_seconds``).
 
 Retained contexts (``serve.contexts``): the routes under ``/v1/kvcomm/contexts`` are answered
 here, after the key check, for the tenant decided as above; a generation request naming a
@@ -63,7 +63,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvcomm.integrations.serve.bodies import MAX_BODY_BYTES, NOT_JSON, BodyError, read_body
 from kvcomm.integrations.serve.contexts import ContextError, ContextRoutes
 from kvcomm.integrations.serve.salts import client_salt, salt_of
-from kvcomm.integrations.serve.heads import HeadRequests
+from kvcomm.integrations.serve.preambles import PreambleRequests
 from kvcomm.integrations.serve.served_request import ServedRequest
 from kvcomm.integrations.serve.internal import kvcomm_of
 from kvcomm.integrations.serve.routes import RouteTable
@@ -174,7 +174,7 @@ class KvcommTenantMiddleware:
         self.api_digests = _digests(API_KEY_DIGESTS_ENV) | self.digests
         self.routes: RouteTable | None = None
         self.contexts = ContextRoutes(app)
-        self.heads = HeadRequests(app)
+        self.preambles = PreambleRequests(app)
         self.twins = TwinRequests(app)
 
     def _table(self, scope: Scope) -> RouteTable | None:
@@ -256,7 +256,7 @@ class KvcommTenantMiddleware:
             if route.kind == "generation" and ttft.observed(route.path):
                 send = ttft.FirstToken(send, arrived, route.path, isinstance(kvcomm_of(body), dict))
             if route.kind == "generation" and route.path == "/v1/completions":
-                served = ServedRequest(scope, body, self.heads, self.twins)
+                served = ServedRequest(scope, body, self.preambles, self.twins)
                 await served.prepare()
             raw = json.dumps(body).encode("utf-8")
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]

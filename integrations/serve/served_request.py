@@ -2,15 +2,15 @@
 stages it goes through, in this order, each at most once (docs/serving.md, "A served request",
 has the sequence diagram):
 
-``received -> planned -> head computed -> served -> measured``
+``received -> planned -> preamble computed -> served -> measured``
 
 - **received**: the middleware read the body (bounded), rewrote it (tenant, salt,
   ``kvcomm_server`` removed) and checked its options; a bad body got its 400 before this.
-- **planned**: planned ahead on every worker under a fresh ticket (``serve.heads``, one
+- **planned**: planned ahead on every worker under a fresh ticket (``serve.preambles``, one
   ``collective_rpc``). Not reached by a request that is planned in the engine step instead
   (text prompts, LoRA adapters, calibration, no reuse salt) or whose planning failed.
-- **head computed**: its head request computed the plan's head (one engine request). Skipped
-  when the plan has none; a failed head request leaves the request planned, served its exact
+- **preamble computed**: its preamble request computed the plan's preamble (one engine request). Skipped
+  when the plan has none; a failed preamble request leaves the request planned, served its exact
   prefix only, and not measured.
 - **served**: vLLM answered it with status 200, the connector serving the plan made ahead. The
   worker learns from it in the engine step after its last token (``ServerPlanner.finish``),
@@ -19,8 +19,8 @@ has the sequence diagram):
   response (``serve.twins``: two engine requests and one ``collective_rpc``, in the background;
   the client waits for none of it).
 
-A sampled request with a head costs four engine requests (its head, itself, two twins) and two
-``collective_rpc`` calls (plan ahead, record the KL); one neither sampled nor with a head, one
+A sampled request with a preamble costs four engine requests (its preamble, itself, two twins) and two
+``collective_rpc`` calls (plan ahead, record the KL); one neither sampled nor with a preamble, one
 engine request and one call.
 """
 
@@ -30,7 +30,7 @@ from enum import Enum
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvcomm.integrations.serve.heads import HeadRequests, PlannedAhead
+from kvcomm.integrations.serve.preambles import PreambleRequests, PlannedAhead
 from kvcomm.integrations.serve.internal import kvcomm_of
 from kvcomm.integrations.serve.salts import salt_of
 from kvcomm.integrations.serve.twins import TwinRequests
@@ -39,7 +39,7 @@ from kvcomm.integrations.serve.twins import TwinRequests
 class Stage(Enum):
     RECEIVED = "received"
     PLANNED = "planned"
-    HEAD_COMPUTED = "head computed"
+    PREAMBLE_COMPUTED = "preamble computed"
     SERVED = "served"
     MEASURED = "measured"
 
@@ -53,11 +53,11 @@ class ServedRequest:
     (rewritten by the middleware; planning ahead adds its ticket). ``stages``: the stages it
     reached, in order; ``stage``: the last."""
 
-    def __init__(self, scope: Scope, body: dict, heads: HeadRequests, twins: TwinRequests):
+    def __init__(self, scope: Scope, body: dict, preambles: PreambleRequests, twins: TwinRequests):
         self.scope, self.body = scope, body
         self.stages = [Stage.RECEIVED]
         self.ahead: PlannedAhead | None = None
-        self._heads, self._twins = heads, twins
+        self._preambles, self._twins = preambles, twins
 
     @property
     def stage(self) -> Stage:
@@ -70,15 +70,15 @@ class ServedRequest:
         self.stages.append(stage)
 
     async def prepare(self) -> None:
-        """received -> planned -> head computed, as far as the request goes."""
-        self.ahead = await self._heads.plan_ahead(self.scope, self.body)
+        """received -> planned -> preamble computed, as far as the request goes."""
+        self.ahead = await self._preambles.plan_ahead(self.scope, self.body)
         if self.ahead is None:
             return
         self.reach(Stage.PLANNED)
-        if self.ahead.head is not None:
-            if not await self._heads.compute_head(self.scope, self.body, self.ahead):
+        if self.ahead.preamble is not None:
+            if not await self._preambles.compute_preamble(self.scope, self.body, self.ahead):
                 return
-            self.reach(Stage.HEAD_COMPUTED)
+            self.reach(Stage.PREAMBLE_COMPUTED)
 
     async def serve(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
         """Hand the request to vLLM's app (``scope`` and ``receive`` carry the rewritten body);
@@ -97,10 +97,10 @@ class ServedRequest:
     def measure(self) -> None:
         """Start the twins of a served request the guard sampled, in the background (the dense
         twin under its tenant's plain ``cache_salt``); measured when they recorded its KL. A
-        request whose head request failed reused its exact prefix only: nothing to measure."""
+        request whose preamble request failed reused its exact prefix only: nothing to measure."""
         sampled = self.ahead.sampled if self.ahead is not None else None
-        if self.stage is not Stage.SERVED or sampled is None or (self.ahead.head is not None
-                                                                 and Stage.HEAD_COMPUTED not in self.stages):
+        if self.stage is not Stage.SERVED or sampled is None or (self.ahead.preamble is not None
+                                                                 and Stage.PREAMBLE_COMPUTED not in self.stages):
             return
         dense_salt = salt_of(kvcomm_of(self.body).get("tenant", "default"), False)
         self._twins.after(self.scope, self.body, sampled, dense_salt, lambda: self.reach(Stage.MEASURED))

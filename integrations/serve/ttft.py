@@ -2,15 +2,15 @@
 
 vLLM's own ``vllm:time_to_first_token_seconds`` runs from when the request reached vLLM's
 engine client to its first token. For an opted-in request kvcomm works before that: the
-middleware plans it ahead on the workers and, when the plan computes a head, runs the head's
-request first (``serve.heads``); vLLM's histogram leaves that time out and counts the head's
+middleware plans it ahead on the workers and, when the plan computes a preamble, runs the preamble's
+request first (``serve.preambles``); vLLM's histogram leaves that time out and counts the preamble's
 request as a request of its own. This one is measured around all of it, by the middleware:
 
 - ``kvcomm_time_to_first_token_seconds{route, kvcomm}``: seconds from when the request reached
   the middleware (before its body was read) to its first reply token. ``route``:
   ``/v1/completions`` or ``/v1/chat/completions``; ``kvcomm``: ``"yes"`` for a request that opted
   into kvcomm (``kv_transfer_params.kvcomm``), ``"no"`` for a plain one. One observation per
-  request answered with status 200; the server's own requests (head requests, the context API's
+  request answered with status 200; the server's own requests (preamble requests, the context API's
   and the quality guard's) run below the middleware and are not observed.
 
 Where the first token is: a streamed response (``text/event-stream``) when the first event
@@ -37,7 +37,7 @@ ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 TTFT = Histogram(
     "kvcomm_time_to_first_token_seconds",
-    "Seconds from a request's arrival at kvcomm serve (planning and computed head included) to its first token",
+    "Seconds from a request's arrival at kvcomm serve (planning and preamble included) to its first token",
     ["route", "kvcomm"], buckets=histogram_buckets("time_to_first_token"),
 )
 

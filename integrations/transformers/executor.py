@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from kvcomm.reuse.executor import Generation, OnToken, check_head, fill_head
+from kvcomm.reuse.executor import Generation, OnToken, check_preamble, fill_preamble
 from kvcomm.core.kv import KV, to_position_free
 from kvcomm.reuse.pipeline import Slot
 from kvcomm.reuse.plan import BlendRequest
@@ -43,8 +43,8 @@ class TransformersExecutor:
     a model without reuse.
     """
 
-    computes_heads = True
-    """``generate`` takes ``head``: plans may compute new text before the reused content."""
+    computes_preambles = True
+    """``generate`` takes ``preamble``: plans may compute new text before the reused content."""
 
     def __init__(self, model, tokenizer, dense_only: bool = False):
         self.model = model.eval()
@@ -123,7 +123,7 @@ class TransformersExecutor:
     def generate(
         self, token_ids: Sequence[int], prefix: KV | None, max_new_tokens: int, started: float | None = None,
         keep_logprobs: bool = False, blend: BlendRequest | None = None, on_token: OnToken | None = None,
-        head: tuple[int, int] | None = None,
+        preamble: tuple[int, int] | None = None,
     ) -> Generation:
         started = time.perf_counter() if started is None else started
         n = len(token_ids)
@@ -132,7 +132,7 @@ class TransformersExecutor:
             raise ValueError(f"prefix covers {reused} of {n} prompt tokens; at least the last token must be computed")
         if prefix is not None:
             prefix = KV(prefix.keys.to(self.device, self.kv_dtype), prefix.values.to(self.device, self.kv_dtype))
-        head_kv = None if head is None else self._head(token_ids, prefix, *head)
+        preamble_kv = None if preamble is None else self._preamble(token_ids, prefix, *preamble)
         cache = self._cache(prefix)
         recomputed: tuple[int, ...] = ()
         if blend is not None:
@@ -158,14 +158,14 @@ class TransformersExecutor:
         if reply and cache.get_seq_length() < n + len(reply):
             self._forward(reply[-1:], cache, n + len(reply) - 1)  # the reply's KV is the next agent's base
         reply_kv = self._span(cache, n, n + len(reply)) if reply else None
-        return Generation(tuple(reply), self._span(cache, reused, n), reply_kv, ttft, logprobs, recomputed, head=head_kv)
+        return Generation(tuple(reply), self._span(cache, reused, n), reply_kv, ttft, logprobs, recomputed, preamble=preamble_kv)
 
-    def _head(self, token_ids: Sequence[int], prefix: KV | None, start: int, end: int) -> KV:
+    def _preamble(self, token_ids: Sequence[int], prefix: KV | None, start: int, end: int) -> KV:
         """Compute prompt tokens ``[start, end)`` behind ``prefix``'s first ``start`` tokens, write
         their KV into ``prefix`` there (it is this call's memory) and return a copy of it."""
-        cache = self._cache(check_head(prefix, start, end).span(0, start) if start else None)
+        cache = self._cache(check_preamble(prefix, start, end).span(0, start) if start else None)
         self._forward(token_ids[start:end], cache, start)
-        return fill_head(prefix, start, self._span(cache, start, end))
+        return fill_preamble(prefix, start, self._span(cache, start, end))
 
     # -- CacheBlend ------------------------------------------------------------------------
 

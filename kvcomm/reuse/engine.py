@@ -172,27 +172,27 @@ class ReuseEngine:
 
     # -- plan --------------------------------------------------------------------------------
 
-    def plan(self, prompt: Prompt, provide_base: BaseProvider | None = None, heads: bool = False) -> ReusePlan:
+    def plan(self, prompt: Prompt, provide_base: BaseProvider | None = None, computes_preambles: bool = False) -> ReusePlan:
         """Decide which prompt tokens are exact, estimated or computed (see ``ReusePlan``).
 
         Shared content without a base: ``provide_base`` computes it now; without a provider
         the content is computed densely and ``learn`` takes its base from this request
-        (``plan.new_bases``). heads: the executor computes a head before the reused pieces
-        (``Executor.computes_heads``), so text the engine cannot serve (an agent's unseen
+        (``plan.new_bases``). computes_preambles: the executor computes a preamble before the reused pieces
+        (``Executor.computes_preambles``), so text the engine cannot serve (an agent's unseen
         system prompt) need not end reuse of the shared content after it."""
         try:
             self.rotary.check_length(len(prompt))
         except RopeError as error:
             # Past the exact length every key of the prompt is computed with other frequencies:
             # no stored KV (exact prefix, template lead, base) matches what dense computes.
-            return ReusePlan(prompt, heads=heads, note=f"no reuse: {error}")
+            return ReusePlan(prompt, computes_preambles=computes_preambles, note=f"no reuse: {error}")
         length, kv, position_free = self._exact_prefix(prompt)
         mode = MODES[self.config.mode]
         decisions = self._decide(prompt, length, provide_base) if mode.estimates else {}
-        plan = ReusePlan(prompt, heads=heads, exact_length=length, exact_kv=kv, exact_position_free=position_free,
+        plan = ReusePlan(prompt, computes_preambles=computes_preambles, exact_length=length, exact_kv=kv, exact_position_free=position_free,
                          decisions=decisions)
         plan.serve(mode.strategy(PlanContext(
-            prompt, length, heads, self.reuse_limit(prompt), MappingProxyType(decisions),
+            prompt, length, computes_preambles, self.reuse_limit(prompt), MappingProxyType(decisions),
             base=lambda segment: self.base(segment, provide_base),
             fixed_base=lambda index: self.fixed_base(prompt, index),
             fixed_digest=lambda index: self.fixed_digest(prompt, index),
@@ -306,18 +306,18 @@ class ReuseEngine:
     # -- learn -------------------------------------------------------------------------------
 
     def learn(self, plan: ReusePlan, computed: KV, reply_ids: tuple[int, ...] = (), reply_kv: KV | None = None,
-              head: KV | None = None) -> None:
+              preamble: KV | None = None) -> None:
         """Record what the dense forward revealed; ``computed`` is the real, rotated KV of
-        prompt tokens ``[plan.reuse_end, len(prompt))``, ``head`` that of the computed head
-        ``[plan.exact_length, plan.pieces_start)`` (``Generation.head``; required when the plan
+        prompt tokens ``[plan.reuse_end, len(prompt))``, ``preamble`` that of the preamble
+        ``[plan.exact_length, plan.pieces_start)`` (``Generation.preamble``; required when the plan
         has one). Costs no forward pass.
 
         reply_ids, reply_kv: the reply generated after the prompt and its real KV at positions
         ``[len(prompt), len(prompt) + len(reply_ids))`` (None: not all of it was computed, e.g. a
         cancelled call); the reply becomes shared content with that KV, de-rotated, as its base
         when ``learns_reply_from(plan)``."""
-        if plan.computed_head:
-            self._learn_head(plan, head)
+        if plan.preamble_length:
+            self._learn_preamble(plan, preamble)
         self._learn_prompt(plan, computed)
         if reply_kv is not None and reply_ids and self.uses_bases and self.learns_reply_from(plan):
             n = len(plan.prompt)
@@ -350,22 +350,22 @@ class ReuseEngine:
                 if self._held_base(prompt.segments[index].shared_id) is not None:  # else dropped since planning
                     self._record(prompt, index, real)
 
-    def _learn_head(self, plan: ReusePlan, head: KV | None) -> None:
-        """What the computed head revealed, computed behind exact KV only, so clean: bases of new
+    def _learn_preamble(self, plan: ReusePlan, preamble: KV | None) -> None:
+        """What the preamble revealed, computed behind exact KV only, so clean: bases of new
         content in it, its fixed segments' bases, and the exact prefix up to its end (an agent's
         next call finds its system prompt there)."""
         prompt, begin, end = plan.prompt, plan.exact_length, plan.pieces_start
-        if head is None or head.length != end - begin:
-            raise ValueError(f"learn needs KV of the {end - begin}-token computed head, got "
-                             f"{'none' if head is None else head.length}")
+        if preamble is None or preamble.length != end - begin:
+            raise ValueError(f"learn needs KV of the {end - begin}-token preamble, got "
+                             f"{'none' if preamble is None else preamble.length}")
         if not self.learns_at(len(prompt)):
             return
-        real = _segment_kv(prompt, head, begin, self.rotary)
+        real = _segment_kv(prompt, preamble, begin, self.rotary)
         inside = [i for i in range(len(prompt.segments)) if begin <= prompt.starts[i] and prompt.end(i) <= end]
         with self._lock:
             self._take_new_bases(plan, real, inside)
             self._take_fixed_bases(prompt, inside, real)
-            self._put_prefix(plan, Prompt(prompt.template_id, prompt.segments[: inside[-1] + 1]), head)
+            self._put_prefix(plan, Prompt(prompt.template_id, prompt.segments[: inside[-1] + 1]), preamble)
 
     def _put_prefix(self, plan: ReusePlan, prompt: Prompt, computed: KV) -> None:
         """Store the exact KV of ``prompt`` (the plan's prompt or its first segments): the plan's

@@ -36,7 +36,7 @@ class Generation:
     cached_tokens: prompt tokens after the injected prefix that the runtime's own prefix cache
         served instead of computing them (vLLM's ``num_cached_tokens`` less the injected
         prefix); always 0 on a runtime without one (transformers).
-    head: real KV of the head ``generate`` was asked to compute first (its ``head`` range),
+    preamble: real KV of the preamble ``generate`` was asked to compute first (its ``preamble`` range),
         rotated at its positions; None without one.
     """
 
@@ -47,15 +47,15 @@ class Generation:
     prompt_logprobs: torch.Tensor | None = None
     recomputed: tuple[int, ...] = ()
     cached_tokens: int = 0
-    head: KV | None = None
+    preamble: KV | None = None
 
 
 class Executor(Protocol):
     """A model runtime. One with a prefix cache of its own (vLLM) may also offer
     ``with_salt(salt) -> Executor``: the same runtime, with the calls that inject nothing
     sharing that cache only with calls made under the same salt (``namespaced``). One that
-    sets ``computes_heads = True`` takes ``generate(..., head=(start, end))``: plans for it may
-    compute new text before the reused content (``ReusePlan.computed_head``)."""
+    sets ``computes_preambles = True`` takes ``generate(..., preamble=(start, end))``: plans for it may
+    compute new text before the reused content (``ReusePlan.preamble_length``)."""
 
     rotary: Rotary
     """The model's rotary embedding, self-checked; executors refuse to exist for models that fail."""
@@ -84,30 +84,30 @@ class Executor(Protocol):
 
         keep_logprobs: fill ``Generation.prompt_logprobs``. blend: before the tail, recompute
         the selected tokens of ``prefix`` (CacheBlend) and correct their cached KV. on_token:
-        see ``OnToken``. head ``(start, end)``: the prompt positions ``[start, end)`` inside
+        see ``OnToken``. preamble ``(start, end)``: the prompt positions ``[start, end)`` inside
         ``prefix`` hold nothing yet: compute them first, behind ``prefix``'s first ``start``
-        tokens, and return their KV (``Generation.head``). All four are optional: callers pass
+        tokens, and return their KV (``Generation.preamble``). All four are optional: callers pass
         them only when set, so executors without them keep working for the plans that do not
         need them.
         """
         ...
 
 
-def check_head(prefix: KV | None, start: int, end: int) -> KV:
-    """``prefix`` if a head ``[start, end)`` fits inside it with reused tokens after it; else ValueError."""
+def check_preamble(prefix: KV | None, start: int, end: int) -> KV:
+    """``prefix`` if a preamble ``[start, end)`` fits inside it with reused tokens after it; else ValueError."""
     if prefix is None or not 0 <= start < end < prefix.length:
-        raise ValueError(f"head [{start}, {end}) must lie inside the {0 if prefix is None else prefix.length}-token "
+        raise ValueError(f"preamble [{start}, {end}) must lie inside the {0 if prefix is None else prefix.length}-token "
                          "prefix with reused tokens after it")
     return prefix
 
 
-def fill_head(prefix: KV, start: int, head: KV) -> KV:
-    """Write ``head`` (the computed head's KV) into ``prefix`` from position ``start`` (in its
-    dtype and device) and return ``head``."""
-    end = start + head.length
-    prefix.keys[:, :, start:end] = head.keys.to(prefix.keys.device, prefix.keys.dtype)
-    prefix.values[:, :, start:end] = head.values.to(prefix.values.device, prefix.values.dtype)
-    return head
+def fill_preamble(prefix: KV, start: int, preamble: KV) -> KV:
+    """Write ``preamble`` (the preamble's KV) into ``prefix`` from position ``start`` (in its
+    dtype and device) and return ``preamble``."""
+    end = start + preamble.length
+    prefix.keys[:, :, start:end] = preamble.keys.to(prefix.keys.device, prefix.keys.dtype)
+    prefix.values[:, :, start:end] = preamble.values.to(prefix.values.device, prefix.values.dtype)
+    return preamble
 
 
 def namespaced(executor, label: str):

@@ -44,22 +44,22 @@ class Piece:
 @dataclass
 class Serving:
     """What a plan strategy decided to serve after the exact prefix ``[0, exact_length)``: a
-    computed head up to ``head_end`` (0: none), then ``pieces`` tiling ``[pieces_start,
+    preamble up to ``preamble_end`` (0: none), then ``pieces`` tiling ``[pieces_start,
     reuse_end)`` in prompt order; the shared segments to ``learn`` from; why reuse stopped
     (``note``). The strategy fills it as it walks the prompt and returns it; the engine hands
     it to ``ReusePlan.serve``."""
 
     exact_length: int
-    head_end: int = 0
+    preamble_end: int = 0
     pieces: list[Piece] = field(default_factory=list)
     learn: list[int] = field(default_factory=list)
     note: str = ""
 
     @property
     def next_start(self) -> int:
-        """Where the next piece must start: the end of the last piece, or of the computed head,
+        """Where the next piece must start: the end of the last piece, or of the preamble,
         or of the exact prefix."""
-        return self.pieces[-1].end if self.pieces else max(self.exact_length, self.head_end)
+        return self.pieces[-1].end if self.pieces else max(self.exact_length, self.preamble_end)
 
     @property
     def reuse_end(self) -> int:
@@ -102,13 +102,13 @@ def ratio_count(ratio: float, tokens: int) -> int:
 
 @dataclass
 class ReusePlan:
-    """The KV for prompt tokens ``[0, reuse_end)`` is supplied, except a computed head; the
+    """The KV for prompt tokens ``[0, reuse_end)`` is supplied, except a preamble; the
     rest is computed densely.
 
     ``[0, exact_length)`` comes from ``exact_kv`` (stored, exact: rotated at its positions, or
-    position-free when ``exact_position_free``, a template's first segment). The computed head
-    ``[exact_length, pieces_start)`` (empty unless ``head_end`` was set and there are pieces;
-    only planned when ``heads``: the executor can compute it, ``Executor.computes_heads``) is
+    position-free when ``exact_position_free``, a template's first segment). The preamble
+    ``[exact_length, pieces_start)`` (empty unless ``preamble_end`` was set and there are pieces;
+    only planned when ``computes_preambles``: the executor can compute it, ``Executor.computes_preambles``) is
     computed densely behind the exact prefix first: text new to the engine, e.g. an agent's
     unseen system prompt, after which shared content is served. The pieces tile
     ``[pieces_start, reuse_end)`` contiguously, in order. ``reuse_end <= len(prompt) - 1``
@@ -127,9 +127,9 @@ class ReusePlan:
     """
 
     prompt: Prompt
-    heads: bool = False
+    computes_preambles: bool = False
     exact_length: int = 0
-    head_end: int = 0
+    preamble_end: int = 0
     exact_kv: KV | None = None
     exact_position_free: bool = False
     pieces: list[Piece] = field(default_factory=list)
@@ -146,12 +146,12 @@ class ReusePlan:
 
     @property
     def pieces_start(self) -> int:
-        """Where the pieces start: after the computed head, if any, else after the exact prefix."""
-        return max(self.exact_length, self.head_end) if self.pieces else self.exact_length
+        """Where the pieces start: after the preamble, if any, else after the exact prefix."""
+        return max(self.exact_length, self.preamble_end) if self.pieces else self.exact_length
 
     @property
-    def computed_head(self) -> int:
-        """Tokens of the computed head ``[exact_length, pieces_start)``."""
+    def preamble_length(self) -> int:
+        """Tokens of the preamble ``[exact_length, pieces_start)``."""
         return self.pieces_start - self.exact_length
 
     @property
@@ -162,9 +162,9 @@ class ReusePlan:
 
     def serve(self, serving: Serving) -> None:
         """Take a strategy's decisions; the plan must hold only its exact prefix so far."""
-        if self.pieces or self.head_end or serving.exact_length != self.exact_length:
+        if self.pieces or self.preamble_end or serving.exact_length != self.exact_length:
             raise ValueError("a plan takes one strategy's decisions, made after its own exact prefix")
-        self.head_end, self.pieces, self.learn, self.note = serving.head_end, serving.pieces, serving.learn, serving.note
+        self.preamble_end, self.pieces, self.learn, self.note = serving.preamble_end, serving.pieces, serving.learn, serving.note
 
     def cut(self, index: int, note: str) -> None:
         """Serve only ``pieces[:index]``: the rest is computed densely (the selective recompute
@@ -203,7 +203,7 @@ class ReusePlan:
     # -- reading -----------------------------------------------------------------------------
 
     def computes(self, index: int) -> bool:
-        """Whether segment ``index`` is computed whole by the forward pass (in the head or the tail)."""
+        """Whether segment ``index`` is computed whole by the forward pass (in the preamble or the tail)."""
         start, end = self.prompt.starts[index], self.prompt.end(index)
         return start >= self.reuse_end or (self.exact_length <= start and end <= self.pieces_start)
 
@@ -216,8 +216,8 @@ class ReusePlan:
         in_shared = [False] * len(prompt)
         for i in shared:
             in_shared[prompt.starts[i] : prompt.end(i)] = [True] * len(prompt.segments[i])
-        head = in_shared[self.exact_length : self.pieces_start]  # computed before the pieces
-        reused_shared = sum(in_shared[:end]) - sum(head) - sum(in_shared[p] for p in recomputed)
+        preamble = in_shared[self.exact_length : self.pieces_start]  # computed before the pieces
+        reused_shared = sum(in_shared[:end]) - sum(preamble) - sum(in_shared[p] for p in recomputed)
         outside_exact = any(prompt.end(i) > self.exact_length for i in shared)
         estimated = self.estimated_tokens - len(recomputed)
         realigned = [(piece.start, piece.end) for piece in self.pieces if piece.match is None]
@@ -226,7 +226,7 @@ class ReusePlan:
             prompt_tokens=len(prompt),
             exact_tokens=self.exact_length,
             estimated_tokens=estimated,
-            computed_tokens=len(prompt) - end + len(recomputed) + self.computed_head,
+            computed_tokens=len(prompt) - end + len(recomputed) + self.preamble_length,
             shared_tokens=sum(len(prompt.segments[i]) for i in shared),
             reused_shared_tokens=reused_shared,
             fallback=outside_exact and estimated == 0,
@@ -234,7 +234,7 @@ class ReusePlan:
             ttft_s=ttft_s,
             recomputed_tokens=len(recomputed),
             cached_tokens=cached_tokens,
-            head_tokens=self.computed_head,
+            preamble_tokens=self.preamble_length,
             plan_s=plan_s,
             realigned_tokens=realigned_tokens,
         )
@@ -253,8 +253,8 @@ class Provenance:
     prefix cache served instead (``Generation.cached_tokens``: vLLM's prefix-cache hit beyond
     what kvcomm injected; 0 on transformers). They stay in ``computed_tokens`` (kvcomm did not
     serve them), and are reported so that a comparison can see what a prefix cache gave.
-    head_tokens: of the computed tokens, those computed before the reused ones (the plan's
-    computed head: new text, such as an agent's unseen system prompt, ahead of shared content).
+    preamble_tokens: of the computed tokens, those computed before the reused ones (the plan's
+    preamble: new text, such as an agent's unseen system prompt, ahead of shared content).
     plan_s: of ``ttft_s``, the seconds spent planning (base-KV prefills of new content
     included); None where nobody measured it (a server's plan). ``reason``: all of it in words.
 
@@ -276,7 +276,7 @@ class Provenance:
     ttft_s: float | None = None
     recomputed_tokens: int = 0
     cached_tokens: int = 0
-    head_tokens: int = 0
+    preamble_tokens: int = 0
     plan_s: float | None = None
     realigned_tokens: int = 0
 
@@ -289,7 +289,7 @@ class Provenance:
     def reuse_end(self) -> int:
         """End of the injected prefix: the prompt positions ``[reuse_end, prompt_tokens)``
         were computed by the tail forward (``Generation.prompt_logprobs`` covers them)."""
-        return self.prompt_tokens - self.computed_tokens + self.recomputed_tokens + self.head_tokens
+        return self.prompt_tokens - self.computed_tokens + self.recomputed_tokens + self.preamble_tokens
 
     @property
     def reused(self) -> bool:

@@ -79,15 +79,15 @@ def explain(p) -> str:
     why = because(p.note)
     if p.computed_tokens == 0:
         return line + (f"; {why}" if why else "")
-    tail = p.computed_tokens - p.head_tokens - p.recomputed_tokens
+    tail = p.computed_tokens - p.preamble_tokens - p.recomputed_tokens
     parts = []
-    if p.head_tokens:
-        parts.append(f"{p.head_tokens:,} new text before the reused content")
+    if p.preamble_tokens:
+        parts.append(f"{p.preamble_tokens:,} new text before the reused content")
     if p.recomputed_tokens:
         parts.append(f"{p.recomputed_tokens:,} recomputed inside the reused range (selective recompute)")
     if tail > 0:
         start = n - tail
-        if reused + p.head_tokens == 0:
+        if reused + p.preamble_tokens == 0:
             parts.append(f"all {tail:,}" + (f" because {why}" if why else ""))
         elif tail == 1:
             parts.append(f"1 because {_LAST_TOKEN}")

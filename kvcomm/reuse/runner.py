@@ -74,10 +74,10 @@ def run_agent(
         generation = executor.generate(prompt.token_ids, None, max_new_tokens, started, **_options(keep_logprobs, on_token))
         return generation, dense_provenance(prompt, generation.ttft_s, generation.cached_tokens)
     provide = engine.base_provider(executor)
-    plan = engine.calibration_plan(prompt, provide) if calibrate else engine.plan(prompt, provide, computes_heads(executor))
+    plan = engine.calibration_plan(prompt, provide) if calibrate else engine.plan(prompt, provide, computes_preambles(executor))
     planned = time.perf_counter() - started
     generation = execute(executor, engine, plan, max_new_tokens, started, keep_logprobs, on_token)
-    engine.learn(plan, generation.computed, generation.reply_ids, generation.reply_kv, generation.head)
+    engine.learn(plan, generation.computed, generation.reply_ids, generation.reply_kv, generation.preamble)
     return generation, plan.provenance(generation.ttft_s, generation.cached_tokens, planned)
 
 
@@ -90,8 +90,8 @@ def execute(
     options = _options(keep_logprobs, on_token)
     if plan.blend is not None:
         options["blend"] = plan.blend
-    if plan.computed_head:
-        options["head"] = (plan.exact_length, plan.pieces_start)
+    if plan.preamble_length:
+        options["preamble"] = (plan.exact_length, plan.pieces_start)
     with engine.materialized(plan) as prefix:  # executors copy the prefix into their own cache
         generation = executor.generate(plan.prompt.token_ids, prefix, max_new_tokens, started, **options)
     if plan.blend is not None:
@@ -99,9 +99,9 @@ def execute(
     return generation
 
 
-def computes_heads(executor: Executor) -> bool:
-    """Whether ``executor`` computes a plan's head before injecting its pieces (``Executor.computes_heads``)."""
-    return bool(getattr(executor, "computes_heads", False))
+def computes_preambles(executor: Executor) -> bool:
+    """Whether ``executor`` computes a plan's preamble before injecting its pieces (``Executor.computes_preambles``)."""
+    return bool(getattr(executor, "computes_preambles", False))
 
 
 def _options(keep_logprobs: bool, on_token: OnToken | None) -> dict:

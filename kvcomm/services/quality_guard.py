@@ -45,7 +45,7 @@ import torch
 from kvcomm.reuse.engine import ReuseEngine
 from kvcomm.core.divergence import kl_topk_other, topk_reference
 from kvcomm.reuse.plan import ReusePlan
-from kvcomm.reuse.runner import computes_heads, execute, run_agent
+from kvcomm.reuse.runner import computes_preambles, execute, run_agent
 from kvcomm.core.segments import Prompt
 
 log = logging.getLogger("kvcomm.services.quality_guard")
@@ -192,11 +192,11 @@ class QualityGuard:
         if engine is None or calibrate:
             return run_agent(executor, engine, prompt, max_new_tokens, keep_logprobs, on_token, calibrate)
         started = time.perf_counter()
-        plan = engine.plan(prompt, engine.base_provider(executor), computes_heads(executor))
+        plan = engine.plan(prompt, engine.base_provider(executor), computes_preambles(executor))
         self.restrict(engine, plan)
         slots = self.sample(plan)
         generation = execute(executor, engine, plan, max_new_tokens, started, keep_logprobs or bool(slots), on_token)
-        engine.learn(plan, generation.computed, generation.reply_ids, generation.reply_kv, generation.head)
+        engine.learn(plan, generation.computed, generation.reply_ids, generation.reply_kv, generation.preamble)
         if slots:
             self.measure(executor, engine, prompt, generation.prompt_logprobs[-1], slots)
         return generation, plan.provenance(generation.ttft_s, generation.cached_tokens)

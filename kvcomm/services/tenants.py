@@ -109,16 +109,16 @@ class TenantEngine(ReuseEngine):
                 self._local.depth -= 1
         self._grew()
 
-    def plan(self, prompt: Prompt, provide_base: BaseProvider | None = None, heads: bool = False) -> ReusePlan:
+    def plan(self, prompt: Prompt, provide_base: BaseProvider | None = None, computes_preambles: bool = False) -> ReusePlan:
         # A concurrent shrink must not drop a base between its registration and its use.
         with self._held_without_shrink():
-            return super().plan(prompt, provide_base, heads)
+            return super().plan(prompt, provide_base, computes_preambles)
 
     def learn(self, plan: ReusePlan, computed: KV, reply_ids: tuple[int, ...] = (), reply_kv: KV | None = None,
-              head: KV | None = None) -> None:
+              preamble: KV | None = None) -> None:
         with self._held_without_shrink():  # new content's bases are registered, then learned from
             # (a base evicted under memory pressure since planning is not learned from: ReuseEngine.learn)
-            super().learn(plan, computed, reply_ids, reply_kv, head)
+            super().learn(plan, computed, reply_ids, reply_kv, preamble)
 
     def register_base(self, segment: Segment, base: KV) -> KV:
         held = super().register_base(segment, base)

@@ -2,7 +2,7 @@
 numbers its tables print. Run as a subprocess: the script sets torch's and faiss' thread counts
 for its whole process. What is checked is that each section measured what it says (a section-3
 plan reuses the whole segment from 2, 4 and 8 anchors; the miss section timed all three
-ways; a first call computes its head and serves the text after it), not how fast: timings are the benchmark's business, on a quiet machine."""
+ways; a first call computes its preamble and serves the text after it), not how fast: timings are the benchmark's business, on a quiet machine."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_quick_run_measures_every_section(tmp_path):
         assert len(row["admission_p"]) == int(anchors.split("_")[0])
     assert set(results["decide"]) >= {"10", "100"}
     assert results["embedders"]["anchors"] == 10
-    head = results["head"]
-    for tokens in (str(head["min_reuse"]), "256"):  # a first call's head computed, the whole shared text served
-        assert head[tokens]["head_tokens"] > 0 and head[tokens]["served_tokens"] >= int(tokens), head[tokens]
+    preamble = results["preamble"]
+    for tokens in (str(preamble["min_reuse"]), "256"):  # a first call's preamble computed, the whole shared text served
+        assert preamble[tokens]["preamble_tokens"] > 0 and preamble[tokens]["served_tokens"] >= int(tokens), preamble[tokens]
     assert "[section 3 took" in run.stdout and "== 3. Reuse-path work" in run.stdout

@@ -9,9 +9,9 @@ from kvcomm.reuse.plan import Provenance
 from kvcomm.reuse.reason import because, explain
 
 
-def _p(prompt, exact=0, estimated=0, head=0, recomputed=0, cached=0, note="", fallback=False):
+def _p(prompt, exact=0, estimated=0, preamble=0, recomputed=0, cached=0, note="", fallback=False):
     computed = prompt - exact - estimated
-    return Provenance(prompt, exact, estimated, computed, 0, 0, fallback, note, 0.1, recomputed, cached, head)
+    return Provenance(prompt, exact, estimated, computed, 0, 0, fallback, note, 0.1, recomputed, cached, preamble)
 
 
 def test_the_issue_case_a_long_exact_prefix_is_reuse_not_a_fallback():
@@ -23,7 +23,7 @@ def test_the_issue_case_a_long_exact_prefix_is_reuse_not_a_fallback():
 
 
 def test_a_computed_head_and_the_last_token():
-    p = _p(1204, exact=0, estimated=1000, head=203)
+    p = _p(1204, exact=0, estimated=1000, preamble=203)
     assert p.reason == ("reused 1,000 of 1,204 tokens (estimated 1,000); computed 204: 203 new text before the "
                         "reused content, 1 because the last prompt token is always computed (its logits start the reply)")
 

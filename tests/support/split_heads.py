@@ -40,9 +40,9 @@ class RecordingEngine(ReuseEngine):
         self.events: list[tuple] = []
         self._learning = False
 
-    def plan(self, prompt, provide_base=None, heads=False):
-        plan = super().plan(prompt, provide_base, heads)
-        self.events.append(["plan", prompt, decisions(plan), None, heads])
+    def plan(self, prompt, provide_base=None, computes_preambles=False):
+        plan = super().plan(prompt, provide_base, computes_preambles)
+        self.events.append(["plan", prompt, decisions(plan), None, computes_preambles])
         return plan
 
     def calibration_plan(self, prompt, provide_base=None):
@@ -56,12 +56,12 @@ class RecordingEngine(ReuseEngine):
             self.events[-1][3] = None if prefix is None else prefix.clone()
             yield prefix
 
-    def learn(self, plan, computed, reply_ids=(), reply_kv=None, head=None):
+    def learn(self, plan, computed, reply_ids=(), reply_kv=None, preamble=None):
         self.events.append(["learn", computed.clone(), tuple(reply_ids), None if reply_kv is None else reply_kv.clone(),
-                            None if head is None else head.clone()])
+                            None if preamble is None else preamble.clone()])
         self._learning = True  # a reply's base registered by learn is replayed by learn
         try:
-            super().learn(plan, computed, reply_ids, reply_kv, head)
+            super().learn(plan, computed, reply_ids, reply_kv, preamble)
         finally:
             self._learning = False
 
@@ -91,23 +91,23 @@ def replay(rank: int, size: int, log_path: str, init_file: str, out_dir: str) ->
         plan, results = None, []
         for event in log["events"]:
             if event[0] in ("plan", "calibrate"):
-                kind, prompt, recorded, prefix, heads_on = event
-                plan = engine.plan(prompt, heads=heads_on) if kind == "plan" else engine.calibration_plan(prompt)
+                kind, prompt, recorded, prefix, computes_preambles = event
+                plan = engine.plan(prompt, computes_preambles=computes_preambles) if kind == "plan" else engine.calibration_plan(prompt)
                 with engine.materialized(plan) as mine:
                     if mine is None or prefix is None:
                         same_kv = mine is None and prefix is None
                     else:
                         expected = _shard(prefix, rank, size)
-                        # the computed head's positions hold nothing yet (the executor fills them)
+                        # the preamble's positions hold nothing yet (the executor fills them)
                         kept = [(0, plan.exact_length), (plan.pieces_start, plan.reuse_end)]
                         same_kv = all(torch.equal(mine.span(a, b).keys, expected.span(a, b).keys)
                                       and torch.equal(mine.span(a, b).values, expected.span(a, b).values) for a, b in kept)
                 results.append({"decisions": decisions(plan) == recorded, "kv": same_kv, "estimated": recorded["estimated"]})
             elif event[0] == "learn":
-                _, computed, reply_ids, reply_kv, head = event
+                _, computed, reply_ids, reply_kv, preamble = event
                 engine.learn(plan, _shard(computed, rank, size), reply_ids,
                              None if reply_kv is None else _shard(reply_kv, rank, size),
-                             None if head is None else _shard(head, rank, size))
+                             None if preamble is None else _shard(preamble, rank, size))
             else:
                 engine.register_base(event[1], _shard(event[2], rank, size))
         fits = {str(k): (f.cross.clone(), f.estimate_sq.clone(), f.real_sq.clone())

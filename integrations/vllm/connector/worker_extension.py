@@ -3,8 +3,8 @@
 worker's planner outside the engine step.
 
 - ``kvcomm_plan_ahead(ticket, token_ids, kvcomm)``: plan a request before it is submitted and
-  park the plan under ``ticket`` (``vllm.planning.server_planner``, computed heads); returns this rank's
-  ``{"head": [start, end] | None, "twin": ...}`` or ``{"error": why}``.
+  park the plan under ``ticket`` (``vllm.planning.server_planner``, preambles); returns this rank's
+  ``{"preamble": [start, end] | None, "twin": ...}`` or ``{"error": why}``.
 - ``kvcomm_guard_record(twin, kl, seconds)``: record the KL the middleware measured for a
   plan the quality guard sampled (``vllm.planning.guard``); returns ``{"recorded": bool}`` or ``{"error": why}``.
 """

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from kvcomm.reuse.executor import Generation, OnToken, check_head, fill_head
+from kvcomm.reuse.executor import Generation, OnToken, check_preamble, fill_preamble
 from kvcomm.core.kv import KV, to_position_free
 from kvcomm.reuse.plan import BlendRequest
 from kvcomm.core.segments import Segment
@@ -50,8 +50,8 @@ class VllmExecutor:
     vLLM's shared unsalted prefix cache); see the module docstring and ``with_salt``.
     """
 
-    computes_heads = True
-    """``generate`` takes ``head``: a request of its own computes it first (``_head``)."""
+    computes_preambles = True
+    """``generate`` takes ``preamble``: a request of its own computes it first (``_preamble``)."""
 
     # Text handling is the reference executor's, token for token (same tokenizer).
     encode = TransformersExecutor.encode
@@ -178,7 +178,7 @@ class VllmExecutor:
     def generate(
         self, token_ids: Sequence[int], prefix: KV | None, max_new_tokens: int, started: float | None = None,
         keep_logprobs: bool = False, blend: BlendRequest | None = None, on_token: OnToken | None = None,
-        head: tuple[int, int] | None = None,
+        preamble: tuple[int, int] | None = None,
     ) -> Generation:
         started = time.perf_counter() if started is None else started
         if keep_logprobs or blend is not None:
@@ -190,7 +190,7 @@ class VllmExecutor:
         reused = 0 if prefix is None else prefix.length
         if not 0 <= reused < n:
             raise ValueError(f"prefix covers {reused} of {n} prompt tokens; at least the last token must be computed")
-        head_kv = None if head is None else self._head(token_ids, prefix, *head)
+        preamble_kv = None if preamble is None else self._preamble(token_ids, prefix, *preamble)
         inject = None if prefix is None else Injection.of_kv(prefix if prefix.keys.dtype == self.dtype else prefix.to(self.dtype))
         # One token past max_new_tokens, so the last reply token is fed back and its KV
         # (the next agent's base) is computed; the extra token is dropped.
@@ -218,15 +218,15 @@ class VllmExecutor:
         complete = reply and capture.has(n, n + len(reply))
         reply_kv = capture.span(n, n + len(reply)) if complete else None
         return Generation(tuple(reply), capture.span(reused, n), reply_kv, done_at - started, cached_tokens=cached - reused,
-                          head=head_kv)
+                          preamble=preamble_kv)
 
-    def _head(self, token_ids: Sequence[int], prefix: KV | None, start: int, end: int) -> KV:
+    def _preamble(self, token_ids: Sequence[int], prefix: KV | None, start: int, end: int) -> KV:
         """Compute prompt tokens ``[start, end)`` in a request of their own (the prompt's first
         ``end`` tokens, ``prefix``'s first ``start`` injected, one token generated and dropped),
         write their captured KV into ``prefix`` there (this call's memory) and return it. vLLM's
         connector supplies KV for one range right after its own prefix hit, so the reused KV
-        after a computed head goes in with the call's own request, behind this head."""
-        exact = check_head(prefix, start, end).span(0, start)
+        after a preamble goes in with the call's own request, behind this preamble."""
+        exact = check_preamble(prefix, start, end).span(0, start)
         inject = Injection.of_kv(exact if exact.keys.dtype == self.dtype else exact.to(self.dtype)) if start else None
         _, _, capture, _ = self._run(token_ids[:end], Order(inject, start, end), 1, salted=start > 0)
-        return fill_head(prefix, start, capture.span(start, end))
+        return fill_preamble(prefix, start, capture.span(start, end))

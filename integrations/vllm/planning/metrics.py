@@ -74,8 +74,8 @@ PROBLEMS = Gauge("kvcomm_pool_problems", "Broken pool invariants found by Tenant
 
 
 def record_served(summary: dict) -> None:
-    """Count one finished planned request from its summary (``PlannedRequest.summary``); a head
-    request counts nothing (its tokens are the computed head of the request it serves), nor does
+    """Count one finished planned request from its summary (``PlannedRequest.summary``); a preamble
+    request counts nothing (its tokens are the preamble of the request it serves), nor does
     a quality guard's reuse twin."""
     if summary.get("purpose", "client") != "client":
         return

@@ -21,17 +21,17 @@ Safety: approximate KV only goes to requests carrying a ``cache_salt`` (so vLLM'
 cache keeps their blocks apart from every request without that salt); an annotated
 request without a salt gets exact reuse only.
 
-Computed heads (plans made ahead): vLLM's connector supplies KV for one range right after
-vLLM's own prefix hit, so a plan that computes a head (text no stored KV serves, such as an
-agent's unseen system prompt, with shared content after it: ``ReusePlan.head_end``) cannot be
+Preambles (plans made ahead): vLLM's connector supplies KV for one range right after
+vLLM's own prefix hit, so a plan that computes a preamble (text no stored KV serves, such as an
+agent's unseen system prompt, with shared content after it: ``ReusePlan.preamble_end``) cannot be
 served by one request. `kvcomm serve` plans such requests ahead, outside the engine step
 (``plan_ahead``, called through vLLM's ``collective_rpc`` by ``vllm.connector.worker_extension``), with
-``heads=True``, as the in-process runner does, and parks the plan under a ticket; when the plan
-has a head it first sends a request of its own for the prompt's first ``head_end`` tokens
-(purpose ``head``: the exact prefix injected, the head computed and kept under the ticket), then
-the request itself with the ticket: it is served the plan made ahead, the head's KV (through
+``computes_preambles=True``, as the in-process runner does, and parks the plan under a ticket; when the plan
+has a preamble it first sends a request of its own for the prompt's first ``preamble_end`` tokens
+(purpose ``preamble``: the exact prefix injected, the preamble computed and kept under the ticket), then
+the request itself with the ticket: it is served the plan made ahead, the preamble's KV (through
 vLLM's prefix cache under the same salt, the rest injected) and the pieces after it, and learns
-the head as the in-process engine does. A ticket is used once; at most ``MAX_AHEAD`` plans are
+the preamble as the in-process engine does. A ticket is used once; at most ``MAX_AHEAD`` plans are
 parked (oldest dropped), none older than ``AHEAD_TTL_S``.
 
 Quality guard (``vllm.planning.guard``, with ``guard`` settings): every plan is cut at slots the
@@ -82,14 +82,14 @@ TWIN_TTL_S = 600.0
 @dataclass
 class Ahead:
     """A plan made ahead (``ServerPlanner.plan_ahead``) for the request with ``token_ids``;
-    ``head``: its computed head's real KV, rotated at its positions, once the head request ran."""
+    ``preamble``: its preamble's real KV, rotated at its positions, once the preamble request ran."""
 
     engine: ReuseEngine
     plan: ReusePlan
     tenant: str
     token_ids: tuple[int, ...]
     made_at: float
-    head: KV | None = None
+    preamble: KV | None = None
 
 
 @dataclass
@@ -100,12 +100,12 @@ class PlannedRequest:
     plan: ReusePlan
     order: Order
     tenant: str = "default"
-    head: KV | None = None
-    """The plan's computed head's KV (computed by the head request), learned with the prompt."""
-    head_of: Ahead | None = None
-    """Set on a head request: the plan made ahead whose head it computes."""
+    preamble: KV | None = None
+    """The plan's preamble's KV (computed by the preamble request), learned with the prompt."""
+    preamble_of: Ahead | None = None
+    """Set on a preamble request: the plan made ahead whose preamble it computes."""
     purpose: str = "client"
-    """``params.purpose``: a client's request, a head request (``head_of`` set) or one of the
+    """``params.purpose``: a client's request, a preamble request (``preamble_of`` set) or one of the
     quality guard's twins of a sampled plan; all but a client's are counted nowhere."""
     learns: bool = True
     """Whether ``finish`` learns from it: all but the reuse twin (served a plan already learned from)."""
@@ -116,15 +116,15 @@ class PlannedRequest:
         (for the tokens whose KV was computed, all but the last sampled), by the engine's rule
         (``ReuseEngine.learns_reply_from``: a scope that takes replies' bases from their decode,
         and nothing estimated in the prompt)."""
-        if self.head_of is not None:
+        if self.preamble_of is not None:
             start, end = self.plan.exact_length, self.plan.pieces_start
             return {"prompt_tokens": end, "exact_tokens": start, "estimated_tokens": 0, "computed_tokens": end - start,
-                    "head_tokens": 0, "fallback": False, "purpose": "head",
-                    "note": "computes the head of a request planned ahead"}
+                    "preamble_tokens": 0, "fallback": False, "purpose": "preamble",
+                    "note": "computes the preamble of a request planned ahead"}
         p = self.plan.provenance()
         summary = {"prompt_tokens": p.prompt_tokens, "exact_tokens": p.exact_tokens,
                    "estimated_tokens": p.estimated_tokens, "realigned_tokens": p.realigned_tokens,
-                   "computed_tokens": p.computed_tokens, "head_tokens": p.head_tokens, "fallback": p.fallback,
+                   "computed_tokens": p.computed_tokens, "preamble_tokens": p.preamble_tokens, "fallback": p.fallback,
                    "reply_base": self.engine.uses_bases and self.engine.learns_reply_from(self.plan),
                    "note": self.plan.note, "reason": explain(p)}
         return summary if self.purpose == "client" else summary | {"purpose": self.purpose}
@@ -230,14 +230,14 @@ class ServerPlanner:
 
     def plan_ahead(self, ticket: str, token_ids: list[int], params: KvcommParams) -> tuple[tuple[int, int] | None, str | None]:
         """Plan a salted request of the base model before it is submitted, as the in-process
-        runner plans (``heads=True``), and park the plan under ``ticket`` (module docstring).
-        Returns the computed head ``(start, end)`` the request's head request must compute
-        (its prompt: the first ``end`` tokens), or None when the plan has no head; and the
+        runner plans (``computes_preambles=True``), and park the plan under ``ticket`` (module docstring).
+        Returns the preamble ``(start, end)`` the request's preamble request must compute
+        (its prompt: the first ``end`` tokens), or None when the plan has no preamble; and the
         twin ticket when the quality guard sampled the plan (else None)."""
         if params.handle is not None or params.calibrate or params.ticket is not None:
             raise KvcommParamsError("a plan made ahead is for an annotated request without handle, calibrate or ticket")
         engine, prompt, tenant = self._prompt(token_ids, params, None, None)
-        plan = engine.plan(prompt, heads=True)
+        plan = engine.plan(prompt, computes_preambles=True)
         self.guards.restrict(tenant, engine, plan)
         slots = self.guards.sample(tenant, engine, plan)
         now = time.monotonic()
@@ -249,7 +249,7 @@ class ServerPlanner:
             if twin is not None:
                 self._twins[twin] = (ahead, slots)
                 _expire(self._twins, now - TWIN_TTL_S, lambda entry: entry[0].made_at)
-        return ((plan.exact_length, plan.pieces_start) if plan.computed_head else None), twin
+        return ((plan.exact_length, plan.pieces_start) if plan.preamble_length else None), twin
 
     def guard_record(self, twin: str, kl: float, seconds: float) -> bool:
         """Record ``kl`` (nats, measured from the twins of the plan sampled under the twin
@@ -265,28 +265,28 @@ class ServerPlanner:
 
     def _planned_ahead(self, token_ids: list[int], params: KvcommParams, salted: bool, max_tokens: int,
                        adapter: str | None) -> PlannedRequest:
-        """The request of a plan made ahead, its head request (purpose ``head``) or its
+        """The request of a plan made ahead, its preamble request (purpose ``preamble``) or its
         reuse twin (purpose ``reuse_twin``)."""
         if params.purpose == "reuse_twin":
             return self._reuse_twin(token_ids, params, salted, adapter)
         with self._lock:
-            ahead = self._ahead.get(params.ticket) if params.computes_head else self._ahead.pop(params.ticket, None)
+            ahead = self._ahead.get(params.ticket) if params.computes_preamble else self._ahead.pop(params.ticket, None)
         if ahead is None or adapter is not None or not salted:
             raise KvcommParamsError(f"ticket {shown(params.ticket)} names no plan made ahead in this engine for a salted "
                                     "request of the base model (expired or used); served without reuse")
         plan = ahead.plan
         start, end = plan.exact_length, plan.pieces_start
-        if params.computes_head:
-            if not plan.computed_head or tuple(token_ids) != ahead.token_ids[:end]:
+        if params.computes_preamble:
+            if not plan.preamble_length or tuple(token_ids) != ahead.token_ids[:end]:
                 raise KvcommParamsError(f"ticket {shown(params.ticket)}: this prompt is not the first {end} tokens of the "
-                                        "planned request, or its plan computes no head")
+                                        "planned request, or its plan computes no preamble")
             inject = Injection((exact_piece(plan),), start) if start else None
-            return PlannedRequest(ahead.engine, plan, Order(inject, start, end), ahead.tenant, head_of=ahead, purpose="head")
+            return PlannedRequest(ahead.engine, plan, Order(inject, start, end), ahead.tenant, preamble_of=ahead, purpose="preamble")
         if tuple(token_ids) != ahead.token_ids:
             raise KvcommParamsError(f"ticket {shown(params.ticket)} was planned for another prompt")
-        if plan.computed_head and ahead.head is None:
-            plan = _exact_only(plan, "the head request did not complete: reuse only of the exact prefix")
-        return _request(ahead.engine, plan, ahead.tenant, max_tokens, ahead.head if plan.computed_head else None)
+        if plan.preamble_length and ahead.preamble is None:
+            plan = _exact_only(plan, "the preamble request did not complete: reuse only of the exact prefix")
+        return _request(ahead.engine, plan, ahead.tenant, max_tokens, ahead.preamble if plan.preamble_length else None)
 
     def _reuse_twin(self, token_ids: list[int], params: KvcommParams, salted: bool, adapter: str | None) -> PlannedRequest:
         """The reuse twin of a sampled plan: the plan served again as its request was, no
@@ -297,10 +297,10 @@ class ServerPlanner:
             raise KvcommParamsError(f"twin ticket {shown(params.ticket)} names no sampled plan of this prompt in this "
                                     "engine (expired or recorded)")
         ahead = entry[0]
-        if ahead.plan.computed_head and ahead.head is None:
-            raise KvcommParamsError("the sampled plan's head request did not complete: its request reused the exact "
+        if ahead.plan.preamble_length and ahead.preamble is None:
+            raise KvcommParamsError("the sampled plan's preamble request did not complete: its request reused the exact "
                                     "prefix only, nothing to measure")
-        twin = _request(ahead.engine, ahead.plan, ahead.tenant, 0, ahead.head if ahead.plan.computed_head else None)
+        twin = _request(ahead.engine, ahead.plan, ahead.tenant, 0, ahead.preamble if ahead.plan.preamble_length else None)
         return dataclasses.replace(twin, order=Order(twin.order.inject, 0, 0), purpose="reuse_twin", learns=False)
 
     def finish(self, planned: PlannedRequest, capture: Capture | None, reply_ids: list[int]) -> None:
@@ -310,16 +310,16 @@ class ServerPlanner:
         plan, prompt = planned.plan, planned.plan.prompt
         if not planned.learns:
             return
-        if planned.head_of is not None:  # a head request: its KV waits for the planned request
+        if planned.preamble_of is not None:  # a preamble request: its KV waits for the planned request
             start, end = plan.exact_length, plan.pieces_start
             if capture is not None and capture.has(start, end):
-                planned.head_of.head = capture.span(start, end)
+                planned.preamble_of.preamble = capture.span(start, end)
             return
         if capture is None or not capture.has(plan.reuse_end, len(prompt)):
             return  # aborted before its prefill completed: nothing to learn
         computed: KV = capture.span(plan.reuse_end, len(prompt))
         runs = self.runs(planned.tenant)
-        planned.engine.learn(plan, computed, head=planned.head)  # registers the bases of new shared content too
+        planned.engine.learn(plan, computed, preamble=planned.preamble)  # registers the bases of new shared content too
         for segment in prompt.segments:
             if segment.is_shared:
                 runs.add(segment.token_ids, segment.slot)
@@ -342,17 +342,17 @@ class ServerPlanner:
         record_pools(self.registry)
 
 
-def _request(engine: ReuseEngine, plan: ReusePlan, tenant: str, max_tokens: int, head: KV | None = None) -> PlannedRequest:
-    """The order of ``plan``: its pieces (``head``, the computed head's real KV, after the exact
+def _request(engine: ReuseEngine, plan: ReusePlan, tenant: str, max_tokens: int, preamble: KV | None = None) -> PlannedRequest:
+    """The order of ``plan``: its pieces (``preamble``, the preamble's real KV, after the exact
     prefix), written into the request's cache slots at load; the capture learning needs: the
     prompt's computed tail, and the reply only when its decode KV may become a base
     (``ReuseEngine.learns_reply_from``)."""
     parts = pieces(plan)
-    if head is not None:
-        parts.insert(1 if plan.exact_length else 0, Piece(head, plan.exact_length, plan.exact_length, rotate=False))
+    if preamble is not None:
+        parts.insert(1 if plan.exact_length else 0, Piece(preamble, plan.exact_length, plan.exact_length, rotate=False))
     inject = Injection(tuple(parts), plan.reuse_end) if plan.reuse_end else None
     reply = max_tokens if engine.learns_reply_from(plan) else 0
-    return PlannedRequest(engine, plan, Order(inject, plan.reuse_end, len(plan.prompt) + reply), tenant, head)
+    return PlannedRequest(engine, plan, Order(inject, plan.reuse_end, len(plan.prompt) + reply), tenant, preamble)
 
 
 def _expire(parked: OrderedDict, before: float, made_at) -> None:
@@ -362,6 +362,6 @@ def _expire(parked: OrderedDict, before: float, made_at) -> None:
 
 
 def _exact_only(plan: ReusePlan, note: str) -> ReusePlan:
-    """``plan`` cut to its exact prefix (its head and pieces computed instead)."""
+    """``plan`` cut to its exact prefix (its preamble and pieces computed instead)."""
     return ReusePlan(plan.prompt, exact_length=plan.exact_length, exact_kv=plan.exact_kv,
                      exact_position_free=plan.exact_position_free, new_bases=list(plan.new_bases), note=note)

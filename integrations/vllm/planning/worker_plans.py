@@ -11,8 +11,8 @@ in a queue, and each step learns from the oldest ones until ``LEARN_POSITIONS_PE
 captured positions (at least one request per step). One request finishing at a time is learned
 in the step after it finishes, as before; a burst of long requests that finish together is
 learned over the following steps (and the rest of a burst waits for the next step if the
-server goes idle), its capture bytes held until then. Head requests and reuse twins are taken
-at once (nothing to learn but a head's KV). Every rank learns the same requests in the same
+server goes idle), its capture bytes held until then. Preamble requests and reuse twins are taken
+at once (nothing to learn but a preamble's KV). Every rank learns the same requests in the same
 steps: the budget counts positions, not time. Requests still queued when the server stops are
 not learned from.
 """
@@ -99,7 +99,7 @@ class WorkerPlans:
 
     def plan_ahead(self, ticket: str, token_ids: list[int], kvcomm: dict, refused: str | None) -> dict:
         """``ServerPlanner.plan_ahead`` for a request `kvcomm serve` is about to submit (its
-        ``kv_transfer_params["kvcomm"]`` as the middleware rewrote it): ``{"head": [start, end] | None,
+        ``kv_transfer_params["kvcomm"]`` as the middleware rewrote it): ``{"preamble": [start, end] | None,
         "twin": None | {"ticket": twin ticket, "top_k": k}}`` (``twin``: the quality guard
         sampled the plan, ``vllm.planning.guard``), or ``{"error": why}`` (the request is then planned in
         the step as usual)."""
@@ -110,7 +110,7 @@ class WorkerPlans:
         try:
             self._ensure_planner()
             params = parse_params({"kvcomm": kvcomm}, len(token_ids), self._known_slots)
-            head, twin = self.planner.plan_ahead(ticket, list(token_ids), params)
+            preamble, twin = self.planner.plan_ahead(ticket, list(token_ids), params)
         except KvcommParamsError as error:  # the client's mistake: the engine step reports it to the request
             return {"error": str(error)[:300]}
         except Exception as error:  # a planning failure must not take the engine down
@@ -119,7 +119,7 @@ class WorkerPlans:
             return {"error": f"{type(error).__name__}: {str(error)[:300]}"}
         if twin is not None:
             twin = {"ticket": twin, "top_k": self.planner.guards.config.top_k}
-        return {"head": None if head is None else list(head), "twin": twin}
+        return {"preamble": None if preamble is None else list(preamble), "twin": twin}
 
     def guard_record(self, twin: str, kl: float, seconds: float) -> dict:
         """``ServerPlanner.guard_record``: ``{"recorded": bool}``, or ``{"error": why}``."""
@@ -134,7 +134,7 @@ class WorkerPlans:
 
     def finish(self, done: Finished) -> None:
         """Take the finished request's captured KV off the channel and queue it for ``learn``;
-        a head request's KV (wanted by the next plan), a reuse twin and a request with nothing
+        a preamble request's KV (wanted by the next plan), a reuse twin and a request with nothing
         captured are handled at once."""
         capture, _ = self.channel.take(handle_of(done.req_id))
         planned = self._planned.pop(done.req_id, None)

@@ -26,10 +26,10 @@ Schema (JSON objects; every key optional, unknown keys rejected)::
         "handle":  "<str>",                  # VllmExecutor: the channel order carrying KV to
                                              # inject / capture (the caller planned)
         "purpose": "client",                 # what the request is for (PURPOSES): "client" (a
-                                             # client's request), "head" (computes the head of
-                                             # the request planned ahead under "ticket"; its
-                                             # prompt is that request's first ``head_end``
-                                             # tokens), "dense_twin" / "reuse_twin" (the quality
+                                             # client's request), "preamble" (computes the
+                                             # preamble of the request planned ahead under
+                                             # "ticket"; its prompt is that request's first
+                                             # ``preamble_end`` tokens), "dense_twin" / "reuse_twin" (the quality
                                              # guard's twins of a sampled request: the dense one
                                              # with "calibrate", it learns; the reuse one with the
                                              # twin ticket, served the sampled plan again, it
@@ -65,8 +65,8 @@ _KEYS = {"template", "tenant", "segments", "calibrate"}
 SERVER_KEY = "kvcomm_server"
 """The ``kv_transfer_params`` key of what only kvcomm's own callers set (module docstring)."""
 _SERVER_KEYS = {"handle", "purpose", "ticket", "retain", "release"}
-PURPOSES = ("client", "head", "dense_twin", "reuse_twin")
-"""What a request is (``kvcomm_server.purpose``): a client's, a head request, a quality guard's twin."""
+PURPOSES = ("client", "preamble", "dense_twin", "reuse_twin")
+"""What a request is (``kvcomm_server.purpose``): a client's, a preamble request, a quality guard's twin."""
 MAX_TENANT_LENGTH = 256
 MAX_NAME_LENGTH = 256
 """Characters of a template, handle or segment id at most."""
@@ -141,15 +141,15 @@ class KvcommParams:
     ticket: str | None = None
     """The plan made ahead for this request (``ServerPlanner.plan_ahead``; set by `kvcomm serve`)."""
     purpose: str = "client"
-    """What the request is (``PURPOSES``; set by `kvcomm serve`): a client's, a head request (with
-    ``ticket``: it computes that plan's head, its prompt the head's end's prefix), or one of the
+    """What the request is (``PURPOSES``; set by `kvcomm serve`): a client's, a preamble request (with
+    ``ticket``: it computes that plan's preamble, its prompt the preamble's end's prefix), or one of the
     quality guard's twins of a sampled request (``vllm.planning.guard``): with ``ticket`` the
     reuse twin (served the same plan, it learns nothing), with ``calibrate`` the dense twin (it
     learns, as calibration traffic does)."""
 
     @property
-    def computes_head(self) -> bool:
-        return self.purpose == "head"
+    def computes_preamble(self) -> bool:
+        return self.purpose == "preamble"
 
 
 def _int(value: Any, where: str) -> int:
@@ -257,7 +257,7 @@ def _server(value: Any, calibrate: bool) -> dict:
                                 "kvcomm.run_agent(..., calibrate=True)), ticket or purpose with it")
     if ticket is not None and calibrate:
         raise KvcommParamsError(f"{where}.ticket names a plan made ahead; a calibrating request has none")
-    needs = {"head": ticket is not None, "reuse_twin": ticket is not None, "dense_twin": calibrate and ticket is None}
+    needs = {"preamble": ticket is not None, "reuse_twin": ticket is not None, "dense_twin": calibrate and ticket is None}
     if purpose in needs and not needs[purpose]:
         raise KvcommParamsError(f"{where}.purpose {purpose!r} needs {'calibrate and no ticket' if purpose == 'dense_twin' else 'a ticket'}")
     retain, release = (_ids(value.get(key, []), f"{where}.{key}") for key in ("retain", "release"))

@@ -2,8 +2,8 @@
 
 Every plan starts with the longest exact prefix (``ReuseEngine.plan``); a strategy then adds
 the pieces it can serve, in prompt order, up to the first segment it cannot. Where the executor
-computes heads, text right after the exact prefix that no stored KV serves (an agent's unseen
-system prompt) may be computed first and the pieces start after it (``realign.head_before``). A mode
+computes preambles, text right after the exact prefix that no stored KV serves (an agent's unseen
+system prompt) may be computed first and the pieces start after it (``realign.preamble_before``). A mode
 (``ReuseConfig.mode``) is a strategy, optionally followed by a selective recompute of the
 estimated tokens (``recompute``: CacheBlend's step, run by the executor).
 
@@ -16,7 +16,7 @@ estimated tokens (``recompute``: CacheBlend's step, run by the executor).
 
 A strategy is ``(PlanContext) -> Serving``: it reads the prompt, its exact prefix and the
 engine's stored KV through the context (``strategies/context.py``) and returns what it decided:
-a computed head's end, the pieces in prompt order, the segments to learn from and why reuse
+a preamble's end, the pieces in prompt order, the segments to learn from and why reuse
 stops (``kvcomm.reuse.plan.Serving``). The engine hands that to ``ReusePlan.serve``; a strategy
 never changes the plan (asking for new content's base may have the engine compute and keep it).
 """

@@ -17,8 +17,8 @@ class PlanContext:
     a strategy decides from these alone and returns a ``Serving``, changing neither the plan
     nor the engine.
 
-    exact_length: tokens ``[0, exact_length)`` the exact prefix serves. computes_head: the
-    executor computes a head before the pieces (``Executor.computes_heads``), so the strategy
+    exact_length: tokens ``[0, exact_length)`` the exact prefix serves. computes_preambles: the
+    executor computes a preamble before the pieces (``Executor.computes_preambles``), so the strategy
     may plan one. limit: the first prompt position no piece may reach (``len(prompt) - 1``: the
     last token is computed, so its logits come from a real forward). decisions: the slot pools'
     decisions per shared segment index, made before the walk (modes that estimate;
@@ -32,7 +32,7 @@ class PlanContext:
 
     prompt: Prompt
     exact_length: int
-    computes_head: bool
+    computes_preambles: bool
     limit: int
     decisions: Mapping[int, Decision]
     base: Callable[[Segment], tuple[KV, object] | None]

@@ -1,7 +1,7 @@
 """Strategy "kvcomm": realignment, with each shared segment's estimate served where its slot
 has earned it (KVCOMM §3-4, gated by evidence).
 
-The plan reaches what mode ``realign`` reaches: after the exact prefix (and a computed head
+The plan reaches what mode ``realign`` reaches: after the exact prefix (and a preamble
 where the executor computes one), every segment with a stored base, in order, up to new
 content (no base yet) or a fixed segment with no stored base. Each shared segment there is
 served as its realigned base plus its anchors' estimated deviation when its pool admits it
@@ -19,16 +19,16 @@ from __future__ import annotations
 
 from kvcomm.reuse.plan import Piece, Serving
 from kvcomm.reuse.strategies.context import PlanContext
-from kvcomm.reuse.strategies.realign import add_realigned, first_after_exact, head_before, new_content_note
+from kvcomm.reuse.strategies.realign import add_realigned, first_after_exact, preamble_before, new_content_note
 
 
 def plan_estimates(context: PlanContext) -> Serving:
     prompt, last, serving = context.prompt, context.limit, context.serving()
     index, reusing = first_after_exact(context), True
-    head = head_before(context, index)
-    if head is not None:
-        index = head[0]
-        serving.head_end = prompt.starts[index]
+    preamble = preamble_before(context, index)
+    if preamble is not None:
+        index = preamble[0]
+        serving.preamble_end = prompt.starts[index]
     while index < len(prompt.segments):
         segment, start = prompt.segments[index], prompt.starts[index]
         reusing = reusing and start < last and start == serving.next_start  # the last token is always computed

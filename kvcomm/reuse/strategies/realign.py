@@ -1,5 +1,5 @@
 """Strategy "realign": every segment with a stored base, RoPE-realigned, no deviation; and the
-walk's steps the "kvcomm" strategy shares (the computed head, a realigned piece)."""
+walk's steps the "kvcomm" strategy shares (the preamble, a realigned piece)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ def plan_realigned(context: PlanContext) -> Serving:
     anchors, no admission."""
     prompt, serving = context.prompt, context.serving()
     first = first_after_exact(context)
-    head = head_before(context, first)
-    if head is not None:
-        first = head[0]
-        serving.head_end = prompt.starts[first]
+    preamble = preamble_before(context, first)
+    if preamble is not None:
+        first = preamble[0]
+        serving.preamble_end = prompt.starts[first]
     for index in range(first, len(prompt.segments)):
         segment = prompt.segments[index]
         if prompt.starts[index] != serving.next_start:  # the exact prefix ends inside this segment
@@ -37,30 +37,30 @@ def plan_realigned(context: PlanContext) -> Serving:
     return serving
 
 
-HEAD_MIN_REUSE = 64
-"""Tokens the shared segment right after a computed head must hold for the head to be planned:
-computing a head costs the vLLM executor one more engine step (a request of its own), which a
+PREAMBLE_MIN_REUSE = 64
+"""Tokens the shared segment right after a preamble must hold for the preamble to be planned:
+computing a preamble costs the vLLM executor one more engine step (a request of its own), which a
 few reused tokens do not pay back (docs/measurements/2026-12-06-first-task.md)."""
 
 
-def head_before(context: PlanContext, index: int) -> tuple[int, bool] | None:
-    """(the segment a computed head would end at, whether the head holds template text new to
-    the engine), when the executor computes heads and segment ``index`` (the first after the
+def preamble_before(context: PlanContext, index: int) -> tuple[int, bool] | None:
+    """(the segment a preamble would end at, whether the preamble holds template text new to
+    the engine), when the executor computes preambles and segment ``index`` (the first after the
     exact prefix, starting right there) cannot be served first: the first shared segment from
     ``index`` on whose content has a base, if text the engine does not serve on its own lies
     before it (fixed segments, new content), it starts before the last prompt token and holds
-    at least ``HEAD_MIN_REUSE`` tokens. Template text is new when a fixed segment has no stored
+    at least ``PREAMBLE_MIN_REUSE`` tokens. Template text is new when a fixed segment has no stored
     base (an agent's first call); new shared content (a reply just written) is not. Computing
-    the head is clean, so the engine learns from it. None otherwise: reuse stops where it did."""
+    the preamble is clean, so the engine learns from it. None otherwise: reuse stops where it did."""
     prompt = context.prompt
-    if not context.computes_head or index >= len(prompt.segments) or prompt.starts[index] != context.exact_length:
+    if not context.computes_preambles or index >= len(prompt.segments) or prompt.starts[index] != context.exact_length:
         return None
     new = False
     for k in range(index, len(prompt.segments)):
         segment = prompt.segments[k]
         known = context.base(segment) is not None if segment.is_shared else context.fixed_base(k) is not None
         if segment.is_shared and known:
-            worth = len(segment) >= HEAD_MIN_REUSE and prompt.starts[k] < context.limit
+            worth = len(segment) >= PREAMBLE_MIN_REUSE and prompt.starts[k] < context.limit
             return (k, new) if k > index and worth else None
         new = new or not (segment.is_shared or known)
     return None

@@ -49,13 +49,13 @@ def test_a_team_reuses_the_shared_note_in_its_first_task(smol):
     replies = {"dense": _run(dense, task), "reuse": _run(reuse, task)}
 
     calls = reuse.call_log
-    print(f"\n{'call':>4} {'agent':10} {'prompt':>6} {'exact':>5} {'served':>6} {'head':>5} {'computed':>8} "
+    print(f"\n{'call':>4} {'agent':10} {'prompt':>6} {'exact':>5} {'served':>6} {'preamble':>8} {'computed':>8} "
           f"{'ttft dense':>10} {'ttft reuse':>10} reply")
     for i, (call, twin) in enumerate(zip(calls, dense.call_log)):
         p = call.provenance
         same = "same" if i < len(replies["dense"]) and replies["dense"][i] == replies["reuse"][i] else "differs"
         print(f"{i:>4} {call.agent or '?':10} {p.prompt_tokens:>6} {p.exact_tokens:>5} {p.estimated_tokens:>6} "
-              f"{p.head_tokens:>5} {p.computed_tokens:>8} {twin.provenance.ttft_s * 1e3:>8.0f}ms "
+              f"{p.preamble_tokens:>8} {p.computed_tokens:>8} {twin.provenance.ttft_s * 1e3:>8.0f}ms "
               f"{p.ttft_s * 1e3:>8.0f}ms {same if p.reused else '(computed)'}")
     prompt = sum(c.provenance.prompt_tokens for c in calls)
     served = sum(c.provenance.exact_tokens + c.provenance.estimated_tokens for c in calls)
@@ -73,5 +73,5 @@ def test_a_team_reuses_the_shared_note_in_its_first_task(smol):
     assert calls[0].provenance.estimated_tokens == 0  # nothing was known before the first call
     for call in calls[1:]:  # each later agent computes its own system prompt, then reads the note from stored KV
         p = call.provenance
-        assert p.head_tokens > 0 and p.estimated_tokens > 0, p
+        assert p.preamble_tokens > 0 and p.estimated_tokens > 0, p
         assert p.exact_tokens + p.estimated_tokens + p.computed_tokens == p.prompt_tokens

@@ -1,5 +1,5 @@
 """The chat clients' times: each call's TTFT runs from the start of the call to its first reply
-token, a computed head included; ``summary()`` sums TTFT and wall time per agent and in all,
+token, a preamble included; ``summary()`` sums TTFT and wall time per agent and in all,
 and against a baseline client."""
 
 from __future__ import annotations
@@ -53,27 +53,27 @@ def test_summary_against_a_baseline():
     assert summarize([], baseline=summarize(dense))["baseline"]["ttft_speedup"] is None
 
 
-def test_ttft_counts_a_computed_head_and_the_summary_adds_up(tiny_executor, monkeypatch):
-    """The second agent's call computes its new system prompt (the head) before the shared
+def test_ttft_counts_a_preamble_and_the_summary_adds_up(tiny_executor, monkeypatch):
+    """The second agent's call computes its new system prompt (the preamble) before the shared
     document is served: its TTFT must include that, here slowed by HEAD_DELAY_S."""
     backend = ChatBackend(tiny_executor, ReuseEngine(tiny_executor.rotary), max_new_tokens=3)
     backend.complete([ChatTurn("system", "You summarize."), ChatTurn("user", DOC, "user")], agent="summarizer")
-    real = tiny_executor._head
+    real = tiny_executor._preamble
 
-    def slow_head(*args, **kwargs):
+    def slow_preamble(*args, **kwargs):
         time.sleep(HEAD_DELAY_S)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(tiny_executor, "_head", slow_head)
+    monkeypatch.setattr(tiny_executor, "_preamble", slow_preamble)
     started = time.perf_counter()
     reply = backend.complete([ChatTurn("system", "You criticize designs sharply."), ChatTurn("user", DOC, "user")],
                              agent="critic")
     elapsed = time.perf_counter() - started
     p = reply.call.provenance
-    assert p.head_tokens > 0 and p.estimated_tokens > 0, p.reason
+    assert p.preamble_tokens > 0 and p.estimated_tokens > 0, p.reason
     assert HEAD_DELAY_S <= p.ttft_s <= reply.call.latency_s <= elapsed
     assert 0 <= p.plan_s <= p.ttft_s
-    assert f"{p.head_tokens} new text before the reused content" in reply.call.reason
+    assert f"{p.preamble_tokens} new text before the reused content" in reply.call.reason
     s = backend.summary()
     assert s["wall_s"] == pytest.approx(sum(c.latency_s for c in backend.calls))
     assert s["agents"]["critic"]["ttft_s"] == pytest.approx(p.ttft_s)

@@ -101,19 +101,19 @@ def test_provenance_from_a_server_summary_and_without_one(tokenizer):
 
 
 @pytest.mark.slow
-def test_a_computed_head_is_part_of_vllms_cached_count_not_a_prefix_cache_surprise(tokenizer):
-    """The issue-49 case: the server computed a head in a request of its own, so vLLM's
+def test_a_preamble_is_part_of_vllms_cached_count_not_a_prefix_cache_surprise(tokenizer):
+    """The issue-49 case: the server computed a preamble in a request of its own, so vLLM's
     ``cached_tokens`` covers it; the note must not call those tokens a prefix-cache hit while
-    ``Provenance.cached_tokens`` says 0, and the reason names the head."""
+    ``Provenance.cached_tokens`` says 0, and the reason names the preamble."""
     chat = render_chat(tokenizer, lambda t: tokenizer.encode(t, add_special_tokens=False),
                        [ChatTurn("system", "You help."), ChatTurn("user", "Name a fruit."), ChatTurn("assistant", "A pear.", "w")])
     n = len(chat.prompt)
     first = chat.prompt.starts[chat.turn_segments[1]]
     summary = {"prompt_tokens": n, "exact_tokens": 0, "estimated_tokens": 3, "computed_tokens": n - 3,
-               "head_tokens": first, "fallback": False, "note": ""}
+               "preamble_tokens": first, "fallback": False, "note": ""}
     p = provenance(chat, n, summary, True, cached_tokens=first + 3)
     assert p.cached_tokens == 0 and "prefix-cache hit" not in p.note.split("KV kvcomm loaded past it)")[1]
-    assert p.note.endswith(f"vs kvcomm's plan 3 exact+estimated + {first} computed head (computed by the head request)")
+    assert p.note.endswith(f"vs kvcomm's plan 3 exact+estimated + {first} preamble (computed by the preamble request)")
     assert p.reason.startswith(f"reused 3 of {n} tokens (estimated 3); computed {n - 3}: {first} new text before the reused content")
     p = provenance(chat, n, summary, True, cached_tokens=first + 5)
     assert p.cached_tokens == 2 and p.note.endswith(": 2 of kvcomm's computed tokens were a vLLM prefix-cache hit")
@@ -122,7 +122,7 @@ def test_a_computed_head_is_part_of_vllms_cached_count_not_a_prefix_cache_surpri
 def test_end_to_end_ttft_is_the_wait_less_the_servers_decode():
     """A non-streamed response arrives whole: the call's TTFT is its elapsed time less the
     server's first-to-last-token interval, so what the server did before scheduling the
-    request (planning, a head request, the queue) counts; vLLM's own TTFT does not see it."""
+    request (planning, a preamble request, the queue) counts; vLLM's own TTFT does not see it."""
     response = {"metrics": {"time_to_first_token_ms": 190.0, "generation_time_ms": 250.0}}
     assert ttft_seconds(response) == pytest.approx(0.19)
     assert end_to_end_ttft(response, 0.69) == pytest.approx(0.44)

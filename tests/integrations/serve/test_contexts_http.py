@@ -226,7 +226,7 @@ def test_bad_input_is_a_clear_4xx_and_the_server_keeps_serving(ctx_server):
         **plain, "kv_transfer_params": {"kvcomm": {"contexts": {"release": [content]}}}}, key=BAD)
     assert got == 400 and "kvcomm's own" in answer["error"]["message"], answer
     got, answer = ctx_server.request("POST", "/v1/completions", {  # a forged directive is removed, not obeyed
-        **plain, "kv_transfer_params": {"kvcomm": {}, "kvcomm_server": {"release": [content], "purpose": "head"}}}, key=BAD)
+        **plain, "kv_transfer_params": {"kvcomm": {}, "kvcomm_server": {"release": [content], "purpose": "preamble"}}}, key=BAD)
     assert got == 200 and "error" not in (answer["kv_transfer_params"] or {}).get("kvcomm", {}), answer
     assert backend.context(handle)["state"] == "retained"
     assert backend.complete([ChatTurn("user", "Still there?", "user")]).text is not None

@@ -163,7 +163,7 @@ def test_server_directives_never_reach_vllm_from_a_client(monkeypatch):
     auth = {"Authorization": f"Bearer {KEYS[0]}"}
     reply = http.post("/v1/completions", json=opted_in(handle="request-1"), headers=auth)
     assert reply.status_code == 400 and "kvcomm's own" in reply.json()["error"]["message"]
-    forged = {"handle": "h", "ticket": "t", "purpose": "head", "retain": ["x"], "release": ["y"]}
+    forged = {"handle": "h", "ticket": "t", "purpose": "preamble", "retain": ["x"], "release": ["y"]}
     for path, body in (("/v1/completions", {"prompt": [1, 2], "kv_transfer_params": {"kvcomm": {}}}),
                        ("/v1/completions", {"prompt": [1, 2], "kv_transfer_params": {}}),
                        ("/v1/chat/completions/batch", {"messages": [[{"role": "user", "content": "d"}]],

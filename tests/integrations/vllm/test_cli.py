@@ -35,7 +35,7 @@ def test_serve_adds_tenant_middleware_and_reads_api_keys(monkeypatch):
     assert argv[argv.index("--middleware") + 1] == MIDDLEWARE and "--enable-prompt-tokens-details" in argv
     extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
     assert extra == {"plan": True, "gamma": 1.0, "max_tenant_bytes": 1 << 20}
-    assert argv[argv.index("--worker-extension-cls") + 1] == WORKER_EXTENSION  # computed heads plan ahead through it
+    assert argv[argv.index("--worker-extension-cls") + 1] == WORKER_EXTENSION  # preambles plan ahead through it
     # --no-plan: no planning, but API keys on every route and the tenants' cache salts still
     assert "--middleware" in serve_argv(None, False, None, [])
     assert "--worker-extension-cls" not in serve_argv(None, False, None, [])

@@ -62,19 +62,19 @@ def test_injected_kv_is_really_used(vllm_executor, smol_executor):
     assert (ours.computed.values[1:] - ref.computed.values[1:, :, 40:]).abs().max() > 0.1
 
 
-def test_a_computed_head_is_dense_and_the_kv_behind_it_is_used(vllm_executor, smol_executor):
-    """``head``: a request of its own computes [start, end) behind the injected [0, start); the
-    call's request then injects everything up to the prefix's end (garbage in the head's slots
+def test_a_preamble_is_dense_and_the_kv_behind_it_is_used(vllm_executor, smol_executor):
+    """``preamble``: a request of its own computes [start, end) behind the injected [0, start); the
+    call's request then injects everything up to the prefix's end (garbage in the preamble's slots
     must not survive)."""
     ids = _chat(vllm_executor, LONG)
     ref = smol_executor.generate(ids, None, 12)
-    start, end, reused = 5, 70, len(ids) - 3  # the head spans a block edge
+    start, end, reused = 5, 70, len(ids) - 3  # the preamble spans a block edge
     truth = ref.computed.span(0, reused)
     prefix = KV(truth.keys.clone(), truth.values.clone())
     prefix.keys[:, :, start:end], prefix.values[:, :, start:end] = 9.0, -9.0
-    ours = vllm_executor.generate(ids, prefix, 12, head=(start, end))
-    assert torch.allclose(ours.head.keys, truth.keys[:, :, start:end], atol=1e-3)
-    assert torch.allclose(ours.head.values, truth.values[:, :, start:end], atol=1e-3)
+    ours = vllm_executor.generate(ids, prefix, 12, preamble=(start, end))
+    assert torch.allclose(ours.preamble.keys, truth.keys[:, :, start:end], atol=1e-3)
+    assert torch.allclose(ours.preamble.values, truth.values[:, :, start:end], atol=1e-3)
     assert ours.reply_ids == ref.reply_ids
     assert torch.allclose(ours.computed.keys, ref.computed.keys[:, :, reused:], atol=1e-3)
 

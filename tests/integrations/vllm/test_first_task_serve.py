@@ -2,8 +2,8 @@
 ``autogen/test_first_task.py`` (three agents with system messages of their own reading one
 design note) as remote clients of vLLM's default multiprocess engine, against the same team in
 process on vLLM (``VllmExecutor``, the same model, gamma 1). The server plans ahead and computes
-each later agent's unseen system prompt in a head request (``serve.heads``), so every call makes
-the in-process call's decisions: the same exact, head, estimated and computed token counts.
+each later agent's unseen system prompt in a preamble request (``serve.preambles``), so every call makes
+the in-process call's decisions: the same exact, preamble, estimated and computed token counts.
 It lives beside the tests that share the session's in-process engine (``vllm_executor``): in
 the serve folder that engine would start before the tests that start engines of their own and
 refuse them (one in-process engine at a time)."""
@@ -26,7 +26,7 @@ NOTE_CHARS = 3000
 
 
 def _decisions(client: KvcommChatCompletionClient) -> list[tuple]:
-    return [(c.agent, c.provenance.prompt_tokens, c.provenance.exact_tokens, c.provenance.head_tokens,
+    return [(c.agent, c.provenance.prompt_tokens, c.provenance.exact_tokens, c.provenance.preamble_tokens,
              c.provenance.estimated_tokens, c.provenance.computed_tokens) for c in client.call_log]
 
 
@@ -41,19 +41,19 @@ def test_the_team_through_kvcomm_serve_makes_the_in_process_decisions(kvcomm_ser
     replies = {"in process": _run(local, task), "kvcomm serve": _run(remote, task)}
     decisions = {"in process": _decisions(local), "kvcomm serve": _decisions(remote)}
 
-    print(f"\n{'call':>4} {'agent':10} {'where':13} {'prompt':>6} {'exact':>5} {'head':>5} {'served':>6} {'computed':>8} "
+    print(f"\n{'call':>4} {'agent':10} {'where':13} {'prompt':>6} {'exact':>5} {'preamble':>8} {'served':>6} {'computed':>8} "
           f"{'ttft':>8} reply")
     for i, calls in enumerate(zip(local.call_log, remote.call_log)):
         for where, call in zip(decisions, calls):
             p, reply = call.provenance, replies[where][i] if i < len(replies[where]) else ""
-            print(f"{i:>4} {call.agent or '?':10} {where:13} {p.prompt_tokens:>6} {p.exact_tokens:>5} {p.head_tokens:>5} "
+            print(f"{i:>4} {call.agent or '?':10} {where:13} {p.prompt_tokens:>6} {p.exact_tokens:>5} {p.preamble_tokens:>8} "
                   f"{p.estimated_tokens:>6} {p.computed_tokens:>8} {(p.ttft_s or 0) * 1e3:>6.0f}ms {reply[:40]!r}")
     same = sum(a == b for a, b in zip(*decisions.values()))
     remote_calls = remote.call_log
     served = sum(c.provenance.exact_tokens + c.provenance.estimated_tokens for c in remote_calls)
     prompt = sum(c.provenance.prompt_tokens for c in remote_calls)
     print(f"through kvcomm serve: {served} of {prompt} prompt tokens reused ({served / prompt:.0%}), "
-          f"{sum(c.provenance.head_tokens for c in remote_calls)} computed in heads; "
+          f"{sum(c.provenance.preamble_tokens for c in remote_calls)} computed in preambles; "
           f"{same} of {len(remote_calls)} calls with the in-process decisions; replies equal: "
           f"{replies['in process'] == replies['kvcomm serve']}")
 
@@ -61,4 +61,4 @@ def test_the_team_through_kvcomm_serve_makes_the_in_process_decisions(kvcomm_ser
     assert decisions["kvcomm serve"] == decisions["in process"]
     assert [c.agent for c in remote_calls][:3] == list(AGENTS)
     for call in remote_calls[1:3]:  # the later agents compute their system prompt and read the note from stored KV
-        assert call.provenance.head_tokens > 0 and call.provenance.estimated_tokens > 0, call.provenance
+        assert call.provenance.preamble_tokens > 0 and call.provenance.estimated_tokens > 0, call.provenance

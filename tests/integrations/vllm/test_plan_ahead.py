@@ -1,5 +1,5 @@
-"""Plans made ahead (``ServerPlanner.plan_ahead``: computed heads in `kvcomm serve`), driven as
-the middleware and the connector drive them (plan ahead, the head request, the request with its
+"""Plans made ahead (``ServerPlanner.plan_ahead``: preambles in `kvcomm serve`), driven as
+the middleware and the connector drive them (plan ahead, the preamble request, the request with its
 ticket: each prefilled with the KV its order injects, captured, learned) on a tiny random Llama,
 against the in-process runner on the same requests: the same decisions, the same replies."""
 
@@ -68,18 +68,18 @@ def _run(planner: ServerPlanner, executor, ids: list[int], body: dict, max_token
 
 
 def serve_ahead(planner: ServerPlanner, executor, ids: list[int], spans: list[dict], template: str,
-                ticket: str, head_request: bool = True) -> tuple[dict, list[int], tuple[int, int] | None]:
-    """What `kvcomm serve` does with one opted-in request: plan ahead, the head request (unless
-    ``head_request`` is False: it failed), the request with its ticket."""
+                ticket: str, preamble_request: bool = True) -> tuple[dict, list[int], tuple[int, int] | None]:
+    """What `kvcomm serve` does with one opted-in request: plan ahead, the preamble request (unless
+    ``preamble_request`` is False: it failed), the request with its ticket."""
     body = {"template": template, "tenant": "t", "segments": spans}
-    head, _ = planner.plan_ahead(ticket, ids, _params(ids, body))
-    if head is not None and head_request:
-        start, end = head
+    preamble, _ = planner.plan_ahead(ticket, ids, _params(ids, body))
+    if preamble is not None and preamble_request:
+        start, end = preamble
         summary, _ = _run(planner, executor, ids[:end], {"template": template, "tenant": "t", "ticket": ticket,
-                                                          "purpose": "head"}, 1)
-        assert summary["purpose"] == "head" and (summary["exact_tokens"], summary["computed_tokens"]) == (start, end - start)
+                                                          "purpose": "preamble"}, 1)
+        assert summary["purpose"] == "preamble" and (summary["exact_tokens"], summary["computed_tokens"]) == (start, end - start)
     summary, reply = _run(planner, executor, ids, {**body, "ticket": ticket}, MAX_TOKENS)
-    return summary, reply, head
+    return summary, reply, preamble
 
 
 def test_requests_planned_ahead_make_the_in_process_decisions(tiny_executor):
@@ -87,29 +87,29 @@ def test_requests_planned_ahead_make_the_in_process_decisions(tiny_executor):
     rows = []
     for agent in range(3):
         ids, spans = agent_request(agent)
-        summary, reply, head = serve_ahead(planner, tiny_executor, ids, spans, f"agent{agent}", f"ticket-{agent}")
+        summary, reply, preamble = serve_ahead(planner, tiny_executor, ids, spans, f"agent{agent}", f"ticket-{agent}")
         generation, p = run_agent(tiny_executor, engine, annotated_prompt(ids, _params(ids, {"template": f"agent{agent}",
                                                                                            "segments": spans})), MAX_TOKENS)
-        rows.append(((summary["exact_tokens"], summary["head_tokens"], summary["estimated_tokens"], summary["computed_tokens"]),
-                     (p.exact_tokens, p.head_tokens, p.estimated_tokens, p.computed_tokens), reply, list(generation.reply_ids)))
-        print(f"agent {agent}: head {head}, served ahead (exact, head, estimated, computed) {rows[-1][0]}, in process {rows[-1][1]}")
+        rows.append(((summary["exact_tokens"], summary["preamble_tokens"], summary["estimated_tokens"], summary["computed_tokens"]),
+                     (p.exact_tokens, p.preamble_tokens, p.estimated_tokens, p.computed_tokens), reply, list(generation.reply_ids)))
+        print(f"agent {agent}: preamble {preamble}, served ahead (exact, preamble, estimated, computed) {rows[-1][0]}, in process {rows[-1][1]}")
     for served, local, reply, local_reply in rows:
         assert served == local and reply == local_reply
-    assert rows[0][0][1] == 0 and all(row[0][1] == 12 and row[0][2] > 0 for row in rows[1:])  # later agents: a head, then the note
-    # the head was learned: an agent's next call finds its system prompt and the note as exact prefix
+    assert rows[0][0][1] == 0 and all(row[0][1] == 12 and row[0][2] > 0 for row in rows[1:])  # later agents: a preamble, then the note
+    # the preamble was learned: an agent's next call finds its system prompt and the note as exact prefix
     ids, spans = agent_request(1)
-    summary, _, head = serve_ahead(planner, tiny_executor, ids, spans, "agent1", "again")
-    assert head is None and summary["head_tokens"] == 0 and summary["exact_tokens"] >= 12
+    summary, _, preamble = serve_ahead(planner, tiny_executor, ids, spans, "agent1", "again")
+    assert preamble is None and summary["preamble_tokens"] == 0 and summary["exact_tokens"] >= 12
 
 
-def test_a_failed_head_request_leaves_the_exact_prefix_and_tickets_are_used_once(tiny_executor):
+def test_a_failed_preamble_request_leaves_the_exact_prefix_and_tickets_are_used_once(tiny_executor):
     planner = ServerPlanner(tiny_executor.rotary, CONFIG)
     serve_ahead(planner, tiny_executor, *agent_request(0), "agent0", "first")
     ids, spans = agent_request(1)
-    summary, _, head = serve_ahead(planner, tiny_executor, ids, spans, "agent1", "no-head", head_request=False)
-    assert head is not None and summary["head_tokens"] == summary["estimated_tokens"] == 0
-    assert "head request did not complete" in summary["note"]
-    body = {"template": "agent1", "tenant": "t", "segments": spans, "ticket": "no-head"}
+    summary, _, preamble = serve_ahead(planner, tiny_executor, ids, spans, "agent1", "no-preamble", preamble_request=False)
+    assert preamble is not None and summary["preamble_tokens"] == summary["estimated_tokens"] == 0
+    assert "preamble request did not complete" in summary["note"]
+    body = {"template": "agent1", "tenant": "t", "segments": spans, "ticket": "no-preamble"}
     with pytest.raises(KvcommParamsError, match="expired or used"):  # the ticket was used
         planner.prepare(ids, _params(ids, body), salted=True, max_tokens=1)
     planner.plan_ahead("other", ids, _params(ids, {"template": "agent1", "tenant": "t", "segments": spans}))
@@ -124,19 +124,19 @@ def test_server_directives_come_from_the_server_only():
     body on every kind of route; the same keys inside ``kvcomm`` are refused, named as kvcomm's own."""
     from kvcomm.integrations.serve.middleware import rewrite
 
-    forged = {"handle": "h", "ticket": "t", "purpose": "head", "retain": ["x"], "release": ["y"]}
+    forged = {"handle": "h", "ticket": "t", "purpose": "preamble", "retain": ["x"], "release": ["y"]}
     for kind, key in (("generation", None), ("generation", "key-a"), ("salted", None), ("read", None)):
         body = rewrite({"prompt": [1, 2], "kv_transfer_params": {"kvcomm": {}, SERVER_KEY: dict(forged)}}, key,
                        frozenset(), kind)
         assert SERVER_KEY not in body["kv_transfer_params"], kind
     for options in ({"ticket": "t"}, {"computes_head": True}, {"shadow": True}, {"handle": "h"},
-                    {"contexts": {"retain": ["x"]}}, {"purpose": "head"}):
+                    {"contexts": {"retain": ["x"]}}, {"purpose": "preamble"}):
         with pytest.raises(KvcommParamsError, match="kvcomm's own"):
             parse_params({"kvcomm": options}, 4)
 
 
 @pytest.mark.parametrize("client, server, error", [
-    ({}, {"purpose": "head"}, "'head' needs a ticket"),
+    ({}, {"purpose": "preamble"}, "'preamble' needs a ticket"),
     ({}, {"purpose": "reuse_twin"}, "'reuse_twin' needs a ticket"),
     ({}, {"purpose": "dense_twin"}, "needs calibrate and no ticket"),
     ({"calibrate": True}, {"purpose": "dense_twin", "ticket": "t"}, "a calibrating request has none"),
@@ -157,7 +157,7 @@ def test_server_directives_are_checked(client, server, error):
 
 def test_server_directives_parse_into_the_params():
     params = parse_params({"kvcomm": {"tenant": "a"}, SERVER_KEY: {"ticket": "t", "purpose": "reuse_twin"}}, 4)
-    assert (params.tenant, params.ticket, params.purpose, params.computes_head) == ("a", "t", "reuse_twin", False)
+    assert (params.tenant, params.ticket, params.purpose, params.computes_preamble) == ("a", "t", "reuse_twin", False)
     params = parse_params({"kvcomm": {"calibrate": True}, SERVER_KEY: {"purpose": "dense_twin", "retain": ["c"]}}, 4)
     assert (params.calibrate, params.purpose, params.retain, params.release) == (True, "dense_twin", ("c",), ())
     assert parse_params({"kvcomm": {}}, 4).purpose == "client"
@@ -170,7 +170,7 @@ def test_bodies_that_cannot_be_planned_ahead_pass_untouched():
     import asyncio
     import copy
 
-    from kvcomm.integrations.serve.heads import HeadRequests
+    from kvcomm.integrations.serve.preambles import PreambleRequests
 
     ok = {"prompt": [1, 2, 3], "cache_salt": "s", "kv_transfer_params": {"kvcomm": {"segments": []}}}
     for body in ({**ok, "kv_transfer_params": "kvcomm"}, {**ok, "kv_transfer_params": None},
@@ -178,6 +178,6 @@ def test_bodies_that_cannot_be_planned_ahead_pass_untouched():
                  {**ok, "prompt": [1, "2"]}, {**ok, "cache_salt": None},
                  {**ok, "kv_transfer_params": {"kvcomm": {"calibrate": True}}}, ok):  # ok: no served app in the scope
         before = copy.deepcopy(body)
-        assert asyncio.run(HeadRequests(None).plan_ahead({}, body)) is None
+        assert asyncio.run(PreambleRequests(None).plan_ahead({}, body)) is None
         assert body == before
 

@@ -38,14 +38,14 @@ def _first_token(executor, ids: list[int], prefix: KV | None) -> torch.Tensor:
 
 
 def _sampled_request(planner: ServerPlanner, executor, agent: int, ticket: str):
-    """Plan agent ``agent``'s request ahead and serve it (head request first) as `kvcomm serve`
+    """Plan agent ``agent``'s request ahead and serve it (preamble request first) as `kvcomm serve`
     does; returns (ids, body, summary, twin ticket)."""
     ids, spans = agent_request(agent)
     body = {"template": f"agent{agent}", "tenant": "t", "segments": spans}
-    head, twin = planner.plan_ahead(ticket, ids, _params(ids, body))
-    if head is not None:
-        _run(planner, executor, ids[: head[1]], {"template": body["template"], "tenant": "t", "ticket": ticket,
-                                                  "purpose": "head"}, 1)
+    preamble, twin = planner.plan_ahead(ticket, ids, _params(ids, body))
+    if preamble is not None:
+        _run(planner, executor, ids[: preamble[1]], {"template": body["template"], "tenant": "t", "ticket": ticket,
+                                                  "purpose": "preamble"}, 1)
     summary, _ = _run(planner, executor, ids, {**body, "ticket": ticket}, MAX_TOKENS)
     return ids, body, summary, twin
 
@@ -91,7 +91,7 @@ def test_the_reuse_twin_is_served_its_requests_plan_and_the_measured_kl_drives_t
     assert strict.guards.guard("t", strict.engine("t")).disabled("task")
     _, _, summary, sampled = _sampled_request(strict, tiny_executor, 2, "b2")
     assert summary["estimated_tokens"] == 0 and sampled is None and "quality guard" in summary["note"]
-    ids, spans = agent_request(5, lead=0)  # the note first: the engine step's plans (no head) estimate it
+    ids, spans = agent_request(5, lead=0)  # the note first: the engine step's plans (no preamble) estimate it
     body = {"template": "agent5", "tenant": "t", "segments": spans}
     assert probe.prepare(ids, _params(ids, body), salted=True, max_tokens=1).plan.estimated_tokens > 0
     planned = strict.prepare(ids, _params(ids, body), salted=True, max_tokens=1)  # cut there too
