@@ -243,12 +243,12 @@ class DenseReference:
             if split < 1:  # a one-token prompt: no second way to compute it
                 self._noise[key] = (torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.bool))
                 return self._noise[key]
-            head_logits = split > reuse_end  # the head's positions are compared only when reuse_end < split
-            head = self.executor.generate(list(ids[:split]), None, 0, None, keep_logprobs=head_logits)
-            tail = self._logprobs(ids, head.computed).prompt_logprobs
+            first_logits = split > reuse_end  # the first chunk's positions are compared only when reuse_end < split
+            first = self.executor.generate(list(ids[:split]), None, 0, None, keep_logprobs=first_logits)
+            tail = self._logprobs(ids, first.computed).prompt_logprobs
             parts = [(split, tail)]
-            if head_logits:
-                parts.insert(0, (0, head.prompt_logprobs[reuse_end:]))
+            if first_logits:
+                parts.insert(0, (0, first.prompt_logprobs[reuse_end:]))
             kls, tops = [], []
             for start, lp in parts:
                 ref = _slice(reference, max(start, reuse_end), max(start, reuse_end) + lp.shape[0])
