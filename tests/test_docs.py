@@ -16,6 +16,11 @@ unless the line before it says why it cannot: ``<!-- docs-test: skip: REASON -->
 needs, a GPU, a fragment). Such a snippet is only compiled (valid Python), its reason is in
 the page beside it, and a marker without a reason fails: none is left out silently (and no
 test is skipped, which CI counts as a failure: ``support/skip_policy.py``).
+
+One word per idea (architecture.md's glossary): the names retired when the computed head became
+the *preamble* (issue 51; "head" now means only a KV head) appear in no Python file of the
+repository and in no current doc (``docs/*.md`` but the dated ``decisions.md``; measurement pages
+keep their words): ``RETIRED_NAMES``.
 """
 
 from __future__ import annotations
@@ -184,3 +189,37 @@ def test_the_file_table_check_sees_a_missing_file(name, path):
     text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     assert name in text
     assert unnamed_sources(text.replace(name, "")) == [path]
+
+
+RETIRED_NAMES = re.compile(r"\b(computed_head|head_end|head_tokens|computes_heads|HeadRequests|HEAD_COMPUTED"
+                           r"|HEAD_MIN_REUSE|_learn_head|check_head|fill_head|head_before)\b")
+"""Names of the computed head, now the preamble (``ReusePlan.preamble_length``, ``preamble_end``,
+``Provenance.preamble_tokens``, ``Executor.computes_preambles``, ``serve/preambles.py``...).
+``computes_head`` is not among them: ``vllm.wire.params`` still names it, as a key clients once
+sent, in the error that refuses it."""
+
+
+def retired_names(root: Path) -> list[str]:
+    """``path:line: name`` for every retired name in the Python files of ``root``'s source, test,
+    benchmark and example folders (this file aside: it spells them) and in its current docs."""
+    files = [p for top in PACKAGE_FOLDERS + ("tests", "benchmarks", "examples") for p in (root / top).rglob("*.py")
+             if p.resolve() != Path(__file__).resolve()]
+    files += [p for p in (root / "docs").glob("*.md") if p.name != "decisions.md"]
+    found = []
+    for path in sorted(files):
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            found += [f"{path.relative_to(root).as_posix()}:{number}: {m.group(1)}" for m in RETIRED_NAMES.finditer(line)]
+    return found
+
+
+def test_no_source_or_current_doc_uses_a_retired_name():
+    assert not retired_names(ROOT), "retired names (use the preamble's): " + "; ".join(retired_names(ROOT)[:20])
+
+
+def test_the_retired_name_check_sees_one(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "decisions.md").write_text("history keeps `head_end`\n")
+    (tmp_path / "docs" / "serving.md").write_text("a `preamble_end`, one KV `head_dim`\n")
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "mod.py").write_text("x = 1\nplan.computed_head + p.head_tokens\n")
+    assert retired_names(tmp_path) == ["eval/mod.py:2: computed_head", "eval/mod.py:2: head_tokens"]
