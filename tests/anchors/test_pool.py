@@ -296,7 +296,7 @@ def test_anchors_without_a_deviation_for_the_slot_do_not_count():
     assert match is not None and {x.segment_id for x in match.anchors} == {"a", "b"}
 
 
-def test_partial_coverage_covers_the_longest_anchor_head():
+def test_partial_coverage_covers_what_the_longest_anchor_covers():
     pool = AnchorPool(PoolConfig(gamma=1.0))
     add(pool, "three", const_kv(3))
     add(pool, "four", value_offset(4, 40.0))
@@ -319,7 +319,7 @@ def test_partial_coverage_with_an_anchor_long_enough_covers_everything():
     assert {a.segment_id for a in match.anchors} == {"eight", "five"}
 
 
-def test_the_estimated_head_is_what_the_longest_compatible_anchor_covers():
+def test_the_estimated_part_is_what_the_longest_compatible_anchor_covers():
     pool = AnchorPool(PoolConfig(gamma=1.0, min_coverage=0.0))
     for sid, length in (("three", 3), ("eight", 8), ("five", 5)):
         add(pool, sid, value_offset(length, 1.0))
@@ -810,7 +810,7 @@ class PoolMachine(RuleBasedStateMachine):
                 assert match.anchors[0].segment_id == sid and match.covered == base.length
             else:
                 assert len(before) >= 2
-                # partial coverage: the head the longest compatible anchor covers
+                # partial coverage: the part the longest compatible anchor covers
                 assert match.covered == min(base.length, max(a.length for a in match.anchors))
             shared, following = self.pool.estimate(match, base)
             assert shared.length == match.covered

@@ -89,7 +89,7 @@ def test_cold_slots_realign_and_calibration_calls_make_their_anchors(tiny_execut
 
 
 @pytest.mark.slow
-def test_segment_longer_than_every_anchor_reuses_covered_head(tiny_executor):
+def test_segment_longer_than_every_anchor_reuses_its_covered_part(tiny_executor):
     """With min_coverage 0 (the mechanism alone; the default sends a mostly uncovered segment dense).
     The asker's anchors come from calibration calls on two rows, its slot's evidence is given
     (``support.evidence``: the mechanism, not the rule); the reader's prefill gives the long doc
@@ -108,11 +108,11 @@ def test_segment_longer_than_every_anchor_reuses_covered_head(tiny_executor):
     plan = engine.plan(prompt, tiny_executor.base_kv)
     shared = next(i for i, s in enumerate(prompt.segments) if s.is_shared)
     assert len(prompt.segments[shared]) > longest
-    head, tail = plan.pieces[plan.pieces.index(next(p for p in plan.pieces if p.segment_index == shared)):][:2]
-    assert head.match is not None and head.base.length == longest  # the covered head is estimated
+    covered, tail = plan.pieces[plan.pieces.index(next(p for p in plan.pieces if p.segment_index == shared)):][:2]
+    assert covered.match is not None and covered.base.length == longest  # the covered part is estimated
     assert (tail.segment_index, tail.match, tail.start) == (shared, None, prompt.starts[shared] + longest)  # the rest realigned
     assert tail.end == prompt.end(shared) and plan.reuse_end >= prompt.end(shared)
-    p = plan.provenance()  # the covered head counts as estimated, the rest as realigned, in counts and words
+    p = plan.provenance()  # the covered part counts as estimated, the rest as realigned, in counts and words
     assert p.realigned_tokens >= tail.end - tail.start and p.estimated_tokens - p.realigned_tokens >= longest
     assert f"estimated {p.estimated_tokens - p.realigned_tokens:,}, realigned {p.realigned_tokens:,})" in p.reason
     generation = tiny_executor.generate(prompt.token_ids, engine.materialize(plan), 4, None)

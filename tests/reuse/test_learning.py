@@ -336,7 +336,7 @@ def test_mostly_uncovered_segments_are_served_realigned_until_a_dense_call_makes
 
 @pytest.mark.parametrize("share, refused", [(0.09, False), (0.11, True)])
 def test_min_coverage_is_the_share_of_tokens_anchors_must_cover(share, refused):
-    """10 of 100 tokens covered, in a slot whose estimate has earned its place: the covered head
+    """10 of 100 tokens covered, in a slot whose estimate has earned its place: the covered part
     estimated if min_coverage <= 0.1, else the whole segment served realigned."""
     gen = torch.Generator().manual_seed(7)
     rotary = _rotary()
@@ -350,9 +350,9 @@ def test_min_coverage_is_the_share_of_tokens_anchors_must_cover(share, refused):
     pieces = [p for p in plan.pieces if p.segment_index == 1]
     if refused:
         assert [(p.match, p.base.length) for p in pieces] == [(None, 100)]
-    else:  # the covered head estimated, the rest of the segment served realigned
-        head, tail = pieces
-        assert head.match.covered == head.base.length == 10 and (tail.match, tail.base.length) == (None, 90)
+    else:  # the covered part estimated, the rest of the segment served realigned
+        covered, tail = pieces
+        assert covered.match.covered == covered.base.length == 10 and (tail.match, tail.base.length) == (None, 90)
 
 
 # -- defect 6: following-segment weights normalized by length; layer 0 exact -----------------
