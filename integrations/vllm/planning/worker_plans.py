@@ -11,7 +11,8 @@ in a queue, and each step learns from the oldest ones until ``LEARN_POSITIONS_PE
 captured positions (at least one request per step). One request finishing at a time is learned
 in the step after it finishes, as before; a burst of long requests that finish together is
 learned over the following steps (and the rest of a burst waits for the next step if the
-server goes idle), its capture bytes held until then. Preamble requests and reuse twins are taken
+server goes idle), its capture bytes held until then. A quality guard's dense twin, learned from
+as a client's request is, waits in the same queue; preamble requests and reuse twins are taken
 at once (nothing to learn but a preamble's KV). Every rank learns the same requests in the same
 steps: the budget counts positions, not time. Requests still queued when the server stops are
 not learned from.
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 log = logging.getLogger(__name__)
+LEARNED_FROM = ("client", "dense_twin")
+"""The purposes (``wire.params.PURPOSES``) whose finished requests are learned from, in ``learn``."""
 LEARN_POSITIONS_PER_STEP = 1024
 """Captured positions learned from per engine step, at most (and at least one request): one
 request of 900 positions costs ~60 ms of one CPU core with SmolLM2-135M in fp32 (three copies of
@@ -133,12 +136,13 @@ class WorkerPlans:
             return {"error": f"{type(error).__name__}: {str(error)[:300]}"}
 
     def finish(self, done: Finished) -> None:
-        """Take the finished request's captured KV off the channel and queue it for ``learn``;
-        a preamble request's KV (wanted by the next plan), a reuse twin and a request with nothing
-        captured are handled at once."""
+        """Take the finished request's captured KV off the channel and queue it for ``learn``
+        (a client's request or a dense twin: both are learned from); a preamble request's KV
+        (wanted by the next plan), a reuse twin and a request with nothing captured are handled
+        at once."""
         capture, _ = self.channel.take(handle_of(done.req_id))
         planned = self._planned.pop(done.req_id, None)
-        if planned is not None and capture is not None and planned.purpose == "client":
+        if planned is not None and capture is not None and planned.purpose in LEARNED_FROM:
             self._learning.append((done, planned, capture))
             return
         if planned is not None:

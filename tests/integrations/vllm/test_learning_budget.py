@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 
 from kvcomm.integrations.vllm.wire.channel import Capture, Channel  # noqa: E402
 from kvcomm.integrations.vllm.wire.messages import Finished, PlanAsk, handle_of  # noqa: E402
-from kvcomm.integrations.vllm.wire.params import parse_params  # noqa: E402
+from kvcomm.integrations.vllm.wire.params import SERVER_KEY, parse_params  # noqa: E402
 from kvcomm.integrations.vllm.planning.worker_plans import LEARN_POSITIONS_PER_STEP, WorkerPlans  # noqa: E402
 
 
@@ -30,11 +30,15 @@ def _plans(executor) -> WorkerPlans:
     return WorkerPlans(config, channel, ConnectorConfig.from_vllm(config))
 
 
-def _serve(plans: WorkerPlans, executor, req_id: str, length: int, seed: int) -> None:
-    """Plan request ``req_id`` (a prompt of ``length`` tokens, one shared span) and capture what
-    its order asks for, as the layer hooks would, from a real prefill."""
+def _serve(plans: WorkerPlans, executor, req_id: str, length: int, seed: int, twin: bool = False) -> None:
+    """Plan request ``req_id`` (a prompt of ``length`` tokens, one shared span; ``twin``: as the
+    quality guard's dense twin) and capture what its order asks for, as the layer hooks would,
+    from a real prefill."""
     ids = torch.randint(100, 9000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-    params = parse_params({"kvcomm": {"tenant": "t", "segments": [{"start": 8, "end": length - 4, "slot": "doc"}]}}, length)
+    body = {"kvcomm": {"tenant": "t", "segments": [{"start": 8, "end": length - 4, "slot": "doc"}]}}
+    if twin:
+        body = {"kvcomm": {**body["kvcomm"], "calibrate": True}, SERVER_KEY: {"purpose": "dense_twin"}}
+    params = parse_params(body, length)
     assert plans.answer(PlanAsk(req_id, tuple(ids), params, True, 1), None).error is None
     order = plans.channel.order(handle_of(req_id))
     computed = executor.generate(ids, None, 1).computed
@@ -81,3 +85,17 @@ def test_a_burst_of_long_requests_is_learned_over_the_next_steps_within_the_budg
     assert burst.learn() == ("lone",)  # at least one request a step
     burst.finish(Finished("aborted", ()))  # never planned (aborted before its answer): let go at once
     assert burst.learn() == ("aborted",)
+
+
+def test_a_dense_twin_is_learned_within_the_budget_like_a_clients_request(tiny_executor):
+    """The guard's dense twin learns its whole prompt (calibration): it waits in the same queue as
+    a client's request instead of being learned in the step it finishes."""
+    plans = _plans(tiny_executor)
+    long = LEARN_POSITIONS_PER_STEP * 3 // 5
+    _serve(plans, tiny_executor, "client", long, seed=1)
+    _serve(plans, tiny_executor, "twin", long, seed=2, twin=True)
+    assert plans._planned["twin"].purpose == "dense_twin"
+    plans.finish(Finished("client", ()))
+    plans.finish(Finished("twin", ()))
+    assert plans.queued == 2  # nothing learned in the step they finished
+    assert plans.learn() == ("client",) and plans.learn() == ("twin",)  # one step each: two do not fit
