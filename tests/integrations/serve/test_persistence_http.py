@@ -188,6 +188,8 @@ def test_state_is_saved_restored_and_a_corrupt_save_starts_cold(executor, tmp_pa
     # saved at exit (the 3600 s interval never came): team-b has a readable save again; the
     # probe taught team-a nothing (it computed no shared content), so its save is the same one
     after = {t: _manifest(state, t) for t in TENANTS}
+    assert after["team-b"] is not None, (f"no save of team-b at exit (exit status {status}): "
+                                         f"{second.log.read_text()[-3000:]}")
     assert after["team-b"] != before["team-b"] and after["team-a"] == before["team-a"], status
     files = _object_files(after["team-b"])
     assert files and all((state / tenant_label("team-b") / name).stat().st_size == size for name, size in files)
