@@ -110,6 +110,12 @@ class PlannedRequest:
     learns: bool = True
     """Whether ``finish`` learns from it: all but the reuse twin (served a plan already learned from)."""
 
+    @property
+    def learns_prompt(self) -> bool:
+        """Whether ``finish`` learns from its prompt's captured KV (a client's request, a dense
+        twin): the work ``WorkerPlans`` bounds per step. A preamble request only hands its KV on."""
+        return self.learns and self.preamble_of is None
+
     def summary(self) -> dict:
         """Per-request provenance, returned in the output's ``kv_transfer_params["kvcomm"]``;
         ``reply_base``: whether ``finish`` keeps the reply's decode KV as the base of its text

@@ -35,8 +35,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 log = logging.getLogger(__name__)
-LEARNED_FROM = ("client", "dense_twin")
-"""The purposes (``wire.params.PURPOSES``) whose finished requests are learned from, in ``learn``."""
 LEARN_POSITIONS_PER_STEP = 1024
 """Captured positions learned from per engine step, at most (and at least one request): one
 request of 900 positions costs ~60 ms of one CPU core with SmolLM2-135M in fp32 (three copies of
@@ -142,7 +140,7 @@ class WorkerPlans:
         at once."""
         capture, _ = self.channel.take(handle_of(done.req_id))
         planned = self._planned.pop(done.req_id, None)
-        if planned is not None and capture is not None and planned.purpose in LEARNED_FROM:
+        if planned is not None and capture is not None and planned.learns_prompt:
             self._learning.append((done, planned, capture))
             return
         if planned is not None:
